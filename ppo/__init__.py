@@ -1,0 +1,1 @@
+"""ppo: one-program SPMD PPO trainer for RLHF of causal language models."""

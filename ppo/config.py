@@ -1,0 +1,725 @@
+"""Typed configuration for the PPO trainer and its stages.
+
+One tree of ``@dataclass(kw_only=True)`` sections whose section and key names follow verl, so that a
+user of verl finds ``actor.ppo_mini_batch_size`` where they expect it. Precedence: the dataclass
+defaults (a runnable tiny CPU setup), then ``--config X.yaml``, then ``section.key=value`` overrides::
+
+    cfg = load_config("configs/demo_cpu.yaml", ["actor.optim.lr=1e-5", "rollout.n=4"])
+    cfg.validate(world_size=2)
+
+Unknown keys fail with their dotted name, their source and the closest valid names; values are coerced
+to the field's type or fail naming key, value and expected type. Checks of single values live in
+``__post_init__``; checks that need the world size live in ``validate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value or key is wrong; the message names the key and what to do."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sections shared by the stages
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    path: str = "assets/sft"
+    """Local folder or hub id of the policy (actor and reference start from it), loaded with
+    ``from_pretrained``."""
+    tokenizer_path: str | None = None
+    """Tokenizer folder or hub id; default: ``path``."""
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    """Attention kernel: ``auto`` picks flash_attention_2 on CUDA where installed, else sdpa."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype the weights are loaded in (the master copy the optimizer updates)."""
+    enable_gradient_checkpointing: bool = False
+    """Recompute activations in the backward to save memory."""
+    trust_remote_code: bool = False
+    """Passed to ``from_pretrained`` for models with custom code."""
+
+
+@dataclass(kw_only=True)
+class MixedPrecisionConfig:
+    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the all-gathered parameters used in forward and backward (bf16 on GPU)."""
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the gradient reduce-scatter."""
+
+
+@dataclass(kw_only=True)
+class FSDPConfig:
+    fsdp_size: int = -1
+    """Ranks per shard group; -1 shards over all ranks. With ``0 < fsdp_size < world_size`` the mesh is
+    2-D: replicate across groups, shard within (hybrid sharding)."""
+    param_offload: bool = False
+    """Keep sharded parameters (and gradients, optimizer state) on CPU between uses."""
+    reshard_after_forward: bool = True
+    """Free gathered parameters after the forward (ZeRO-3); False keeps them until the backward."""
+    forward_prefetch: bool = False
+    """Prefetch the next layers' all-gather during forward and backward so communication overlaps."""
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    """FSDP2 mixed-precision policy."""
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    lr: float = 1e-5
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up from 0 to ``lr`` over this many optimizer steps (-1: use the ratio)."""
+    lr_warmup_steps_ratio: float = 0.0
+    """Warm-up as a fraction of the total optimizer steps, used when ``lr_warmup_steps`` is -1."""
+    lr_scheduler: Literal["constant", "cosine"] = "constant"
+    """Schedule after warm-up."""
+    min_lr_ratio: float = 0.0
+    """Cosine decays to ``lr * min_lr_ratio``."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"optim.lr must be > 0, got {self.lr}")
+        if len(self.betas) != 2:
+            raise ConfigError(f"optim.betas must have two values, got {self.betas}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# PPO sections
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    train_files: list[str] = field(default_factory=lambda: ["assets/data/train.parquet"])
+    """Parquet files of prompts in verl's layout (``prompt``, ``data_source``, ``reward_model``,
+    ``extra_info``)."""
+    val_files: list[str] = field(default_factory=lambda: ["assets/data/val.parquet"])
+    """Parquet files for validation (greedy generation, scored by the rule reward)."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt: a list of chat messages or a string."""
+    max_prompt_length: int = 64
+    """Prompts longer than this (in tokens, after the chat template) are dropped and counted."""
+    max_response_length: int = 32
+    """Most tokens generated per response."""
+    train_batch_size: int = 32
+    """Prompts per PPO step, over all ranks."""
+    val_batch_size: int = 256
+    """Prompts per validation generation batch, over all ranks; the whole val set is scored."""
+    max_val_samples: int = -1
+    """Use at most this many validation prompts (-1: all)."""
+    shuffle: bool = True
+    """Shuffle the training prompts each epoch (deterministic in ``trainer.seed`` and the epoch)."""
+    apply_chat_template: bool = True
+    """Render chat-message prompts with the tokenizer's chat template (string prompts are used as
+    they are)."""
+
+    def __post_init__(self) -> None:
+        for key in ("max_prompt_length", "max_response_length", "train_batch_size", "val_batch_size"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"data.{key} must be > 0, got {getattr(self, key)}")
+        if not self.train_files:
+            raise ConfigError("data.train_files is empty: give at least one Parquet file")
+
+
+@dataclass(kw_only=True)
+class ActorConfig:
+    ppo_mini_batch_size: int = 16
+    """Prompts per optimizer step over all ranks (each brings ``rollout.n`` responses)."""
+    ppo_micro_batch_size_per_gpu: int = 8
+    """Sequences per forward/backward on one rank (ignored with ``use_dynamic_bsz``)."""
+    use_dynamic_bsz: bool = True
+    """Cut micro-batches by a token budget (balanced by length) instead of a fixed sequence count."""
+    ppo_max_token_len_per_gpu: int = 4096
+    """Token budget of one micro-batch on one rank with ``use_dynamic_bsz``."""
+    ppo_epochs: int = 1
+    """Passes over the rollout batch per step."""
+    shuffle: bool = True
+    """Shuffle sequences into mini-batches each epoch."""
+    clip_ratio: float = 0.2
+    """PPO clip range epsilon (both sides unless ``clip_ratio_low/high`` are set)."""
+    clip_ratio_low: float | None = None
+    """Lower clip: ratio >= 1 - clip_ratio_low; default ``clip_ratio``."""
+    clip_ratio_high: float | None = None
+    """Upper clip: ratio <= 1 + clip_ratio_high; default ``clip_ratio``."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound on the loss for negative advantages (must be > 1)."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus: loss -= entropy_coeff * entropy."""
+    use_kl_loss: bool = False
+    """Add a KL-to-reference term to the actor loss (GRPO style)."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator of the loss: kl|k1, abs, mse|k2, low_var_kl|k3, each optionally with a ``+``."""
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    """How token losses become one number."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables)."""
+    early_stop_kl: float = 0.0
+    """Skip the step's remaining updates once a mini-batch's mean ppo_kl exceeds this (0 disables)."""
+    kernels: Literal["auto", "triton", "torch", "reference"] = "auto"
+    """Log-prob/entropy kernel backend: auto picks Triton on CUDA and chunked PyTorch elsewhere."""
+    use_fused_kernels: bool = False
+    """Compute log-probs from the final hidden states and the LM head without building full logits."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Optimizer and learning-rate schedule."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Sharding of the actor."""
+
+    def __post_init__(self) -> None:
+        if self.clip_ratio_c <= 1.0:
+            raise ConfigError(f"actor.clip_ratio_c must be > 1, got {self.clip_ratio_c}")
+        for key in (
+            "ppo_mini_batch_size",
+            "ppo_micro_batch_size_per_gpu",
+            "ppo_epochs",
+            "ppo_max_token_len_per_gpu",
+        ):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"actor.{key} must be > 0, got {getattr(self, key)}")
+        check_kl_kind(self.kl_loss_type, "actor.kl_loss_type")
+
+
+@dataclass(kw_only=True)
+class CriticConfig:
+    model_path: str | None = None
+    """Where the critic starts; default: the actor's weights (``model.path``) with a fresh value head."""
+    ppo_mini_batch_size: int | None = None
+    """Prompts per critic optimizer step; default ``actor.ppo_mini_batch_size``."""
+    ppo_micro_batch_size_per_gpu: int = 8
+    """Sequences per critic forward/backward on one rank (ignored with ``use_dynamic_bsz``)."""
+    use_dynamic_bsz: bool = True
+    """Token-budget micro-batches for the critic."""
+    ppo_max_token_len_per_gpu: int = 4096
+    """Token budget of one critic micro-batch on one rank."""
+    ppo_epochs: int | None = None
+    """Passes over the batch per step; default ``actor.ppo_epochs``."""
+    cliprange_value: float = 0.5
+    """Value clipping: predictions move at most this far from the old values per update."""
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    """How token value losses become one number."""
+    grad_clip: float = 1.0
+    """Clip the critic's global gradient norm to this (0 disables)."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Critic optimizer and schedule."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Sharding of the critic."""
+
+
+@dataclass(kw_only=True)
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int = 16
+    """Sequences per reference forward on one rank (ignored with ``actor.use_dynamic_bsz``)."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Sharding of the frozen reference (``param_offload`` keeps it on CPU)."""
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    n: int = 4
+    """Responses sampled per prompt."""
+    temperature: float = 1.0
+    """Sampling temperature; also divides the logits when log-probs are scored."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1 disables)."""
+    top_k: int = 0
+    """Top-k sampling (0 disables)."""
+    do_sample: bool = True
+    """Sample (True) or decode greedily (False) during training rollouts."""
+    ignore_eos: bool = False
+    """Always generate ``data.max_response_length`` tokens (for benchmarks)."""
+    micro_batch_size_per_gpu: int = 64
+    """Sequences per ``generate`` call on one rank."""
+    val_do_sample: bool = False
+    """Validation decodes greedily unless this is set."""
+
+    def __post_init__(self) -> None:
+        if self.n <= 0:
+            raise ConfigError(f"rollout.n must be > 0, got {self.n}")
+        if self.temperature <= 0:
+            raise ConfigError(f"rollout.temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    style: Literal["rule", "model", "ranking"] = "rule"
+    """``rule``: scorer chosen by ``data_source``; ``model``: a trained reward model; ``ranking``: of the
+    ``rollout.n`` responses to a prompt the best gets 1, the rest 0."""
+    model_path: str | None = None
+    """Reward model folder for ``style=model`` (or ``ranking_by=model``)."""
+    custom_function: str | None = None
+    """A user's scorer ``module.path:function`` or ``file.py:function`` taking
+    ``(data_source, solution_str, ground_truth, extra_info)`` and returning a float."""
+    format_score: float = 0.0
+    """GSM8K scorer: score of a well-formed but wrong answer."""
+    ranking_by: Literal["rule", "model"] = "rule"
+    """What ``style=ranking`` ranks by."""
+    micro_batch_size_per_gpu: int = 16
+    """Sequences per reward-model forward on one rank."""
+
+
+@dataclass(kw_only=True)
+class KLControlConfig:
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """Fixed coefficient, or adaptive toward ``target_kl`` (Ziegler et al. 2019)."""
+    kl_coef: float = 0.001
+    """(Initial) KL coefficient."""
+    target_kl: float = 0.1
+    """Adaptive: the KL per sequence the controller steers to."""
+    horizon: int = 10000
+    """Adaptive: steps (in samples) over which the error is corrected."""
+    fixed_warmup_steps: int = 0
+    """Adaptive: keep the coefficient fixed for this many steps, then adapt."""
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    adv_estimator: Literal["gae", "grpo", "rloo"] = "gae"
+    """Advantages: GAE with a critic, or group baselines without one."""
+    gamma: float = 1.0
+    """Discount factor of GAE."""
+    lam: float = 1.0
+    """GAE lambda."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide by the group's standard deviation."""
+    use_kl_in_reward: bool = False
+    """Subtract kl_coef * KL(actor || ref) from every token's reward."""
+    kl_penalty: str = "kl"
+    """KL estimator in the reward: kl|k1, abs, mse|k2, low_var_kl|k3, full."""
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """Controller of the in-reward KL coefficient."""
+    rollback_kl: float = 0.0
+    """Restore the last checkpoint when the step's KL to the reference exceeds this (0 disables)."""
+    rollback_lr_factor: float = 0.5
+    """Multiply the learning rates by this after a rollback."""
+    max_rollbacks: int = 3
+    """Stop after this many rollbacks in a row."""
+
+    def __post_init__(self) -> None:
+        if self.kl_penalty != "full":
+            check_kl_kind(self.kl_penalty, "algorithm.kl_penalty")
+        if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
+            raise ConfigError(
+                f"algorithm.gamma and algorithm.lam must be in [0, 1], got {self.gamma}, {self.lam}"
+            )
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    project_name: str = "ppo"
+    """Groups runs (used by wandb)."""
+    experiment_name: str = "run"
+    """Name of this run."""
+    output_dir: str = "outputs/run"
+    """Run folder: resolved config, metrics.jsonl, TensorBoard events, checkpoints."""
+    n_gpus_per_node: int = 1
+    """Ranks per node expected by the launcher (informational; the world size comes from torchrun)."""
+    nnodes: int = 1
+    """Nodes expected by the launcher (informational)."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """``auto``: CUDA when available (nccl), else CPU (gloo)."""
+    dist_timeout_s: int = 1800
+    """Process-group timeout: how long a rank waits on a collective before failing."""
+    seed: int = 1
+    """Seed of data order, sampling and initialization."""
+    total_epochs: int = 1
+    """Passes over the training prompts."""
+    total_training_steps: int | None = None
+    """Stop after this many PPO steps (default: ``total_epochs`` passes)."""
+    critic_warmup: int = 0
+    """Steps at the start that train only the critic (the actor is frozen)."""
+    save_freq: int = -1
+    """Checkpoint every this many steps (0 or -1 disables periodic saves)."""
+    test_freq: int = -1
+    """Validate every this many steps (-1 disables periodic validation)."""
+    val_before_train: bool = True
+    """Validate once before the first step."""
+    resume_mode: str = "auto"
+    """``auto`` (latest checkpoint in ``output_dir``), ``disable``, or a checkpoint path."""
+    max_ckpt_to_keep: int = 2
+    """Keep this many newest checkpoints."""
+    save_hf_on_end: bool = False
+    """Export the final actor with ``save_pretrained`` to ``output_dir/hf``."""
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    """Metric sinks: console, jsonl, tensorboard, wandb."""
+    profile_steps: list[int] = field(default_factory=list)
+    """Steps to record with the torch profiler."""
+    warn_entropy_below: float = 0.0
+    """Warn when the policy entropy falls below this (0 disables)."""
+    rollback_val_drop: float = 0.0
+    """Roll back when the validation score falls this much (relative) below the best (0 disables)."""
+
+    def __post_init__(self) -> None:
+        valid = {"console", "jsonl", "tensorboard", "wandb"}
+        bad = [x for x in self.logger if x not in valid]
+        if bad:
+            raise ConfigError(f"trainer.logger has unknown sinks {bad}; valid: {sorted(valid)}")
+        if self.total_epochs <= 0:
+            raise ConfigError(f"trainer.total_epochs must be > 0, got {self.total_epochs}")
+
+
+@dataclass(kw_only=True)
+class PPOConfig:
+    """The whole PPO run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy checkpoint and how it is loaded."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt files, lengths and batch size."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Policy update: PPO loss, batch sizes, optimizer, sharding."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """Value model (used by GAE)."""
+    ref: RefConfig = field(default_factory=RefConfig)
+    """Frozen reference policy for the KL terms."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Sampling of responses."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Where scores come from."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantages, KL in the reward, rollback."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Run length, logging, checkpoints, validation."""
+
+    def __post_init__(self) -> None:
+        if self.algorithm.adv_estimator in ("grpo", "rloo") and self.rollout.n < 2:
+            raise ConfigError(
+                f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs rollout.n >= 2 "
+                f"(a group baseline), got rollout.n={self.rollout.n}"
+            )
+        if self.reward.style == "ranking" and self.rollout.n < 2:
+            raise ConfigError("reward.style=ranking needs rollout.n >= 2 responses to rank")
+        needs_rm = self.reward.style == "model" or (
+            self.reward.style == "ranking" and self.reward.ranking_by == "model"
+        )
+        if needs_rm and not self.reward.model_path:
+            raise ConfigError("reward.model_path is required with reward.style=model (or ranking_by=model)")
+
+    @property
+    def use_critic(self) -> bool:
+        """GAE needs a value function; the group estimators do not."""
+        return self.algorithm.adv_estimator == "gae"
+
+    def validate(self, world_size: int) -> None:
+        """Check every batch divisibility that ``world_size`` ranks need; say which numbers to change.
+
+        Each rank takes ``train_batch_size / world_size`` prompts and samples ``n`` responses for each;
+        each mini-batch holds ``ppo_mini_batch_size * n``
+        sequences split evenly over ranks, and (without dynamic batch size) each rank's share splits into
+        micro-batches of ``ppo_micro_batch_size_per_gpu``.
+        """
+        errors: list[str] = []
+        n = self.rollout.n
+        bsz = self.data.train_batch_size
+        if bsz % world_size:
+            # Each rank samples all n responses of its own prompts, so groups (GRPO, RLOO, ranking)
+            # never straddle ranks.
+            errors.append(
+                f"data.train_batch_size={bsz} prompts must divide evenly over {world_size} ranks: "
+                f"make it a multiple of {world_size}"
+            )
+        roles = [
+            (
+                "actor",
+                self.actor.ppo_mini_batch_size,
+                self.actor.use_dynamic_bsz,
+                self.actor.ppo_micro_batch_size_per_gpu,
+            )
+        ]
+        if self.use_critic:
+            c = self.critic
+            mini = c.ppo_mini_batch_size or self.actor.ppo_mini_batch_size
+            roles.append(("critic", mini, c.use_dynamic_bsz, c.ppo_micro_batch_size_per_gpu))
+        for role, mini, dynamic, micro in roles:
+            if bsz % mini:
+                errors.append(
+                    f"{role}.ppo_mini_batch_size={mini} must divide data.train_batch_size={bsz}: "
+                    f"change one of them"
+                )
+                continue
+            if (mini * n) % world_size:
+                errors.append(
+                    f"{role}.ppo_mini_batch_size * rollout.n = {mini * n} sequences must divide evenly over "
+                    f"{world_size} ranks: change {role}.ppo_mini_batch_size or rollout.n"
+                )
+                continue
+            per_rank = mini * n // world_size
+            if not dynamic and per_rank % micro:
+                errors.append(
+                    f"{role}: {per_rank} sequences per rank per mini-batch must be a multiple of "
+                    f"{role}.ppo_micro_batch_size_per_gpu={micro}: change it to a divisor of {per_rank}, "
+                    f"or set {role}.use_dynamic_bsz=true"
+                )
+        max_len = self.data.max_prompt_length + self.data.max_response_length
+        for role, cfg in (("actor", self.actor), ("critic", self.critic)):
+            if cfg.use_dynamic_bsz and cfg.ppo_max_token_len_per_gpu < max_len:
+                errors.append(
+                    f"{role}.ppo_max_token_len_per_gpu={cfg.ppo_max_token_len_per_gpu} is below the longest "
+                    f"sequence (max_prompt_length + max_response_length = {max_len}): raise it"
+                )
+        for role, fsdp in (("actor", self.actor.fsdp), ("critic", self.critic.fsdp), ("ref", self.ref.fsdp)):
+            if fsdp.fsdp_size > 0 and world_size % fsdp.fsdp_size:
+                errors.append(
+                    f"{role}.fsdp.fsdp_size={fsdp.fsdp_size} must divide the world size {world_size}"
+                )
+        if errors:
+            raise ConfigError(f"config does not fit world size {world_size}:\n  - " + "\n  - ".join(errors))
+
+
+KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
+def check_kl_kind(kind: str, key: str) -> None:
+    """Fail unless ``kind`` is a KL estimator name, optionally with the ``+`` (k2 gradient) suffix."""
+    if kind.removesuffix("+") not in KL_KINDS:
+        raise ConfigError(
+            f"{key}={kind!r} is not a KL estimator; valid: {', '.join(KL_KINDS)} (optionally with '+')"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading: defaults, then YAML, then overrides
+# ----------------------------------------------------------------------------------------------------
+
+C = typing.TypeVar("C")
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None, cls: type[C] = PPOConfig) -> C:
+    """Build ``cls`` from its defaults, then the YAML file at ``path``, then ``a.b.c=value`` overrides.
+
+    Raises ConfigError naming the dotted key, where it came from and the closest valid names.
+    """
+    tree: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(
+                f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}"
+            )
+        _merge(tree, loaded, sources, source=str(path), prefix="")
+    for item in overrides or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"command-line override {item!r} must look like section.key=value")
+        value = yaml.safe_load(raw) if raw.strip() else ""
+        node = tree
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                child = node[part] = {}
+            node = child
+        node[parts[-1]] = value
+        for i in range(1, len(parts) + 1):
+            sources[".".join(parts[:i])] = "the command line"
+    return _build(cls, tree, sources, prefix="")
+
+
+def _merge(dst: dict, src: dict, sources: dict[str, str], source: str, prefix: str) -> None:
+    for key, value in src.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            _merge(dst.setdefault(key, {}), value, sources, source, dotted + ".")
+        else:
+            dst[key] = value
+        sources[dotted] = source
+
+
+def _source(sources: dict[str, str], dotted: str) -> str:
+    while dotted:
+        if dotted in sources:
+            return sources[dotted]
+        dotted = dotted.rpartition(".")[0]
+    return "the config"
+
+
+def all_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key of a config class, sections included."""
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        dotted = f"{prefix}{f.name}"
+        keys.append(dotted)
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys.extend(all_keys(hints[f.name], dotted + "."))
+    return keys
+
+
+def _build(
+    cls: type[C], tree: dict[str, Any], sources: dict[str, str], prefix: str, root: type | None = None
+) -> C:
+    root = root or cls
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in tree:
+        if key not in names:
+            dotted = f"{prefix}{key}"
+            close = closest_keys(dotted, all_keys(root))
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            raise ConfigError(f"unknown config key {dotted!r} (from {_source(sources, dotted)}){hint}")
+    kwargs: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        typ = hints[key]
+        if dataclasses.is_dataclass(typ):
+            if not isinstance(value, dict):
+                raise ConfigError(
+                    f"{dotted} is a section; got {value!r} (from {_source(sources, dotted)}): set its keys, "
+                    f"e.g. {dotted}.<key>=value"
+                )
+            kwargs[key] = _build(typ, value, sources, dotted + ".", root)
+        else:
+            kwargs[key] = _coerce(value, typ, dotted, sources)
+    return cls(**kwargs)
+
+
+def closest_keys(dotted: str, keys: list[str], n: int = 3) -> list[str]:
+    """Valid keys closest to a wrong one: by the whole dotted name, then by its last part alone
+    (``actor.kl_coef`` finds ``actor.kl_loss_coef`` and ``algorithm.kl_ctrl.kl_coef``)."""
+    close = difflib.get_close_matches(dotted, keys, n=n, cutoff=0.6)
+    leaf = dotted.rpartition(".")[2]
+    by_leaf = {k.rpartition(".")[2]: [] for k in keys}
+    for k in keys:
+        by_leaf[k.rpartition(".")[2]].append(k)
+    for name in difflib.get_close_matches(leaf, list(by_leaf), n=n, cutoff=0.75):
+        close += [k for k in by_leaf[name] if k not in close]
+    return close[: n + 1]
+
+
+def _coerce(value: Any, typ: Any, dotted: str, sources: dict[str, str]) -> Any:
+    """Convert ``value`` to ``typ`` (bool, int, float, str, Literal, Optional, list) or fail clearly."""
+
+    def fail() -> typing.NoReturn:
+        raise ConfigError(
+            f"{dotted}={value!r} (from {_source(sources, dotted)}) is not a valid {_type_name(typ)}"
+        )
+
+    origin = typing.get_origin(typ)
+    args = typing.get_args(typ)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        rest = [a for a in args if a is not type(None)]
+        for a in rest:
+            try:
+                return _coerce(value, a, dotted, sources)
+            except ConfigError:
+                pass
+        fail()
+    if origin is Literal:
+        if value in args:
+            return value
+        raise ConfigError(
+            f"{dotted}={value!r} (from {_source(sources, dotted)}) must be one of {', '.join(map(str, args))}"
+        )
+    if origin is list:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            value = [value]  # a single file or number where a list is expected
+        if not isinstance(value, list):
+            fail()
+        return [_coerce(v, args[0], f"{dotted}[{i}]", sources) for i, v in enumerate(value)]
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        fail()
+    if typ is int:
+        if isinstance(value, bool):
+            fail()
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                f = float(value)
+            except ValueError:
+                fail()
+            if f.is_integer():
+                return int(f)
+        fail()
+    if typ is float:
+        if isinstance(value, bool):
+            fail()
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML 1.1 reads 1e-5 (no dot) as a string
+            except ValueError:
+                fail()
+        fail()
+    if typ is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        fail()
+    if typ is Any:
+        return value
+    fail()
+
+
+def _type_name(typ: Any) -> str:
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(typ))
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(typ)[0])}"
+    if origin is Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(typ)))
+    return getattr(typ, "__name__", str(typ))
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The config as plain nested dicts (for YAML and logging)."""
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Any) -> str:
+    """The resolved config as YAML that ``load_config`` reads back to an equal config."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+def parse_cli(
+    argv: list[str] | None, cls: type[C] = PPOConfig, description: str = ""
+) -> tuple[C, argparse.Namespace]:
+    """The command line every entry point shares: ``--config X.yaml``, ``key.sub=value`` overrides,
+    ``--print-config`` (print the resolved config and exit) and ``--world-size N`` (validate for a
+    world size other than the one running)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", default=None, help="YAML preset over the defaults")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--world-size", type=int, default=None, help="validate for this many ranks")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    args = parser.parse_args(argv)
+    return load_config(args.config, args.overrides, cls), args

@@ -1,0 +1,169 @@
+"""Process group, device mesh and the few collectives the loop needs.
+
+Every rank runs the same program. Under ``torchrun`` the rank and world size come from the environment
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``); a plain ``python script.py``
+runs as a single rank without a process group. nccl on CUDA, gloo on CPU. All collectives of the
+trainer go through the helpers here, so that every rank makes the same calls in the same order.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+logger = logging.getLogger("ppo")
+
+
+@dataclass(kw_only=True)
+class DistInfo:
+    """Where this process sits: rank, world size, its device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 does the I/O (logs, metrics, config files)."""
+        return self.rank == 0
+
+
+def init_distributed(device: str = "auto", timeout_s: int = 1800) -> DistInfo:
+    """Join torchrun's process group, or run as one rank when launched without it.
+
+    ``device``: ``auto`` picks CUDA (nccl) when available, else CPU (gloo). A short ``timeout_s`` makes
+    a rank that waits on a collective its peers never reach fail instead of hanging.
+    """
+    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.device=cuda but CUDA is not available; use trainer.device=auto or cpu")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if use_cuda else "gloo",
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=dev if use_cuda else None,
+        )
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
+
+
+def destroy_distributed() -> None:
+    """Leave the process group (a no-op for a single rank)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def make_mesh(info: DistInfo, fsdp_size: int = -1) -> DeviceMesh:
+    """Device mesh for FSDP2: 1-D ``("shard",)`` over all ranks, or 2-D ``("replicate", "shard")``.
+
+    ``fsdp_size`` in ``(0, world_size)`` shards within groups of that many ranks and replicates across
+    them (hybrid sharding, HSDP); -1 or ``world_size`` shards over all ranks.
+    """
+    device_type = info.device.type
+    ws = info.world_size
+    if fsdp_size <= 0 or fsdp_size >= ws:
+        return init_device_mesh(device_type, (ws,), mesh_dim_names=("shard",))
+    if ws % fsdp_size:
+        raise ValueError(f"fsdp_size={fsdp_size} must divide the world size {ws}")
+    return init_device_mesh(device_type, (ws // fsdp_size, fsdp_size), mesh_dim_names=("replicate", "shard"))
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce_scalars(
+    values: list[float], op: str = "sum", device: torch.device | None = None
+) -> list[float]:
+    """Reduce a list of Python numbers over ranks in one collective; ``op`` in sum, mean, max, min."""
+    if not _initialized():
+        return [float(v) for v in values]
+    device = device or _collective_device()
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    reduce_op = {
+        "sum": dist.ReduceOp.SUM,
+        "mean": dist.ReduceOp.SUM,
+        "max": dist.ReduceOp.MAX,
+        "min": dist.ReduceOp.MIN,
+    }[op]
+    dist.all_reduce(t, op=reduce_op)
+    if op == "mean":
+        t /= dist.get_world_size()
+    return t.tolist()
+
+
+def all_reduce_scalar(value: float, op: str = "sum") -> float:
+    """One number reduced over ranks (sum, mean, max, min)."""
+    return all_reduce_scalars([value], op)[0]
+
+
+def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """Reduce a dict of per-rank metrics in one pass per reduction kind.
+
+    The key's last part picks the reduction: ``.../max`` takes the max over ranks, ``.../min`` the min,
+    a key ending in ``_sum`` or starting with ``perf/total`` is summed, everything else averaged.
+    Every rank must pass the same keys (they are sorted so the order agrees).
+    """
+    if not _initialized():
+        return dict(metrics)
+    groups: dict[str, list[str]] = {"max": [], "min": [], "sum": [], "mean": []}
+    for key in sorted(metrics):
+        groups[_reduction_of(key)].append(key)
+    out: dict[str, float] = {}
+    for op, keys in groups.items():
+        if keys:
+            out.update(zip(keys, all_reduce_scalars([metrics[k] for k in keys], op), strict=True))
+    return out
+
+
+def _reduction_of(key: str) -> str:
+    last = key.rpartition("/")[2]
+    if last in ("max", "min"):
+        return last
+    if key.endswith("_sum") or key.startswith("perf/total"):
+        return "sum"
+    return "mean"
+
+
+def barrier() -> None:
+    """Wait for all ranks (a no-op for one rank)."""
+    if _initialized():
+        dist.barrier()
+
+
+def broadcast_object(obj: object, src: int = 0) -> object:
+    """Send a picklable object from ``src`` to every rank."""
+    if not _initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def _collective_device() -> torch.device:
+    backend = dist.get_backend()
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def setup_logging(is_main: bool) -> None:
+    """stdlib logging: INFO on rank 0, warnings only elsewhere."""
+    logging.basicConfig(
+        level=logging.INFO if is_main else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
+    )
