@@ -492,6 +492,139 @@ class PPOConfig:
             raise ConfigError(f"config does not fit world size {world_size}:\n  - " + "\n  - ".join(errors))
 
 
+# ----------------------------------------------------------------------------------------------------
+# The stages before PPO: supervised fine-tuning and the reward model
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class StageDataConfig:
+    train_files: list[str] = field(default_factory=lambda: ["assets/data/sft_train.parquet"])
+    """Parquet files: ``prompt`` + ``answer`` (or ``messages``) for SFT; ``prompt``, ``chosen``,
+    ``rejected`` for the reward model."""
+    val_files: list[str] = field(default_factory=lambda: ["assets/data/sft_val.parquet"])
+    """Held-out files in the same layout (validation loss, reward-model accuracy)."""
+    eval_prompt_files: list[str] = field(default_factory=list)
+    """SFT only: prompt files in verl's layout whose greedy answers are scored by the rule reward at the
+    end (``sft_val_accuracy``)."""
+    max_length: int = 128
+    """Examples longer than this many tokens (prompt + answer) are dropped and counted."""
+    train_batch_size: int = 64
+    """Examples (pairs for the reward model) per optimizer step, over all ranks."""
+    use_dynamic_bsz: bool = True
+    """Cut micro-batches by a token budget instead of a fixed example count."""
+    max_token_len_per_gpu: int = 8192
+    """Token budget of one micro-batch on one rank with ``use_dynamic_bsz``."""
+    micro_batch_size_per_gpu: int = 16
+    """Examples per forward/backward on one rank (without ``use_dynamic_bsz``)."""
+    apply_chat_template: bool = True
+    """Render chat-message prompts with the tokenizer's chat template."""
+    shuffle: bool = True
+    """Shuffle the training examples each epoch."""
+
+    def __post_init__(self) -> None:
+        if self.train_batch_size <= 0 or self.max_length <= 0:
+            raise ConfigError("data.train_batch_size and data.max_length must be > 0")
+
+
+@dataclass(kw_only=True)
+class StageTrainerConfig:
+    project_name: str = "ppo"
+    """Groups runs (used by wandb)."""
+    experiment_name: str = "stage"
+    """Name of this run."""
+    output_dir: str = "outputs/stage"
+    """Run folder: resolved config, metrics.jsonl, TensorBoard events; the model is saved in ``hf/``
+    unless ``save_path`` is set."""
+    save_path: str | None = None
+    """Where the final ``save_pretrained`` folder goes (default ``output_dir/hf``)."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """``auto``: CUDA when available (nccl), else CPU (gloo)."""
+    dist_timeout_s: int = 1800
+    """Process-group timeout."""
+    seed: int = 1
+    """Seed of data order and initialization."""
+    total_epochs: int = 1
+    """Passes over the training data."""
+    total_training_steps: int | None = None
+    """Stop after this many optimizer steps (default: ``total_epochs`` passes)."""
+    max_time_s: float = 0.0
+    """Stop after this many seconds of training (0: no limit); the schedule still assumes the full run."""
+    test_freq: int = 50
+    """Validate every this many steps (and at the end)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm (0 disables)."""
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    """Metric sinks: console, jsonl, tensorboard, wandb."""
+
+
+@dataclass(kw_only=True)
+class SFTConfig:
+    """Supervised fine-tuning on prompt/answer pairs (loss on answer tokens only)."""
+
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(path="assets/base"))
+    """The model to fine-tune."""
+    data: StageDataConfig = field(default_factory=StageDataConfig)
+    """Training and validation files, lengths, batch sizes."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, lr_scheduler="cosine"))
+    """AdamW with warm-up and cosine decay."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Sharding of the model."""
+    trainer: StageTrainerConfig = field(default_factory=lambda: StageTrainerConfig(output_dir="outputs/sft"))
+    """Run length, logging, output."""
+
+
+@dataclass(kw_only=True)
+class RMLossConfig:
+    margin: float = 0.0
+    """Bradley-Terry with margin: ``-log sigmoid(r_chosen - r_rejected - margin)``."""
+
+
+@dataclass(kw_only=True)
+class RewardModelConfig:
+    """A sequence-scoring reward model trained on preference pairs (Bradley-Terry)."""
+
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(path="assets/base"))
+    """Where the reward model starts (a causal LM gets a fresh score head)."""
+    data: StageDataConfig = field(
+        default_factory=lambda: StageDataConfig(
+            train_files=["assets/data/pref_train.parquet"], val_files=["assets/data/pref_val.parquet"]
+        )
+    )
+    """Preference files (``prompt``, ``chosen``, ``rejected``), lengths, batch sizes."""
+    loss: RMLossConfig = field(default_factory=RMLossConfig)
+    """The pairwise loss."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, lr_scheduler="cosine"))
+    """AdamW with warm-up and cosine decay."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Sharding of the model."""
+    trainer: StageTrainerConfig = field(default_factory=lambda: StageTrainerConfig(output_dir="outputs/rm"))
+    """Run length, logging, output."""
+
+
+def validate_stage(cfg: SFTConfig | RewardModelConfig, world_size: int) -> None:
+    """The batch divisibility an SFT or reward-model run needs on ``world_size`` ranks."""
+    d = cfg.data
+    errors = []
+    if d.train_batch_size % world_size:
+        errors.append(
+            f"data.train_batch_size={d.train_batch_size} must be a multiple of the world size {world_size}"
+        )
+    elif not d.use_dynamic_bsz and (d.train_batch_size // world_size) % d.micro_batch_size_per_gpu:
+        errors.append(
+            f"{d.train_batch_size // world_size} examples per rank must be a multiple of "
+            f"data.micro_batch_size_per_gpu={d.micro_batch_size_per_gpu}, or set data.use_dynamic_bsz=true"
+        )
+    if d.use_dynamic_bsz and d.max_token_len_per_gpu < d.max_length:
+        errors.append(
+            f"data.max_token_len_per_gpu={d.max_token_len_per_gpu} is below data.max_length={d.max_length}"
+        )
+    if cfg.fsdp.fsdp_size > 0 and world_size % cfg.fsdp.fsdp_size:
+        errors.append(f"fsdp.fsdp_size={cfg.fsdp.fsdp_size} must divide the world size {world_size}")
+    if errors:
+        raise ConfigError(f"config does not fit world size {world_size}:\n  - " + "\n  - ".join(errors))
+
+
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
 

@@ -2,7 +2,7 @@
 
 Every rank runs the same program. Under ``torchrun`` the rank and world size come from the environment
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``); a plain ``python script.py``
-runs as a single rank without a process group. nccl on CUDA, gloo on CPU. All collectives of the
+runs as a single rank (a one-process group over an in-memory store). nccl on CUDA, gloo on CPU. All collectives of the
 trainer go through the helpers here, so that every rank makes the same calls in the same order.
 """
 
@@ -52,11 +52,17 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800) -> DistInfo:
         dev = torch.device("cuda", local_rank)
     else:
         dev = torch.device("cpu")
-    if world_size > 1 and not dist.is_initialized():
+    if not dist.is_initialized():
+        kwargs = {}
+        if "RANK" not in os.environ:
+            # Launched without torchrun: a one-rank group over an in-memory store, so FSDP2, device
+            # meshes and distributed checkpoints run the same code as on many ranks.
+            kwargs = {"store": dist.HashStore(), "rank": 0, "world_size": 1}
         dist.init_process_group(
             backend="nccl" if use_cuda else "gloo",
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=dev if use_cuda else None,
+            **kwargs,
         )
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
 
@@ -152,6 +158,15 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def all_gather_object(obj: object) -> list[object]:
+    """Every rank's picklable object, in rank order."""
+    if not _initialized():
+        return [obj]
+    out: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def _collective_device() -> torch.device:

@@ -1,0 +1,152 @@
+"""Metrics: verl-style names, one cross-rank reduction per step, sinks on rank 0.
+
+Keys follow verl (``actor/pg_loss``, ``critic/score/mean``, ``timing_s/gen``, ``perf/throughput``) so
+dashboards carry over. ``MetricsLogger`` writes ``metrics.jsonl`` and TensorBoard events in the run
+folder, prints one console line per step and draws a progress bar; wandb is used only when installed
+and asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("ppo")
+
+# The keys of the one-line console summary, in order, with short labels.
+CONSOLE_KEYS = {
+    "critic/score/mean": "score",
+    "val/score": "val",
+    "actor/pg_loss": "pg",
+    "actor/ppo_kl": "ppo_kl",
+    "actor/reward_kl_penalty": "kl",
+    "actor/entropy": "ent",
+    "critic/vf_loss": "vf",
+    "response_length/mean": "len",
+    "timing_s/step": "s",
+}
+
+
+def tensor_stats(prefix: str, x: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, float]:
+    """``{prefix}/mean``, ``/max``, ``/min`` of ``x`` where ``mask`` (all of it when None)."""
+    values = x[mask.bool()] if mask is not None else x.reshape(-1)
+    values = values.detach().float()
+    if values.numel() == 0:
+        return {f"{prefix}/mean": 0.0, f"{prefix}/max": 0.0, f"{prefix}/min": 0.0}
+    return {
+        f"{prefix}/mean": values.mean().item(),
+        f"{prefix}/max": values.max().item(),
+        f"{prefix}/min": values.min().item(),
+    }
+
+
+class Timer:
+    """Accumulates wall-clock seconds per phase as ``timing_s/<name>``."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[f"timing_s/{name}"] = (
+                self.times.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
+            )
+
+
+class MetricsLogger:
+    """Writes a step's metrics to the sinks named in ``trainer.logger`` (rank 0 only)."""
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        sinks: list[str],
+        *,
+        is_main: bool,
+        total_steps: int,
+        project: str = "ppo",
+        run_name: str = "run",
+        config: dict | None = None,
+    ) -> None:
+        self.is_main = is_main
+        self.sinks = set(sinks)
+        self.total_steps = total_steps
+        self.jsonl = None
+        self.tb = None
+        self.wandb = None
+        self.start = time.perf_counter()
+        if not is_main:
+            return
+        out = Path(output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        if "jsonl" in self.sinks:
+            self.jsonl = open(out / "metrics.jsonl", "a")  # append: a resumed run continues the file
+        if "tensorboard" in self.sinks:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(out / "tensorboard"))
+        if "wandb" in self.sinks:
+            try:
+                import wandb
+            except ImportError:
+                logger.warning("trainer.logger asks for wandb but it is not installed; skipping it")
+            else:
+                self.wandb = wandb.init(project=project, name=run_name, config=config, dir=str(out))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Record one step's (already reduced) metrics."""
+        if not self.is_main:
+            return
+        clean = {k: float(v) for k, v in sorted(metrics.items())}
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps({"step": step, **clean}, allow_nan=True) + "\n")
+            self.jsonl.flush()
+        if self.tb is not None:
+            for key, value in clean.items():
+                self.tb.add_scalar(key, value, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(clean, step=step)
+        if "console" in self.sinks:
+            parts = [f"{label}={_fmt(clean[k])}" for k, label in CONSOLE_KEYS.items() if k in clean]
+            val = [
+                f"{k}={_fmt(v)}" for k, v in clean.items() if k.startswith("val/") and k.endswith("/accuracy")
+            ]
+            logger.info("step %d/%d %s", step, self.total_steps, " ".join(parts + val))
+            self._progress(step)
+
+    def _progress(self, step: int) -> None:
+        width = 30
+        done = min(step, self.total_steps) / max(self.total_steps, 1)
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / max(done, 1e-9) * (1 - done) if done > 0 else float("nan")
+        bar = "#" * int(width * done) + "-" * (width - int(width * done))
+        sys.stderr.write(f"\r[{bar}] {step}/{self.total_steps} elapsed {elapsed:.0f}s eta {eta:.0f}s")
+        if step >= self.total_steps:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _fmt(x: float) -> str:
+    if math.isnan(x) or math.isinf(x):
+        return str(x)
+    return f"{x:.4g}"

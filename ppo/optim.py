@@ -1,0 +1,69 @@
+"""AdamW with linear warm-up and constant or cosine decay: the one optimizer every stage uses."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ppo.config import OptimConfig
+
+
+def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:
+    """``lr_warmup_steps``, or ``lr_warmup_steps_ratio * total_steps`` when it is -1."""
+    if cfg.lr_warmup_steps >= 0:
+        return cfg.lr_warmup_steps
+    return int(cfg.lr_warmup_steps_ratio * total_steps)
+
+
+def lr_factor(step: int, *, warmup: int, total: int, schedule: str, min_lr_ratio: float) -> float:
+    """Multiplier of the peak lr after ``step`` optimizer steps.
+
+    Warm-up: ``(step + 1) / warmup`` for ``step < warmup`` (the first update already moves, by
+    ``lr / warmup``). Then constant 1, or cosine ``m + (1 - m) * (1 + cos(pi * p)) / 2`` with
+    ``p = (step - warmup) / (total - warmup)`` clamped to [0, 1] and ``m = min_lr_ratio``.
+    """
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer(
+    model: torch.nn.Module, cfg: OptimConfig, total_steps: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over the trainable parameters and its per-optimizer-step schedule."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+    )
+    warmup = warmup_steps(cfg, total_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: lr_factor(
+            step, warmup=warmup, total=total_steps, schedule=cfg.lr_scheduler, min_lr_ratio=cfg.min_lr_ratio
+        ),
+    )
+    return optimizer, scheduler
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """Global gradient norm over all ranks (DTensor-aware), clipped to ``max_norm`` when > 0.
+
+    Returns the norm before clipping; a non-finite norm is returned as is and nothing is clipped, so
+    the caller can skip the step on every rank (they all see the same reduced norm).
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    norm_value = float(norm)
+    coef = max_norm / (norm_value + 1e-6)
+    if max_norm > 0 and math.isfinite(norm_value) and coef < 1.0:
+        for p in params:  # a Python scalar multiplies plain and DTensor gradients alike
+            p.grad.mul_(coef)
+    return norm_value

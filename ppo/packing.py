@@ -1,0 +1,181 @@
+"""Padding-free sequences and token-budget micro-batches.
+
+Every scoring and training forward runs on packed sequences: the prompt and response tokens of ``B``
+sequences are concatenated into one row of ``T`` tokens, position ids restart at 0 for each sequence,
+``cu_seqlens [B+1]`` marks the boundaries, and the model runs with no attention mask and
+``use_cache=False`` (with a cache, transformers silently ignores the packing; see
+``shared/notes/platform.md``). sdpa and eager then attend block-diagonally; flash_attention_2 reads the
+boundaries from the position ids. Token quantities come back as ``[B, R]`` over response tokens, the
+layout of ``ppo.algorithms``.
+
+Micro-batches are cut by a token budget and balanced by length (longest-first greedy partition, the
+classic LPT heuristic), with their count agreed across ranks so every rank makes the same number of
+forward/backward calls.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from ppo import models
+from ppo.distributed import all_reduce_scalar
+
+
+@dataclass(kw_only=True)
+class Packed:
+    """``B`` sequences (prompt + the response's valid tokens) as one padding-free row."""
+
+    input_ids: torch.Tensor
+    """[T] token ids of all sequences back to back."""
+    position_ids: torch.Tensor
+    """[T] positions, restarting at 0 for each sequence."""
+    cu_seqlens: torch.Tensor
+    """[B+1] int32 offsets of the sequences in the row."""
+    labels: torch.Tensor
+    """[T] the next token where it is a response token, -100 elsewhere (prompt, last token)."""
+    response_index: torch.Tensor
+    """[B, R] packed position whose next-token prediction is response token j (0 at padding)."""
+    response_mask: torch.Tensor
+    """[B, R] bool, True on valid response tokens."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+
+def pack(prompts: list[torch.Tensor], responses: torch.Tensor, response_mask: torch.Tensor) -> Packed:
+    """Pack prompts ``[P_i]`` and right-padded responses ``[B, R]`` (valid where ``response_mask``).
+
+    Response token ``j`` of sequence ``i`` is predicted at packed position ``start_i + P_i - 1 + j``:
+    logits there give its log-prob and the critic's value there is the value of the state before it.
+    """
+    device = responses.device
+    resp_lens = response_mask.sum(dim=-1).tolist()
+    pieces, positions, offsets = [], [], [0]
+    for prompt, resp, n in zip(prompts, responses, resp_lens, strict=True):
+        seq = torch.cat([prompt.to(device), resp[: int(n)]])
+        pieces.append(seq)
+        positions.append(torch.arange(seq.numel(), device=device))
+        offsets.append(offsets[-1] + seq.numel())
+    input_ids = torch.cat(pieces)
+    starts = torch.tensor(offsets[:-1], device=device)
+    prompt_lens = torch.tensor([p.numel() for p in prompts], device=device)
+    j = torch.arange(responses.shape[1], device=device)
+    response_index = (starts + prompt_lens - 1)[:, None] + j[None, :]
+    mask = response_mask.bool()
+    response_index = torch.where(mask, response_index, torch.zeros_like(response_index))
+    labels = torch.full_like(input_ids, -100)
+    labels[response_index[mask]] = responses[mask]
+    return Packed(
+        input_ids=input_ids,
+        position_ids=torch.cat(positions),
+        cu_seqlens=torch.tensor(offsets, dtype=torch.int32, device=device),
+        labels=labels,
+        response_index=response_index,
+        response_mask=mask,
+    )
+
+
+def unpack(x: torch.Tensor, packed: Packed) -> torch.Tensor:
+    """Gather a per-token quantity ``[T]`` into the response layout ``[B, R]`` (0 at padding)."""
+    out = x[packed.response_index]
+    return torch.where(packed.response_mask, out, torch.zeros_like(out))
+
+
+def packed_logprobs(
+    model: torch.nn.Module,
+    packed: Packed,
+    *,
+    temperature: float,
+    backend: str = "auto",
+    compute_entropy: bool = False,
+    fused: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropy) of the response tokens, ``[B, R]`` fp32 each.
+
+    ``fused`` computes them from the final hidden states and the LM head weight without building the
+    ``[T, V]`` logits; otherwise from the logits. Temperature divides after the fp32 upcast (inside the
+    kernels).
+    """
+    if fused:
+        hidden = models.causal_lm_hidden(model, packed.input_ids, packed.position_ids)
+        weight = models.lm_head_weight(model)
+        lp, ent = kernels.fused_linear_logprobs(
+            hidden,
+            weight,
+            packed.labels,
+            temperature=temperature,
+            compute_entropy=compute_entropy,
+            backend=backend,
+        )
+    else:
+        logits = models.causal_lm_logits(model, packed.input_ids, packed.position_ids)
+        lp, ent = kernels.logprobs_from_logits(
+            logits, packed.labels, temperature=temperature, compute_entropy=compute_entropy, backend=backend
+        )
+    return unpack(lp, packed), (unpack(ent, packed) if ent is not None else None)
+
+
+def packed_values(critic: torch.nn.Module, packed: Packed) -> torch.Tensor:
+    """The critic's value of the state before each response token, ``[B, R]`` fp32."""
+    return unpack(models.critic_values(critic, packed.input_ids, packed.position_ids), packed)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Micro-batches
+# ----------------------------------------------------------------------------------------------------
+
+
+def balanced_partition(lengths: list[int], k: int) -> list[list[int]]:
+    """Split indices into ``k`` non-empty groups with near-equal total length.
+
+    Longest-first greedy: each sequence, longest first, goes to the group with the smallest total
+    (ties to the lower group index, so the result is deterministic). Needs ``k <= len(lengths)``.
+    Indices inside each group are sorted; groups are ordered by their first index.
+    """
+    if not 1 <= k <= len(lengths):
+        raise ValueError(f"cannot split {len(lengths)} sequences into {k} micro-batches")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    heap = [(0, g) for g in range(k)]
+    groups: list[list[int]] = [[] for _ in range(k)]
+    for i in order:
+        total, g = heapq.heappop(heap)
+        groups[g].append(i)
+        heapq.heappush(heap, (total + lengths[i], g))
+    return sorted((sorted(g) for g in groups), key=lambda g: g[0])
+
+
+def min_micro_batches(lengths: list[int], max_tokens: int) -> int:
+    """The fewest balanced groups whose every total fits ``max_tokens`` (a lone longer sequence
+    gets a group of its own)."""
+    k = max(1, -(-sum(lengths) // max_tokens))
+    while (
+        k < len(lengths)
+        and max(sum(lengths[i] for i in g) for g in balanced_partition(lengths, k)) > max_tokens
+    ):
+        k += 1
+    return min(k, len(lengths))
+
+
+def plan_micro_batches(
+    lengths: list[int], *, use_dynamic_bsz: bool, max_tokens: int, micro_batch_size: int
+) -> list[list[int]]:
+    """Index groups for the micro-batches of one mini-batch on this rank.
+
+    Dynamic: the fewest token-budget groups any rank needs, maxed over ranks (one all-reduce, so all
+    ranks run the same number of forward/backward passes), then balanced by length. Fixed: consecutive
+    groups of ``micro_batch_size`` sequences (the same count on every rank by ``validate``).
+    """
+    if not lengths:
+        raise ValueError("a mini-batch with no sequences")
+    if not use_dynamic_bsz:
+        return [
+            list(range(i, min(i + micro_batch_size, len(lengths))))
+            for i in range(0, len(lengths), micro_batch_size)
+        ]
+    k = int(all_reduce_scalar(min_micro_batches(lengths, max_tokens), "max"))
+    return balanced_partition(lengths, min(k, len(lengths)))
