@@ -1,0 +1,670 @@
+"""Prompts, preference pairs and SFT examples from Parquet files, and the per-rank prompt loader.
+
+Prompt files follow verl's layout, one row per prompt::
+
+    prompt        list of chat messages [{"role": ..., "content": ...}] or a plain string
+    data_source   str, picks the rule scorer (``ppo.rewards.default_compute_score``)
+    reward_model  struct {style, ground_truth}
+    extra_info    struct/dict (optional column)
+
+Preference files have ``prompt``, ``chosen``, ``rejected`` (any other column is kept in ``extra``);
+SFT files have ``prompt`` + ``answer``, or a ``messages`` column of whole conversations.
+
+How a prompt becomes tokens (one function, ``encode_prompt``, does it for every loader):
+
+- chat messages with ``apply_chat_template=True``: the tokenizer's chat template renders them with
+  ``add_generation_prompt=True``; the text is then tokenized with ``add_special_tokens=False``, because
+  the template already wrote the BOS token (this is what ``apply_chat_template(tokenize=True)`` does);
+- a plain string: used as it is (verl applies the template only to message lists) and tokenized with
+  ``add_special_tokens=True``, i.e. with whatever the tokenizer adds to plain text (a BOS for Llama);
+- chat messages with ``apply_chat_template=False``: the contents joined by newlines, then as a string.
+
+Responses (``answer``, ``chosen``, ``rejected``) are tokenized with ``add_special_tokens=False`` and get
+the EOS token appended; they are tokenized apart from the prompt so the boundary is exact. Nothing is
+ever truncated: over-long rows are dropped, counted and logged. Bad input raises ``DataError`` naming
+the file, the row and the column.
+
+Usage::
+
+    records = load_prompts(cfg.data.train_files, tokenizer, max_prompt_length=cfg.data.max_prompt_length)
+    loader = PromptLoader(records, batch_size=cfg.data.train_batch_size, rank=info.rank,
+                          world_size=info.world_size, seed=cfg.trainer.seed)
+    for step, batch in zip(range(total_steps), loader):  # batch: this rank's list of PromptRecord
+        ...
+    ckpt["dataloader"] = loader.state_dict()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger("ppo")
+
+Files = str | os.PathLike | Sequence[str | os.PathLike]
+"""One path or a list of paths."""
+
+MAX_ROWS_LISTED = 5
+"""How many row numbers a log line about skipped rows lists."""
+
+
+class DataError(ValueError):
+    """A data file is missing or malformed; the message names the file, the row and the column."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Records
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class PromptRecord:
+    """One RL prompt, tokenized."""
+
+    input_ids: list[int]
+    """Prompt tokens (chat template applied), ``len <= max_prompt_length``."""
+    prompt_text: str
+    """The text the tokens came from (rendered template or the raw string)."""
+    data_source: str
+    """Picks the rule scorer."""
+    ground_truth: str
+    """``reward_model.ground_truth`` as a string."""
+    extra_info: dict[str, Any]
+    """The row's ``extra_info`` ({} when the column is absent or null)."""
+    index: int
+    """Row number over the concatenated files, counted before filtering (a stable id of the row)."""
+
+
+@dataclass(kw_only=True)
+class PreferencePair:
+    """A prompt with a chosen and a rejected response, both as whole token sequences."""
+
+    chosen_ids: list[int]
+    """Prompt tokens + chosen response tokens + EOS."""
+    rejected_ids: list[int]
+    """Prompt tokens + rejected response tokens + EOS."""
+    prompt_length: int
+    """Number of leading prompt tokens shared by both sequences."""
+    extra: dict[str, Any]
+    """Every other column of the row (e.g. ``mistake``), for per-kind metrics."""
+    index: int
+    """Row number over the concatenated files, counted before filtering."""
+
+
+@dataclass(kw_only=True)
+class SFTExample:
+    """A tokenized demonstration with the tokens to train on."""
+
+    input_ids: list[int]
+    """Prompt and answer tokens."""
+    loss_mask: list[bool]
+    """True on the answer tokens (assistant turns) including their final EOS; False on the prompt."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Every other column of the row."""
+    index: int = 0
+    """Row number over the concatenated files, counted before filtering."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Shared reading and validation
+# ----------------------------------------------------------------------------------------------------
+
+
+def as_paths(files: Files) -> list[Path]:
+    """One path or a list of paths as a non-empty list of ``Path``."""
+    if isinstance(files, (str, os.PathLike)):
+        files = [files]
+    paths = [Path(f) for f in files]
+    if not paths:
+        raise DataError("no data files given: pass at least one Parquet file")
+    return paths
+
+
+def parquet_columns(path: Path) -> list[str]:
+    """Column names of a Parquet file; DataError when it is missing or not Parquet."""
+    if not path.is_file():
+        raise DataError(f"{path}: no such data file")
+    try:
+        return pq.read_schema(path).names
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: cannot be read as Parquet: {e}") from e
+
+
+def read_parquet(
+    path: Path, *, required: Sequence[str], hints: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """Read a whole Parquet file as row dicts, after checking it exists and has the ``required`` columns.
+
+    ``hints`` maps a column to a remedy appended to its missing-column error (e.g. which config key
+    names it). Structs come back as dicts, lists as lists.
+    """
+    columns = parquet_columns(path)
+    missing = [c for c in required if c not in columns]
+    if missing:
+        hint = "".join(f"; {hints[c]}" for c in missing if hints and c in hints)
+        raise DataError(f"{path}: missing column(s) {', '.join(map(repr, missing))}; it has {columns}{hint}")
+    try:
+        return pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: cannot be read as Parquet: {e}") from e
+
+
+def check_messages(value: Any, where: str) -> list[dict[str, Any]]:
+    """Check a list of chat messages (dicts with str ``role`` and ``content``) and return it.
+
+    Null fields (Parquet structs carry every key of every row) are removed from each message.
+    """
+    if not isinstance(value, list):
+        raise DataError(
+            f"{where}: expected a list of chat messages [{{'role', 'content'}}] or a string, "
+            f"got {type(value).__name__}"
+        )
+    if not value:
+        raise DataError(f"{where}: empty prompt (an empty list of messages)")
+    messages = []
+    for j, m in enumerate(value):
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
+            raise DataError(
+                f"{where}: message {j} must be a dict with string 'role' and 'content', got {m!r:.120}"
+            )
+        messages.append({k: v for k, v in m.items() if v is not None})
+    if not any(m["content"].strip() for m in messages):
+        raise DataError(f"{where}: empty prompt (every message has empty content)")
+    return messages
+
+
+def render_messages(
+    messages: list[dict[str, Any]],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    add_generation_prompt: bool,
+    where: str,
+) -> str:
+    """Render chat messages with the tokenizer's chat template (to text, not tokens)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise DataError(
+            f"{where}: the prompt is a list of chat messages but the tokenizer has no chat template; "
+            f"give a tokenizer with one, or set data.apply_chat_template=false"
+        )
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=False
+    )
+
+
+def encode_prompt(
+    prompt: Any, tokenizer: PreTrainedTokenizerBase, *, apply_chat_template: bool, where: str
+) -> tuple[str, list[int]]:
+    """Validate one prompt cell and return ``(text, token ids)``; see the module docstring for the rules."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise DataError(f"{where}: empty prompt")
+        return prompt, list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    messages = check_messages(prompt, where)
+    if apply_chat_template:
+        text = render_messages(messages, tokenizer, add_generation_prompt=True, where=where)
+        # The template wrote the special tokens (BOS); adding them again would double the BOS.
+        return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    text = "\n".join(m["content"] for m in messages)
+    return text, list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def encode_response(text: str, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Response tokens (no special tokens) followed by EOS, so the model learns to stop."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) + [_eos_id(tokenizer)]
+
+
+def _eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The EOS id, or DataError when the tokenizer has none."""
+    if tokenizer.eos_token_id is None:
+        raise DataError("the tokenizer has no EOS token; responses need one to end")
+    return int(tokenizer.eos_token_id)
+
+
+def _where(path: Path, row: int, column: str) -> str:
+    """The ``file: row i, column 'c'`` prefix of an error message."""
+    return f"{path}: row {row}, column {column!r}"
+
+
+def _row_list(rows: list[int]) -> str:
+    """The first few row numbers for a log line."""
+    shown = ", ".join(map(str, rows[:MAX_ROWS_LISTED]))
+    return shown + (f", ... ({len(rows)} in all)" if len(rows) > MAX_ROWS_LISTED else "")
+
+
+def _log_dropped(path: Path, what: str, dropped: int, total: int, limit_key: str, limit: int) -> None:
+    """Log how many rows of a file were loaded, or how many of how many were too long."""
+    # INFO, so only rank 0 prints it (the other ranks log warnings only).
+    if dropped:
+        logger.info(
+            "%s: dropped %d of %d %s longer than %s=%d tokens", path, dropped, total, what, limit_key, limit
+        )
+    else:
+        logger.info("%s: loaded %d %s", path, total, what)
+
+
+# ----------------------------------------------------------------------------------------------------
+# RL prompts
+# ----------------------------------------------------------------------------------------------------
+
+
+def load_prompts(
+    files: Files,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    prompt_key: str = "prompt",
+    max_prompt_length: int,
+    apply_chat_template: bool = True,
+) -> list[PromptRecord]:
+    """Load RL prompts in verl's layout; prompts over ``max_prompt_length`` tokens are dropped and logged.
+
+    Raises DataError on a missing file or column, a wrong type, an empty prompt, or when no prompt is
+    left after filtering.
+    """
+    paths = as_paths(files)
+    records: list[PromptRecord] = []
+    total = dropped = offset = 0
+    for path in paths:
+        rows = read_parquet(
+            path,
+            required=[prompt_key, "data_source", "reward_model"],
+            hints={prompt_key: "set data.prompt_key to the column that holds the prompts"},
+        )
+        file_dropped = 0
+        for i, row in enumerate(rows):
+            text, ids = encode_prompt(
+                row[prompt_key],
+                tokenizer,
+                apply_chat_template=apply_chat_template,
+                where=_where(path, i, prompt_key),
+            )
+            # Check every row, kept or not, so a bad file fails whatever the length limit.
+            record = PromptRecord(
+                input_ids=ids,
+                prompt_text=text,
+                data_source=_check_data_source(row["data_source"], _where(path, i, "data_source")),
+                ground_truth=_ground_truth(row["reward_model"], _where(path, i, "reward_model")),
+                extra_info=_extra_info(row.get("extra_info"), _where(path, i, "extra_info")),
+                index=offset + i,
+            )
+            if len(ids) > max_prompt_length:
+                file_dropped += 1
+            else:
+                records.append(record)
+        _log_dropped(path, "prompts", file_dropped, len(rows), "data.max_prompt_length", max_prompt_length)
+        total += len(rows)
+        dropped += file_dropped
+        offset += len(rows)
+    names = ", ".join(map(str, paths))
+    if total == 0:
+        raise DataError(f"no prompts in {names}: the files have no rows")
+    if not records:
+        raise DataError(
+            f"no prompts left in {names}: {dropped} of {total} were longer than "
+            f"data.max_prompt_length={max_prompt_length} tokens and were dropped; raise data.max_prompt_length"
+        )
+    return records
+
+
+def _check_data_source(value: Any, where: str) -> str:
+    """A ``data_source`` cell as a non-empty string."""
+    if not isinstance(value, str) or not value:
+        raise DataError(f"{where}: expected a non-empty string naming the data source, got {value!r:.80}")
+    return value
+
+
+def _ground_truth(value: Any, where: str) -> str:
+    """``reward_model.ground_truth`` as a string (numbers are converted)."""
+    if not isinstance(value, dict) or value.get("ground_truth") is None:
+        raise DataError(
+            f"{where}: expected a struct {{'style': 'rule', 'ground_truth': ...}} with a ground truth, "
+            f"got {value!r:.120}"
+        )
+    truth = value["ground_truth"]
+    if not isinstance(truth, (str, int, float)) or isinstance(truth, bool):
+        raise DataError(f"{where}: ground_truth must be a string or a number, got {type(truth).__name__}")
+    return str(truth)
+
+
+def _extra_info(value: Any, where: str) -> dict[str, Any]:
+    """An ``extra_info`` cell as a dict ({} for null)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise DataError(f"{where}: expected a struct/dict or null, got {type(value).__name__}")
+    return value
+
+
+# ----------------------------------------------------------------------------------------------------
+# The per-rank loader
+# ----------------------------------------------------------------------------------------------------
+
+
+class PromptLoader:
+    """Endless iterator over this rank's share of global prompt batches, resumable mid-epoch.
+
+    Epoch ``e`` orders the records by a permutation drawn from ``numpy.random.default_rng([seed, e])``
+    (or keeps file order when ``shuffle=False``) and cuts it into global batches of ``batch_size``
+    prompts; rank ``r`` takes the contiguous slice ``[r * k, (r + 1) * k)`` with
+    ``k = batch_size // world_size``. The global order depends only on (records, seed, batch_size), so
+    a run resumed on another number of ranks continues the same global sequence.
+
+    With ``drop_last=False`` the epoch's last, shorter batch is split as evenly as possible (ranks may
+    get one prompt fewer, or none): callers must agree on counts across ranks (e.g. for validation).
+    """
+
+    def __init__(
+        self,
+        records: Sequence[PromptRecord],
+        *,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        shuffle: bool = True,
+        drop_last: bool = True,
+    ) -> None:
+        if batch_size <= 0 or world_size <= 0:
+            raise DataError(f"batch_size={batch_size} and world_size={world_size} must be > 0")
+        if batch_size % world_size:
+            raise DataError(
+                f"the global batch of {batch_size} prompts must divide evenly over {world_size} ranks: "
+                f"make data.train_batch_size a multiple of {world_size}"
+            )
+        if not 0 <= rank < world_size:
+            raise DataError(f"rank {rank} is outside [0, {world_size})")
+        if not records:
+            raise DataError("no prompts to load")
+        if drop_last and len(records) < batch_size:
+            raise DataError(
+                f"the data set has {len(records)} prompts, fewer than one global batch of {batch_size}: "
+                f"lower data.train_batch_size or add prompts"
+            )
+        self.records = list(records)
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.epoch = 0
+        """Epoch of the next batch (before rolling over)."""
+        self.batch_in_epoch = 0
+        """Batches of ``epoch`` already returned."""
+        self._order_epoch = -1
+        self._order = np.arange(0)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Global batches per pass over the records."""
+        n = len(self.records)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    @property
+    def batch_size_per_rank(self) -> int:
+        """Prompts this rank gets from a full global batch."""
+        return self.batch_size // self.world_size
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """Record indices in the order of ``epoch`` (deterministic in ``seed`` and ``epoch``)."""
+        n = len(self.records)
+        if not self.shuffle:
+            return np.arange(n)
+        return np.random.default_rng([self.seed, epoch]).permutation(n)
+
+    def global_batch_indices(self, epoch: int, batch: int) -> np.ndarray:
+        """Record indices of global batch ``batch`` of ``epoch`` (all ranks together)."""
+        if self._order_epoch != epoch:
+            self._order, self._order_epoch = self.epoch_order(epoch), epoch
+        return self._order[batch * self.batch_size : (batch + 1) * self.batch_size]
+
+    def __iter__(self) -> Iterator[list[PromptRecord]]:
+        return self
+
+    def __next__(self) -> list[PromptRecord]:
+        """This rank's records of the next step; rolls over to the next epoch after the last batch."""
+        if self.batch_in_epoch >= self.steps_per_epoch:
+            self.epoch += 1
+            self.batch_in_epoch = 0
+        indices = self.global_batch_indices(self.epoch, self.batch_in_epoch)
+        self.batch_in_epoch += 1
+        share = np.array_split(indices, self.world_size)[self.rank]  # equal slices for a full batch
+        return [self.records[i] for i in share]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position (the next batch) plus what the position means; for the checkpoint."""
+        return {
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "seed": self.seed,
+            "num_records": len(self.records),
+            "batch_size": self.batch_size,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at the batch after the one last returned when ``state`` was saved.
+
+        Fails when the data set, seed or batch size differ, since the saved position would then point
+        at other prompts.
+        """
+        mine = self.state_dict()
+        changed = [
+            f"{k}: checkpoint {state[k]!r}, now {mine[k]!r}"
+            for k in ("seed", "num_records", "batch_size", "shuffle", "drop_last")
+            if state[k] != mine[k]
+        ]
+        if changed:
+            raise DataError(
+                "cannot resume the prompt loader, the data order differs from the checkpoint's ("
+                + "; ".join(changed)
+                + "): resume with the same data files, trainer.seed and data.train_batch_size"
+            )
+        self.epoch = int(state["epoch"])
+        self.batch_in_epoch = int(state["batch_in_epoch"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Preference pairs (reward model) and SFT examples
+# ----------------------------------------------------------------------------------------------------
+
+
+def load_preference_pairs(
+    files: Files,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    max_length: int,
+    apply_chat_template: bool = True,
+) -> list[PreferencePair]:
+    """Load ``prompt``/``chosen``/``rejected`` rows as token sequences for reward-model training.
+
+    Rows whose chosen or rejected is empty (or null), or where the two are identical, are skipped and
+    logged with their row numbers; pairs where either sequence exceeds ``max_length`` tokens are
+    dropped and counted. A file with no usable row raises DataError.
+    """
+    pairs: list[PreferencePair] = []
+    offset = 0
+    for path in as_paths(files):
+        rows = read_parquet(path, required=["prompt", "chosen", "rejected"])
+        skipped: list[int] = []
+        too_long = 0
+        for i, row in enumerate(rows):
+            chosen = _response_text(row["chosen"], _where(path, i, "chosen"))
+            rejected = _response_text(row["rejected"], _where(path, i, "rejected"))
+            if not chosen.strip() or not rejected.strip() or chosen == rejected:
+                skipped.append(i)
+                continue
+            _, prompt_ids = encode_prompt(
+                row["prompt"],
+                tokenizer,
+                apply_chat_template=apply_chat_template,
+                where=_where(path, i, "prompt"),
+            )
+            chosen_ids = prompt_ids + encode_response(chosen, tokenizer)
+            rejected_ids = prompt_ids + encode_response(rejected, tokenizer)
+            if max(len(chosen_ids), len(rejected_ids)) > max_length:
+                too_long += 1
+                continue
+            extra = {k: v for k, v in row.items() if k not in ("prompt", "chosen", "rejected")}
+            pairs.append(
+                PreferencePair(
+                    chosen_ids=chosen_ids,
+                    rejected_ids=rejected_ids,
+                    prompt_length=len(prompt_ids),
+                    extra=extra,
+                    index=offset + i,
+                )
+            )
+        if skipped:
+            logger.warning(
+                "%s: skipped %d of %d rows with an empty or null chosen/rejected, or chosen == rejected "
+                "(rows %s)",
+                path,
+                len(skipped),
+                len(rows),
+                _row_list(skipped),
+            )
+        _log_dropped(path, "preference pairs", too_long, len(rows), "max_length", max_length)
+        usable = len(rows) - len(skipped) - too_long
+        if usable == 0:
+            raise DataError(
+                f"{path}: no usable preference pair among {len(rows)} rows ({len(skipped)} empty or identical, "
+                f"{too_long} longer than max_length={max_length} tokens)"
+            )
+        offset += len(rows)
+    return pairs
+
+
+def _response_text(value: Any, where: str) -> str:
+    """A response cell as a string; null counts as empty (the caller skips it)."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise DataError(f"{where}: expected a string response, got {type(value).__name__}")
+    return value
+
+
+def load_sft_examples(
+    files: Files,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    max_length: int,
+    apply_chat_template: bool = True,
+) -> list[SFTExample]:
+    """Load demonstrations with a loss mask on the answer tokens.
+
+    Two layouts: ``prompt`` + ``answer`` columns (the answer and its EOS are trained), or a ``messages``
+    column of whole conversations (every assistant turn as the chat template renders it is trained;
+    needs ``apply_chat_template``). Examples over ``max_length`` tokens are dropped and logged.
+    """
+    examples: list[SFTExample] = []
+    offset = 0
+    for path in as_paths(files):
+        use_messages, rows = _sft_layout(path)
+        too_long = 0
+        for i, row in enumerate(rows):
+            if use_messages:
+                ids, mask = _encode_conversation(
+                    row["messages"], tokenizer, apply_chat_template, _where(path, i, "messages")
+                )
+                used = ("messages",)
+            else:
+                _, prompt_ids = encode_prompt(
+                    row["prompt"],
+                    tokenizer,
+                    apply_chat_template=apply_chat_template,
+                    where=_where(path, i, "prompt"),
+                )
+                answer = row["answer"]
+                if not isinstance(answer, str) or not answer.strip():
+                    raise DataError(
+                        f"{_where(path, i, 'answer')}: expected a non-empty string, got {answer!r:.80}"
+                    )
+                answer_ids = encode_response(answer, tokenizer)
+                ids = prompt_ids + answer_ids
+                mask = [False] * len(prompt_ids) + [True] * len(answer_ids)
+                used = ("prompt", "answer")
+            if len(ids) > max_length:
+                too_long += 1
+                continue
+            extra = {k: v for k, v in row.items() if k not in used}
+            examples.append(SFTExample(input_ids=ids, loss_mask=mask, extra=extra, index=offset + i))
+        _log_dropped(path, "SFT examples", too_long, len(rows), "max_length", max_length)
+        if too_long == len(rows):
+            raise DataError(
+                f"{path}: no usable SFT example among {len(rows)} rows ({too_long} longer than "
+                f"max_length={max_length} tokens): raise max_length"
+            )
+        offset += len(rows)
+    return examples
+
+
+def _sft_layout(path: Path) -> tuple[bool, list[dict[str, Any]]]:
+    """Whether an SFT file uses the ``messages`` layout, and its rows."""
+    columns = parquet_columns(path)
+    use_messages = "messages" in columns and "answer" not in columns
+    rows = read_parquet(
+        path,
+        required=["messages"] if use_messages else ["prompt", "answer"],
+        hints={"answer": "an SFT file needs 'prompt' + 'answer' columns, or a 'messages' column"},
+    )
+    if not rows:
+        raise DataError(f"{path}: the file has no rows")
+    return use_messages, rows
+
+
+def _encode_conversation(
+    value: Any, tokenizer: PreTrainedTokenizerBase, apply_chat_template: bool, where: str
+) -> tuple[list[int], list[bool]]:
+    """Tokens and loss mask of a whole conversation; assistant turns are trained.
+
+    The conversation is rendered once; the text of assistant turn ``i`` is what rendering
+    ``messages[: i + 1]`` adds to rendering ``messages[:i]`` with the generation prompt. The pieces are
+    tokenized separately (no special tokens added) so the mask boundaries are exact.
+    """
+    if not apply_chat_template:
+        raise DataError(f"{where}: a 'messages' column needs the chat template; set apply_chat_template=true")
+    messages = check_messages(value, where)
+    full = render_messages(messages, tokenizer, add_generation_prompt=False, where=where)
+    cuts: list[tuple[int, int]] = []  # [start, end) character spans of assistant turns
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        if i == 0:
+            raise DataError(f"{where}: the conversation starts with an assistant turn; it needs a prompt")
+        start = len(render_messages(messages[:i], tokenizer, add_generation_prompt=True, where=where))
+        end_text = render_messages(messages[: i + 1], tokenizer, add_generation_prompt=False, where=where)
+        if not full.startswith(end_text) or start > len(end_text) or (cuts and start < cuts[-1][1]):
+            raise DataError(
+                f"{where}: the chat template does not render the conversation turn by turn (a prefix of it "
+                f"renders differently), so assistant turns cannot be located; use prompt + answer columns"
+            )
+        cuts.append((start, len(end_text)))
+    if not cuts:
+        raise DataError(f"{where}: no assistant turn to train on")
+    ids: list[int] = []
+    mask: list[bool] = []
+    pos = 0
+    for start, end in cuts:
+        for lo, hi, trained in ((pos, start, False), (start, end, True)):
+            piece = list(tokenizer(full[lo:hi], add_special_tokens=False)["input_ids"]) if hi > lo else []
+            ids += piece
+            mask += [trained] * len(piece)
+        pos = end
+    tail = list(tokenizer(full[pos:], add_special_tokens=False)["input_ids"]) if pos < len(full) else []
+    return ids + tail, mask + [False] * len(tail)

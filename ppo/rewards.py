@@ -1,0 +1,185 @@
+"""Rule rewards: score a decoded response against the row's ground truth, chosen by ``data_source``.
+
+A scorer has verl's signature ``(data_source, solution_str, ground_truth, extra_info) -> float``::
+
+    score_fn = make_rule_scorer(cfg.reward.custom_function, cfg.reward.format_score)
+    scores = [score_fn(r.data_source, text, r.ground_truth, r.extra_info) for r, text in ...]
+
+The built-in scorer handles GSM8K-style answers (``#### <number>`` at the end), which the synthetic
+task of ``scripts/make_tiny_assets.py`` (``data_source="synthetic/arith"``) also uses. A user's scorer
+is given as ``reward.custom_function=module.path:function`` or ``path/to/file.py:function``. Learned
+reward models (``reward.style=model``) and ranking live elsewhere; they produce the same per-sequence
+``scores``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import importlib
+import importlib.util
+import math
+import re
+import sys
+from collections.abc import Callable
+from numbers import Real
+from pathlib import Path
+from typing import Any
+
+RuleScorer = Callable[[str, str, str, dict], float]
+"""``(data_source, solution_str, ground_truth, extra_info) -> score``."""
+
+GSM8K_CLIP_CHARS = 300
+"""Only the last this many characters of a response are searched for the answer (as verl does), so a
+long response cannot win by listing many ``####`` lines early on."""
+
+# "#### 1,234.5", "#### $72", "#### -$5", "####  -3". The number must start with a digit; a trailing
+# sentence period is not part of it. Spaces or tabs may follow ####, a newline may not.
+_GSM8K_ANSWER = re.compile(r"####[ \t]*(-?\$?|\$-)[ \t]*([0-9][0-9,]*(?:\.[0-9]+)?)")
+_NUMBER = re.compile(r"(-?\$?|\$-)[ \t]*([0-9][0-9,]*(?:\.[0-9]+)?)")
+
+
+class RewardError(ValueError):
+    """A reward function cannot be found or used; the message says which and why."""
+
+
+def normalize_number(sign: str, digits: str) -> str:
+    """Canonical text of a number: commas and ``$`` removed, leading zeros and trailing decimal zeros
+    dropped, ``-0`` as ``0``. So ``"1,000"``, ``"$1000"`` and ``"1000.00"`` all give ``"1000"``, and
+    ``"72.50"`` gives ``"72.5"``."""
+    digits = digits.replace(",", "")
+    whole, _, frac = digits.partition(".")
+    whole = whole.lstrip("0") or "0"
+    frac = frac.rstrip("0")
+    text = f"{whole}.{frac}" if frac else whole
+    negative = "-" in sign and text != "0"
+    return f"-{text}" if negative else text
+
+
+def extract_gsm8k_answer(solution_str: str) -> str | None:
+    """The normalized number after the last ``####`` in the last ``GSM8K_CLIP_CHARS`` characters, or
+    None when there is none."""
+    matches = _GSM8K_ANSWER.findall(solution_str[-GSM8K_CLIP_CHARS:])
+    if not matches:
+        return None
+    sign, digits = matches[-1]
+    return normalize_number(sign, digits)
+
+
+def _normalize_truth(ground_truth: str) -> str:
+    """A ground truth that is a number is normalized like an answer; other text is only stripped."""
+    text = str(ground_truth).strip()
+    m = _NUMBER.fullmatch(text)
+    return normalize_number(*m.groups()) if m else text
+
+
+def gsm8k_score(solution_str: str, ground_truth: str, *, format_score: float = 0.0) -> float:
+    """GSM8K rule: 1.0 if the last ``#### <number>`` near the end equals the ground truth, else
+    ``format_score`` if there is such an answer, else 0.0.
+
+    Both sides are compared as normalized number strings (``normalize_number``): commas and ``$`` are
+    ignored and ``72.0`` equals ``72``, but no rounding happens (``72.01`` is wrong).
+    """
+    answer = extract_gsm8k_answer(solution_str)
+    if answer is None:
+        return 0.0
+    return 1.0 if answer == _normalize_truth(ground_truth) else format_score
+
+
+_GSM8K_SOURCES = ("openai/gsm8k", "gsm8k", "synthetic/arith")
+RULE_DATA_SOURCES: tuple[str, ...] = _GSM8K_SOURCES
+"""Data sources the built-in rule scorer knows."""
+
+
+def default_compute_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: str,
+    extra_info: dict[str, Any] | None = None,
+    *,
+    format_score: float = 0.0,
+) -> float:
+    """Score one response with the built-in rule for its ``data_source``.
+
+    Raises RewardError for a data source without a built-in rule (use ``reward.custom_function``).
+    """
+    if data_source in _GSM8K_SOURCES:
+        return gsm8k_score(solution_str, ground_truth, format_score=format_score)
+    raise RewardError(
+        f"no rule reward for data_source={data_source!r}; known: {', '.join(RULE_DATA_SOURCES)}. "
+        f"Score other data with reward.custom_function=module.path:function or file.py:function"
+    )
+
+
+def load_custom_function(spec: str) -> Callable[..., Any]:
+    """Import ``module.path:function`` or ``path/to/file.py:function`` and return the function.
+
+    Raises RewardError for a malformed spec, a missing file or module, a missing attribute (with the
+    closest names) or an attribute that is not callable. Errors raised by the module's own code while
+    it is imported propagate unchanged.
+    """
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise RewardError(
+            f"reward.custom_function={spec!r} must look like module.path:function or path/to/file.py:function"
+        )
+    if target.endswith(".py") or "/" in target or "\\" in target:
+        path = Path(target)
+        if not path.is_file():
+            raise RewardError(f"reward.custom_function={spec!r}: file {path} does not exist")
+        # A name that is the same in every process, so objects from the module unpickle on any rank.
+        module_name = "ppo_custom_reward_" + re.sub(r"\W", "_", str(path.resolve()))
+        module_spec = importlib.util.spec_from_file_location(module_name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise RewardError(f"reward.custom_function={spec!r}: cannot import {path} as a Python file")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_name] = module  # so pickling and dataclasses inside it work
+        try:
+            module_spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[module_name]
+            raise
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ModuleNotFoundError as e:
+            if e.name is None or not (target == e.name or target.startswith(e.name + ".")):
+                raise  # the module exists but one of its own imports is missing
+            raise RewardError(
+                f"reward.custom_function={spec!r}: no module named {e.name!r} (is it on PYTHONPATH?)"
+            ) from e
+    if not hasattr(module, name):
+        public = [k for k in vars(module) if not k.startswith("_") and callable(getattr(module, k))]
+        close = difflib.get_close_matches(name, public, n=3)
+        hint = f"; did you mean {' or '.join(close)}?" if close else f"; it defines {sorted(public)}"
+        raise RewardError(f"reward.custom_function={spec!r}: {target} has no attribute {name!r}{hint}")
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise RewardError(
+            f"reward.custom_function={spec!r}: {target}.{name} is a {type(fn).__name__}, not a function"
+        )
+    return fn
+
+
+def make_rule_scorer(custom_function: str | None, format_score: float) -> RuleScorer:
+    """The rule scorer of a run: the user's function if given, else ``default_compute_score``.
+
+    A custom function is called as ``fn(data_source, solution_str, ground_truth, extra_info)`` and must
+    return a number or a dict with a ``"score"`` number (verl's convention); ``format_score`` applies to
+    the built-in scorer only.
+    """
+    if custom_function is None:
+        return functools.partial(default_compute_score, format_score=format_score)
+    fn = load_custom_function(custom_function)
+
+    def score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict) -> float:
+        result = fn(data_source, solution_str, ground_truth, extra_info)
+        value = result.get("score") if isinstance(result, dict) else result
+        if not isinstance(value, Real) or isinstance(value, bool) or not math.isfinite(float(value)):
+            raise RewardError(
+                f"reward.custom_function={custom_function!r} returned {result!r:.80} for "
+                f"data_source={data_source!r}; expected a finite number or a dict with a 'score' number"
+            )
+        return float(value)
+
+    return score

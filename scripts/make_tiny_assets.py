@@ -1,0 +1,326 @@
+"""Build the tiny assets the CPU demo and the tests run on: tokenizer, models and the synthetic task.
+
+    python scripts/make_tiny_assets.py --out assets --seed 0     # or: make assets
+
+Deterministic in the seed, no downloads, a few seconds. Writes::
+
+    assets/tokenizer/       character-level tokenizer with a chat template (AutoTokenizer loads it)
+    assets/base/            tiny Llama causal LM (hidden 128, 3 layers, 4 heads, ~0.8M params) + tokenizer
+    assets/base_rm/         the same backbone with a 1-output sequence-classification head (reward model)
+    assets/base_critic/     the same backbone with a 1-output token-classification head (critic)
+    assets/data/train.parquet, val.parquet            RL prompts in verl's layout
+    assets/data/sft_train.parquet, sft_val.parquet    prompt + answer demonstrations
+    assets/data/pref_train.parquet, pref_val.parquet  prompt, chosen, rejected, mistake
+
+The task (see shared/notes/demo.md): two-digit addition, prompt ``[{"role": "user", "content": "23 +
+48"}]``, answer in GSM8K form ``23 + 48 = 71\\n#### 71``. In the SFT training data 60% of the additions
+that need a carry show the carry forgotten (the answer 10 too small), a systematic flaw that RL with the
+rule reward then corrects; validation answers are always right. Validation problems are disjoint from
+training ones. ``make_task`` is the pure generator (tests import this file by path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import string
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+import transformers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+DATA_SOURCE = "synthetic/arith"
+"""``data_source`` of the task's rows; ``ppo.rewards`` scores it with the GSM8K rule."""
+NUM_TRAIN = 4096
+"""RL training prompts."""
+NUM_VAL = 500
+"""Validation problems (RL prompts, SFT and preference validation), disjoint from all training data."""
+NUM_PREF_TRAIN = 4096
+"""Preference pairs for reward-model training."""
+CARRY_FLAW_FRACTION = 0.6
+"""Share of the carry problems in the SFT training data whose demonstration forgets the carry."""
+MISTAKE_KINDS = ("slipped_carry", "wrong_final_line", "broken_format", "far_off")
+"""Kinds of rejected answers in the preference data, mixed evenly."""
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
+"""Ids 0..6: pad, bos, eos, unk, then the chat-role markers (each one token)."""
+CHARACTERS = string.digits + string.ascii_letters + " " + string.punctuation + "\n"
+"""The character vocabulary after the special tokens; anything else becomes ``<unk>``."""
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+"""``<s><|user|>23 + 48<|assistant|>`` for a prompt; an assistant turn ends with ``</s>``."""
+MODEL_SHAPE = dict(
+    hidden_size=128,
+    intermediate_size=512,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=256,
+)
+"""The tiny Llama of shared/notes/demo.md (813,696 parameters with the 103-token vocabulary)."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# The synthetic task (pure)
+# ----------------------------------------------------------------------------------------------------
+
+
+def needs_carry(a: int, b: int) -> bool:
+    """Whether ``a + b`` carries from the units into the tens."""
+    return a % 10 + b % 10 >= 10
+
+
+def worked_answer(a: int, b: int, result: int) -> str:
+    """The GSM8K-style answer showing ``result`` (right or not): ``a + b = result\\n#### result``."""
+    return f"{a} + {b} = {result}\n#### {result}"
+
+
+def prompt_messages(a: int, b: int) -> list[dict[str, str]]:
+    """The chat prompt of one problem."""
+    return [{"role": "user", "content": f"{a} + {b}"}]
+
+
+def split_problems(seed: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """All 8100 ordered pairs of two-digit numbers, shuffled, as (training pool of 7600, validation 500)."""
+    problems = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    order = np.random.default_rng([seed, 0]).permutation(len(problems))
+    shuffled = [problems[i] for i in order]
+    return shuffled[NUM_VAL:], shuffled[:NUM_VAL]
+
+
+def prompt_rows(problems: list[tuple[int, int]], split: str) -> list[dict[str, Any]]:
+    """RL prompt rows in verl's layout."""
+    return [
+        {
+            "data_source": DATA_SOURCE,
+            "prompt": prompt_messages(a, b),
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+            "extra_info": {"split": split, "index": i},
+        }
+        for i, (a, b) in enumerate(problems)
+    ]
+
+
+def sft_rows(problems: list[tuple[int, int]], flaw_fraction: float, rng: np.random.Generator) -> list[dict]:
+    """Demonstrations; exactly ``round(flaw_fraction * carries)`` of the carry problems (picked at random)
+    show the carry forgotten, i.e. an answer 10 too small."""
+    carries = [i for i, (a, b) in enumerate(problems) if needs_carry(a, b)]
+    num_flawed = round(flaw_fraction * len(carries))
+    flawed = {carries[i] for i in rng.permutation(len(carries))[:num_flawed]}
+    rows = []
+    for i, (a, b) in enumerate(problems):
+        shown = a + b - 10 if i in flawed else a + b
+        rows.append(
+            {
+                "prompt": prompt_messages(a, b),
+                "answer": worked_answer(a, b, shown),
+                "ground_truth": str(a + b),
+                "flawed": i in flawed,
+                "data_source": DATA_SOURCE,
+            }
+        )
+    return rows
+
+
+def rejected_answer(a: int, b: int, kind: str, rng: np.random.Generator) -> str:
+    """A wrong answer of the given mistake kind.
+
+    ``slipped_carry``: off by ten (carry forgotten, or a spurious one where there is no carry);
+    ``wrong_final_line``: the worked line is right but the ``####`` line differs by 1-9;
+    ``broken_format``: the right sum but no readable ``#### <number>`` line;
+    ``far_off``: a random number more than 10 away from the sum.
+    """
+    r = a + b
+    if kind == "slipped_carry":
+        wrong = r - 10 if needs_carry(a, b) else r + 10
+        return worked_answer(a, b, wrong)
+    if kind == "wrong_final_line":
+        delta = int(rng.integers(1, 10)) * (1 if rng.random() < 0.5 else -1)
+        return f"{a} + {b} = {r}\n#### {r + delta}"
+    if kind == "broken_format":
+        variants = (
+            f"{a} + {b} = {r}",
+            f"{a} + {b} = {r}\n### {r}",
+            f"{a} + {b} = {r}\n{r} ####",
+            f"{a} + {b} =\n#### ",
+        )
+        return variants[int(rng.integers(len(variants)))]
+    if kind == "far_off":
+        wrong = r
+        while abs(wrong - r) <= 10:
+            wrong = int(rng.integers(20, 199))
+        return worked_answer(a, b, wrong)
+    raise ValueError(f"unknown mistake kind {kind!r}; known: {MISTAKE_KINDS}")
+
+
+def preference_rows(problems: list[tuple[int, int]], rng: np.random.Generator) -> list[dict[str, Any]]:
+    """One pair per problem: the right worked answer against a mistake; kinds evenly mixed at random."""
+    kinds = [MISTAKE_KINDS[i % len(MISTAKE_KINDS)] for i in range(len(problems))]
+    kinds = [kinds[i] for i in rng.permutation(len(kinds))]
+    return [
+        {
+            "prompt": prompt_messages(a, b),
+            "chosen": worked_answer(a, b, a + b),
+            "rejected": rejected_answer(a, b, kind, rng),
+            "mistake": kind,
+            "ground_truth": str(a + b),
+            "data_source": DATA_SOURCE,
+        }
+        for (a, b), kind in zip(problems, kinds, strict=True)
+    ]
+
+
+def make_task(seed: int) -> dict[str, list[dict[str, Any]]]:
+    """Every data file's rows, keyed by file stem (``train``, ``val``, ``sft_train``, ``sft_val``,
+    ``pref_train``, ``pref_val``). Pure and deterministic in ``seed``."""
+    pool, val = split_problems(seed)
+    pref_order = np.random.default_rng([seed, 1]).permutation(len(pool))[:NUM_PREF_TRAIN]
+    return {
+        "train": prompt_rows(pool[:NUM_TRAIN], "train"),
+        "val": prompt_rows(val, "val"),
+        "sft_train": sft_rows(pool, CARRY_FLAW_FRACTION, np.random.default_rng([seed, 2])),
+        "sft_val": sft_rows(val, 0.0, np.random.default_rng([seed, 3])),
+        "pref_train": preference_rows([pool[i] for i in pref_order], np.random.default_rng([seed, 4])),
+        "pref_val": preference_rows(val, np.random.default_rng([seed, 5])),
+    }
+
+
+def write_task(out_dir: Path, seed: int) -> dict[str, int]:
+    """Write the task's Parquet files under ``out_dir``; returns rows per file stem."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sizes = {}
+    for name, rows in make_task(seed).items():
+        pq.write_table(pa.Table.from_pylist(rows), out_dir / f"{name}.parquet")
+        sizes[name] = len(rows)
+    return sizes
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tokenizer and models
+# ----------------------------------------------------------------------------------------------------
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Character-level tokenizer: special tokens, then one token per character of ``CHARACTERS``.
+
+    Plain text gets a BOS (like Llama); the chat template writes its own BOS, so rendered chats are
+    tokenized with ``add_special_tokens=False``. Decoding concatenates characters.
+    """
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARACTERS))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])]
+    )
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        extra_special_tokens=["<|system|>", "<|user|>", "<|assistant|>"],
+        model_max_length=MODEL_SHAPE["max_position_embeddings"],
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_models(out: Path, tokenizer: PreTrainedTokenizerFast, seed: int) -> int:
+    """Save the random-init causal LM to ``out/base`` and its reward-model and critic variants next to it
+    (same backbone, fresh 1-output heads). Returns the causal LM's parameter count."""
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **MODEL_SHAPE,
+    )
+    # "Newly initialized weights" is the point here: silence it (and the progress bars), then restore
+    # the caller's settings.
+    verbosity = transformers.logging.get_verbosity()
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+        model.save_pretrained(out / "base")
+        tokenizer.save_pretrained(out / "base")
+        torch.manual_seed(seed + 1)
+        rm = AutoModelForSequenceClassification.from_pretrained(out / "base", num_labels=1)
+        rm.config.pad_token_id = tokenizer.pad_token_id  # the head reads the last non-pad token
+        rm.save_pretrained(out / "base_rm")
+        tokenizer.save_pretrained(out / "base_rm")
+        torch.manual_seed(seed + 2)
+        critic = AutoModelForTokenClassification.from_pretrained(out / "base", num_labels=1)
+        critic.save_pretrained(out / "base_critic")
+        tokenizer.save_pretrained(out / "base_critic")
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_assets(out: Path, seed: int) -> dict[str, Any]:
+    """Build everything under ``out``; returns a summary (sizes, parameter count, token counts)."""
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(out / "tokenizer")
+    num_params = build_models(out, tokenizer, seed)
+    sizes = write_task(out / "data", seed)
+    prompt = tokenizer.apply_chat_template(
+        prompt_messages(23, 48), add_generation_prompt=True, tokenize=False
+    )
+    return {
+        "vocab_size": len(tokenizer),
+        "num_params": num_params,
+        "rows": sizes,
+        "example_prompt": prompt,
+        "prompt_tokens": len(tokenizer(prompt, add_special_tokens=False)["input_ids"]),
+        "response_tokens": len(tokenizer(worked_answer(23, 48, 71), add_special_tokens=False)["input_ids"])
+        + 1,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line: ``--out DIR --seed N``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("assets"), help="output folder (default: assets)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data and the weights")
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    s = build_assets(args.out, args.seed)
+    out = args.out
+    print(f"tokenizer  {out / 'tokenizer'}  ({s['vocab_size']} tokens, character level)")
+    print(
+        f"models     {out / 'base'}, {out / 'base_rm'}, {out / 'base_critic'}  ({s['num_params']:,} params)"
+    )
+    for name, n in s["rows"].items():
+        print(f"data       {out / 'data' / name}.parquet  ({n} rows)")
+    print(
+        f"example    prompt {s['example_prompt']!r} = {s['prompt_tokens']} tokens, "
+        f"response '23 + 48 = 71\\n#### 71' + eos = {s['response_tokens']} tokens"
+    )
+    print(f"done in {time.perf_counter() - t0:.1f} s (seed {args.seed})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""Tests of scripts/make_tiny_assets.py: the assets load back with from_pretrained, are deterministic in the
+seed, and the synthetic task has the flaw and the splits that shared/notes/demo.md asks for."""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+)
+
+from ppo.data import load_preference_pairs, load_prompts, load_sft_examples
+from ppo.rewards import RULE_DATA_SOURCES, default_compute_score, gsm8k_score
+
+DATA_FILES = ("train", "val", "sft_train", "sft_val", "pref_train", "pref_val")
+
+
+def load_asset_script() -> ModuleType:
+    """Import scripts/make_tiny_assets.py by its path (scripts/ is not a package)."""
+    if "make_tiny_assets" in sys.modules:
+        return sys.modules["make_tiny_assets"]
+    path = Path(__file__).resolve().parents[1] / "scripts" / "make_tiny_assets.py"
+    spec = importlib.util.spec_from_file_location("make_tiny_assets", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["make_tiny_assets"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def assets() -> ModuleType:
+    """The asset builder module."""
+    return load_asset_script()
+
+
+@pytest.fixture(scope="module")
+def built(assets: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One full build with seed 0, shared by the tests of this file."""
+    out = tmp_path_factory.mktemp("assets")
+    assets.build_assets(out, seed=0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def task(assets: ModuleType) -> dict[str, list[dict[str, Any]]]:
+    """The task's rows for seed 0, without I/O."""
+    return assets.make_task(0)
+
+
+def test_cli_builds_everything_deterministically(
+    assets: ModuleType, built: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    assets.main(["--out", str(tmp_path), "--seed", "0"])
+    printed = capsys.readouterr().out
+    assert "813,696 params" in printed and "(4096 rows)" in printed and "= 10 tokens" in printed
+    for name in DATA_FILES:
+        a, b = built / "data" / f"{name}.parquet", tmp_path / "data" / f"{name}.parquet"
+        assert pq.read_table(a).equals(pq.read_table(b)), name
+        assert a.read_bytes() == b.read_bytes(), name
+    for folder in ("base", "base_rm", "base_critic"):
+        first = load_file(built / folder / "model.safetensors")
+        second = load_file(tmp_path / folder / "model.safetensors")
+        assert first.keys() == second.keys()
+        assert all(torch.equal(first[k], second[k]) for k in first), folder
+
+
+def test_other_seed_gives_other_data_and_weights(assets: ModuleType, built: Path, tmp_path: Path) -> None:
+    assets.write_task(tmp_path, seed=1)
+    assert not pq.read_table(built / "data" / "train.parquet").equals(
+        pq.read_table(tmp_path / "train.parquet")
+    )
+    assets.build_models(tmp_path, assets.build_tokenizer(), seed=1)
+    w0 = load_file(built / "base" / "model.safetensors")["model.embed_tokens.weight"]
+    w1 = load_file(tmp_path / "base" / "model.safetensors")["model.embed_tokens.weight"]
+    assert not torch.equal(w0, w1)
+
+
+def test_tokenizer_loads_back_with_chat_template(built: Path) -> None:
+    for folder in ("tokenizer", "base", "base_rm", "base_critic"):
+        tok = AutoTokenizer.from_pretrained(built / folder)
+        assert len(tok) == 103  # 7 special tokens + 10 digits + 52 letters + space + 32 punctuation + newline
+        assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "23 + 48"}], add_generation_prompt=True, tokenize=False
+    )
+    assert prompt == "<s><|user|>23 + 48<|assistant|>"
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    assert ids[:2] == [1, 5] and ids[-1] == 6 and len(ids) == 10  # each marker is one token
+    answer = "23 + 48 = 71\n#### 71"
+    answer_ids = tok(answer, add_special_tokens=False)["input_ids"]
+    assert len(answer_ids) == 20 and tok.decode(answer_ids) == answer
+    assert tok("ab")["input_ids"] == [1, tok.convert_tokens_to_ids("a"), tok.convert_tokens_to_ids("b")]
+    assert tok.decode([1, *ids[2:], 2], skip_special_tokens=True) == "23 + 48"
+
+
+def test_models_load_back_and_run(built: Path) -> None:
+    ids = torch.tensor([[1, 5, 11, 12, 6]])
+    lm = AutoModelForCausalLM.from_pretrained(built / "base")
+    cfg = lm.config
+    assert sum(p.numel() for p in lm.parameters()) == 813_696  # ~0.8M, as in demo.md
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads) == (128, 3, 4)
+    assert (cfg.vocab_size, cfg.max_position_embeddings, cfg.tie_word_embeddings) == (103, 256, False)
+    assert (cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id) == (0, 1, 2)
+    with torch.no_grad():
+        logits = lm(ids).logits
+        rm = AutoModelForSequenceClassification.from_pretrained(built / "base_rm")
+        reward = rm(ids).logits
+        critic = AutoModelForTokenClassification.from_pretrained(built / "base_critic")
+        values = critic(ids).logits
+    assert logits.shape == (1, 5, 103) and torch.isfinite(logits).all()
+    assert rm.config.num_labels == 1 and rm.config.pad_token_id == 0 and reward.shape == (1, 1)
+    assert critic.config.num_labels == 1 and values.shape == (1, 5, 1)
+    # The reward model and the critic share the causal LM's backbone; only the heads are new.
+    assert torch.equal(rm.model.embed_tokens.weight, lm.model.embed_tokens.weight)
+    assert torch.equal(critic.model.layers[2].mlp.up_proj.weight, lm.model.layers[2].mlp.up_proj.weight)
+
+
+def test_data_files_load_with_ppo_data(built: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(built / "tokenizer")
+    data = built / "data"
+    train = load_prompts(data / "train.parquet", tok, max_prompt_length=64)
+    assert len(train) == 4096 and len(load_prompts(data / "val.parquet", tok, max_prompt_length=64)) == 500
+    assert max(len(r.input_ids) for r in train) == 10  # "<s><|user|>ab + cd<|assistant|>"
+    assert train[0].data_source == "synthetic/arith" and train[0].extra_info == {"split": "train", "index": 0}
+    sft = load_sft_examples(data / "sft_val.parquet", tok, max_length=64)
+    assert len(sft) == 500
+    # "ab + cd = r\n#### r" + EOS: 7 + 3 + 6 characters + 2 * len(r) + 1 = 21 (r = 71) or 23 (r = 128).
+    assert all(sum(ex.loss_mask) == 17 + 2 * len(ex.extra["ground_truth"]) for ex in sft)
+    pairs = load_preference_pairs(data / "pref_val.parquet", tok, max_length=64)
+    assert len(pairs) == 500 and set(pairs[0].extra) == {"mistake", "ground_truth", "data_source"}
+
+
+def test_sizes_and_val_disjoint_from_training(task: dict[str, list[dict[str, Any]]]) -> None:
+    sizes = {name: len(rows) for name, rows in task.items()}
+    assert sizes == {
+        "train": 4096,
+        "val": 500,
+        "sft_train": 7600,
+        "sft_val": 500,
+        "pref_train": 4096,
+        "pref_val": 500,
+    }
+
+    def problems(name: str) -> set[str]:
+        return {row["prompt"][0]["content"] for row in task[name]}
+
+    val = problems("val")
+    assert len(val) == 500 and problems("sft_val") == val and problems("pref_val") == val
+    for name in ("train", "sft_train", "pref_train"):
+        assert not val & problems(name), name
+    # 90 * 90 = 8100 ordered pairs; the 7600 not in validation are the SFT pool, 4096 of them RL prompts.
+    assert len(problems("train")) == 4096 and len(problems("sft_train")) == 7600
+
+
+def test_sft_train_forgets_60_percent_of_carries(
+    assets: ModuleType, task: dict[str, list[dict[str, Any]]]
+) -> None:
+    carry, flawed_carry, flawed_other = 0, 0, 0
+    for row in task["sft_train"]:
+        a, b = (int(x) for x in row["prompt"][0]["content"].split(" + "))
+        shown = int(row["answer"].rpartition("#### ")[2])
+        assert row["answer"] == f"{a} + {b} = {shown}\n#### {shown}"
+        assert shown == (a + b - 10 if row["flawed"] else a + b)  # a forgotten carry is off by ten
+        if assets.needs_carry(a, b):
+            carry += 1
+            flawed_carry += row["flawed"]
+        else:
+            flawed_other += row["flawed"]
+    assert flawed_other == 0
+    assert abs(carry / 7600 - 0.45) < 0.02  # 45 of the 100 unit-digit pairs carry
+    assert flawed_carry == round(0.6 * carry)
+    assert all(
+        not row["flawed"] and row["answer"].endswith(f"#### {row['ground_truth']}") for row in task["sft_val"]
+    )
+
+
+def test_preference_mistakes_even_and_scored_as_labelled(
+    assets: ModuleType, task: dict[str, list[dict[str, Any]]]
+) -> None:
+    assert assets.DATA_SOURCE in RULE_DATA_SOURCES
+    for name, per_kind in (("pref_train", 1024), ("pref_val", 125)):
+        rows = task[name]
+        assert collections.Counter(r["mistake"] for r in rows) == dict.fromkeys(
+            assets.MISTAKE_KINDS, per_kind
+        )
+        for r in rows:
+            truth = r["ground_truth"]
+            assert default_compute_score(r["data_source"], r["chosen"], truth) == 1.0
+            # Every rejected answer fails the rule; only broken_format has no readable answer at all.
+            expected = 0.0 if r["mistake"] == "broken_format" else 0.5
+            assert gsm8k_score(r["rejected"], truth, format_score=0.5) == expected, r
+            worked = r["rejected"].split("\n")[0]
+            if r["mistake"] == "slipped_carry":
+                assert abs(int(worked.rpartition("= ")[2]) - int(truth)) == 10
+            elif r["mistake"] == "wrong_final_line":
+                assert (
+                    worked.endswith(f"= {truth}")
+                    and 1 <= abs(int(r["rejected"][-3:].strip("# ")) - int(truth)) <= 9
+                )
+            elif r["mistake"] == "far_off":
+                assert abs(int(worked.rpartition("= ")[2]) - int(truth)) > 10

@@ -1,0 +1,157 @@
+"""Tests of ppo.rewards: the GSM8K rule, dispatch by data_source and user-defined scorers."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ppo.rewards import (
+    GSM8K_CLIP_CHARS,
+    RULE_DATA_SOURCES,
+    RewardError,
+    default_compute_score,
+    extract_gsm8k_answer,
+    gsm8k_score,
+    load_custom_function,
+    make_rule_scorer,
+)
+
+FMT = 0.1  # a format score distinct from 0 and 1, so each case shows which branch it took
+
+
+@pytest.mark.parametrize(
+    ("response", "truth", "expected"),
+    [
+        ("23 + 48 = 71\n#### 71", "71", 1.0),
+        ("23 + 48 = 61\n#### 61", "71", FMT),  # well-formed, wrong
+        ("23 + 48 = 71", "71", 0.0),  # no #### line
+        ("#### 1,000", "1000", 1.0),  # commas stripped
+        ("#### $1,000", "1000", 1.0),  # dollar stripped
+        ("#### 1000", "1,000", 1.0),  # the ground truth is normalized too
+        ("#### 72.0", "72", 1.0),  # trailing decimal zeros do not matter
+        ("#### 72.50", "72.5", 1.0),
+        ("#### 72.01", "72", FMT),  # no rounding
+        ("#### 072", "72", 1.0),  # leading zeros do not matter
+        ("The total is\n#### 72.", "72", 1.0),  # a sentence's period is not part of the number
+        ("#### -5", "-5", 1.0),
+        ("#### -$5", "-5", 1.0),
+        ("#### $-5", "-5", 1.0),
+        ("#### 5", "-5", FMT),  # sign matters
+        ("#### -0", "0", 1.0),
+        ("#### 72\n#### 73", "73", 1.0),  # the last answer counts
+        ("#### 72\n#### 73", "72", FMT),
+        ("#### 72 and then #### nothing", "72", 1.0),  # a #### without a number is not an answer
+        ("####72", "72", 1.0),  # spaces after #### are optional
+        ("####\n72", "72", 0.0),  # but the number is on the same line
+        ("### 72", "72", 0.0),
+        ("#### seventy-two", "72", 0.0),
+        ("", "72", 0.0),
+    ],
+)
+def test_gsm8k_cases(response: str, truth: str, expected: float) -> None:
+    assert gsm8k_score(response, truth, format_score=FMT) == expected
+
+
+def test_gsm8k_only_looks_at_the_last_300_characters() -> None:
+    assert GSM8K_CLIP_CHARS == 300
+    answer = "#### 72"  # 7 characters
+    assert gsm8k_score(answer + "x" * 293, "72") == 1.0  # 300 characters: the whole answer is inside
+    assert gsm8k_score(answer + "x" * 294, "72") == 0.0  # 301: the first '#' is cut, "### 72" is no answer
+    early = "#### 72\n" + "we keep talking " * 30 + "\n#### 99"
+    assert gsm8k_score(early, "99") == 1.0 and gsm8k_score(early, "72", format_score=FMT) == FMT
+    assert extract_gsm8k_answer("#### 1,234.50") == "1234.5"
+    assert extract_gsm8k_answer("nothing") is None
+
+
+def test_default_score_dispatches_by_data_source() -> None:
+    assert set(RULE_DATA_SOURCES) == {"openai/gsm8k", "gsm8k", "synthetic/arith"}
+    for source in RULE_DATA_SOURCES:
+        assert default_compute_score(source, "#### 71", "71") == 1.0
+        assert default_compute_score(source, "#### 70", "71", {"split": "val"}, format_score=FMT) == FMT
+    with pytest.raises(
+        RewardError, match=r"data_source='math/unknown'; known: openai/gsm8k, gsm8k, synthetic/arith"
+    ):
+        default_compute_score("math/unknown", "#### 71", "71")
+
+
+def test_make_rule_scorer_default_uses_format_score() -> None:
+    score = make_rule_scorer(None, format_score=0.25)
+    assert score("gsm8k", "#### 70", "71", {}) == 0.25
+    assert score("synthetic/arith", "#### 71", "71", {}) == 1.0
+    assert score("gsm8k", "no answer", "71", {}) == 0.0
+
+
+SCORER_SOURCE = textwrap.dedent(
+    """
+    import math
+
+    def score(data_source, solution_str, ground_truth, extra_info):
+        return float(len(solution_str)) + (100.0 if extra_info.get("bonus") else 0.0)
+
+    def as_dict(data_source, solution_str, ground_truth, extra_info):
+        return {"score": 0.5, "acc": True}
+
+    def bad_type(data_source, solution_str, ground_truth, extra_info):
+        return "high"
+
+    def not_finite(data_source, solution_str, ground_truth, extra_info):
+        return math.nan
+
+    THRESHOLD = 3
+    """
+)
+
+
+@pytest.fixture
+def scorer_file(tmp_path: Path) -> Path:
+    """A user's scorer file."""
+    path = tmp_path / "my_scores.py"
+    path.write_text(SCORER_SOURCE)
+    return path
+
+
+def test_custom_function_from_file_and_module(scorer_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from_file = load_custom_function(f"{scorer_file}:score")
+    assert from_file("d", "abcd", "x", {}) == 4.0
+    monkeypatch.syspath_prepend(str(scorer_file.parent))
+    from_module = load_custom_function("my_scores:score")
+    assert from_module("d", "abc", "x", {"bonus": 1}) == 103.0
+    scorer = make_rule_scorer(f"{scorer_file}:score", format_score=FMT)
+    assert scorer("unknown/source", "abcdef", "x", {}) == 6.0  # no data_source restriction
+    assert make_rule_scorer("my_scores:as_dict", format_score=0.0)("d", "s", "g", {}) == 0.5
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("no_colon_here", r"must look like module.path:function or path/to/file.py:function"),
+        ("missing/file.py:score", r"file missing/file.py does not exist"),
+        ("no_such_module_xyz.sub:score", r"no module named 'no_such_module_xyz' \(is it on PYTHONPATH\?\)"),
+        ("{file}:scroe", r"has no attribute 'scroe'; did you mean score\?"),
+        ("{file}:THRESHOLD", r"my_scores.py.THRESHOLD is a int, not a function"),
+        ("math:no_such_function_anywhere", r"math has no attribute 'no_such_function_anywhere'; it defines"),
+    ],
+)
+def test_custom_function_errors(scorer_file: Path, spec: str, message: str) -> None:
+    with pytest.raises(RewardError, match=message):
+        load_custom_function(spec.format(file=scorer_file))
+
+
+def test_custom_function_missing_dependency_is_not_hidden(tmp_path: Path) -> None:
+    path = tmp_path / "needs_dep.py"
+    path.write_text("import not_installed_dependency_xyz\n\ndef score(*args):\n    return 1.0\n")
+    with pytest.raises(ModuleNotFoundError, match="not_installed_dependency_xyz"):
+        load_custom_function(f"{path}:score")
+
+
+@pytest.mark.parametrize("name", ["bad_type", "not_finite"])
+def test_custom_function_bad_results(scorer_file: Path, name: str) -> None:
+    scorer = make_rule_scorer(f"{scorer_file}:{name}", format_score=0.0)
+    with pytest.raises(
+        RewardError, match=r"returned .* expected a finite number or a dict with a 'score' number"
+    ):
+        scorer("d", "s", "g", {})
+    assert not math.isnan(make_rule_scorer(None, 0.0)("gsm8k", "s", "g", {}))
