@@ -136,11 +136,13 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
     total_steps = cfg.trainer.total_training_steps or loader.steps_per_epoch * cfg.trainer.total_epochs
 
     # ---- models -----------------------------------------------------------------------------------
+    # Weights load on CPU and move to the device shard by shard inside fully_shard, so no rank ever holds
+    # a whole model on the accelerator; the attention kernel is picked for the device they run on.
     model_kw = dict(
         dtype=cfg.model.dtype,
-        attn_implementation=cfg.model.attn_implementation,
+        attn_implementation=models.resolve_attn_implementation(cfg.model.attn_implementation, device),
         trust_remote_code=cfg.model.trust_remote_code,
-        device=device,
+        device="cpu",
     )
     actor = models.load_causal_lm(cfg.model.path, **model_kw)
     if cfg.model.enable_gradient_checkpointing:
@@ -492,9 +494,10 @@ def compute_advantages(
     batch.token_rewards = token_rewards
     est = cfg.algorithm.adv_estimator
     if est == "gae":
-        batch.advantages, batch.returns = algorithms.compute_gae(
-            token_rewards, batch.values, mask, cfg.algorithm.gamma, cfg.algorithm.lam
+        advantages, batch.returns = algorithms.compute_gae(
+            token_rewards, batch.values, mask, cfg.algorithm.gamma, cfg.algorithm.lam, whiten=False
         )
+        batch.advantages = whiten_over_ranks(advantages, mask)
     elif est == "grpo":
         batch.advantages = algorithms.compute_grpo_advantages(
             batch.scores, batch.group_ids, mask, norm_by_std=cfg.algorithm.norm_adv_by_std_in_grpo
@@ -504,6 +507,20 @@ def compute_advantages(
         batch.advantages = algorithms.compute_rloo_advantages(batch.scores, batch.group_ids, mask)
         batch.returns = batch.advantages
     return metrics
+
+
+def whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``algorithms.masked_whiten`` with the statistics of the whole batch over all ranks.
+
+    Two passes (mean, then the unbiased variance of the deviations) as in the one-process version, so
+    any number of ranks gives the advantages one process would; 0 outside the mask.
+    """
+    count, total = all_reduce_scalars([float(mask.sum()), float(x[mask].sum())], "sum")
+    mean = total / max(count, 1.0)
+    sq_dev = all_reduce_scalar(float((x[mask] - mean).square().sum()), "sum")
+    var = sq_dev / (count - 1) if count > 1 else sq_dev
+    out = (x - mean) * torch.rsqrt(torch.tensor(var + 1e-8, dtype=x.dtype))
+    return torch.where(mask, out, torch.zeros_like(out))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -528,8 +545,8 @@ def update_actor(cfg, actor, optimizer, scheduler, batch: Batch, info: DistInfo)
     """``ppo_epochs`` passes of clipped-PPO updates with gradient accumulation over micro-batches.
 
     Each rank's loss is its share of the mini-batch's global mean (normalized by the counts over all
-    ranks); FSDP averages gradients over ranks, so the loss is scaled by the world size to make the
-    reduced gradient the global one.
+    ranks); ``shard_model`` makes FSDP sum gradients over ranks, so the reduced gradient is exactly the
+    global mini-batch's.
     """
     a = cfg.actor
     device = batch.response_mask.device
@@ -575,7 +592,7 @@ def update_actor(cfg, actor, optimizer, scheduler, batch: Batch, info: DistInfo)
                     kl_loss = algorithms.agg_loss(kl, mask, a.loss_agg_mode, **counts)
                     loss = loss + a.kl_loss_coef * kl_loss
                     _add(mb_sums, "actor/kl_loss", kl_loss.item())
-                (loss * info.world_size).backward()
+                loss.backward()
                 # Token-mean metrics of the micro-batch, weighted into the mini-batch's global mean.
                 weight = float(mask.sum()) / counts["num_tokens"]
                 _add(mb_sums, "actor/pg_loss", pg_loss.item())
@@ -641,7 +658,7 @@ def update_critic(cfg, critic, optimizer, scheduler, batch: Batch, info: DistInf
                     c.loss_agg_mode,
                     **counts,
                 )
-                (vf_loss * info.world_size).backward()
+                vf_loss.backward()
                 weight = float(mask.sum()) / counts["num_tokens"]
                 _add(mb_sums, "critic/vf_loss", vf_loss.item())
                 _add(mb_sums, "critic/vf_clipfrac", float(vf_metrics["vf_clipfrac"]) * weight)

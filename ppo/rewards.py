@@ -26,6 +26,8 @@ from numbers import Real
 from pathlib import Path
 from typing import Any
 
+import torch
+
 RuleScorer = Callable[[str, str, str, dict], float]
 """``(data_source, solution_str, ground_truth, extra_info) -> score``."""
 
@@ -175,11 +177,24 @@ def make_rule_scorer(custom_function: str | None, format_score: float) -> RuleSc
     def score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict) -> float:
         result = fn(data_source, solution_str, ground_truth, extra_info)
         value = result.get("score") if isinstance(result, dict) else result
-        if not isinstance(value, Real) or isinstance(value, bool) or not math.isfinite(float(value)):
+        if not isinstance(value, Real) or isinstance(value, bool):
             raise RewardError(
                 f"reward.custom_function={custom_function!r} returned {result!r:.80} for "
-                f"data_source={data_source!r}; expected a finite number or a dict with a 'score' number"
+                f"data_source={data_source!r}; expected a number or a dict with a 'score' number"
             )
+        # NaN and inf pass through: the trainer skips such a step on every rank and counts it.
         return float(value)
 
     return score
+
+
+def rank_scores(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Ranking reward: within each group (the ``n`` responses to one prompt) the best gets 1, the rest 0.
+
+    Ties: every response tied for the group's best score gets 1 (so a group whose responses all score
+    the same gets all ones, and a group-baseline advantage of zero). ``scores``, ``group_ids``: ``[B]``.
+    """
+    num_groups = int(group_ids.max()) + 1 if group_ids.numel() else 0
+    best = torch.full((num_groups,), -math.inf, dtype=scores.dtype, device=scores.device)
+    best = best.scatter_reduce(0, group_ids, scores, reduce="amax", include_self=True)
+    return (scores == best[group_ids]).to(scores.dtype)

@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from ppo.rewards import (
     GSM8K_CLIP_CHARS,
@@ -17,6 +18,7 @@ from ppo.rewards import (
     gsm8k_score,
     load_custom_function,
     make_rule_scorer,
+    rank_scores,
 )
 
 FMT = 0.1  # a format score distinct from 0 and 1, so each case shows which branch it took
@@ -147,11 +149,19 @@ def test_custom_function_missing_dependency_is_not_hidden(tmp_path: Path) -> Non
         load_custom_function(f"{path}:score")
 
 
-@pytest.mark.parametrize("name", ["bad_type", "not_finite"])
-def test_custom_function_bad_results(scorer_file: Path, name: str) -> None:
-    scorer = make_rule_scorer(f"{scorer_file}:{name}", format_score=0.0)
+def test_custom_function_bad_results(scorer_file: Path) -> None:
+    scorer = make_rule_scorer(f"{scorer_file}:bad_type", format_score=0.0)
     with pytest.raises(
-        RewardError, match=r"returned .* expected a finite number or a dict with a 'score' number"
+        RewardError, match=r"returned 'high' .* expected a number or a dict with a 'score' number"
     ):
         scorer("d", "s", "g", {})
+    # NaN passes through: the trainer skips the step on every rank and counts it.
+    assert math.isnan(make_rule_scorer(f"{scorer_file}:not_finite", format_score=0.0)("d", "s", "g", {}))
     assert not math.isnan(make_rule_scorer(None, 0.0)("gsm8k", "s", "g", {}))
+
+
+def test_rank_scores_best_of_each_group_gets_one() -> None:
+    scores = torch.tensor([0.2, 0.9, 0.5, 1.0, 1.0, 0.0, 3.0])
+    groups = torch.tensor([0, 0, 0, 1, 1, 1, 2])
+    # group 0: best 0.9 -> [0, 1, 0]; group 1: 1.0 twice, both tied for best -> [1, 1, 0]; group of one -> 1
+    assert rank_scores(scores, groups).tolist() == [0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0]

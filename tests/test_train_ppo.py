@@ -1,0 +1,318 @@
+"""End to end: the PPO loop on the tiny model, every config flag of the trainer exercised at least once,
+determinism with one seed, 2 ranks equal to 1, bad input handled."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train_ppo
+
+ROOT = Path(__file__).resolve().parents[1]
+REWARD_FNS = ROOT / "tests" / "reward_fns.py"
+
+# Keys a verl user looks for (issue 5); timing and perf keys are checked for presence only.
+REQUIRED = [
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/pg_clipfrac_lower",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/lr",
+    "actor/reward_kl_penalty",
+    "actor/reward_kl_penalty_coeff",
+    "critic/vf_loss",
+    "critic/vf_clipfrac",
+    "critic/vf_explained_var",
+    "critic/grad_norm",
+    "critic/score/mean",
+    "critic/score/max",
+    "critic/score/min",
+    "critic/rewards/mean",
+    "critic/advantages/mean",
+    "critic/returns/mean",
+    "critic/values/mean",
+    "response_length/mean",
+    "response_length/max",
+    "response_length/min",
+    "response_length/clip_ratio",
+    "timing_s/gen",
+    "timing_s/old_log_prob",
+    "timing_s/ref",
+    "timing_s/values",
+    "timing_s/adv",
+    "timing_s/update_actor",
+    "timing_s/update_critic",
+    "timing_s/step",
+    "perf/throughput",
+    "perf/total_num_tokens",
+    "perf/max_memory_gib",
+]
+ACTOR_UPDATE_KEYS = {
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/pg_clipfrac_lower",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/lr",
+    "timing_s/update_actor",
+}
+NONDETERMINISTIC = ("timing_s/", "perf/throughput", "perf/max_memory_gib")
+
+
+def base_args(assets: Path, out: Path, steps: int = 2) -> list[str]:
+    return [
+        f"model.path={assets / 'base'}",
+        f"data.train_files={assets / 'data' / 'train.parquet'}",
+        f"data.val_files={assets / 'data' / 'val.parquet'}",
+        "data.max_val_samples=8",
+        "data.max_response_length=12",
+        "data.train_batch_size=4",
+        "actor.ppo_mini_batch_size=2",
+        "rollout.n=2",
+        f"trainer.total_training_steps={steps}",
+        f"trainer.output_dir={out}",
+        "trainer.logger=[console,jsonl]",
+        f"reward.custom_function={REWARD_FNS}:digit_score",
+        "actor.optim.lr=1e-3",
+        "critic.optim.lr=1e-3",
+    ]
+
+
+def read_metrics(out: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def run(args: list[str]) -> int:
+    return train_ppo.main(args)
+
+
+@pytest.fixture(scope="module")
+def gae_run(tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """GAE, KL in the reward with the adaptive controller after one fixed step, entropy bonus, critic
+    warm-up, validation, checkpoints, HF export."""
+    out = tmp_path_factory.mktemp("gae")
+    args = base_args(tiny_assets, out, steps=3) + [
+        "algorithm.adv_estimator=gae",
+        "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_penalty=kl",
+        "algorithm.kl_ctrl.type=adaptive",
+        "algorithm.kl_ctrl.kl_coef=0.05",
+        "algorithm.kl_ctrl.target_kl=0.01",
+        "algorithm.kl_ctrl.horizon=100",
+        "algorithm.kl_ctrl.fixed_warmup_steps=1",
+        "algorithm.gamma=0.99",
+        "algorithm.lam=0.95",
+        "actor.entropy_coeff=0.01",
+        "trainer.critic_warmup=1",
+        "trainer.test_freq=3",
+        "trainer.save_freq=3",
+        "trainer.save_hf_on_end=true",
+        "trainer.logger=[console,jsonl,tensorboard]",
+    ]
+    assert run(args) == 0
+    return out
+
+
+def test_gae_run_logs_verl_metrics(gae_run: Path) -> None:
+    rows = read_metrics(gae_run)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # validation before training, then 3 steps
+    assert "val/synthetic/arith/accuracy" in rows[0] and "val/score" in rows[0]
+    for row in rows[1:]:
+        warmup = row["step"] == 1  # the critic warm-up step has no actor update
+        missing = [k for k in REQUIRED if k not in row and not (warmup and k in ACTOR_UPDATE_KEYS)]
+        assert not missing, f"step {row['step']} lacks {missing}"
+        assert all(math.isfinite(v) for v in row.values())
+    # Critic warm-up: step 1 trains only the critic.
+    assert "actor/pg_loss" not in rows[1] and "actor/pg_loss" in rows[2]
+    assert rows[1]["critic/vf_loss"] > 0
+    # The adaptive coefficient stays 0.05 through the fixed warm-up step, then moves.
+    assert rows[1]["actor/reward_kl_penalty_coeff"] == pytest.approx(0.05)
+    assert rows[3]["actor/reward_kl_penalty_coeff"] != pytest.approx(0.05)
+    assert "val/accuracy" in rows[3]
+    assert (gae_run / "tensorboard").is_dir() and any((gae_run / "tensorboard").iterdir())
+    assert (gae_run / "config.yaml").is_file()
+    assert (gae_run / "checkpoints" / "latest").read_text() == "step_00000003"
+
+
+def test_hf_export_loads_with_from_pretrained(gae_run: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gae_run / "hf")
+    tok = AutoTokenizer.from_pretrained(gae_run / "hf")
+    ids = tok("12 + 34", return_tensors="pt").input_ids
+    assert torch.isfinite(model(ids).logits).all()
+
+
+def test_same_seed_same_metrics(gae_run: Path, tiny_assets: Path, tmp_path: Path) -> None:
+    args = [a for a in base_args(tiny_assets, tmp_path, steps=3)]
+    first = read_metrics(gae_run)
+    args += [
+        "algorithm.adv_estimator=gae",
+        "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_penalty=kl",
+        "algorithm.kl_ctrl.type=adaptive",
+        "algorithm.kl_ctrl.kl_coef=0.05",
+        "algorithm.kl_ctrl.target_kl=0.01",
+        "algorithm.kl_ctrl.horizon=100",
+        "algorithm.kl_ctrl.fixed_warmup_steps=1",
+        "algorithm.gamma=0.99",
+        "algorithm.lam=0.95",
+        "actor.entropy_coeff=0.01",
+        "trainer.critic_warmup=1",
+        "trainer.test_freq=3",
+    ]
+    assert run(args) == 0
+    second = read_metrics(tmp_path)
+    assert len(first) == len(second)
+    for a, b in zip(first, second, strict=True):
+        keys = {k for k in a if not k.startswith(NONDETERMINISTIC)}
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+
+
+def test_grpo_kl_loss_ranking_fixed_micro_batches(tiny_assets: Path, tmp_path: Path) -> None:
+    """GRPO with low_var_kl as a loss, ranking reward, fixed micro-batches, asymmetric and dual clip,
+    several epochs with early stop."""
+    args = base_args(tiny_assets, tmp_path) + [
+        "algorithm.adv_estimator=grpo",
+        "algorithm.norm_adv_by_std_in_grpo=false",
+        "actor.use_kl_loss=true",
+        "actor.kl_loss_type=low_var_kl",
+        "actor.kl_loss_coef=0.1",
+        "reward.style=ranking",
+        "reward.ranking_by=rule",
+        "actor.use_dynamic_bsz=false",
+        "actor.ppo_micro_batch_size_per_gpu=2",
+        "actor.clip_ratio_low=0.1",
+        "actor.clip_ratio_high=0.3",
+        "actor.clip_ratio_c=2.0",
+        "actor.ppo_epochs=3",
+        "actor.early_stop_kl=1e-9",
+        "actor.loss_agg_mode=seq-mean-token-mean",
+        "rollout.top_k=20",
+        "rollout.top_p=0.9",
+        "rollout.temperature=0.8",
+        "trainer.val_before_train=false",
+    ]
+    assert run(args) == 0
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert "actor/kl_loss" in row and "critic/vf_loss" not in row  # no critic with GRPO
+        assert set(
+            torch.tensor(0.0).new_tensor([row["critic/score/min"], row["critic/score/max"]]).tolist()
+        ) <= {0.0, 1.0}
+    # Step 1 is on-policy (ppo_kl 0 on the first mini-batch); by step 2 the second mini-batch has moved
+    # the policy, so the tiny early_stop_kl trips and cuts the 3 epochs x 2 mini-batches short.
+    assert rows[-1]["actor/early_stopped"] == 1.0
+    assert rows[-1]["actor/num_updates"] < 6
+
+
+def test_rloo_reward_model_full_kl_fused_kernels(tiny_assets: Path, tmp_path: Path) -> None:
+    """RLOO with a reward model, the exact full-vocabulary KL in the reward, the fused LM-head
+    log-prob path, reference kernels and the Dr. GRPO aggregation."""
+    args = base_args(tiny_assets, tmp_path) + [
+        "algorithm.adv_estimator=rloo",
+        "reward.style=model",
+        f"reward.model_path={tiny_assets / 'base_rm'}",
+        "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_penalty=full",
+        "actor.use_fused_kernels=true",
+        "actor.kernels=reference",
+        "actor.loss_agg_mode=seq-mean-token-sum-norm",
+        "trainer.val_before_train=false",
+    ]
+    assert run(args) == 0
+    rows = read_metrics(tmp_path)
+    assert len(rows) == 2
+    for row in rows:
+        assert math.isfinite(row["actor/pg_loss"]) and math.isfinite(row["actor/reward_kl_penalty"])
+        assert row["critic/score/max"] != row["critic/score/min"]  # model scores vary per response
+
+
+def test_nan_reward_skips_the_step(tiny_assets: Path, tmp_path: Path) -> None:
+    args = base_args(tiny_assets, tmp_path) + [
+        f"reward.custom_function={REWARD_FNS}:nan_score",
+        "trainer.val_before_train=false",
+        "trainer.save_hf_on_end=true",
+    ]
+    before = load_file(tiny_assets / "base" / "model.safetensors")
+    assert run(args) == 0
+    rows = read_metrics(tmp_path)
+    assert [r["trainer/skipped_steps"] for r in rows] == [1.0, 2.0]
+    after = load_file(tmp_path / "hf" / "model.safetensors")
+    for key, value in before.items():
+        assert torch.equal(value, after[key]), f"{key} changed although every step was skipped"
+
+
+def test_bad_config_and_data_fail_clearly(
+    tiny_assets: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    assert run(base_args(tiny_assets, tmp_path) + ["data.train_files=/nonexistent/train.parquet"]) == 2
+    assert run(base_args(tiny_assets, tmp_path) + [f"model.path={tmp_path / 'no_model'}"]) == 2
+    # A step batch that does not split over ranks is refused before any work.
+    assert run(base_args(tiny_assets, tmp_path) + ["actor.ppo_mini_batch_size=3"]) == 2
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_rank(tiny_assets: Path, tmp_path: Path) -> None:
+    """The same global batch on 2 gloo ranks and on 1 rank gives the same parameters after 2 steps.
+
+    Greedy rollouts (identical on any rank layout), one mini-batch per step (so shuffling cannot differ)
+    and a reward that varies per prompt so GAE has a signal.
+    """
+    common = [
+        "rollout.do_sample=false",
+        "data.train_batch_size=4",
+        "actor.ppo_mini_batch_size=4",
+        "trainer.val_before_train=false",
+        "trainer.save_hf_on_end=true",
+        "data.max_prompt_length=16",
+        "actor.ppo_max_token_len_per_gpu=40",  # several micro-batches per rank
+        "critic.ppo_max_token_len_per_gpu=40",
+        # Adam's first steps move a weight by ~lr * g / (|g| + eps) whatever |g| is, so with the default
+        # eps=1e-8 a gradient of 1e-9 that differs in its last bits (the sum order differs between rank
+        # layouts) moves the weight by a different fraction of lr. A larger eps keeps the comparison
+        # about the gradients, not about rounding noise.
+        "actor.optim.eps=1e-3",
+        "critic.optim.eps=1e-3",
+    ]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert run(base_args(tiny_assets, one) + common) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "train_ppo.py"),
+    ]
+    proc = subprocess.run(
+        cmd + base_args(tiny_assets, two) + common + ["trainer.dist_timeout_s=120"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    a = load_file(one / "hf" / "model.safetensors")
+    b = load_file(two / "hf" / "model.safetensors")
+    base = load_file(tiny_assets / "base" / "model.safetensors")
+    assert any(not torch.equal(a[k], base[k]) for k in a), "the update changed nothing"
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=1e-5, msg=f"{key} differs")
+    ra, rb = read_metrics(one), read_metrics(two)
+    for x, y in zip(ra, rb, strict=True):
+        for k in ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "response_length/mean"):
+            assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-5), k
