@@ -1,0 +1,46 @@
+"""Token log-probs, entropy and low-variance KL on packed sequences, with and without the LM head.
+
+PPO needs every token's log-prob three times (rollout policy, reference, training policy). The naive
+path builds [tokens, vocab] logits, an fp32 copy and an fp32 log-softmax (16k tokens x 152k vocab is
+about 25 GB); `fused_linear_logprobs` never holds the whole logits.
+
+    from kernels import fused_linear_logprobs, low_var_kl, next_token_labels
+    labels = next_token_labels(input_ids, cu_seqlens)          # [T], -100 at each sequence's end
+    logprobs, entropy = fused_linear_logprobs(hidden, lm_head.weight, labels, temperature=0.6)
+    kl = low_var_kl(logprobs, ref_logprobs)
+
+Each op has a Triton path (`kernels/triton_ops.py`), a chunked PyTorch path and a naive `*_reference`
+(`kernels/torch_ops.py`); `backend` picks one ("auto" = Triton on CUDA, else torch; see
+`kernels/dispatch.py`). Tests: `.venv/bin/python -m pytest tests/test_kernels.py` (Triton under
+TRITON_INTERPRET=1 on CPU). Benchmark: `.venv/bin/python scripts/bench_kernels.py`. Compile check of the
+Triton kernels for a GPU without one: `.venv/bin/python -m kernels.aot_check`. On a GPU machine:
+`bash scripts/gpu_check.sh`.
+"""
+
+from kernels.dispatch import (
+    BACKENDS,
+    fused_linear_logprobs,
+    logprobs_from_logits,
+    low_var_kl,
+    resolve_backend,
+)
+from kernels.torch_ops import (
+    IGNORE_INDEX,
+    fused_linear_logprobs_reference,
+    logprobs_from_logits_reference,
+    low_var_kl_reference,
+    next_token_labels,
+)
+
+__all__ = [
+    "BACKENDS",
+    "IGNORE_INDEX",
+    "fused_linear_logprobs",
+    "fused_linear_logprobs_reference",
+    "logprobs_from_logits",
+    "logprobs_from_logits_reference",
+    "low_var_kl",
+    "low_var_kl_reference",
+    "next_token_labels",
+    "resolve_backend",
+]

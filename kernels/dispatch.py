@@ -1,0 +1,140 @@
+"""Backend choice for the kernels ops: Triton on CUDA, chunked PyTorch elsewhere, or forced by name.
+
+`backend` is what the trainer's config `actor.kernels` holds, passed straight through:
+
+- "auto": Triton when the input is on CUDA in fp16/bf16/fp32 and triton imports (and is not in
+  interpreter mode), else the chunked PyTorch path.
+- "triton": the Triton kernels; on CPU only under the interpreter (TRITON_INTERPRET=1 set before
+  import), else RuntimeError. Needs the triton package, which is imported lazily so that importing
+  `kernels` works without it.
+- "torch": the chunked PyTorch path. "reference": the naive full-tensor formulas.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+from torch import Tensor
+
+from kernels import torch_ops
+from kernels.torch_ops import IGNORE_INDEX
+
+BACKENDS = ("auto", "triton", "torch", "reference")
+
+
+@functools.cache
+def _import_triton_ops() -> types.ModuleType | ImportError:
+    """`kernels.triton_ops`, or the ImportError that importing it raised (cached either way)."""
+    try:
+        from kernels import triton_ops
+    except ImportError as exc:
+        return exc
+    return triton_ops
+
+
+def _triton_ops() -> types.ModuleType:
+    """The Triton module for a forced backend="triton", or a RuntimeError that says why not."""
+    module = _import_triton_ops()
+    if isinstance(module, ImportError):
+        raise RuntimeError(f"backend='triton' needs the triton package ({module}); use backend='torch'")
+    return module
+
+
+def resolve_backend(backend: str, x: Tensor) -> str:
+    """The concrete backend ("triton", "torch" or "reference") that runs an op on input `x`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernels backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    if backend != "auto":
+        return backend
+    if x.device.type != "cuda" or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return "torch"
+    module = _import_triton_ops()
+    # Interpreter mode on a CUDA tensor would run but crawl: the chunked torch path is faster.
+    return "triton" if not isinstance(module, ImportError) and not module.INTERPRETED else "torch"
+
+
+def logprobs_from_logits(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    temperature: float = 1.0,
+    compute_entropy: bool = True,
+    chunk_size: int | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor | None]:
+    """Per-token log-probs of `labels` and entropy under softmax(logits / temperature).
+
+    logp[t] = z[t, label[t]] - logsumexp(z[t]),  entropy[t] = logsumexp(z[t]) - sum_v p z,
+    z = logits.float() / temperature. Ignored tokens (label == ignore_index) give 0 and no gradient.
+    Differentiable in logits through both outputs; under no_grad nothing is saved.
+
+    Args:
+        logits: [T, V] fp16/bf16/fp32 (fp64 runs on the torch paths).
+        labels: [T] int (see `next_token_labels`).
+        chunk_size: tokens per chunk of the torch path (default: ~16 MiB of fp32 per chunk).
+
+    Returns:
+        logprobs [T] fp32 and entropy [T] fp32, or None when compute_entropy is False.
+    """
+    kwargs = {"temperature": temperature, "compute_entropy": compute_entropy, "ignore_index": ignore_index}
+    match resolve_backend(backend, logits):
+        case "reference":
+            return torch_ops.logprobs_from_logits_reference(logits, labels, **kwargs)
+        case "torch":
+            return torch_ops.logprobs_from_logits_torch(logits, labels, chunk_size=chunk_size, **kwargs)
+        case _:
+            return _triton_ops().logprobs_from_logits_triton(logits, labels, chunk_size=chunk_size, **kwargs)
+
+
+def fused_linear_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    temperature: float = 1.0,
+    compute_entropy: bool = True,
+    chunk_size: int | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor | None]:
+    """`logprobs_from_logits(hidden @ weight.T, ...)` without ever holding the [T, V] logits.
+
+    Args:
+        hidden: [T, H] final hidden states (after the last norm).
+        weight: [V, H] LM-head weight, same dtype as hidden.
+        labels: [T] int.
+        chunk_size: tokens per chunk (torch path: forward and backward; Triton: backward only).
+
+    Returns:
+        logprobs [T] fp32 and entropy [T] fp32 or None; gradients flow to hidden and weight.
+    """
+    kwargs = {
+        "temperature": temperature,
+        "compute_entropy": compute_entropy,
+        "chunk_size": chunk_size,
+        "ignore_index": ignore_index,
+    }
+    match resolve_backend(backend, hidden):
+        case "reference":
+            return torch_ops.fused_linear_logprobs_reference(hidden, weight, labels, **kwargs)
+        case "torch":
+            return torch_ops.fused_linear_logprobs_torch(hidden, weight, labels, **kwargs)
+        case _:
+            return _triton_ops().fused_linear_logprobs_triton(hidden, weight, labels, **kwargs)
+
+
+def low_var_kl(logprobs: Tensor, ref_logprobs: Tensor, backend: str = "auto") -> Tensor:
+    """Per-token k3 KL estimate: x = clamp(ref - logp, -20, 20), kl = clamp(e^x - x - 1, -10, 10).
+
+    The gradient is zero where either clamp is active. Shapes: any, equal (usually [T]); fp32 output.
+    """
+    match resolve_backend(backend, logprobs):
+        case "reference":
+            return torch_ops.low_var_kl_reference(logprobs, ref_logprobs)
+        case "torch":
+            return torch_ops.low_var_kl_torch(logprobs, ref_logprobs)
+        case _:
+            return _triton_ops().low_var_kl_triton(logprobs, ref_logprobs)

@@ -1,0 +1,302 @@
+"""Benchmark the log-prob paths: time and peak extra memory, forward and forward+backward.
+
+Every path starts from hidden [T, H] and the LM-head weight [V, H], so rows compare like for like:
+
+- naive:       logits = hidden @ W^T, then a full fp32 log_softmax + gather + entropy (the references)
+- from_logits: logits = hidden @ W^T, then `kernels.logprobs_from_logits` (fast backend)
+- fused:       `kernels.fused_linear_logprobs` (fast backend): the [T, V] logits never exist
+
+"fwd" runs under `torch.no_grad()` (how old/ref log-probs are computed in PPO); "fwd+bwd" runs with grad
+and backpropagates sum(g1 * logprobs + g2 * entropy) into hidden and weight. The fast backend is
+"auto" by default: Triton on CUDA, chunked PyTorch on CPU (the Triton interpreter is for tests only).
+
+Memory is the peak of what the call allocates on top of what existed before it (inputs excluded):
+
+- CUDA: `torch.cuda.max_memory_allocated()` after `reset_peak_memory_stats()`, minus the bytes
+  allocated before the call.
+- CPU: `torch.profiler` with `profile_memory=True` records every allocation and free that goes through
+  torch's CPU allocator (all tensors: outputs, temporaries, autograd's saved tensors, backward
+  buffers); the peak of their running sum is the call's peak extra memory. It does not see memory
+  outside torch's allocator (BLAS workspaces, Python objects), which is small next to [T, V] tensors.
+  tracemalloc cannot see torch tensors, and RSS deltas depend on when the allocator hands pages back
+  to the OS. The allocation events are read from the profiler's event tree (the same data torch's
+  own memory profiler uses), a private but stable-in-practice API.
+
+Time is the median of --repeat runs after a warm-up (CUDA events on GPU, perf_counter on CPU). On GPU
+the table adds the roofline floor, FLOPs / peak tensor-core FLOP/s, with FLOPs = 2·T·H·V forward,
+6·T·H·V forward+backward for the paths that keep logits and 8·T·H·V for the fused path (its backward
+recomputes the logits), and the achieved fraction floor / time.
+
+Run:
+    .venv/bin/python scripts/bench_kernels.py                     # CPU defaults, table
+    .venv/bin/python scripts/bench_kernels.py --shapes 4096x256x32000 --json
+    .venv/bin/python scripts/bench_kernels.py --device cuda --dtype bfloat16 --shapes 16384x4096x152064
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kernels  # noqa: E402
+
+PATHS = ("naive", "from_logits", "fused")
+MODES = ("fwd", "fwd+bwd")
+# Dense peak FLOP/s (bf16/fp16 tensor cores, fp32 without TF32) by device-name substring.
+PEAK_TFLOPS = {"H200": (989.0, 67.0), "H100": (989.0, 67.0), "A100": (312.0, 19.5), "L40S": (362.0, 91.6)}
+
+
+@dataclasses.dataclass
+class Row:
+    """One measured (path, mode, shape)."""
+
+    device: str
+    path: str
+    backend: str
+    mode: str
+    T: int
+    H: int
+    V: int
+    dtype: str
+    time_ms: float
+    peak_extra_mib: float
+    mem_vs_naive: float | None = None
+    """Peak extra memory / the naive path's, same shape and mode."""
+    floor_ms: float | None = None
+    roofline_frac: float | None = None
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """'4096x256x32000' -> (T, H, V)."""
+    try:
+        t, h, v = (int(x) for x in text.lower().split("x"))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"shape must be TxHxV, got {text!r}") from exc
+    return t, h, v
+
+
+def make_run(
+    path: str,
+    mode: str,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    backend: str,
+    chunk_size: int | None,
+) -> Callable[[], None]:
+    """A closure that runs one path once; everything it allocates is freed when it returns."""
+    gen = torch.Generator(device=hidden.device).manual_seed(0)
+    g_lp = torch.randn(hidden.shape[0], device=hidden.device, generator=gen)
+    g_ent = 0.01 * torch.randn(hidden.shape[0], device=hidden.device, generator=gen)
+
+    def forward(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if path == "naive":
+            return kernels.fused_linear_logprobs(h, w, labels, backend="reference")
+        if path == "from_logits":
+            return kernels.logprobs_from_logits(h @ w.T, labels, backend=backend, chunk_size=chunk_size)
+        return kernels.fused_linear_logprobs(h, w, labels, backend=backend, chunk_size=chunk_size)
+
+    def run() -> None:
+        if mode == "fwd":
+            with torch.no_grad():
+                forward(hidden, weight)
+            return
+        h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+        logprobs, entropy = forward(h, w)
+        (g_lp * logprobs + g_ent * entropy).sum().backward()
+
+    return run
+
+
+def cpu_peak_bytes(run: Callable[[], None]) -> int:
+    """Peak of the running sum of torch CPU allocations minus frees during run() (see module doc)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+        stack.extend(node.children)
+    running = peak = 0
+    for _, size in sorted(events):
+        running += size
+        peak = max(peak, running)
+    return peak
+
+
+def cuda_peak_bytes(run: Callable[[], None]) -> int:
+    """Peak bytes allocated on the current CUDA device during run(), above what was allocated before."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    run()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def median_time_ms(run: Callable[[], None], device: torch.device, repeat: int) -> float:
+    """Median wall time of `repeat` calls of run(), in ms (CUDA events on GPU)."""
+    times = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def peak_tflops(device: torch.device, dtype: torch.dtype, override: float | None) -> float | None:
+    """Dense peak TFLOP/s of the GPU for `dtype` (None on CPU or an unknown GPU without --peak-tflops)."""
+    if override is not None:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, (half, fp32) in PEAK_TFLOPS.items():
+        if key in name:
+            return fp32 if dtype == torch.float32 else half
+    return None
+
+
+def bench(args: argparse.Namespace) -> list[Row]:
+    """Measure every (shape, mode, path) and print each row as soon as it is measured."""
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    rows = []
+    for num_tokens, hidden_size, vocab_size in args.shapes:
+        gen = torch.Generator().manual_seed(0)
+        hidden = torch.randn(num_tokens, hidden_size, generator=gen).to(device, dtype)
+        weight = (torch.randn(vocab_size, hidden_size, generator=gen) / hidden_size**0.5).to(device, dtype)
+        labels = torch.randint(0, vocab_size, (num_tokens,), generator=gen).to(device)
+        backend = kernels.resolve_backend(args.backend, hidden)
+        for mode in args.modes:
+            naive_peak = None
+            for path in args.paths:
+                run = make_run(path, mode, hidden, weight, labels, backend, args.chunk_size)
+                run()  # warm-up: compilation, autotuning, allocator
+                peak = cuda_peak_bytes(run) if device.type == "cuda" else cpu_peak_bytes(run)
+                row = Row(
+                    device=device.type,
+                    path=path,
+                    backend="reference" if path == "naive" else backend,
+                    mode=mode,
+                    T=num_tokens,
+                    H=hidden_size,
+                    V=vocab_size,
+                    dtype=args.dtype,
+                    time_ms=median_time_ms(run, device, args.repeat),
+                    peak_extra_mib=peak / 2**20,
+                )
+                if path == "naive":
+                    naive_peak = peak
+                if naive_peak:
+                    row.mem_vs_naive = peak / naive_peak
+                tflops = peak_tflops(device, dtype, args.peak_tflops)
+                if tflops:
+                    units = 2 if mode == "fwd" else (8 if path == "fused" else 6)
+                    row.floor_ms = units * num_tokens * hidden_size * vocab_size / (tflops * 1e12) * 1e3
+                    row.roofline_frac = row.floor_ms / row.time_ms
+                rows.append(row)
+                print_row(row, args.json)
+    return rows
+
+
+_COLUMNS = (
+    ("device", "{:<6}"),
+    ("path", "{:<11}"),
+    ("backend", "{:<9}"),
+    ("mode", "{:<7}"),
+    ("T", "{:>6}"),
+    ("H", "{:>5}"),
+    ("V", "{:>7}"),
+    ("dtype", "{:<8}"),
+    ("time_ms", "{:>9.1f}"),
+    ("peak_extra_mib", "{:>14.1f}"),
+    ("mem_vs_naive", "{:>12.3f}"),
+    ("floor_ms", "{:>8.2f}"),
+    ("roofline_frac", "{:>13.2f}"),
+)
+
+
+def print_header(as_json: bool) -> None:
+    if not as_json:
+        print(" ".join(_pad(name, fmt) for name, fmt in _COLUMNS))
+
+
+def _pad(name: str, fmt: str) -> str:
+    """`name` padded to the width and alignment of a column's format, e.g. "{:>9.1f}" -> 9, right."""
+    width = int("".join(c for c in fmt.split(":")[1].split(".")[0] if c.isdigit()))
+    return name.rjust(width) if ">" in fmt else name.ljust(width)
+
+
+def print_row(row: Row, as_json: bool) -> None:
+    """One table line, or one JSON object with --json."""
+    values = dataclasses.asdict(row)
+    if as_json:
+        print(json.dumps(values), flush=True)
+        return
+    cells = []
+    for name, fmt in _COLUMNS:
+        value = values[name]
+        cells.append(fmt.format(value) if value is not None else _pad("-", fmt))
+    print(" ".join(cells), flush=True)
+
+
+def main() -> None:
+    """Parse flags, fill in per-device defaults, run the benchmark."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    cuda = torch.cuda.is_available()
+    parser.add_argument("--device", default="cuda" if cuda else "cpu")
+    parser.add_argument(
+        "--shapes",
+        type=parse_shape,
+        nargs="+",
+        default=None,
+        help="TxHxV ... (default CPU: 1024x256x32000 4096x256x32000; CUDA: 4096x4096x152064 16384x4096x152064)",
+    )
+    parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA)")
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--backend", choices=kernels.BACKENDS, default="auto", help="fast paths' backend")
+    parser.add_argument(
+        "--chunk-size", type=int, default=None, help="tokens per chunk (default: per backend)"
+    )
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs per row (median)")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="override the roofline peak")
+    parser.add_argument("--json", action="store_true", help="one JSON object per row instead of a table")
+    args = parser.parse_args()
+    on_cuda = args.device.startswith("cuda")
+    if args.shapes is None:
+        args.shapes = (
+            [(4096, 4096, 152064), (16384, 4096, 152064)]
+            if on_cuda
+            else [(1024, 256, 32000), (4096, 256, 32000)]
+        )
+    args.dtype = args.dtype or ("bfloat16" if on_cuda else "float32")
+    print_header(args.json)
+    bench(args)
+
+
+if __name__ == "__main__":
+    main()
