@@ -37,6 +37,7 @@ from ppo.distributed import (
     setup_logging,
 )
 from ppo.metrics import MetricsLogger, Timer, tensor_stats
+from ppo.monitor import HealthMonitor
 from ppo.optim import build_optimizer, clip_grad_norm
 from ppo.packing import pack, packed_logprobs, packed_values, plan_micro_batches, unpack
 from ppo.rollout import Rollout, generate
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg.validate(info.world_size)
         train(cfg, info)
-    except (ConfigError, data.DataError, FileNotFoundError, checkpoint.CheckpointError) as e:
+    except (ConfigError, data.DataError, FileNotFoundError, checkpoint.CheckpointError, TrainingError) as e:
         logger.error("%s", e)
         destroy_distributed()
         return 2
@@ -150,7 +151,7 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
     actor = models.shard_model(
         actor, make_mesh(info, cfg.actor.fsdp.fsdp_size), cfg.actor.fsdp, device=device
     )
-    needs_ref = cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
+    needs_ref = cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss or cfg.algorithm.rollback_kl > 0
     ref = None
     if needs_ref:
         ref = models.load_causal_lm(cfg.model.path, **model_kw)
@@ -187,24 +188,27 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
     kl_ctrl = make_kl_controller(cfg)
 
     # ---- resume -----------------------------------------------------------------------------------
-    state = {"step": 0, "skipped_steps": 0}
-    ckpt_dir = checkpoint.find_resume_dir(out_dir, cfg.trainer.resume_mode)
-    if ckpt_dir is not None:
-        extra = checkpoint.load(
-            ckpt_dir,
-            models={"actor": actor, "critic": critic},
-            optimizers={"actor": actor_opt, "critic": critic_opt},
-            schedulers={"actor": actor_sched, "critic": critic_sched},
-            rank=info.rank,
-            world_size=info.world_size,
-        )
-        state.update(extra["trainer"])
-        loader.load_state_dict(extra["loader"])
-        kl_ctrl.load_state_dict(extra["kl_ctrl"])
-        logger.info("resumed from %s at step %d", ckpt_dir, state["step"])
+    ckpt = Checkpointing(
+        cfg=cfg,
+        info=info,
+        out_dir=out_dir,
+        models={"actor": actor, "critic": critic},
+        optimizers={"actor": actor_opt, "critic": critic_opt},
+        schedulers={"actor": actor_sched, "critic": critic_sched},
+        loader=loader,
+        kl_ctrl=kl_ctrl,
+    )
+    state = {"step": 0, "skipped_steps": 0, "best_val": None}
+    guard = {"rollbacks": 0, "consecutive_rollbacks": 0, "lr_scale": 1.0}
+    resume_dir = checkpoint.find_resume_dir(out_dir, cfg.trainer.resume_mode)
+    if resume_dir is not None:
+        ckpt.restore(resume_dir, state, guard, rollback=False)
+        logger.info("resumed from %s at step %d", resume_dir, state["step"])
     else:
-        # Sampling differs per rank from here on; the checkpoint restores these streams exactly.
+        # Sampling differs per rank from here on; checkpoints restore these streams exactly.
         seed_everything(cfg.trainer.seed * 1000 + info.rank)
+        if cfg.algorithm.rollback_kl > 0 or cfg.trainer.rollback_val_drop > 0:
+            ckpt.save(0, state, guard)  # something to roll back to before the first good step
 
     metrics_logger = MetricsLogger(
         out_dir,
@@ -214,7 +218,9 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
         project=cfg.trainer.project_name,
         run_name=cfg.trainer.experiment_name,
         config=to_dict(cfg),
+        resume_step=state["step"] if resume_dir is not None else None,
     )
+    monitor = HealthMonitor(cfg=cfg)
     logger.info(
         "world size %d on %s; %d train prompts (%d steps), %d val prompts; actor %.2fM parameters",
         info.world_size,
@@ -225,7 +231,9 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
         models.count_parameters(actor) / 1e6,
     )
     if cfg.trainer.val_before_train and state["step"] == 0 and val_records:
-        metrics_logger.log(0, validate(cfg, info, actor, tokenizer, val_records, scorer))
+        val_metrics = validate(cfg, info, actor, tokenizer, val_records, scorer)
+        state["best_val"] = val_metrics.get("val/score")
+        metrics_logger.log(0, val_metrics)
 
     while state["step"] < total_steps:
         state["step"] += 1
@@ -233,6 +241,7 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
         timer = Timer()
         metrics: dict[str, float] = {}
         step_start = time.perf_counter()
+        profiler = start_profiler(cfg, step, out_dir)
 
         # 1. rollout: n samples per prompt, all ranks sampling their own prompts
         records = [r for r in next(loader) for _ in range(cfg.rollout.n)]
@@ -261,19 +270,35 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
                 batch.ref_logprobs, _ = score_logprobs(cfg, ref, batch)
                 if cfg.algorithm.use_kl_in_reward and cfg.algorithm.kl_penalty == "full":
                     batch.full_kl = score_full_kl(cfg, actor, ref, batch)
+            metrics["actor/ref_kl"] = ref_kl(batch)
+            # KL explosion: go back to the last good checkpoint with a smaller learning rate.
+            if (
+                cfg.algorithm.rollback_kl > 0
+                and all_reduce_scalar(metrics["actor/ref_kl"], "mean") > cfg.algorithm.rollback_kl
+            ):
+                ckpt.rollback(
+                    state,
+                    guard,
+                    f"KL to the reference above algorithm.rollback_kl={cfg.algorithm.rollback_kl}",
+                )
+                metrics_logger.log(
+                    step, {"trainer/rollbacks": guard["rollbacks"], "trainer/lr_scale": guard["lr_scale"]}
+                )
+                stop_profiler(profiler)
+                continue
         if critic is not None:
             with timer("values"):
                 batch.values = score_values(cfg, critic, batch)
         with timer("reward"):
             batch.scores = compute_scores(cfg, batch, tokenizer, scorer, reward_model)
         # A NaN or infinite reward anywhere skips the step on every rank: nothing is updated.
-        bad = all_reduce_scalar(float(not torch.isfinite(batch.scores).all()), "max")
-        if bad:
+        if all_reduce_scalar(float(not torch.isfinite(batch.scores).all()), "max"):
             state["skipped_steps"] += 1
             logger.warning(
                 "step %d: non-finite reward; the step is skipped (%d so far)", step, state["skipped_steps"]
             )
             metrics_logger.log(step, {"trainer/skipped_steps": state["skipped_steps"]})
+            stop_profiler(profiler)
             continue
 
         # 3. advantages: KL in the reward, then GAE or a group baseline
@@ -288,7 +313,7 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
             with timer("update_actor"):
                 metrics.update(update_actor(cfg, actor, actor_opt, actor_sched, batch, info))
 
-        # 5. log: one cross-rank reduction per step
+        # 5. log: one cross-rank reduction per step, then validation and health warnings
         metrics.update(batch_metrics(batch, cfg))
         timer.times["timing_s/step"] = time.perf_counter() - step_start
         metrics.update(timer.times)
@@ -299,6 +324,8 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
         metrics["trainer/skipped_steps"] = float(state["skipped_steps"])
         metrics = reduce_metrics(metrics)
         metrics["actor/reward_kl_penalty_coeff"] = kl_ctrl.value
+        metrics["trainer/rollbacks"] = float(guard["rollbacks"])
+        stop_profiler(profiler)
         if (
             cfg.trainer.test_freq > 0
             and (step % cfg.trainer.test_freq == 0 or step == total_steps)
@@ -306,30 +333,155 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
         ):
             with timer("testing"):
                 metrics.update(validate(cfg, info, actor, tokenizer, val_records, scorer))
+            score, best = metrics.get("val/score"), state["best_val"]
+            drop = cfg.trainer.rollback_val_drop
+            if drop > 0 and score is not None and best is not None and score < best * (1 - drop):
+                metrics_logger.log(step, metrics)
+                ckpt.rollback(
+                    state,
+                    guard,
+                    f"validation score {score:.4f} fell more than {drop:.0%} below the best {best:.4f}",
+                )
+                continue
+            if score is not None and (best is None or score > best):
+                state["best_val"] = score
+        metrics.update(monitor.check(step, metrics))
         metrics_logger.log(step, metrics)
 
         # 6. checkpoint: sharded, atomic, resumable
         if cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or step == total_steps):
-            checkpoint.save(
-                out_dir,
-                step,
-                models={"actor": actor, "critic": critic},
-                optimizers={"actor": actor_opt, "critic": critic_opt},
-                schedulers={"actor": actor_sched, "critic": critic_sched},
-                extra={
-                    "trainer": dict(state),
-                    "loader": loader.state_dict(),
-                    "kl_ctrl": kl_ctrl.state_dict(),
-                },
-                config_yaml=to_yaml(cfg),
-                rank=info.rank,
-                world_size=info.world_size,
-                keep=cfg.trainer.max_ckpt_to_keep,
-            )
+            ckpt.save(step, state, guard)
 
     if cfg.trainer.save_hf_on_end:
         models.save_hf(actor, tokenizer, out_dir / "hf", is_main=info.is_main)
     metrics_logger.close()
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. KL exploded again after every rollback); the message says why."""
+
+
+@dataclass(kw_only=True)
+class Checkpointing:
+    """Everything a checkpoint holds, saved and restored in one place (resume and rollback)."""
+
+    cfg: PPOConfig
+    info: DistInfo
+    out_dir: Path
+    models: dict
+    optimizers: dict
+    schedulers: dict
+    loader: data.PromptLoader
+    kl_ctrl: algorithms.FixedKLController | algorithms.AdaptiveKLController
+
+    def save(self, step: int, state: dict, guard: dict) -> None:
+        """Write checkpoint ``step``. Reaching a new checkpoint is progress: the rollbacks "in a row"
+        counted against ``algorithm.max_rollbacks`` start again from 0."""
+        guard["consecutive_rollbacks"] = 0
+        checkpoint.save(
+            self.out_dir,
+            step,
+            models=self.models,
+            optimizers=self.optimizers,
+            schedulers=self.schedulers,
+            extra={
+                "trainer": dict(state),
+                "guard": dict(guard),
+                "loader": self.loader.state_dict(),
+                "kl_ctrl": self.kl_ctrl.state_dict(),
+            },
+            config_yaml=to_yaml(self.cfg),
+            rank=self.info.rank,
+            world_size=self.info.world_size,
+            keep=self.cfg.trainer.max_ckpt_to_keep,
+        )
+
+    def restore(self, ckpt_dir: Path, state: dict, guard: dict, *, rollback: bool) -> None:
+        """Load ``ckpt_dir`` into the models, optimizers, schedulers, loader, controller, RNG and
+        ``state``. On resume ``guard`` (rollback counters, lr scale) comes from the checkpoint too; on a
+        rollback it is kept, and the learning rates are rescaled to ``guard["lr_scale"]``."""
+        extra = checkpoint.load(
+            ckpt_dir,
+            models=self.models,
+            optimizers=self.optimizers,
+            schedulers=self.schedulers,
+            rank=self.info.rank,
+            world_size=self.info.world_size,
+        )
+        state.clear()
+        state.update(extra["trainer"])
+        self.loader.load_state_dict(extra["loader"])
+        self.kl_ctrl.load_state_dict(extra["kl_ctrl"])
+        saved_scale = extra["guard"]["lr_scale"]
+        if not rollback:
+            guard.update(extra["guard"])
+            return
+        # The checkpoint's schedulers carry the lr scale they were saved with; apply the newer one.
+        ratio = guard["lr_scale"] / saved_scale
+        for sched in self.schedulers.values():
+            if sched is not None:
+                sched.base_lrs = [lr * ratio for lr in sched.base_lrs]
+                for group, lr in zip(sched.optimizer.param_groups, sched.get_last_lr(), strict=True):
+                    group["lr"] = lr * ratio
+
+    def rollback(self, state: dict, guard: dict, reason: str) -> None:
+        """Restore the last checkpoint with the learning rates times ``rollback_lr_factor``; give up
+        after ``max_rollbacks`` in a row."""
+        a = self.cfg.algorithm
+        guard["rollbacks"] += 1
+        guard["consecutive_rollbacks"] += 1
+        if guard["consecutive_rollbacks"] > a.max_rollbacks:
+            raise TrainingError(
+                f"step {state['step']}: {reason}, after {a.max_rollbacks} rollbacks in a row "
+                f"(algorithm.max_rollbacks). Lower actor.optim.lr, raise the KL coefficient or "
+                f"algorithm.rollback_kl, then resume."
+            )
+        ckpt_dir = checkpoint.find_resume_dir(self.out_dir, "auto")
+        if ckpt_dir is None:
+            raise TrainingError(f"step {state['step']}: {reason}, and there is no checkpoint to roll back to")
+        guard["lr_scale"] *= a.rollback_lr_factor
+        failed_step = state["step"]
+        self.restore(ckpt_dir, state, guard, rollback=True)
+        logger.warning(
+            "step %d: %s; rolled back to %s (step %d) with learning rates x%.3g (rollback %d in a row)",
+            failed_step,
+            reason,
+            ckpt_dir.name,
+            state["step"],
+            guard["lr_scale"],
+            guard["consecutive_rollbacks"],
+        )
+
+
+def start_profiler(cfg: PPOConfig, step: int, out_dir: Path) -> torch.profiler.profile | None:
+    """A torch profiler for the steps in ``trainer.profile_steps`` (traces in ``out_dir/profile``, for
+    TensorBoard or Perfetto)."""
+    if step not in cfg.trainer.profile_steps:
+        return None
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(
+        activities=activities,
+        record_shapes=True,
+        profile_memory=True,
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(str(out_dir / "profile")),
+    )
+    profiler.start()
+    return profiler
+
+
+def stop_profiler(profiler: torch.profiler.profile | None) -> None:
+    if profiler is not None:
+        profiler.stop()
+
+
+def ref_kl(batch: Batch) -> float:
+    """Mean over sequences of the per-token ``log pi - log pi_ref`` (k1) of the sampled tokens: how far the
+    policy has moved from the reference, whatever KL terms the run uses."""
+    mask = batch.response_mask
+    d = torch.where(mask, batch.old_logprobs - batch.ref_logprobs, torch.zeros_like(batch.old_logprobs))
+    return (d.sum(-1) / mask.sum(-1).clamp(min=1)).mean().item()
 
 
 def make_kl_controller(cfg: PPOConfig) -> algorithms.FixedKLController | algorithms.AdaptiveKLController:

@@ -28,7 +28,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from ppo.distributed import barrier, broadcast_object
 
@@ -170,6 +176,33 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _dcp_error(e: BaseException) -> str:
+    """The first rank's underlying error of a DCP failure (its own message says only "ranks: [0]")."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        inner = next(iter(failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        return f"{type(inner).__name__}: {str(inner)[:300]}"
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+def load_models(ckpt_dir: Path, models: dict[str, torch.nn.Module | None]) -> None:
+    """Load only the model weights of a checkpoint (any world size: DCP reshards), e.g. for export."""
+    if not is_complete(ckpt_dir):
+        raise CheckpointError(
+            f"{ckpt_dir} is not a complete checkpoint (no {COMPLETE} marker or DCP metadata)"
+        )
+    state = {f"{name}.model": get_model_state_dict(model) for name, model in _present(models).items()}
+    try:
+        dcp.load(state, checkpoint_id=str(ckpt_dir / "dcp"))
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir} does not fit the models (different shapes?): {_dcp_error(e)}"
+        ) from None
+    for name, model in _present(models).items():
+        set_model_state_dict(model, state[f"{name}.model"])
+
+
 def load(
     ckpt_dir: Path,
     *,
@@ -194,10 +227,10 @@ def load(
         state[f"{name}.optim"] = optim_sd
     try:
         dcp.load(state, checkpoint_id=str(ckpt_dir / "dcp"))
-    except Exception as e:  # DCP reports shape and key mismatches in many forms
+    except (Exception, CheckpointException) as e:
         raise CheckpointError(
             f"checkpoint {ckpt_dir} does not fit this run's models (different model shapes or config?): "
-            f"{str(e).splitlines()[0][:300]}"
+            f"{_dcp_error(e)}"
         ) from None
     for name, model in _present(models).items():
         set_state_dict(

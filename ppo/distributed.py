@@ -175,10 +175,16 @@ def _collective_device() -> torch.device:
 
 
 def setup_logging(is_main: bool) -> None:
-    """stdlib logging: INFO on rank 0, warnings only elsewhere."""
-    logging.basicConfig(
-        level=logging.INFO if is_main else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(message)s",
-        datefmt="%H:%M:%S",
-        force=True,
-    )
+    """The ``ppo`` logger: INFO on rank 0, warnings only elsewhere, one console handler.
+
+    Configures only this project's logger (not the root), so embedding programs and test harnesses keep
+    their own handlers; calling it again replaces the handler instead of adding a second one.
+    """
+    log = logging.getLogger("ppo")
+    log.setLevel(logging.INFO if is_main else logging.WARNING)
+    for handler in [h for h in log.handlers if getattr(h, "_ppo", False)]:
+        log.removeHandler(handler)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"))
+    handler._ppo = True
+    log.addHandler(handler)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -65,6 +64,22 @@ class Timer:
             )
 
 
+def truncate_after(path: Path, step: int) -> None:
+    """Drop the lines of steps after ``step`` (logged by a run that died before its next checkpoint), so
+    a resumed run's file reads as if it had never stopped."""
+    lines = path.read_text().splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError):
+            continue  # a line cut short by the kill
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(path)
+
+
 class MetricsLogger:
     """Writes a step's metrics to the sinks named in ``trainer.logger`` (rank 0 only)."""
 
@@ -78,6 +93,7 @@ class MetricsLogger:
         project: str = "ppo",
         run_name: str = "run",
         config: dict | None = None,
+        resume_step: int | None = None,
     ) -> None:
         self.is_main = is_main
         self.sinks = set(sinks)
@@ -91,7 +107,10 @@ class MetricsLogger:
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)
         if "jsonl" in self.sinks:
-            self.jsonl = open(out / "metrics.jsonl", "a")  # append: a resumed run continues the file
+            path = out / "metrics.jsonl"
+            if resume_step is not None and path.exists():
+                truncate_after(path, resume_step)
+            self.jsonl = open(path, "a")  # append: a resumed run continues the file
         if "tensorboard" in self.sinks:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -123,19 +142,16 @@ class MetricsLogger:
             val = [
                 f"{k}={_fmt(v)}" for k, v in clean.items() if k.startswith("val/") and k.endswith("/accuracy")
             ]
-            logger.info("step %d/%d %s", step, self.total_steps, " ".join(parts + val))
-            self._progress(step)
+            logger.info("%s %s", self._progress(step), " ".join(parts + val))
 
-    def _progress(self, step: int) -> None:
-        width = 30
+    def _progress(self, step: int) -> str:
+        """``[#####-----] step 12/40 eta 1m05s``: the progress bar heading each console line."""
+        width = 20
         done = min(step, self.total_steps) / max(self.total_steps, 1)
         elapsed = time.perf_counter() - self.start
-        eta = elapsed / max(done, 1e-9) * (1 - done) if done > 0 else float("nan")
         bar = "#" * int(width * done) + "-" * (width - int(width * done))
-        sys.stderr.write(f"\r[{bar}] {step}/{self.total_steps} elapsed {elapsed:.0f}s eta {eta:.0f}s")
-        if step >= self.total_steps:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+        eta = f" eta {_duration(elapsed / done * (1 - done))}" if 0 < done < 1 else ""
+        return f"[{bar}] step {step}/{self.total_steps} {_duration(elapsed)}{eta}"
 
     def close(self) -> None:
         if self.jsonl is not None:
@@ -144,6 +160,11 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 def _fmt(x: float) -> str:
