@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ppo.distributed import init_distributed, make_mesh, reduce_metrics
+from ppo.distributed import init_distributed, reduce_metrics
 
 WORKER = textwrap.dedent(
     """
