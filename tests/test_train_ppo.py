@@ -316,3 +316,12 @@ def test_two_ranks_equal_one_rank(tiny_assets: Path, tmp_path: Path) -> None:
     for x, y in zip(ra, rb, strict=True):
         for k in ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "response_length/mean"):
             assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-5), k
+
+
+def test_plot_run_writes_png(gae_run: Path, tmp_path: Path) -> None:
+    from tests.conftest import load_script
+
+    out = tmp_path / "curves.png"
+    assert load_script("plot_run").main([str(gae_run), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert load_script("plot_run").main([str(tmp_path / "missing")]) == 2
