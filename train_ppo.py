@@ -30,6 +30,7 @@ from ppo.distributed import (
     all_gather_object,
     all_reduce_scalar,
     all_reduce_scalars,
+    broadcast_object,
     destroy_distributed,
     init_distributed,
     make_mesh,
@@ -107,9 +108,17 @@ def seed_everything(seed: int) -> None:
 
 def train(cfg: PPOConfig, info: DistInfo) -> None:
     out_dir = Path(cfg.trainer.output_dir)
+    problem = None
     if info.is_main:
-        checkpoint.ensure_writable(out_dir)
-        (out_dir / "config.yaml").write_text(to_yaml(cfg))
+        try:
+            checkpoint.ensure_writable(out_dir)
+            (out_dir / "config.yaml").write_text(to_yaml(cfg))
+        except checkpoint.CheckpointError as e:
+            problem = str(e)
+    # Every rank stops on rank 0's I/O error, instead of waiting for it in the next collective.
+    problem = broadcast_object(problem)
+    if problem:
+        raise checkpoint.CheckpointError(problem)
     # The same seed on every rank while models are built, so fresh heads start identical everywhere.
     seed_everything(cfg.trainer.seed)
     device = info.device
