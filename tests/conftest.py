@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def load_script(name: str):
     """Import a file under scripts/ as a module (scripts are not a package)."""
+    if name in sys.modules:
+        return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before running it: dataclasses defined in the script look it up
     spec.loader.exec_module(module)
     return module
 

@@ -1,0 +1,182 @@
+"""Turn GSM8K into the trainer's prompt files: ``train.parquet`` and ``test.parquet`` in verl's layout.
+
+    python scripts/prepare_gsm8k.py                                  # datasets.load_dataset("openai/gsm8k", "main")
+    python scripts/prepare_gsm8k.py --local-dir ~/gsm8k --out data/gsm8k   # no network
+
+``--local-dir`` holds a copy of the data: the Hugging Face repository's Parquet files
+(``main/train-00000-of-00001.parquet``, ``main/test-...``), or JSON lines with ``question`` and
+``answer`` (``train.jsonl``, ``test.jsonl`` as in openai/grade-school-math). Files are looked for in
+``<local-dir>/<subset>/`` if that folder exists, else in ``<local-dir>/``; a split's file name starts
+with the split's name.
+
+Each row becomes (as verl's ``examples/data_preprocess/gsm8k.py`` writes it)::
+
+    prompt        [{"role": "user", "content": question + ' Let\'s think step by step and output the
+                  final answer after "####".'}]
+    data_source   "openai/gsm8k"           (ppo.rewards scores it with the GSM8K rule)
+    ability       "math"
+    reward_model  {"style": "rule", "ground_truth": the number after the answer's "####", commas removed}
+    extra_info    {"split", "index", "answer" (the full worked answer), "question" (as given)}
+
+A row whose answer has no ``#### <number>`` line fails, naming the file and the row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+DATA_SOURCE = "openai/gsm8k"
+"""``data_source`` of every row; ``ppo.rewards.default_compute_score`` knows it."""
+INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+"""Appended to each question (verl's wording), so the policy learns the format the reward reads."""
+DEFAULT_OUT = "data/gsm8k"
+"""Where the files go by default; the GSM8K presets in configs/ read them from here."""
+SPLITS = ("train", "test")
+
+# The final line of a GSM8K answer: "#### 1,234" (a sign or decimals occur in some rows).
+_FINAL_ANSWER = re.compile(r"####[ \t]*(-?[0-9][0-9,]*(?:\.[0-9]+)?)")
+
+SCHEMA = pa.schema(
+    [
+        ("data_source", pa.string()),
+        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        ("ability", pa.string()),
+        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+        (
+            "extra_info",
+            pa.struct(
+                [
+                    ("split", pa.string()),
+                    ("index", pa.int64()),
+                    ("answer", pa.string()),
+                    ("question", pa.string()),
+                ]
+            ),
+        ),
+    ]
+)
+"""Explicit, so every file has the same column types whatever its rows hold."""
+
+
+class GSM8KError(ValueError):
+    """The input is missing or malformed; the message names the file and the row."""
+
+
+def extract_ground_truth(answer: str, where: str) -> str:
+    """The number after the last ``####`` of a GSM8K answer, commas removed (``"1,000"`` -> ``"1000"``)."""
+    matches = _FINAL_ANSWER.findall(answer)
+    if not matches:
+        last = answer.strip().splitlines()[-1] if answer.strip() else ""
+        raise GSM8KError(f"{where}: the answer has no '#### <number>' line (its last line: {last!r:.80})")
+    return matches[-1].replace(",", "")
+
+
+def make_row(question: str, answer: str, split: str, index: int, where: str) -> dict[str, Any]:
+    """One output row in verl's layout (see the module docstring)."""
+    if not isinstance(question, str) or not question.strip():
+        raise GSM8KError(f"{where}: 'question' must be a non-empty string, got {question!r:.80}")
+    if not isinstance(answer, str):
+        raise GSM8KError(f"{where}: 'answer' must be a string, got {type(answer).__name__}")
+    return {
+        "data_source": DATA_SOURCE,
+        "prompt": [{"role": "user", "content": f"{question} {INSTRUCTION}"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": extract_ground_truth(answer, where)},
+        "extra_info": {"split": split, "index": index, "answer": answer, "question": question},
+    }
+
+
+def convert(rows: Iterable[dict[str, Any]], split: str, source: str) -> list[dict[str, Any]]:
+    """Rows with ``question`` and ``answer`` -> output rows; ``source`` names the input in errors."""
+    out = []
+    for i, row in enumerate(rows):
+        missing = [k for k in ("question", "answer") if k not in row]
+        if missing:
+            raise GSM8KError(f"{source}: row {i}: missing {', '.join(missing)}; it has {sorted(row)}")
+        out.append(make_row(row["question"], row["answer"], split, i, f"{source}: row {i}"))
+    if not out:
+        raise GSM8KError(f"{source}: no rows")
+    return out
+
+
+def read_local(path: Path) -> list[dict[str, Any]]:
+    """The rows of a Parquet or JSON-lines file."""
+    if path.suffix == ".parquet":
+        return pq.read_table(path).to_pylist()
+    rows = []
+    with path.open() as f:
+        for i, line in enumerate(f):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise GSM8KError(f"{path}: line {i + 1} is not JSON: {e}") from e
+    return rows
+
+
+def find_split_file(local_dir: Path, subset: str, split: str) -> Path:
+    """The one file of ``split`` in ``local_dir/subset`` (or ``local_dir``): Parquet, else JSON lines."""
+    folder = local_dir / subset if (local_dir / subset).is_dir() else local_dir
+    for pattern in (f"{split}*.parquet", f"{split}*.jsonl", f"{split}*.json"):
+        found = sorted(folder.glob(pattern))
+        if len(found) > 1:
+            raise GSM8KError(f"{folder}: several {split} files {[p.name for p in found]}; keep one")
+        if found:
+            return found[0]
+    raise GSM8KError(f"{folder}: no {split}*.parquet or {split}*.jsonl file")
+
+
+def load_hub(subset: str) -> dict[str, tuple[list[dict[str, Any]], str]]:
+    """Both splits from the Hugging Face hub (needs the network and the ``datasets`` package)."""
+    import datasets  # imported here: only this path needs it, and it is slow to import
+
+    ds = datasets.load_dataset(DATA_SOURCE, subset)
+    return {split: (list(ds[split]), f"{DATA_SOURCE}[{subset}/{split}]") for split in SPLITS}
+
+
+def write_parquet(rows: list[dict[str, Any]], path: Path) -> None:
+    """Write rows with the fixed schema, atomically (a partial file never has the final name)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".parquet.tmp")
+    pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), tmp)
+    tmp.replace(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--local-dir", type=Path, default=None, help="a local copy (Parquet or jsonl)")
+    parser.add_argument("--subset", default="main", help="GSM8K configuration: main or socratic")
+    parser.add_argument("--out", type=Path, default=Path(DEFAULT_OUT), help="output folder")
+    args = parser.parse_args(argv)
+    try:
+        if args.local_dir is not None:
+            inputs = {}
+            for split in SPLITS:
+                path = find_split_file(args.local_dir, args.subset, split)
+                inputs[split] = (read_local(path), str(path))
+        else:
+            inputs = load_hub(args.subset)
+        outputs = {split: convert(rows, split, source) for split, (rows, source) in inputs.items()}
+    except GSM8KError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    # Write only once every split converted, so a bad row leaves no half-prepared folder behind.
+    for split, rows in outputs.items():
+        write_parquet(rows, args.out / f"{split}.parquet")
+        print(f"{args.out / f'{split}.parquet'}: {len(rows)} rows")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

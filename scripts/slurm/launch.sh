@@ -1,0 +1,155 @@
+#!/usr/bin/env bash
+# Shared body of the sbatch scripts in this folder: one `torchrun` per node under `srun`, all of them
+# meeting at a c10d rendezvous on the job's first node. Sourced by ppo.sbatch, sft.sbatch and
+# reward_model.sbatch after they set:
+#
+#   ENTRY         the entry script, relative to the repository root (train_ppo.py, scripts/train_sft.py)
+#   RESUMABLE     1: the entry resumes from its latest checkpoint (trainer.resume_mode=auto), so the job
+#                 requeues itself on USR1 (sent before the time limit) and torchrun restarts dead ranks;
+#                 0: a restart would start over, so neither is done
+#   NODE_OVERRIDES 1: append trainer.nnodes / trainer.n_gpus_per_node (keys only train_ppo.py has)
+#
+# and calls `launch "$@"` with the batch script's own arguments: CONFIG.yaml [section.key=value ...].
+#
+# Knobs from the environment (all optional):
+#   PPO_ROOT        repository root (default: $SLURM_SUBMIT_DIR, i.e. where sbatch was run)
+#   GPUS_PER_NODE   ranks per node (default: from Slurm's --gpus-per-node, else 8)
+#   MASTER_PORT     rendezvous port (default: 20000 + job id % 10000, so two jobs sharing a head node
+#                   do not collide)
+#   RDZV_HOST       rendezvous host (default: the first host of the allocation)
+#   MAX_RESTARTS    torchrun --max-restarts (default 3 when RESUMABLE, else 0)
+#   MAX_REQUEUES    stop requeueing after this many restarts of the job (default 20)
+#   PRECHECK        1 (default): validate the config for the job's world size before starting ranks
+#   PYTHON, TORCHRUN  interpreters (default: the repository's .venv, else what is on PATH)
+set -euo pipefail
+
+log() {
+    echo "[$(date '+%F %T')] launch: $*" >&2
+}
+
+# USR1 arrives (#SBATCH --signal=B:USR1@120) shortly before the time limit. Requeueing puts the job
+# back in the queue with the same id; Slurm then stops this run, and the next one resumes from the
+# latest complete checkpoint because trainer.resume_mode=auto. Steps since that checkpoint are redone.
+on_usr1() {
+    local restarts=${SLURM_RESTART_COUNT:-0}
+    if ((restarts >= MAX_REQUEUES)); then
+        log "USR1: time limit near, but the job was already requeued $restarts times (MAX_REQUEUES); not requeueing"
+        return
+    fi
+    log "USR1: time limit near; requeueing job $SLURM_JOB_ID (restart $((restarts + 1)))"
+    scontrol requeue "$SLURM_JOB_ID" || log "scontrol requeue failed; the job will end at its time limit"
+}
+
+launch() {
+    if (($# < 1)) || [[ $1 == -h || $1 == --help ]]; then
+        echo "usage: sbatch [--nodes=K] ${0##*/} CONFIG.yaml [section.key=value ...]" >&2
+        exit 2
+    fi
+    local config=$1
+    shift
+
+    : "${SLURM_JOB_ID:?not inside a Slurm job: submit with sbatch (or set the SLURM_* variables)}"
+    : "${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set}"
+    local nnodes=${SLURM_NNODES:-${SLURM_JOB_NUM_NODES:-1}}
+
+    # sbatch runs a copy of the script from Slurm's spool folder, so the repository is found from the
+    # submit directory, not from $0.
+    local root=${PPO_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}
+    if [[ ! -f $root/$ENTRY ]]; then
+        echo "launch: $root/$ENTRY not found; submit from the repository root or set PPO_ROOT" >&2
+        exit 2
+    fi
+    cd "$root"
+    if [[ ! -f $config ]]; then
+        echo "launch: config file $config not found (relative paths are from $root)" >&2
+        exit 2
+    fi
+
+    # --gpus-per-node=8 sets SLURM_GPUS_ON_NODE=8; SLURM_GPUS_PER_NODE may carry a type ("h100:8").
+    local gpus=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-8}}}
+    gpus=${gpus##*:}
+    local world_size=$((nnodes * gpus))
+
+    # The first host of the allocation runs the c10d store. mapfile reads all of scontrol's output
+    # (a `| head -n1` could SIGPIPE scontrol on a long node list, which pipefail turns into a failure).
+    local -a hosts
+    mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+    if ((${#hosts[@]} == 0)); then
+        echo "launch: scontrol show hostnames '$SLURM_JOB_NODELIST' gave no hosts" >&2
+        exit 2
+    fi
+    local head=${RDZV_HOST:-${hosts[0]}}
+    local port=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 10000))}
+
+    local python=${PYTHON:-}
+    local torchrun=${TORCHRUN:-}
+    if [[ -z $python ]]; then
+        if [[ -x .venv/bin/python ]]; then python=.venv/bin/python; else python=python; fi
+    fi
+    if [[ -z $torchrun ]]; then
+        if [[ -x .venv/bin/torchrun ]]; then torchrun=.venv/bin/torchrun; else torchrun=torchrun; fi
+    fi
+
+    # Launcher overrides go around the user's: resume_mode=auto first (a user may still pin a
+    # checkpoint), the node layout last (it is what Slurm allocated, whatever the preset says).
+    local -a overrides=()
+    local max_restarts=${MAX_RESTARTS:-0}
+    if ((RESUMABLE)); then
+        overrides+=(trainer.resume_mode=auto)
+        max_restarts=${MAX_RESTARTS:-3}
+    fi
+    overrides+=("$@")
+    if ((NODE_OVERRIDES)); then
+        overrides+=("trainer.nnodes=$nnodes" "trainer.n_gpus_per_node=$gpus")
+    fi
+
+    # Fail in seconds on this node, not after every rank has loaded its model, when the batch sizes do
+    # not divide over this world size; the message names the keys to change.
+    if [[ ${PRECHECK:-1} == 1 ]]; then
+        if ! "$python" "$ENTRY" --config "$config" --print-config --world-size "$world_size" \
+            "${overrides[@]}" >/dev/null; then
+            echo "launch: $config does not fit $nnodes node(s) x $gpus GPU(s); nothing was started" >&2
+            exit 2
+        fi
+    fi
+
+    # One task per node holds all of the node's CPUs: srun does not inherit sbatch's --cpus-per-task on
+    # recent Slurm, and eight ranks squeezed onto one CPU would starve the data loading and NCCL threads.
+    local -a step=(srun --nodes="$nnodes" --ntasks-per-node=1 --kill-on-bad-exit=1)
+    if [[ -n ${SLURM_CPUS_ON_NODE:-} ]]; then
+        step+=(--cpus-per-task="$SLURM_CPUS_ON_NODE")
+    fi
+    local -a cmd=(
+        "${step[@]}"
+        "$torchrun"
+        --nnodes="$nnodes"
+        --nproc_per_node="$gpus"
+        --rdzv_id="$SLURM_JOB_ID"
+        --rdzv_backend=c10d
+        --rdzv_endpoint="$head:$port"
+        --max-restarts="$max_restarts"
+        "$ENTRY" --config "$config" "${overrides[@]}"
+    )
+    log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $nnodes node(s) x $gpus GPU(s), rendezvous $head:$port"
+    log "${cmd[*]}"
+
+    if ((RESUMABLE)); then
+        MAX_REQUEUES=${MAX_REQUEUES:-20}
+        trap on_usr1 USR1
+    fi
+    # srun runs in the background and the shell waits for it: bash runs a trap only between commands,
+    # and `wait` is interruptible where a foreground srun is not.
+    "${cmd[@]}" &
+    local pid=$! rc=0
+    while true; do
+        rc=0
+        wait "$pid" || rc=$?
+        # A trapped signal ends `wait` with 128+n while srun still runs: go back to waiting for it.
+        if ((rc > 128)) && kill -0 "$pid" 2>/dev/null; then
+            continue
+        fi
+        break
+    done
+    log "srun exited with $rc"
+    exit "$rc"
+}
