@@ -15,7 +15,9 @@ import logging
 import math
 import random
 import resource
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -244,6 +246,8 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
         state["best_val"] = val_metrics.get("val/score")
         metrics_logger.log(0, val_metrics)
 
+    stop_requested = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop_requested.set())
     while state["step"] < total_steps:
         state["step"] += 1
         step = state["step"]
@@ -276,7 +280,7 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
             batch.old_logprobs, _ = score_logprobs(cfg, actor, batch)
         if ref is not None:
             with timer("ref"):
-                batch.ref_logprobs, _ = score_logprobs(cfg, ref, batch)
+                batch.ref_logprobs, _ = score_logprobs(cfg, ref, batch, ref=True)
                 if cfg.algorithm.use_kl_in_reward and cfg.algorithm.kl_penalty == "full":
                     batch.full_kl = score_full_kl(cfg, actor, ref, batch)
             metrics["actor/ref_kl"] = ref_kl(batch)
@@ -357,9 +361,16 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
         metrics.update(monitor.check(step, metrics))
         metrics_logger.log(step, metrics)
 
-        # 6. checkpoint: sharded, atomic, resumable
-        if cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or step == total_steps):
+        # 6. checkpoint: sharded, atomic, resumable; also when asked to stop (SIGTERM from Slurm or
+        # torchrun), so that a preempted job resumes from this step. Ranks agree on the signal first.
+        stopping = all_reduce_scalar(float(stop_requested.is_set()), "max") > 0
+        if (
+            cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or step == total_steps)
+        ) or stopping:
             ckpt.save(step, state, guard)
+        if stopping:
+            logger.warning("stopping after step %d on SIGTERM; resume with trainer.resume_mode=auto", step)
+            break
 
     if cfg.trainer.save_hf_on_end:
         models.save_hf(actor, tokenizer, out_dir / "hf", is_main=info.is_main)
@@ -506,16 +517,22 @@ def make_kl_controller(cfg: PPOConfig) -> algorithms.FixedKLController | algorit
 
 
 def micro_batches(
-    cfg: PPOConfig, batch: Batch, idx: torch.Tensor, *, critic: bool = False
+    cfg: PPOConfig, batch: Batch, idx: torch.Tensor, *, critic: bool = False, ref: bool = False
 ) -> list[torch.Tensor]:
-    """Micro-batches (index tensors into the batch) of the sequences ``idx``, agreed across ranks."""
+    """Micro-batches (index tensors into the batch) of the sequences ``idx``, agreed across ranks.
+
+    The actor's (or critic's) token budget with dynamic batch size; otherwise its fixed micro-batch
+    size, or ``ref.log_prob_micro_batch_size_per_gpu`` for the reference (no backward: larger fits).
+    """
     role = cfg.critic if critic else cfg.actor
     lens = batch.seq_lens
     groups = plan_micro_batches(
         [lens[i] for i in idx.tolist()],
         use_dynamic_bsz=role.use_dynamic_bsz,
         max_tokens=role.ppo_max_token_len_per_gpu,
-        micro_batch_size=role.ppo_micro_batch_size_per_gpu,
+        micro_batch_size=cfg.ref.log_prob_micro_batch_size_per_gpu
+        if ref
+        else role.ppo_micro_batch_size_per_gpu,
     )
     return [idx[torch.tensor(g, dtype=torch.long)] for g in groups]
 
@@ -529,11 +546,13 @@ def pack_rows(batch: Batch, sel: torch.Tensor):
 
 
 @torch.no_grad()
-def score_logprobs(cfg: PPOConfig, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, None]:
+def score_logprobs(
+    cfg: PPOConfig, model: torch.nn.Module, batch: Batch, *, ref: bool = False
+) -> tuple[torch.Tensor, None]:
     """Log-probs ``[B, R]`` of the sampled tokens under ``model`` at the rollout temperature."""
     out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
     all_idx = torch.arange(len(batch.records), device=out.device)
-    for sel in micro_batches(cfg, batch, all_idx):
+    for sel in micro_batches(cfg, batch, all_idx, ref=ref):
         lp, _ = packed_logprobs(
             model,
             pack_rows(batch, sel),
@@ -542,6 +561,8 @@ def score_logprobs(cfg: PPOConfig, model: torch.nn.Module, batch: Batch) -> tupl
             fused=cfg.actor.use_fused_kernels,
         )
         out[sel] = lp
+    if ref:
+        release(model)
     return out, None
 
 
@@ -561,6 +582,7 @@ def score_full_kl(cfg: PPOConfig, actor: torch.nn.Module, ref: torch.nn.Module, 
         ref_logits = models.causal_lm_logits(ref, packed.input_ids, packed.position_ids).float() / tau
         kl = algorithms.full_kl(logits[None], ref_logits[None], (packed.labels != -100)[None])[0]
         out[sel] = unpack(kl, packed)
+    release(ref)
     return out
 
 
@@ -599,6 +621,7 @@ def compute_scores(
                 by_model[sel] = models.reward_scores(
                     reward_model, packed.input_ids, packed.position_ids, packed.cu_seqlens
                 ).cpu()
+        release(reward_model)
     if cfg.reward.style == "rule":
         scores = rule
     elif cfg.reward.style == "model":
@@ -608,6 +631,13 @@ def compute_scores(
             rule if cfg.reward.ranking_by == "rule" else by_model, batch.group_ids.cpu()
         )
     return scores.to(batch.response_mask.device)
+
+
+def release(model: torch.nn.Module) -> None:
+    """Reshard a frozen model's root after its no-grad forwards: FSDP2 keeps the root (embeddings, head)
+    gathered after a forward for the backward that a frozen model never runs."""
+    for module in models.fsdp_modules(model):
+        module.reshard()
 
 
 def decode_responses(tokenizer, rollout: Rollout) -> list[str]:

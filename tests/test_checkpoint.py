@@ -209,3 +209,24 @@ def test_unwritable_output_and_vanished_data(
     assert str(data) in caplog.text
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 1
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_the_current_step_and_exits(tiny_assets: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = base_args(tiny_assets, out, steps=50) + ["trainer.val_before_train=false"]  # no periodic saves
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train_ppo.py"), *args], stderr=subprocess.PIPE, text=True, env=env
+    )
+    deadline = time.time() + 300
+    while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().strip()):
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "stopping after step" in stderr
+    step = read_metrics(out)[-1]["step"]
+    assert 1 <= step < 50
+    assert (out / "checkpoints" / "latest").read_text() == f"step_{step:08d}"
