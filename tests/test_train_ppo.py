@@ -266,7 +266,8 @@ def test_bad_config_and_data_fail_clearly(
 
 @pytest.mark.slow
 def test_two_ranks_equal_one_rank(tiny_assets: Path, tmp_path: Path) -> None:
-    """The same global batch on 2 gloo ranks and on 1 rank gives the same parameters after 2 steps.
+    """The same global batch on 1 rank, on 2 gloo ranks (1 x 2 sharding) and on 2 ranks as 2 x 1 hybrid
+    sharding gives the same parameters after 2 steps.
 
     Greedy rollouts (identical on any rank layout), one mini-batch per step (so shuffling cannot differ)
     and a reward that varies per prompt so GAE has a signal.
@@ -287,7 +288,7 @@ def test_two_ranks_equal_one_rank(tiny_assets: Path, tmp_path: Path) -> None:
         "actor.optim.eps=1e-3",
         "critic.optim.eps=1e-3",
     ]
-    one, two = tmp_path / "one", tmp_path / "two"
+    one, two, hybrid = tmp_path / "one", tmp_path / "two", tmp_path / "hybrid"
     assert run(base_args(tiny_assets, one) + common) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [
@@ -298,24 +299,29 @@ def test_two_ranks_equal_one_rank(tiny_assets: Path, tmp_path: Path) -> None:
         "--nproc_per_node=2",
         str(ROOT / "train_ppo.py"),
     ]
-    proc = subprocess.run(
-        cmd + base_args(tiny_assets, two) + common + ["trainer.dist_timeout_s=120"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    # 1 x 2 (shard over both ranks) and 2 x 1 (hybrid: replicate across 2 groups of 1 rank each).
+    hsdp = ["actor.fsdp.fsdp_size=1", "critic.fsdp.fsdp_size=1", "ref.fsdp.fsdp_size=1"]
+    for out, extra in ((two, []), (hybrid, hsdp)):
+        proc = subprocess.run(
+            cmd + base_args(tiny_assets, out) + common + extra + ["trainer.dist_timeout_s=120"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
     a = load_file(one / "hf" / "model.safetensors")
-    b = load_file(two / "hf" / "model.safetensors")
     base = load_file(tiny_assets / "base" / "model.safetensors")
     assert any(not torch.equal(a[k], base[k]) for k in a), "the update changed nothing"
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=1e-5, msg=f"{key} differs")
-    ra, rb = read_metrics(one), read_metrics(two)
-    for x, y in zip(ra, rb, strict=True):
-        for k in ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "response_length/mean"):
-            assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-5), k
+    for other in (two, hybrid):
+        b = load_file(other / "hf" / "model.safetensors")
+        for key in a:
+            torch.testing.assert_close(
+                a[key], b[key], atol=1e-6, rtol=1e-5, msg=f"{other.name}: {key} differs"
+            )
+        for x, y in zip(read_metrics(one), read_metrics(other), strict=True):
+            for k in ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "response_length/mean"):
+                assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-5), k
 
 
 def test_plot_run_writes_png(gae_run: Path, tmp_path: Path) -> None:
