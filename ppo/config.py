@@ -42,8 +42,9 @@ class ModelConfig:
     ``from_pretrained``."""
     tokenizer_path: str | None = None
     """Tokenizer folder or hub id; default: ``path``."""
-    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
-    """Attention kernel: ``auto`` picks flash_attention_2 on CUDA where installed, else sdpa."""
+    attn_implementation: Literal["auto", "ppo_varlen_sdpa", "sdpa", "eager", "flash_attention_2"] = "auto"
+    """Attention kernel: ``auto`` picks flash_attention_2 on CUDA where installed, else ``ppo_varlen_sdpa``
+    (sdpa per packed sequence: work grows with the sum of squared lengths, not the square of the sum)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype the weights are loaded in (the master copy the optimizer updates)."""
     enable_gradient_checkpointing: bool = False

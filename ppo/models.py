@@ -6,11 +6,15 @@
   the log-probs of the rollout; dropout would make the first ratio differ from 1).
 - Packed forwards: the tokens of ``B`` sequences concatenated into one row ``[total_tokens]`` with
   ``position_ids`` restarting at 0 per sequence and ``cu_seqlens [B+1]`` marking the boundaries. No
-  attention mask and ``use_cache=False``: transformers 5 then attends block-diagonally (sdpa, eager;
-  flash_attention_2 reads the boundaries from the position ids). With the cache on, the packing is
-  silently ignored.
+  attention mask and ``use_cache=False`` (with the cache on, the packing is silently ignored).
+- Attention: ``resolve_attn_implementation("auto")`` is flash_attention_2 on CUDA with flash_attn, which
+  reads the boundaries from the position ids, else ``ppo_varlen_sdpa`` (``varlen_sdpa_attention``):
+  causal sdpa per packed sequence, ``sum(l_i^2)`` work, where transformers' own sdpa and eager apply a
+  block-diagonal mask to a dense ``T x T`` score matrix, ``T = sum(l_i)``. Every other call
+  (``generate`` with left padding and a KV cache, padded batches) is transformers' sdpa, unchanged.
 - Sharding: ``shard_model`` applies FSDP2 ``fully_shard`` per decoder layer, then the root;
-  ``gathered_for_generation`` gathers the parameters once for a whole ``generate`` call;
+  ``gathered_for_generation`` gathers the parameters once for a whole ``generate`` call and bypasses
+  FSDP's per-module forward hooks meanwhile;
   ``full_state_dict`` / ``save_hf`` export a ``save_pretrained`` folder from the shards.
 
 Every helper runs the model's own top-level ``forward`` (never ``model.model(...)``): FSDP2 gathers the
@@ -31,9 +35,10 @@ import contextlib
 import importlib
 import importlib.util
 import inspect
+import itertools
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -49,7 +54,9 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
 from transformers import (
+    AttentionInterface,
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -59,6 +66,8 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 from ppo.config import FSDPConfig
 
@@ -69,6 +78,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # Attribute that ``shard_model`` sets on each FSDP module, so that ``gathered_for_generation`` can
 # restore the configured ``reshard_after_forward`` (FSDP2 has no public getter for it).
 _RESHARD_ATTR = "_ppo_reshard_after_forward"
+
+PACKED_ATTENTION = "ppo_varlen_sdpa"
+"""Name of ``varlen_sdpa_attention`` in transformers' ``AttentionInterface`` (``attn_implementation``).
+It contains "sdpa" on purpose: transformers then checks at load time that the model supports sdpa, which
+every call that is not a packed forward falls back to."""
 
 
 class ModelPathError(FileNotFoundError):
@@ -145,10 +159,14 @@ def load_tokenizer(
 
 def resolve_attn_implementation(name: str, device: torch.device | str) -> str:
     """The attention kernel to load with: ``auto`` is flash_attention_2 on CUDA with flash_attn
-    installed, else sdpa. An explicit flash_attention_2 without flash_attn (or off CUDA) fails."""
+    installed, else ``PACKED_ATTENTION`` (sdpa per packed sequence, see ``varlen_sdpa_attention``).
+    ``sdpa`` and ``eager`` are transformers' own (dense block-diagonal mask on packed rows). An explicit
+    flash_attention_2 without flash_attn (or off CUDA) fails."""
     device = torch.device(device)
     if name == "auto":
-        return "flash_attention_2" if device.type == "cuda" and _flash_attn_error() is None else "sdpa"
+        if device.type == "cuda" and _flash_attn_error() is None:
+            return "flash_attention_2"
+        return PACKED_ATTENTION
     if name == "flash_attention_2":
         if (error := _flash_attn_error()) is not None:
             raise ImportError(
@@ -327,6 +345,153 @@ def _score_head(model: nn.Module) -> nn.Module:
 
 
 # ----------------------------------------------------------------------------------------------------
+# Attention for packed rows
+# ----------------------------------------------------------------------------------------------------
+
+
+def varlen_sdpa_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal sdpa per packed sequence; transformers' sdpa for every other call.
+
+    A transformers attention function (``AttentionInterface``, name ``PACKED_ATTENTION``): query
+    ``[b, H, q, d]``, key and value ``[b, H_kv, k, d]`` (grouped-query attention when ``H_kv < H``),
+    returns ``[b, q, H, d]``. A packed forward is one row (``b = 1``) without a cache (``q = k = T``) and
+    without a mask (``varlen_sdpa_mask`` returns none for it), holding the sequences that
+    ``position_ids`` delimit; each gets ``softmax(q_i k_i^T * scaling + causal) v_i`` on its own tokens,
+    ``sum(l_i^2)`` score entries in all instead of the ``T^2`` of a dense block-diagonal mask.
+    Everything else, and a row of one sequence, goes to ``sdpa_attention_forward`` as it is.
+    """
+    starts = _packed_sequence_starts(query, key, attention_mask, kwargs.get("position_ids"))
+    if starts is None or len(starts) == 1:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    # varlen_sdpa_mask dropped the mask of this row, so it must be computed here, and this function
+    # only knows the plain causal pattern: fail rather than attend differently from sdpa.
+    extras = [k for k in ("sliding_window", "softcap", "position_bias") if kwargs.get(k) is not None]
+    is_causal = kwargs.get("is_causal")  # as sdpa_attention_forward reads it
+    if extras or not (getattr(module, "is_causal", True) if is_causal is None else is_causal):
+        raise NotImplementedError(
+            f"{PACKED_ATTENTION} computes plain causal attention per packed sequence; "
+            f"{type(module).__name__} needs {extras or ['non-causal attention']}: load it with "
+            "attn_implementation=sdpa"
+        )
+    # Grouped-query attention: sdpa broadcasts each key/value head over its query heads.
+    gqa = {"enable_gqa": True} if key.shape[1] != query.shape[1] else {}
+    outputs = [
+        torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, start:end],
+            key[:, :, start:end],
+            value[:, :, start:end],
+            dropout_p=dropout,
+            is_causal=True,
+            scale=scaling,
+            **gqa,
+        )
+        for start, end in itertools.pairwise([*starts, query.shape[2]])
+    ]
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _packed_sequence_starts(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+) -> list[int] | None:
+    """Offsets where the sequences of a packed row start (``[0, ...]``), or None for any other call."""
+    if attention_mask is not None or position_ids is None:
+        return None
+    if query.shape[0] != 1 or query.shape[2] != key.shape[2] or position_ids.numel() != query.shape[2]:
+        return None  # a batch of rows, or queries after a cached prefix (decoding)
+    positions = position_ids.reshape(-1)
+    # A sequence starts wherever the position does not continue the previous one: the rule by which
+    # transformers finds packed sequences (masking_utils.find_packed_sequence_indices).
+    breaks = (positions[1:] - positions[:-1] != 1).nonzero().flatten() + 1
+    return [0, *breaks.tolist()]
+
+
+def varlen_sdpa_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int | torch.Tensor = 0,
+    kv_offset: int = 0,
+    mask_function: Callable[..., torch.Tensor] = causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    use_vmap: bool = False,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """The mask function of ``PACKED_ATTENTION`` (``AttentionMaskInterface``): none for a packed causal
+    row, which ``varlen_sdpa_attention`` splits by its position ids instead, else ``sdpa_mask``.
+
+    Transformers calls it once per forward with the pattern as an index function ``mask_function(b, h,
+    q_idx, kv_idx) -> bool``; for a packed row (no padding mask, one row, no cache) that is causal
+    within each sequence, and ``sdpa_mask`` would materialize it as a dense ``[1, 1, T, T]`` tensor.
+    The pattern is recognized on two diagonals, ``O(T)``: packed causal has no entry above the diagonal
+    and a gap below it at each sequence start. Anything else (a plain causal row, padding, a KV cache,
+    sliding windows, bidirectional or model-specific overlays) gets exactly sdpa's mask, so
+    ``generate`` and padded batches behave as with ``attn_implementation="sdpa"``.
+    """
+    candidate = (
+        attention_mask is None
+        and batch_size == 1
+        and q_length == kv_length > 1
+        and isinstance(q_offset, int)
+        and q_offset == 0
+        and kv_offset == 0
+        and not use_vmap  # or/and overlays (vmap'd, maybe not index-based)
+        and kwargs.get("local_size") is None  # sliding window or chunked attention
+        and "allow_is_bidirectional_skip" not in kwargs  # create_bidirectional_mask
+    )
+    if candidate and _is_packed_causal(mask_function, q_length, kwargs.get("device", "cpu")):
+        return None
+    return sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        use_vmap=use_vmap,
+        **kwargs,
+    )
+
+
+def _is_packed_causal(
+    mask_function: Callable[..., torch.Tensor], length: int, device: torch.device | str
+) -> bool:
+    """Whether ``mask_function`` over ``length`` tokens is causal and holds more than one sequence."""
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    t = torch.arange(length - 1, device=device)
+    above = mask_function(zero, zero, t, t + 1)  # (t, t+1): masked in any causal pattern
+    below = mask_function(zero, zero, t + 1, t)  # (t+1, t): masked only where sequence t+1 starts
+    return not bool(above.any()) and not bool(below.all())
+
+
+def _register_packed_attention() -> None:
+    """Make ``PACKED_ATTENTION`` a valid ``attn_implementation`` (idempotent; runs at import).
+
+    Transformers looks the name up in both registries: the attention function per layer, and the mask
+    function once per forward (a name without one would get no mask at all, breaking padded batches).
+    """
+    AttentionInterface.register(PACKED_ATTENTION, varlen_sdpa_attention)
+    AttentionMaskInterface.register(PACKED_ATTENTION, varlen_sdpa_mask)
+
+
+_register_packed_attention()
+
+
+# ----------------------------------------------------------------------------------------------------
 # Packed (padding-free) forwards
 # ----------------------------------------------------------------------------------------------------
 
@@ -338,7 +503,8 @@ def _packed_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor) -> dict[
             f"and {tuple(position_ids.shape)}"
         )
     # No attention mask and no cache: with position ids restarting at 0 per sequence, transformers
-    # builds a block-diagonal causal mask; a cache would make it ignore the packing (silently).
+    # attends block-diagonally (PACKED_ATTENTION: per sequence); a cache would make it ignore the
+    # packing (silently).
     return {"input_ids": input_ids[None], "position_ids": position_ids[None], "use_cache": False}
 
 
@@ -536,10 +702,19 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
 def gathered_for_generation(model: nn.Module) -> Iterator[nn.Module]:
     """Gather all sharded parameters once, for a whole ``generate`` call; reshard on exit.
 
-    Without it, FSDP2 all-gathers every layer at every decode step. Inside, no collective runs, so
-    ranks may also stop generating at different steps. A no-op for an unsharded model. Every rank
-    must enter it (the gathers are collectives). Memory: one full copy of the parameters in
-    ``param_dtype``.
+    Without it, FSDP2 all-gathers every layer at every decode step. Inside, no collective runs (ranks
+    may stop generating at different steps) and decoding runs at the speed of the unsharded model
+    (scripts/bench_rollout.py):
+
+    - ``generate`` makes no per-step all-reduce (``_fsdp_marker_hidden``), which transformers adds
+      for a model it sees as FSDP-managed.
+    - Entered with gradients off (``torch.no_grad``, as ``rollout.generate`` does), FSDP's per-module
+      forward hooks are bypassed (``_fsdp_forward_hooks_bypassed``): with everything gathered they
+      only re-check state and cast inputs, at every module call of every decode step. With gradients
+      on they stay, since they also set up the backward.
+
+    A no-op for an unsharded model. Every rank must enter it (the gathers are collectives). Memory:
+    one full copy of the parameters in ``param_dtype``.
     """
     modules = fsdp_modules(model)
     for module in modules:
@@ -547,11 +722,79 @@ def gathered_for_generation(model: nn.Module) -> Iterator[nn.Module]:
     for module in modules:
         module.unshard()  # not recursive: each FSDP module gathers its own group
     try:
-        yield model
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_fsdp_marker_hidden(model))
+            if not torch.is_grad_enabled():
+                stack.enter_context(_fsdp_forward_hooks_bypassed(modules))
+            yield model
     finally:
         for module in modules:
             module.reshard()
             module.set_reshard_after_forward(getattr(module, _RESHARD_ATTR, True), recurse=False)
+
+
+@contextlib.contextmanager
+def _fsdp_marker_hidden(model: nn.Module) -> Iterator[None]:
+    """Let transformers' ``generate`` treat the gathered model as unsharded: no per-step all-reduce.
+
+    ``generate`` defaults to ``synced_gpus=True`` (an all-reduce at every decode step, so that ranks
+    keep calling forward until all are done) for a model it finds FSDP-managed: one whose
+    ``_is_fsdp_managed_module`` attribute, set by ``fully_shard`` for Dynamo, is True. With the
+    parameters gathered no forward makes a collective, so that sync only costs (~10% of decoding the
+    tiny model on 2 ranks). The root's attribute is False until exit; passing ``synced_gpus=False`` to
+    ``generate`` has the same effect for one call.
+    """
+    if not getattr(model, "_is_fsdp_managed_module", False):
+        yield
+        return
+    model._is_fsdp_managed_module = False
+    try:
+        yield
+    finally:
+        model._is_fsdp_managed_module = True
+
+
+@contextlib.contextmanager
+def _fsdp_forward_hooks_bypassed(modules: list[FSDPModule]) -> Iterator[None]:
+    """Replace the forward pre- and post-hook of each FSDP module with a no-op; restore them on exit.
+
+    Only for no-grad forwards of modules whose parameters are all unsharded with reshard-after-forward
+    off (``gathered_for_generation``). There FSDP2's hooks would find the parameters gathered, reshard
+    nothing and, without autograd, register no backward hooks; what remains is casting floating-point
+    inputs to ``param_dtype``, which changes nothing either: generate feeds token ids, and the layers
+    get hidden states from embeddings already in ``param_dtype``.
+
+    FSDP2 has no public switch for its hooks, so this uses its private state (torch 2.13):
+    ``FSDPState._pre_forward_hook_handle`` / ``_post_forward_hook_handle``, the ``RemovableHandle`` of
+    ``register_forward_pre_hook`` / ``register_forward_hook`` on the module. Each hook is swapped in
+    place in the module's hook dict (so the hooks keep their order) and put back in ``finally``. A
+    module whose handles do not look like that (another torch version, grouped ``fully_shard``) keeps
+    its hooks: slower, still correct.
+    """
+    swapped: list[tuple[dict[int, Callable[..., Any]], int, Callable[..., Any]]] = []
+    try:
+        for module in modules:
+            state = module._get_fsdp_state()
+            handles = [
+                getattr(state, name, None)
+                for name in ("_pre_forward_hook_handle", "_post_forward_hook_handle")
+            ]
+            hook_dicts = [h.hooks_dict_ref() if isinstance(h, RemovableHandle) else None for h in handles]
+            if any(d is None or h.id not in d for h, d in zip(handles, hook_dicts, strict=True)):
+                logger.debug("FSDP hooks of %s not found; generating with them", type(module).__name__)
+                continue
+            for handle, hooks in zip(handles, hook_dicts, strict=True):
+                swapped.append((hooks, handle.id, hooks[handle.id]))
+                hooks[handle.id] = _no_op_hook
+        yield
+    finally:
+        for hooks, hook_id, hook in swapped:
+            hooks[hook_id] = hook
+
+
+def _no_op_hook(*_: Any) -> None:
+    """A forward (pre-)hook that changes nothing: returning None keeps the inputs / output."""
+    return None
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:

@@ -4,8 +4,9 @@ Every scoring and training forward runs on packed sequences: the prompt and resp
 sequences are concatenated into one row of ``T`` tokens, position ids restart at 0 for each sequence,
 ``cu_seqlens [B+1]`` marks the boundaries, and the model runs with no attention mask and
 ``use_cache=False`` (with a cache, transformers silently ignores the packing; see
-``shared/notes/platform.md``). sdpa and eager then attend block-diagonally; flash_attention_2 reads the
-boundaries from the position ids. Token quantities come back as ``[B, R]`` over response tokens, the
+``shared/notes/platform.md``). flash_attention_2 reads the boundaries from the position ids, and so
+does ``ppo_varlen_sdpa`` (``ppo.models``: sdpa per sequence), the default elsewhere; plain sdpa and
+eager attend through a dense block-diagonal mask. Token quantities come back as ``[B, R]`` over response tokens, the
 layout of ``ppo.algorithms``.
 
 Micro-batches are cut by a token budget and balanced by length (longest-first greedy partition, the

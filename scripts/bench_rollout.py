@@ -6,7 +6,11 @@ response is exactly ``--new-tokens`` long (equal work; generation is greedy unle
 - ``hf_generate``:  an unsharded copy of the model, ``model.generate`` on left-padded micro-batches;
 - ``ppo_rollout``:  ``ppo.rollout.generate`` on the model sharded by ``ppo.models.shard_model``: the
   parameters are gathered once per call (``gathered_for_generation``), then the same HF generate runs
-  with the FSDP hooks in place. The target is >= 0.9x the plain path's tokens/s.
+  with FSDP's forward hooks bypassed and no per-step sync between ranks. The target is >= 0.9x the
+  plain path's tokens/s.
+
+Both models use the trainer's attention (``models.resolve_attn_implementation("auto")``), which for
+left-padded generation with a KV cache is transformers' sdpa (flash_attention_2 on GPU).
 
 Tokens/s counts generated tokens over all ranks; a path's time is the slowest rank's, the best of
 ``--repeat`` runs (the two paths alternate, so load from other processes hits both alike). On CPU the

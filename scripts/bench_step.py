@@ -15,24 +15,26 @@ runs the step's other phases with train_ppo's own functions (``score_logprobs``,
   the only difference to ``padded`` is the padding;
 - ``packed_dynamic``:  the trainer with token-budget micro-batches (``use_dynamic_bsz``, budget
   ``--micro-batch x`` the longest possible sequence): fewer, fuller forwards besides no padding;
-- ``packed_varlen``:  ``packed`` with attention computed per sequence (``varlen_sdpa_attention``, a
-  prototype defined here): what a varlen kernel (flash_attention_2 on GPU) does, on any device.
+- ``packed_dense``:  ``packed`` with the models switched to transformers' own sdpa for the step, which
+  applies the block-diagonal mask to a dense ``T x T`` score matrix (the comparison for the trainer's
+  per-sequence attention).
 
 Columns: time per phase (old_log_prob, ref, values, update = critic + actor), ``train_s`` (their sum),
 ``computed_tokens`` (token slots fed through the models, padding included), ``pad_frac`` (padding
 share of them), ``tokens_per_s`` (the batch's real tokens / train_s), ``speedup`` (padded train_s /
 this train_s), ``expected`` (padded computed_tokens / this computed_tokens: what removing the
 padding gives where time is proportional to tokens, as in the linear layers) and ``attn_vs_padded``
-(attention score entries relative to padded). With flash_attention_2 (GPU) packed attention costs
-``sum(l_i^2)`` per micro-batch, less than padded ``b * L^2``; with sdpa or eager (CPU) transformers applies
-the block-diagonal mask to a dense ``T x T`` score matrix, ``T = sum(l_i)``, which costs more than
-padding does, and the more so the larger the micro-batch (``packed_dynamic``).
+(attention score entries relative to padded). The trainer's attention
+(``models.resolve_attn_implementation("auto")``: flash_attention_2 on GPU, else
+``models.PACKED_ATTENTION``, sdpa per sequence) costs ``sum(l_i^2)`` per packed micro-batch, less than
+padded ``b * L^2``; transformers' sdpa and eager (``packed_dense``) cost ``T^2``, ``T = sum(l_i)``, more
+than padding does, and the more so the larger the micro-batch.
 
 Each rank uses one CPU thread (``--threads``) and the CPU clock (``--clock``) by default, for the reasons
 given in bench_rollout.py; sizes are per rank unless said otherwise.
 
 Run:
-    .venv/bin/python scripts/bench_step.py                         # tiny model, all three paths, table
+    .venv/bin/python scripts/bench_step.py                         # tiny model, all four paths, table
     .venv/bin/python scripts/bench_step.py --paths padded packed --json
     .venv/bin/torchrun --standalone --nproc_per_node=2 scripts/bench_step.py
     torchrun --nproc_per_node=8 scripts/bench_step.py --model-config 0.5b --dtype bfloat16 \\
@@ -86,9 +88,9 @@ from ppo.optim import build_optimizer  # noqa: E402
 from ppo.packing import Packed  # noqa: E402
 from ppo.rollout import Rollout, generate  # noqa: E402
 
-PATHS = ("padded", "packed", "packed_dynamic", "packed_varlen")
-VARLEN_ATTENTION = "ppo_bench_varlen_sdpa"
-"""Name under which ``varlen_sdpa_attention`` is registered with transformers' AttentionInterface."""
+PATHS = ("padded", "packed", "packed_dynamic", "packed_dense")
+VARLEN_ATTENTION = ("flash_attention_2", models.PACKED_ATTENTION)
+"""Attention implementations that compute packed rows per sequence (``sum(l_i^2)``)."""
 PHASES = ("old_log_prob", "ref", "values", "update")
 T = TypeVar("T")
 NUM_MINI_BATCHES = 2
@@ -248,8 +250,9 @@ def layout(path: str, counter: TokenCounter, *, varlen_attention: bool) -> Itera
     """Run train_ppo's loop with the padded forwards (``padded``) or its own packed ones, counting the
     tokens of every micro-batch into ``counter``.
 
-    Attention work: padded ``b * L^2``; packed ``sum(l_i^2)`` with a varlen kernel (flash_attention_2),
-    else ``T^2``: sdpa and eager apply the block-diagonal mask to a dense ``T x T`` score matrix.
+    Attention work: padded ``b * L^2``; packed ``sum(l_i^2)`` with per-sequence attention
+    (``VARLEN_ATTENTION``), else ``T^2``: sdpa and eager apply the block-diagonal mask to a dense
+    ``T x T`` score matrix.
     """
     names = ("pack_rows", "packed_logprobs", "packed_values")
     saved = {n: getattr(train_ppo, n) for n in names}
@@ -286,62 +289,20 @@ def layout(path: str, counter: TokenCounter, *, varlen_attention: bool) -> Itera
             setattr(train_ppo, name, fn)
 
 
-def varlen_sdpa_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    position_ids: torch.Tensor | None = None,
-    **kwargs: object,
-) -> tuple[torch.Tensor, None]:
-    """Causal sdpa per packed sequence: ``sum(l_i^2)`` work instead of a dense masked ``T x T``.
-
-    A transformers attention function (``AttentionInterface``): query ``[1, H, T, d]``, key and value
-    ``[1, H_kv, T, d]``; sequences start where ``position_ids`` is 0 (ppo.packing's layout). Returns
-    ``[1, T, H, d]``. Not registered with a mask function, so transformers builds no mask for it.
-    """
-    if position_ids is None or query.shape[0] != 1:
-        raise ValueError("varlen_sdpa_attention needs one packed row and its position_ids")
-    total = query.shape[2]
-    starts = (position_ids[0] == 0).nonzero().flatten().tolist() + [total]
-    groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    outs = [
-        torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, s:e],
-            key[:, :, s:e],
-            value[:, :, s:e],
-            dropout_p=dropout,
-            is_causal=True,
-            scale=scaling,
-        )
-        for s, e in zip(starts[:-1], starts[1:], strict=True)
-    ]
-    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
-
-
 @contextlib.contextmanager
-def attention(nets: dict[str, torch.nn.Module], varlen: bool) -> Iterator[None]:
-    """Switch every model to ``varlen_sdpa_attention`` for the duration (no-op unless ``varlen``)."""
-    if not varlen:
+def attention(nets: dict[str, torch.nn.Module], name: str | None) -> Iterator[None]:
+    """Switch every model to the attention implementation ``name`` for the duration (``None``: keep)."""
+    if name is None:
         yield
         return
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(VARLEN_ATTENTION, varlen_sdpa_attention)
-    saved = {name: net.config._attn_implementation for name, net in nets.items()}
+    saved = {key: net.config._attn_implementation for key, net in nets.items()}
     try:
         for net in nets.values():
-            net.set_attn_implementation(VARLEN_ATTENTION)
+            net.set_attn_implementation(name)
         yield
     finally:
-        for name, net in nets.items():
-            net.set_attn_implementation(saved[name])
+        for key, net in nets.items():
+            net.set_attn_implementation(saved[key])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -510,13 +471,16 @@ def run(args: argparse.Namespace, info: DistInfo) -> list[Row]:
     )
     run_step(warm_cfg, info, warm, scores[: NUM_MINI_BATCHES * 2], nets, optims, clock, args.seed)
 
-    varlen = nets["actor"].config._attn_implementation == "flash_attention_2"
+    varlen = nets["actor"].config._attn_implementation in VARLEN_ATTENTION
     rows: list[Row] = []
     for path in args.paths:
         cfg = make_config(args, path, info.world_size)
         counter = TokenCounter()
-        is_varlen = path == "packed_varlen"
-        with layout(path, counter, varlen_attention=varlen or is_varlen), attention(nets, is_varlen):
+        dense = path == "packed_dense"
+        with (
+            layout(path, counter, varlen_attention=varlen and not dense),
+            attention(nets, "sdpa" if dense else None),
+        ):
             times = run_step(cfg, info, batch, scores, nets, optims, clock, args.seed)
         computed, real, attn = all_reduce_scalars(
             [float(counter.computed), float(counter.real), float(counter.attn)], "sum"

@@ -2,7 +2,7 @@
 
 The rows must parse as JSON and hold the expected columns; the padded baseline of bench_step must give
 the same log-probs and values as the trainer's packed forwards (else its timings compare different
-work), and so must the per-sequence attention prototype.
+work), and so must the packed forwards with transformers' dense-mask sdpa (``packed_dense``).
 """
 
 from __future__ import annotations
@@ -101,12 +101,17 @@ def test_bench_step_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert packed["computed_tokens"] == 5 * packed["real_tokens"]  # old, ref, values, critic, actor
     assert padded["computed_tokens"] > packed["computed_tokens"]
     assert padded["speedup"] == 1.0 and packed["expected"] > 1.0
+    # Per-sequence attention (the trainer's) against transformers' dense T x T mask: sum(l_i^2) < T^2.
+    dense = rows[bench_step.PATHS.index("packed_dense")]
+    assert packed["attn_entries"] < dense["attn_entries"]
+    assert dense["computed_tokens"] == packed["computed_tokens"]
 
 
 def test_padded_forwards_match_packed() -> None:
-    """The padded baseline and the attention prototype compute what the trainer's packed path does."""
+    """The padded baseline and the dense-mask packed path compute what the trainer's packed path does."""
     import train_ppo
     from ppo.distributed import destroy_distributed, init_distributed
+    from ppo.models import PACKED_ATTENTION
 
     args = bench_step.parse_args(
         ["--num-seqs", "4", "--prompt-len", "10", "--max-response", "8", "--micro-batch", "2"]
@@ -118,24 +123,26 @@ def test_padded_forwards_match_packed() -> None:
         batch, _ = bench_step.make_batch(args, info, nets["actor"], vocab=4096)
         assert len(set(batch.seq_lens)) > 1  # lengths differ, so there is padding to get wrong
         cfg = bench_step.make_config(args, "packed", world_size=1)
+        # The trainer's models compute packed rows per sequence (auto on CPU).
+        assert {net.config._attn_implementation for net in nets.values()} == {PACKED_ATTENTION}
         results = {}
-        for path in ("padded", "packed", "packed_varlen"):
+        for path in ("padded", "packed", "packed_dense"):
             counter = bench_step.TokenCounter()
-            varlen = path == "packed_varlen"
+            dense = path == "packed_dense"
             with (
-                bench_step.layout(path, counter, varlen_attention=varlen),
-                bench_step.attention(nets, varlen),
+                bench_step.layout(path, counter, varlen_attention=not dense),
+                bench_step.attention(nets, "sdpa" if dense else None),
             ):
                 logprobs, _ = train_ppo.score_logprobs(cfg, nets["actor"], batch)
                 values = train_ppo.score_values(cfg, nets["critic"], batch)
             results[path] = (logprobs, values)
             assert counter.real == 2 * sum(batch.seq_lens)
         mask = batch.response_mask
-        for path in ("padded", "packed_varlen"):
+        for path in ("padded", "packed_dense"):
             for got, want in zip(results[path], results["packed"], strict=True):
                 torch.testing.assert_close(got[mask], want[mask], atol=2e-5, rtol=1e-5)
-        # The attention implementation was restored after the prototype.
-        assert nets["actor"].config._attn_implementation != bench_step.VARLEN_ATTENTION
+        # The attention implementation was restored after packed_dense.
+        assert {net.config._attn_implementation for net in nets.values()} == {PACKED_ATTENTION}
         assert train_ppo.pack_rows is not None and train_ppo.pack_rows.__name__ == "pack_rows"
     finally:
         destroy_distributed()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ppo.distributed import init_distributed, reduce_metrics
+from ppo.distributed import destroy_distributed, init_distributed, reduce_metrics
 
 WORKER = textwrap.dedent(
     """
@@ -42,6 +42,7 @@ def test_single_rank_without_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
     info = init_distributed("cpu")
     assert (info.rank, info.world_size, info.is_main) == (0, 1, True)
     assert reduce_metrics({"x": 1.5}) == {"x": 1.5}
+    destroy_distributed()  # leave no process group behind for the tests that follow
 
 
 @pytest.mark.slow

@@ -33,17 +33,23 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
 )
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ppo.config import FSDPConfig, MixedPrecisionConfig
 from ppo.models import (
+    PACKED_ATTENTION,
     ModelPathError,
+    _no_op_hook,
     causal_lm_hidden,
     causal_lm_logits,
     count_parameters,
     critic_values,
     decoder_layers,
     enable_gradient_checkpointing,
+    fsdp_modules,
     full_state_dict,
     gathered_for_generation,
     lm_head_weight,
@@ -55,6 +61,7 @@ from ppo.models import (
     reward_scores,
     save_hf,
     shard_model,
+    varlen_sdpa_attention,
 )
 
 VOCAB = 128
@@ -159,7 +166,7 @@ def test_load_causal_lm_from_saved_folder(tiny_dir: Path) -> None:
     model = load_causal_lm(str(tiny_dir), dtype="bfloat16")
     assert isinstance(model, LlamaForCausalLM)
     assert next(model.parameters()).dtype == torch.bfloat16
-    assert model.config._attn_implementation == "sdpa"  # auto on CPU
+    assert model.config._attn_implementation == PACKED_ATTENTION  # auto on CPU
     reference = AutoModelForCausalLM.from_pretrained(tiny_dir)
     fp32 = load_causal_lm(str(tiny_dir))
     for (name, a), (_, b) in zip(fp32.named_parameters(), reference.named_parameters(), strict=True):
@@ -186,7 +193,8 @@ def test_missing_folder_names_path_and_key(
 
 
 def test_resolve_attn_implementation() -> None:
-    assert resolve_attn_implementation("auto", "cpu") == "sdpa"
+    assert resolve_attn_implementation("auto", "cpu") == PACKED_ATTENTION
+    assert resolve_attn_implementation("sdpa", "cpu") == "sdpa"
     assert resolve_attn_implementation("eager", "cpu") == "eager"
     if not _has_flash_attn():
         with pytest.raises(ImportError, match="flash-attn"):
@@ -232,6 +240,10 @@ def test_reward_model_save_and_reload(tiny_dir: Path, tmp_path: Path) -> None:
     scores = reward_scores(reward_model, input_ids, position_ids, cu_seqlens)
     assert scores.shape == (3,) and scores.dtype == torch.float32
     save_hf(reward_model, load_tokenizer(str(tiny_dir)), str(tmp_path), is_main=True)
+    # The attention implementation is a runtime choice that transformers does not serialize: the folder
+    # loads anywhere, with transformers' default (sdpa), without ppo's registration.
+    assert reward_model.config._attn_implementation == PACKED_ATTENTION
+    assert PACKED_ATTENTION not in (tmp_path / "config.json").read_text()
     reloaded = load_reward_model(str(tmp_path))
     # Equal weights, but a freshly loaded tensor may take another matmul path: 1-ulp differences.
     torch.testing.assert_close(
@@ -252,12 +264,35 @@ def test_reward_model_save_and_reload(tiny_dir: Path, tmp_path: Path) -> None:
 LENGTHS = [5, 9, 3]
 
 
-def test_packed_logits_equal_padded(tiny_dir: Path) -> None:
-    model = load_causal_lm(str(tiny_dir))
+@contextlib.contextmanager
+def recording_sdpa_queries() -> Iterator[list[int]]:
+    """Query lengths of every ``scaled_dot_product_attention`` call inside (all layers)."""
+    original = torch.nn.functional.scaled_dot_product_attention
+    lengths: list[int] = []
+
+    def recorded(query: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        lengths.append(query.shape[-2])
+        return original(query, *args, **kwargs)
+
+    torch.nn.functional.scaled_dot_product_attention = recorded
+    try:
+        yield lengths
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+
+
+@pytest.mark.parametrize("attn", [PACKED_ATTENTION, "sdpa", "eager"])
+def test_packed_logits_equal_padded(tiny_dir: Path, attn: str) -> None:
+    model = load_causal_lm(str(tiny_dir), attn_implementation=attn)
     seqs = random_sequences(LENGTHS, seed=3)
     input_ids, position_ids, cu_seqlens = pack(seqs)
-    with torch.no_grad():
+    with torch.no_grad(), recording_sdpa_queries() as query_lengths:
         packed = causal_lm_logits(model, input_ids, position_ids)  # [17, V]
+    # Per packed sequence (sum l_i^2 work) with PACKED_ATTENTION; one dense T x T call per layer with
+    # sdpa; none with eager. (The tiny model has grouped-query attention: 4 heads over 2.)
+    expected_lengths = {PACKED_ATTENTION: LENGTHS, "sdpa": [sum(LENGTHS)], "eager": []}[attn]
+    assert query_lengths == expected_lengths * 2, query_lengths  # 2 layers
+    with torch.no_grad():
         ids, mask = pad_right(seqs)
         padded = model(input_ids=ids, attention_mask=mask).logits  # [3, 9, V]
         hidden = causal_lm_hidden(model, input_ids, position_ids)
@@ -294,6 +329,107 @@ def test_packed_critic_values_and_reward_scores_equal_padded(tiny_dir: Path) -> 
         )
     torch.testing.assert_close(scores, single, atol=1e-5, rtol=0)
     assert scores.std() > 0
+    assert critic.config._attn_implementation == reward_model.config._attn_implementation == PACKED_ATTENTION
+
+
+def test_varlen_sdpa_attention_against_block_diagonal_sdpa() -> None:
+    """The attention function alone, forward and backward, against sdpa with the dense block mask."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = [3, 6, 1, 4]
+    total = sum(lengths)
+    module = nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True  # 4 query heads over 2 key/value heads
+    q, k, v = (torch.randn(1, h, total, 8, generator=gen, requires_grad=True) for h in (4, 2, 2))
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    got, _ = varlen_sdpa_attention(module, q, k, v, None, scaling=0.3, position_ids=position_ids)
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    block_causal = (seq[:, None] == seq[None, :]) & torch.ones(total, total, dtype=torch.bool).tril()
+    want, _ = sdpa_attention_forward(module, q, k, v, block_causal[None, None], scaling=0.3)
+    assert got.shape == want.shape == (1, total, 4, 8)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    grad_out = torch.randn(got.shape, generator=gen)
+    grads = torch.autograd.grad(got, (q, k, v), grad_out)
+    want_grads = torch.autograd.grad(want, (q, k, v), grad_out)
+    for g, w in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
+    # A packed row that needs more than plain causal attention fails instead of attending wrongly.
+    with pytest.raises(NotImplementedError, match="sliding_window"):
+        varlen_sdpa_attention(module, q, k, v, None, position_ids=position_ids, sliding_window=2)
+
+
+def test_packed_attention_gradients_equal_padded(tiny_dir: Path) -> None:
+    """Backward through PACKED_ATTENTION: the packed NLL's gradients equal those of the padded batch."""
+    seqs = random_sequences(LENGTHS, seed=7)
+    input_ids, position_ids, cu_seqlens = pack(seqs)
+    packed_model = load_causal_lm(str(tiny_dir)).train()
+    packed_nll_sum(causal_lm_logits(packed_model, input_ids, position_ids), input_ids, cu_seqlens).backward()
+
+    padded_model = load_causal_lm(str(tiny_dir), attn_implementation="sdpa").train()
+    ids, mask = pad_right(seqs)
+    logprobs = torch.log_softmax(padded_model(input_ids=ids, attention_mask=mask).logits[:, :-1], dim=-1)
+    nll = -logprobs.gather(-1, ids[:, 1:, None])[..., 0]  # [B, T_max - 1]
+    (nll * mask[:, 1:]).sum().backward()  # the mask of the target token: real pairs only
+
+    padded_grads = dict(padded_model.named_parameters())
+    for name, param in packed_model.named_parameters():
+        assert param.grad is not None and param.grad.abs().max() > 0, name
+        assert _rel_diff(param.grad, padded_grads[name].grad) <= GRAD_RTOL, name
+
+
+def test_packed_attention_generate_equals_sdpa(tiny_dir: Path) -> None:
+    """Left padding, an attention mask and a KV cache: PACKED_ATTENTION generates sdpa's tokens."""
+    ours = load_causal_lm(str(tiny_dir)).eval()
+    sdpa = load_causal_lm(str(tiny_dir), attn_implementation="sdpa").eval()
+    assert ours.config._attn_implementation == PACKED_ATTENTION
+    prompts = random_sequences([3, 7, 5, 1], seed=8)
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), EOS)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = p
+        mask[i, width - len(p) :] = 1
+    kwargs: dict[str, Any] = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=EOS)
+    with torch.no_grad():
+        for batch, batch_mask in ((ids, mask), (prompts[1][None], None)):  # padded batch; one sequence
+            expected = sdpa.generate(batch, attention_mask=batch_mask, **kwargs)
+            got = ours.generate(batch, attention_mask=batch_mask, **kwargs)
+            assert torch.equal(got, expected), (got, expected)
+        # Sampling draws the same tokens from the same distributions.
+        sampled = []
+        for model in (ours, sdpa):
+            torch.manual_seed(0)
+            sampled.append(model.generate(ids, attention_mask=mask, **{**kwargs, "do_sample": True}))
+    assert torch.equal(*sampled)
+
+
+def test_packed_attention_sliding_window_falls_back_to_sdpa_mask(tmp_path: Path) -> None:
+    """A sliding-window layer gets sdpa's dense mask (the window matters within a sequence)."""
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=1,  # layer 0 full attention, layer 1 sliding
+    )
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+    ours, sdpa = (load_causal_lm(str(tmp_path), attn_implementation=a) for a in (PACKED_ATTENTION, "sdpa"))
+    seqs = random_sequences(LENGTHS, seed=9)
+    input_ids, position_ids, cu_seqlens = pack(seqs)
+    ids, mask = pad_right(seqs)
+    with torch.no_grad(), recording_sdpa_queries() as query_lengths:
+        packed = causal_lm_logits(ours, input_ids, position_ids)
+    with torch.no_grad():
+        padded = sdpa(input_ids=ids, attention_mask=mask).logits
+    assert query_lengths == [*LENGTHS, sum(LENGTHS)]  # full layer per sequence, sliding layer dense
+    for i, n in enumerate(LENGTHS):
+        torch.testing.assert_close(
+            packed[cu_seqlens[i] : cu_seqlens[i + 1]], padded[i, :n], atol=1e-5, rtol=0
+        )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -373,19 +509,21 @@ DIST_CHECKS = [
     "step_params",
     "hsdp_grads",
     "generate_tokens",
-    "generate_no_all_gather",
-    "generate_reshards_after",  # the 1-rank run stops here
+    "generate_no_collective",
+    "generate_reshards_after",
+    "generate_first_then_step",  # the 1-rank run stops here
     "save_hf_reload",
     "save_hf_critic_reload",
     "checkpointing_grads",
     "tied_grads_and_save",
     "offload_bf16",
+    "generate_bf16_tokens",
     "count_parameters_sharded",
 ]
 
 
 # One rank runs the same code on a 1-rank mesh; sections 1-5 of the worker are enough to show it.
-ONE_RANK_CHECKS = DIST_CHECKS[: DIST_CHECKS.index("generate_reshards_after") + 1]
+ONE_RANK_CHECKS = DIST_CHECKS[: DIST_CHECKS.index("generate_first_then_step") + 1]
 
 
 def save_worker_models(root: Path) -> None:
@@ -589,22 +727,25 @@ def _worker(root: Path, out: Path, checks: list[str]) -> None:
             pad_token_id=EOS,
             attention_mask=torch.ones_like(prompts),
         )
-        with torch.no_grad(), counting_all_gathers() as counter:
+        with torch.no_grad(), counting_collectives() as counter:
             causal_lm_logits(model, all_ids, all_pos)
             gathers_outside = counter["n"]
             with gathered_for_generation(model):
-                counter["n"] = 0  # entering gathered each layer once; generating must gather nothing
+                # Entering gathered each layer once; generating must make no collective: no gathers,
+                # and not the per-step all-reduce of generate(synced_gpus=True) either.
+                counter["n"] = 0
                 plain = all(not isinstance(p, DTensor) for p in model.parameters())
                 tokens = model.generate(prompts, **gen_kwargs)
-                gathers_inside = counter["n"]
+                collectives_inside = counter["n"]
         with torch.no_grad():
             expected = ref.generate(prompts, **gen_kwargs)
         record("generate_tokens", torch.equal(tokens, expected), f"{tokens.tolist()} vs {expected.tolist()}")
         record(
-            "generate_no_all_gather",
+            "generate_no_collective",
             # One rank has nothing to gather: FSDP2 then skips the collective.
-            plain and gathers_inside == 0 and (gathers_outside > 0 or world == 1),
-            f"params unsharded: {plain}; all-gathers inside: {gathers_inside}, in a plain forward: {gathers_outside}",
+            plain and collectives_inside == 0 and (gathers_outside > 0 or world == 1),
+            f"params unsharded: {plain}; collectives inside: {collectives_inside}, in a plain forward: "
+            f"{gathers_outside}",
         )
         with torch.no_grad():
             causal_lm_logits(model, all_ids, all_pos)
@@ -614,6 +755,44 @@ def _worker(root: Path, out: Path, checks: list[str]) -> None:
             all(isinstance(p, DTensor) for p in layer_params),
             "layers are sharded again after a forward that follows the context",
         )
+
+        # 5b. The trainer's order: a fresh model's first forwards are a rollout (FSDP's forward hooks
+        # bypassed inside the context), then a training step, which must match the unsharded one.
+        fresh = shard_model(load_causal_lm(path), mesh, fsdp, device="cpu").eval()
+        fresh_ref = load_causal_lm(path).eval()
+        states = [module._get_fsdp_state() for module in fsdp_modules(fresh)]
+
+        def forward_hooks() -> list[Callable[..., Any]]:
+            handles = [h for s in states for h in (s._pre_forward_hook_handle, s._post_forward_hook_handle)]
+            return [h.hooks_dict_ref()[h.id] for h in handles]
+
+        installed = forward_hooks()
+        with torch.no_grad(), gathered_for_generation(fresh):
+            bypassed = all(hook is _no_op_hook for hook in forward_hooks())
+            tokens = fresh.generate(prompts, **gen_kwargs)
+        restored = forward_hooks() == installed
+        with torch.no_grad():
+            expected = fresh_ref.generate(prompts, **gen_kwargs)
+        fresh.train()
+        fresh_ref.train()
+        global_loss(fresh, False, (ids, pos, cu)).backward()
+        global_loss(fresh_ref, False, (all_ids, all_pos, all_cu)).backward()
+        diff = grad_diff(fresh, fresh_ref)
+        for m in (fresh, fresh_ref):
+            torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-4, weight_decay=0.1).step()  # eps: see 3.
+        ref_params = dict(fresh_ref.named_parameters())
+        param_diff = max(_max_diff(_full(p), ref_params[n]) for n, p in fresh.named_parameters())
+        record(
+            "generate_first_then_step",
+            torch.equal(tokens, expected)
+            and bypassed
+            and restored
+            and diff <= GRAD_RTOL
+            and param_diff <= 1e-6,
+            f"tokens equal: {torch.equal(tokens, expected)}; hooks bypassed inside: {bypassed}, restored: "
+            f"{restored}; grads {diff=:.3g}; params {param_diff=:.3g}",
+        )
+        del fresh, fresh_ref
 
         if all(check in results for check in checks):
             dist.barrier()
@@ -696,6 +875,15 @@ def _worker(root: Path, out: Path, checks: list[str]) -> None:
             logits.dtype == torch.bfloat16 and rel < 5e-2 and grads_ok and tokens.shape == (2, 11),
             f"{logits.dtype=} {rel=:.3g} {grads_ok=} {tuple(tokens.shape)=}",
         )
+        # Without the context FSDP's hooks run (and gather) at every step and cast the inputs to bf16;
+        # skipping them must not change a token. (Both ranks decode 5 steps: min_new_tokens.)
+        with torch.no_grad():
+            hooked_tokens = model.generate(prompts, **gen_kwargs)
+        record(
+            "generate_bf16_tokens",
+            torch.equal(tokens, hooked_tokens),
+            f"{tokens.tolist()} vs {hooked_tokens.tolist()}",
+        )
         # DTensor.numel() is the global size: the count does not shrink with sharding.
         count, expected_count = count_parameters(model), count_parameters(ref)
         record("count_parameters_sharded", count == expected_count, f"{count} vs {expected_count}")
@@ -708,12 +896,14 @@ def _worker(root: Path, out: Path, checks: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def counting_all_gathers() -> Iterator[dict[str, int]]:
-    """Count every ``torch.distributed.all_gather*`` call inside (FSDP2 calls them via ``dist.``)."""
+def counting_collectives() -> Iterator[dict[str, int]]:
+    """Count every ``torch.distributed.all_gather*`` / ``all_reduce*`` / ``reduce_scatter*`` /
+    ``broadcast*`` call inside (FSDP2 and transformers' generate call them via ``dist.``)."""
     import torch.distributed as dist
 
     counter = {"n": 0}
-    originals = {name: getattr(dist, name) for name in dir(dist) if name.startswith("all_gather")}
+    prefixes = ("all_gather", "all_reduce", "reduce_scatter", "broadcast")
+    originals = {name: getattr(dist, name) for name in dir(dist) if name.startswith(prefixes)}
 
     def counting(original: Callable[..., Any]) -> Callable[..., Any]:
         def counted(*args: Any, **kwargs: Any) -> Any:
