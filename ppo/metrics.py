@@ -108,9 +108,12 @@ class MetricsLogger:
         out.mkdir(parents=True, exist_ok=True)
         if "jsonl" in self.sinks:
             path = out / "metrics.jsonl"
-            if resume_step is not None and path.exists():
-                truncate_after(path, resume_step)
-            self.jsonl = open(path, "a")  # append: a resumed run continues the file
+            if resume_step is None:
+                self.jsonl = open(path, "w")  # a fresh run starts a fresh file
+            else:
+                if path.exists():
+                    truncate_after(path, resume_step)
+                self.jsonl = open(path, "a")  # a resumed run continues the file
         if "tensorboard" in self.sinks:
             from torch.utils.tensorboard import SummaryWriter
 
