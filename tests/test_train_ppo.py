@@ -202,6 +202,8 @@ def test_grpo_kl_loss_ranking_fixed_micro_batches(tiny_assets: Path, tmp_path: P
         "rollout.top_k=20",
         "rollout.top_p=0.9",
         "rollout.temperature=0.8",
+        "rollout.micro_batch_size_per_gpu=3",  # generation in micro-batches of 3, 8 sequences
+        "ref.fsdp.param_offload=true",
         "trainer.val_before_train=false",
     ]
     assert run(args) == 0
@@ -230,6 +232,9 @@ def test_rloo_reward_model_full_kl_fused_kernels(tiny_assets: Path, tmp_path: Pa
         "actor.use_fused_kernels=true",
         "actor.kernels=reference",
         "actor.loss_agg_mode=seq-mean-token-sum-norm",
+        "model.enable_gradient_checkpointing=true",
+        "actor.fsdp.forward_prefetch=true",
+        "trainer.profile_steps=[2]",
         "trainer.val_before_train=false",
     ]
     assert run(args) == 0
@@ -238,6 +243,7 @@ def test_rloo_reward_model_full_kl_fused_kernels(tiny_assets: Path, tmp_path: Pa
     for row in rows:
         assert math.isfinite(row["actor/pg_loss"]) and math.isfinite(row["actor/reward_kl_penalty"])
         assert row["critic/score/max"] != row["critic/score/min"]  # model scores vary per response
+    assert any((tmp_path / "profile").iterdir())  # the profiled step's trace
 
 
 def test_nan_reward_skips_the_step(tiny_assets: Path, tmp_path: Path) -> None:
