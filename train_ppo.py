@@ -260,19 +260,7 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
         records = [r for r in next(loader) for _ in range(cfg.rollout.n)]
         group_ids = torch.arange(len(records), device=device) // cfg.rollout.n
         with timer("gen"):
-            rollout = generate(
-                actor,
-                [torch.tensor(r.input_ids, dtype=torch.long) for r in records],
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-                max_new_tokens=cfg.data.max_response_length,
-                do_sample=cfg.rollout.do_sample,
-                temperature=cfg.rollout.temperature,
-                top_p=cfg.rollout.top_p,
-                top_k=cfg.rollout.top_k,
-                ignore_eos=cfg.rollout.ignore_eos,
-                micro_batch_size=cfg.rollout.micro_batch_size_per_gpu,
-            )
+            rollout = sample(cfg, actor, tokenizer, records, do_sample=cfg.rollout.do_sample)
         batch = Batch(rollout=rollout, records=records, group_ids=group_ids)
 
         # 2. score: old and reference log-probs, values, rewards (all without gradients)
@@ -502,6 +490,32 @@ def ref_kl(batch: Batch) -> float:
     mask = batch.response_mask
     d = torch.where(mask, batch.old_logprobs - batch.ref_logprobs, torch.zeros_like(batch.old_logprobs))
     return (d.sum(-1) / mask.sum(-1).clamp(min=1)).mean().item()
+
+
+def sample(
+    cfg: PPOConfig,
+    actor: torch.nn.Module,
+    tokenizer,
+    records: list[data.PromptRecord],
+    *,
+    do_sample: bool,
+    micro_batch_size: int | None = None,
+    ignore_eos: bool | None = None,
+) -> Rollout:
+    """One response per record with the rollout settings (temperature, top-p/k, lengths)."""
+    return generate(
+        actor,
+        [torch.tensor(r.input_ids, dtype=torch.long) for r in records],
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        max_new_tokens=cfg.data.max_response_length,
+        do_sample=do_sample,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        ignore_eos=cfg.rollout.ignore_eos if ignore_eos is None else ignore_eos,
+        micro_batch_size=micro_batch_size or cfg.rollout.micro_batch_size_per_gpu,
+    )
 
 
 def make_kl_controller(cfg: PPOConfig) -> algorithms.FixedKLController | algorithms.AdaptiveKLController:
@@ -924,17 +938,14 @@ def validate(cfg: PPOConfig, info: DistInfo, actor, tokenizer, val_records, scor
     # Every rank calls generate, even with no prompts: it joins the parameter gather inside.
     mine = val_records[info.rank :: info.world_size]
     sums: dict[str, list[float]] = {}
-    rollout = generate(
+    rollout = sample(
+        cfg,
         actor,
-        [torch.tensor(r.input_ids, dtype=torch.long) for r in mine],
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        max_new_tokens=cfg.data.max_response_length,
+        tokenizer,
+        mine,
         do_sample=cfg.rollout.val_do_sample,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k,
         micro_batch_size=max(1, cfg.data.val_batch_size // info.world_size),
+        ignore_eos=False,
     )
     for r, text in zip(mine, decode_responses(tokenizer, rollout), strict=True):
         score = scorer(r.data_source, text, r.ground_truth, r.extra_info)

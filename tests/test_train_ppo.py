@@ -70,6 +70,24 @@ ACTOR_UPDATE_KEYS = {
 NONDETERMINISTIC = ("timing_s/", "perf/throughput", "perf/max_memory_gib")
 
 
+# GAE, KL in the reward with the adaptive controller after one fixed step, entropy bonus, critic warm-up.
+GAE_ARGS = [
+    "algorithm.adv_estimator=gae",
+    "algorithm.use_kl_in_reward=true",
+    "algorithm.kl_penalty=kl",
+    "algorithm.kl_ctrl.type=adaptive",
+    "algorithm.kl_ctrl.kl_coef=0.05",
+    "algorithm.kl_ctrl.target_kl=0.01",
+    "algorithm.kl_ctrl.horizon=100",
+    "algorithm.kl_ctrl.fixed_warmup_steps=1",
+    "algorithm.gamma=0.99",
+    "algorithm.lam=0.95",
+    "actor.entropy_coeff=0.01",
+    "trainer.critic_warmup=1",
+    "trainer.test_freq=3",
+]
+
+
 def base_args(assets: Path, out: Path, steps: int = 2) -> list[str]:
     return [
         f"model.path={assets / 'base'}",
@@ -102,24 +120,15 @@ def gae_run(tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     """GAE, KL in the reward with the adaptive controller after one fixed step, entropy bonus, critic
     warm-up, validation, checkpoints, HF export."""
     out = tmp_path_factory.mktemp("gae")
-    args = base_args(tiny_assets, out, steps=3) + [
-        "algorithm.adv_estimator=gae",
-        "algorithm.use_kl_in_reward=true",
-        "algorithm.kl_penalty=kl",
-        "algorithm.kl_ctrl.type=adaptive",
-        "algorithm.kl_ctrl.kl_coef=0.05",
-        "algorithm.kl_ctrl.target_kl=0.01",
-        "algorithm.kl_ctrl.horizon=100",
-        "algorithm.kl_ctrl.fixed_warmup_steps=1",
-        "algorithm.gamma=0.99",
-        "algorithm.lam=0.95",
-        "actor.entropy_coeff=0.01",
-        "trainer.critic_warmup=1",
-        "trainer.test_freq=3",
-        "trainer.save_freq=3",
-        "trainer.save_hf_on_end=true",
-        "trainer.logger=[console,jsonl,tensorboard]",
-    ]
+    args = (
+        base_args(tiny_assets, out, steps=3)
+        + GAE_ARGS
+        + [
+            "trainer.save_freq=3",
+            "trainer.save_hf_on_end=true",
+            "trainer.logger=[console,jsonl,tensorboard]",
+        ]
+    )
     assert run(args) == 0
     return out
 
@@ -155,23 +164,8 @@ def test_hf_export_loads_with_from_pretrained(gae_run: Path) -> None:
 
 
 def test_same_seed_same_metrics(gae_run: Path, tiny_assets: Path, tmp_path: Path) -> None:
-    args = [a for a in base_args(tiny_assets, tmp_path, steps=3)]
+    args = base_args(tiny_assets, tmp_path, steps=3) + GAE_ARGS
     first = read_metrics(gae_run)
-    args += [
-        "algorithm.adv_estimator=gae",
-        "algorithm.use_kl_in_reward=true",
-        "algorithm.kl_penalty=kl",
-        "algorithm.kl_ctrl.type=adaptive",
-        "algorithm.kl_ctrl.kl_coef=0.05",
-        "algorithm.kl_ctrl.target_kl=0.01",
-        "algorithm.kl_ctrl.horizon=100",
-        "algorithm.kl_ctrl.fixed_warmup_steps=1",
-        "algorithm.gamma=0.99",
-        "algorithm.lam=0.95",
-        "actor.entropy_coeff=0.01",
-        "trainer.critic_warmup=1",
-        "trainer.test_freq=3",
-    ]
     assert run(args) == 0
     second = read_metrics(tmp_path)
     assert len(first) == len(second)
