@@ -39,7 +39,7 @@ from ppo.distributed import (
     reduce_metrics,
     setup_logging,
 )
-from ppo.metrics import MetricsLogger, Timer, tensor_stats
+from ppo.metrics import MetricsLogger, Timer, model_flops_utilization, peak_flops, tensor_stats
 from ppo.monitor import HealthMonitor
 from ppo.optim import build_optimizer, clip_grad_norm
 from ppo.packing import pack, packed_logprobs, packed_values, plan_micro_batches, unpack
@@ -232,6 +232,8 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
         resume_step=state["step"] if resume_dir is not None else None,
     )
     monitor = HealthMonitor(cfg=cfg)
+    peak = peak_flops(device)  # for MFU on GPUs with a known peak
+    actor_params = models.count_parameters(actor)
     logger.info(
         "world size %d on %s; %d train prompts (%d steps), %d val prompts; actor %.2fM parameters",
         info.world_size,
@@ -239,7 +241,7 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
         len(train_records),
         total_steps,
         len(val_records),
-        models.count_parameters(actor) / 1e6,
+        actor_params / 1e6,
     )
     if cfg.trainer.val_before_train and state["step"] == 0 and val_records:
         val_metrics = validate(cfg, info, actor, tokenizer, val_records, scorer)
@@ -322,6 +324,11 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
         metrics["perf/total_num_tokens"] = num_tokens
         metrics["perf/throughput"] = num_tokens / timer.times["timing_s/step"]
         metrics["perf/max_memory_gib"] = max_memory_gib(device)
+        if "timing_s/update_actor" in timer.times and peak is not None:
+            # Tokens the actor update trained on: every sequence, once per epoch (all updates ran).
+            trained = num_tokens * metrics["actor/num_updates"] / num_mini
+            mfu = model_flops_utilization(actor_params, trained, timer.times["timing_s/update_actor"], peak)
+            metrics["perf/mfu/actor"] = mfu
         metrics["trainer/skipped_steps"] = float(state["skipped_steps"])
         metrics = reduce_metrics(metrics)
         metrics["actor/reward_kl_penalty_coeff"] = kl_ctrl.value

@@ -47,6 +47,35 @@ def tensor_stats(prefix: str, x: torch.Tensor, mask: torch.Tensor | None = None)
     }
 
 
+# Dense bf16 tensor-core peak FLOP/s per GPU, for MFU. Matched by substring of the device name.
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Peak dense bf16 FLOP/s of ``device`` when it is a GPU this table knows, else None."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def model_flops_utilization(
+    num_params: int, num_tokens: float, seconds: float, peak: float | None
+) -> float | None:
+    """MFU of a training pass: ``6 * params * tokens`` FLOPs (forward + backward, the standard estimate
+    that ignores attention) over ``seconds * peak``."""
+    if peak is None or seconds <= 0:
+        return None
+    return 6.0 * num_params * num_tokens / (seconds * peak)
+
+
 class Timer:
     """Accumulates wall-clock seconds per phase as ``timing_s/<name>``."""
 
