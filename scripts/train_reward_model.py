@@ -1,0 +1,255 @@
+"""Train a reward model on preference pairs with the Bradley-Terry loss.
+
+    torchrun --nproc_per_node=2 scripts/train_reward_model.py --config configs/rm_demo.yaml [section.key=value ...]
+    python scripts/train_reward_model.py --config configs/rm_demo.yaml --print-config [--world-size 8]
+
+Reads Parquet rows with ``prompt``, ``chosen``, ``rejected`` (rows with an empty chosen or rejected, or
+with both the same, are skipped and counted), starts from ``model.path`` as a sequence-scoring model
+(``AutoModelForSequenceClassification``, ``num_labels=1``; a causal LM gets a fresh score head) and
+minimizes ``-log sigmoid(r_chosen - r_rejected - loss.margin)`` averaged over the global batch of pairs.
+Each micro-batch packs the chosen and rejected sequences of its pairs into one padding-free row; a
+sequence's score is read at its last token. Held-out metrics: ``rm/accuracy`` (chosen scored above
+rejected), ``rm/margin`` (mean ``r_chosen - r_rejected``), ``val/loss``, and ``rm/accuracy/<kind>``
+when the data has a ``mistake`` column. The model is saved with ``save_pretrained``
+(``trainer.save_path``, what PPO's ``reward.model_path`` loads) and ``rm_val_accuracy`` (with
+``rm_val_accuracy_by_mistake``) is merged into ``metrics.json`` beside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import pyarrow.parquet as pq
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ppo import data, models, stages
+from ppo.config import RewardModelConfig
+from ppo.distributed import DistInfo, all_gather_object, all_reduce_scalars
+from ppo.metrics import Timer
+from ppo.optim import build_optimizer
+
+logger = logging.getLogger("ppo")
+
+PROGRESS_KEYS = {
+    "train/loss": "loss",
+    "train/accuracy": "acc",
+    "rm/accuracy": "val_acc",
+    "rm/margin": "val_margin",
+    "train/lr": "lr",
+    "train/grad_norm": "gnorm",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stages.run(argv, RewardModelConfig, train, __doc__)
+
+
+def train(cfg: RewardModelConfig, info: DistInfo) -> None:
+    """The reward-model run: pairs, model, the loop, held-out accuracy, the saved model."""
+    out_dir = stages.prepare_run(cfg, info)
+    tokenizer = stages.load_tokenizer(cfg)
+    load = dict(max_length=cfg.data.max_length, apply_chat_template=cfg.data.apply_chat_template)
+    with stages.main_rank_logs(info):  # data warnings once, not once per rank
+        train_pairs = data.load_preference_pairs(cfg.data.train_files, tokenizer, **load)
+        val_pairs = (
+            data.load_preference_pairs(cfg.data.val_files, tokenizer, **load) if cfg.data.val_files else []
+        )
+    skipped = {
+        "train": count_rows(cfg.data.train_files) - len(train_pairs),
+        "val": count_rows(cfg.data.val_files) - len(val_pairs),
+    }
+    loader = stages.make_loader(train_pairs, cfg, info)
+    num_steps = stages.total_steps(cfg, loader)
+    model = stages.build_model(models.load_reward_model, cfg, info)
+    optimizer, scheduler = build_optimizer(model, cfg.optim, num_steps)
+    metrics_logger = stages.make_metrics_logger(cfg, info, out_dir, num_steps)
+    progress = stages.Progress(num_steps, PROGRESS_KEYS, enabled="console" in cfg.trainer.logger)
+    logger.info(
+        "reward model: world size %d on %s; %d train pairs (%d rows skipped), %d val pairs (%d skipped); "
+        "%d steps of %d pairs; %.2fM parameters",
+        info.world_size,
+        info.device,
+        len(train_pairs),
+        skipped["train"],
+        len(val_pairs),
+        skipped["val"],
+        num_steps,
+        cfg.data.train_batch_size,
+        models.count_parameters(model) / 1e6,
+    )
+
+    start = time.perf_counter()
+    step = 0
+    val_metrics: dict[str, float] = {}
+    while step < num_steps and not stages.out_of_time(start, cfg.trainer.max_time_s):
+        step += 1
+        timer = Timer()
+        step_start = time.perf_counter()
+
+        # 1. batch: this rank's share of the global batch of pairs, in micro-batches agreed across ranks
+        pairs = next(loader)
+        groups = stages.train_micro_batches([pair_length(p) for p in pairs], cfg.data)
+
+        # 2. forward/backward: the pairwise loss averaged over every pair of the global batch
+        sums = {"loss": 0.0, "correct": 0.0, "margin": 0.0}
+        with timer("update"):
+            for group in groups:
+                chosen, rejected = pair_scores(model, [pairs[i] for i in group], info.device)
+                loss = bradley_terry_loss(chosen, rejected, cfg.loss.margin).sum()
+                stages.backward(loss / cfg.data.train_batch_size, info)
+                sums["loss"] += loss.item()
+                sums["correct"] += pair_accuracy(chosen, rejected).sum().item()
+                sums["margin"] += (chosen - rejected).sum().item()
+
+        # 3. optimizer step: clip, skip a non-finite step on every rank, advance the schedule
+        with timer("optimizer"):
+            grad_norm, skipped_step = stages.optimizer_step(
+                model, optimizer, scheduler, cfg.trainer.grad_clip
+            )
+
+        # 4. validate: held-out accuracy, margin and loss, per kind of mistake where labelled
+        loss_sum, correct, margin_sum = all_reduce_scalars(
+            [sums["loss"], sums["correct"], sums["margin"]], "sum"
+        )
+        metrics = {
+            "train/loss": loss_sum / cfg.data.train_batch_size,
+            "train/accuracy": correct / cfg.data.train_batch_size,
+            "train/margin": margin_sum / cfg.data.train_batch_size,
+            "train/lr": scheduler.get_last_lr()[0],
+            "train/grad_norm": grad_norm,
+            "train/skipped_step": float(skipped_step),
+            "train/epoch": float(loader.epoch),
+        }
+        validate_now = cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0
+        if val_pairs and (validate_now or step == num_steps):
+            with timer("testing"):
+                val_metrics = evaluate(model, val_pairs, cfg, info)
+            metrics.update(val_metrics)
+
+        # 5. log: JSONL and TensorBoard, the progress line
+        timer.times["timing_s/step"] = time.perf_counter() - step_start
+        metrics.update(timer.times)
+        metrics_logger.log(step, metrics)
+        progress.update(step, metrics, force="rm/accuracy" in metrics)
+    train_time_s = time.perf_counter() - start
+    if step < num_steps:
+        logger.warning(
+            "trainer.max_time_s=%s reached after %d of %d steps", cfg.trainer.max_time_s, step, num_steps
+        )
+        if val_pairs:
+            val_metrics = evaluate(model, val_pairs, cfg, info)
+
+    # 6. save the model (PPO's reward.model_path) and its held-out numbers
+    stages.save_model(model, tokenizer, cfg, info)
+    metrics_logger.close()
+    final: dict[str, object] = {
+        "rm_steps": step,
+        "rm_train_time_s": round(train_time_s, 1),
+        "rm_train_rows_skipped": skipped["train"],
+        "rm_val_rows_skipped": skipped["val"],
+    }
+    if val_metrics:
+        kinds = {
+            k.removeprefix("rm/accuracy/"): v for k, v in val_metrics.items() if k.startswith("rm/accuracy/")
+        }
+        final.update(
+            rm_val_accuracy=round(val_metrics["rm/accuracy"], 4),
+            rm_val_margin=round(val_metrics["rm/margin"], 4),
+            rm_val_accuracy_by_mistake={k: round(v, 4) for k, v in sorted(kinds.items())},
+        )
+    stages.write_final_metrics(cfg, info, final)
+
+
+def bradley_terry_loss(
+    chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, margin: float = 0.0
+) -> torch.Tensor:
+    """Per-pair Bradley-Terry loss ``-log sigmoid(r_chosen - r_rejected - margin)``: ``[B], [B] -> [B]``.
+
+    The negative log-likelihood that the chosen response wins under P(c > r) = sigmoid(r_c - r_r);
+    a margin asks the chosen one to win by at least that much (Llama 2's reward-model loss).
+    """
+    return -F.logsigmoid(chosen_scores.float() - rejected_scores.float() - margin)
+
+
+def pair_accuracy(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor) -> torch.Tensor:
+    """1.0 where the chosen response is scored strictly above the rejected one, else 0.0: ``[B]``."""
+    return (chosen_scores > rejected_scores).float()
+
+
+def pair_length(pair: data.PreferencePair) -> int:
+    """Tokens a pair takes in a packed micro-batch (its chosen and its rejected sequence)."""
+    return len(pair.chosen_ids) + len(pair.rejected_ids)
+
+
+def pair_scores(
+    model: nn.Module, pairs: list[data.PreferencePair], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores ``[B]`` of the chosen and of the rejected sequences, from one packed forward.
+
+    The row holds chosen_0, rejected_0, chosen_1, ...; each score is read at its sequence's last token.
+    """
+    seqs = [ids for p in pairs for ids in (p.chosen_ids, p.rejected_ids)]
+    packed = stages.pack_sequences(seqs, device)
+    scores = models.reward_scores(model, packed.input_ids, packed.position_ids, packed.cu_seqlens)
+    return scores[0::2], scores[1::2]
+
+
+def count_rows(files: list[str]) -> int:
+    """Rows in Parquet files (before any filtering), from their metadata."""
+    return sum(pq.read_metadata(f).num_rows for f in files)
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, pairs: list[data.PreferencePair], cfg: RewardModelConfig, info: DistInfo
+) -> dict[str, float]:
+    """Held-out ``rm/accuracy``, ``rm/margin``, ``val/loss`` and ``rm/accuracy/<mistake>``.
+
+    Every rank scores its share; the per-kind counts are gathered once.
+    """
+    mine = stages.my_share(pairs, info)
+    counts: dict[str, list[float]] = {}  # kind -> [correct, pairs]; "" is all of them
+    margin_sum = loss_sum = 0.0
+    for group in stages.eval_micro_batches([pair_length(p) for p in mine], cfg.data):
+        if not group:  # this rank is out of pairs, but the forward is a collective: join it
+            dummy = stages.pack_sequences([stages.DUMMY_SEQUENCE], info.device)
+            models.reward_scores(model, dummy.input_ids, dummy.position_ids, dummy.cu_seqlens)
+            continue
+        batch = [mine[i] for i in group]
+        chosen, rejected = pair_scores(model, batch, info.device)
+        right = pair_accuracy(chosen, rejected).tolist()
+        margin_sum += (chosen - rejected).sum().item()
+        loss_sum += bradley_terry_loss(chosen, rejected, cfg.loss.margin).sum().item()
+        for pair, ok in zip(batch, right, strict=True):
+            for kind in ("", pair.extra.get("mistake")):
+                if kind is not None:
+                    c = counts.setdefault(str(kind), [0.0, 0.0])
+                    c[0] += ok
+                    c[1] += 1
+    totals: dict[str, list[float]] = {}
+    margin_total = loss_total = 0.0
+    for part_counts, part_margin, part_loss in all_gather_object((counts, margin_sum, loss_sum)):
+        margin_total += part_margin
+        loss_total += part_loss
+        for kind, (ok, n) in part_counts.items():
+            t = totals.setdefault(kind, [0.0, 0.0])
+            t[0] += ok
+            t[1] += n
+    correct, num_pairs = totals.pop("", [0.0, 0.0])
+    num_pairs = max(num_pairs, 1.0)
+    out = {
+        "rm/accuracy": correct / num_pairs,
+        "rm/margin": margin_total / num_pairs,
+        "val/loss": loss_total / num_pairs,
+    }
+    for kind, (ok, n) in sorted(totals.items()):
+        out[f"rm/accuracy/{kind}"] = ok / n
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""Supervised fine-tuning of a causal LM on prompt/answer demonstrations (loss on answer tokens only).
+
+    torchrun --nproc_per_node=2 scripts/train_sft.py --config configs/sft_demo.yaml [section.key=value ...]
+    python scripts/train_sft.py --config configs/sft_demo.yaml --print-config [--world-size 8]
+
+Reads Parquet rows with ``prompt`` + ``answer`` (or ``messages``), packs each rank's share of a global
+batch into padding-free micro-batches, and minimizes the token-mean cross-entropy of the answer tokens
+over the whole global batch. FSDP2, AdamW with warm-up and cosine decay, gradient clipping; periodic
+``val/loss``; metrics to ``metrics.jsonl`` and TensorBoard in ``trainer.output_dir``. At the end the
+model is saved with ``save_pretrained`` (``trainer.save_path``, the PPO actor's ``model.path``) and,
+when ``data.eval_prompt_files`` is set, its greedy and sampled answers are scored by the rule reward:
+``sft_val_accuracy`` and ``sft_sample_accuracy`` go to ``metrics.json`` beside the saved folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+import kernels
+from ppo import data, models, rewards, stages
+from ppo.config import SFTConfig
+from ppo.distributed import DistInfo, all_gather_object, all_reduce_scalars
+from ppo.metrics import Timer
+from ppo.optim import build_optimizer
+from ppo.rollout import Rollout, generate
+
+logger = logging.getLogger("ppo")
+
+NUM_EVAL_SAMPLES = 4
+"""Answers sampled per evaluation prompt at temperature 1 (PPO's rollout setting) for
+``sft_sample_accuracy`` (mean over samples) and ``sft_pass_at_k`` (any of them right)."""
+EVAL_GENERATE_BATCH = 256
+"""Prompts per ``generate`` call on one rank during the final evaluation."""
+PROGRESS_KEYS = {"train/loss": "loss", "val/loss": "val_loss", "train/lr": "lr", "train/grad_norm": "gnorm"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stages.run(argv, SFTConfig, train, __doc__)
+
+
+def train(cfg: SFTConfig, info: DistInfo) -> None:
+    """The SFT run: data, model, the loop, the saved model and its final evaluation."""
+    out_dir = stages.prepare_run(cfg, info)
+    tokenizer = stages.load_tokenizer(cfg)
+    load = dict(max_length=cfg.data.max_length, apply_chat_template=cfg.data.apply_chat_template)
+    with stages.main_rank_logs(info):  # data warnings once, not once per rank
+        train_examples = data.load_sft_examples(cfg.data.train_files, tokenizer, **load)
+        val_examples = (
+            data.load_sft_examples(cfg.data.val_files, tokenizer, **load) if cfg.data.val_files else []
+        )
+    loader = stages.make_loader(train_examples, cfg, info)
+    num_steps = stages.total_steps(cfg, loader)
+    model = stages.build_model(models.load_causal_lm, cfg, info)
+    optimizer, scheduler = build_optimizer(model, cfg.optim, num_steps)
+    metrics_logger = stages.make_metrics_logger(cfg, info, out_dir, num_steps)
+    progress = stages.Progress(num_steps, PROGRESS_KEYS, enabled="console" in cfg.trainer.logger)
+    logger.info(
+        "SFT: world size %d on %s; %d train examples (%d steps of %d), %d val examples; %.2fM parameters",
+        info.world_size,
+        info.device,
+        len(train_examples),
+        num_steps,
+        cfg.data.train_batch_size,
+        len(val_examples),
+        models.count_parameters(model) / 1e6,
+    )
+
+    start = time.perf_counter()
+    step = 0
+    metrics: dict[str, float] = {}
+    while step < num_steps and not stages.out_of_time(start, cfg.trainer.max_time_s):
+        step += 1
+        timer = Timer()
+        step_start = time.perf_counter()
+
+        # 1. batch: this rank's share of the global batch, cut into micro-batches agreed across ranks
+        examples = next(loader)
+        groups = stages.train_micro_batches([len(ex.input_ids) for ex in examples], cfg.data)
+        global_answer_tokens, global_tokens = all_reduce_scalars(
+            [
+                float(sum(sum(ex.loss_mask) for ex in examples)),
+                float(sum(len(ex.input_ids) for ex in examples)),
+            ],
+            "sum",
+        )
+
+        # 2. forward/backward: token-mean over the answer tokens of the whole global batch
+        loss_sum = 0.0
+        with timer("update"):
+            for group in groups:
+                nll = answer_nll_sum(model, [examples[i] for i in group], info.device)
+                stages.backward(nll / global_answer_tokens, info)
+                loss_sum += nll.item()
+
+        # 3. optimizer step: clip, skip a non-finite step on every rank, advance the schedule
+        with timer("optimizer"):
+            grad_norm, skipped = stages.optimizer_step(model, optimizer, scheduler, cfg.trainer.grad_clip)
+
+        # 4. validate: token-mean loss on the held-out demonstrations
+        (global_loss_sum,) = all_reduce_scalars([loss_sum], "sum")
+        metrics = {
+            "train/loss": global_loss_sum / global_answer_tokens,
+            "train/lr": scheduler.get_last_lr()[0],
+            "train/grad_norm": grad_norm,
+            "train/skipped_step": float(skipped),
+            "train/num_answer_tokens": global_answer_tokens,
+            "train/epoch": float(loader.epoch),
+        }
+        validate_now = cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0
+        if val_examples and (validate_now or step == num_steps):
+            with timer("testing"):
+                metrics["val/loss"] = validation_loss(model, val_examples, cfg, info)
+
+        # 5. log: JSONL and TensorBoard, the progress line
+        timer.times["timing_s/step"] = time.perf_counter() - step_start
+        metrics.update(timer.times)
+        metrics["perf/throughput"] = global_tokens / timer.times["timing_s/step"]
+        metrics_logger.log(step, metrics)
+        progress.update(step, metrics, force="val/loss" in metrics)
+    train_time_s = time.perf_counter() - start
+    if step < num_steps:
+        logger.warning(
+            "trainer.max_time_s=%s reached after %d of %d steps", cfg.trainer.max_time_s, step, num_steps
+        )
+        if val_examples:
+            metrics["val/loss"] = validation_loss(model, val_examples, cfg, info)
+
+    # 6. save the model (the PPO actor's starting point), then score its answers
+    stages.save_model(model, tokenizer, cfg, info)
+    final = {"sft_steps": step, "sft_train_time_s": round(train_time_s, 1)}
+    if "val/loss" in metrics:
+        final["sft_val_loss"] = round(metrics["val/loss"], 4)
+    if cfg.data.eval_prompt_files:
+        answers = evaluate_answers(model, tokenizer, cfg, info)
+        metrics_logger.log(step, answers)
+        final.update(
+            sft_val_accuracy=round(answers["val/accuracy"], 4),
+            sft_sample_accuracy=round(answers["val/sample_accuracy"], 4),
+            sft_pass_at_k=round(answers["val/pass_at_k"], 4),
+            sft_eval_prompts=int(answers["val/num_prompts"]),
+            sft_eval_samples_per_prompt=NUM_EVAL_SAMPLES,
+        )
+    metrics_logger.close()
+    stages.write_final_metrics(cfg, info, final)
+
+
+def answer_labels(packed: stages.PackedSequences, examples: list[data.SFTExample]) -> torch.Tensor:
+    """Next-token labels that are -100 except where the next token is an answer token: ``[T]``.
+
+    ``labels[t] = input_ids[t + 1]`` when token ``t + 1`` is in the same sequence and its loss mask
+    is True, so prompt tokens (and the step from one packed sequence into the next) carry no loss.
+    """
+    labels = kernels.next_token_labels(packed.input_ids, packed.cu_seqlens)
+    trained = torch.tensor(
+        [m for ex in examples for m in ex.loss_mask], dtype=torch.bool, device=labels.device
+    )
+    next_trained = torch.zeros_like(trained)
+    next_trained[:-1] = trained[1:]
+    return labels.masked_fill(~next_trained, kernels.IGNORE_INDEX)
+
+
+def answer_nll_sum(model: nn.Module, examples: list[data.SFTExample], device: torch.device) -> torch.Tensor:
+    """Summed negative log-likelihood of the answer tokens of ``examples``, packed into one row.
+
+    A scalar (fp32); the log-softmax runs in fp32 whatever the compute dtype. Divide by the global
+    number of answer tokens for the token-mean.
+    """
+    packed = stages.pack_sequences([ex.input_ids for ex in examples], device)
+    labels = answer_labels(packed, examples)
+    logits = models.causal_lm_logits(model, packed.input_ids, packed.position_ids)
+    logprobs, _ = kernels.logprobs_from_logits(logits, labels, compute_entropy=False)
+    return -logprobs.sum()
+
+
+@torch.no_grad()
+def validation_loss(
+    model: nn.Module, examples: list[data.SFTExample], cfg: SFTConfig, info: DistInfo
+) -> float:
+    """Token-mean answer loss over all held-out examples (every rank scores its share)."""
+    mine = stages.my_share(examples, info)
+    nll = tokens = 0.0
+    for group in stages.eval_micro_batches([len(ex.input_ids) for ex in mine], cfg.data):
+        if not group:  # this rank is out of examples, but the forward is a collective: join it
+            dummy = data.SFTExample(input_ids=stages.DUMMY_SEQUENCE, loss_mask=[False])
+            answer_nll_sum(model, [dummy], info.device)
+            continue
+        batch = [mine[i] for i in group]
+        nll += answer_nll_sum(model, batch, info.device).item()
+        tokens += sum(sum(ex.loss_mask) for ex in batch)
+    nll, tokens = all_reduce_scalars([nll, tokens], "sum")
+    return nll / max(tokens, 1.0)
+
+
+def evaluate_answers(
+    model: nn.Module, tokenizer: PreTrainedTokenizerBase, cfg: SFTConfig, info: DistInfo
+) -> dict[str, float]:
+    """Rule-reward accuracy of greedy answers, and of ``NUM_EVAL_SAMPLES`` samples at temperature 1.
+
+    ``val/accuracy``: greedy answers right; ``val/sample_accuracy``: the chance that one sample is right
+    (what PPO's rollouts start from); ``val/pass_at_k``: prompts with a right one among the samples.
+    """
+    records = data.load_prompts(
+        cfg.data.eval_prompt_files,
+        tokenizer,
+        max_prompt_length=cfg.data.max_length,
+        apply_chat_template=cfg.data.apply_chat_template,
+    )
+    scorer = rewards.make_rule_scorer(None, 0.0)
+    mine = stages.my_share(records, info)
+    longest = int(all_reduce_scalars([max((len(r.input_ids) for r in mine), default=0)], "max")[0])
+    prompts = [torch.tensor(r.input_ids, dtype=torch.long) for r in mine]
+    common = dict(
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        max_new_tokens=cfg.data.max_length - longest,
+        micro_batch_size=EVAL_GENERATE_BATCH,
+    )
+    # Every rank calls generate, even with no prompts: it joins the parameter gather inside.
+    greedy = generate(model, prompts, do_sample=False, **common)
+    sampled = generate(
+        model,
+        [p for p in prompts for _ in range(NUM_EVAL_SAMPLES)],
+        do_sample=True,
+        temperature=1.0,
+        generator_seed=cfg.trainer.seed * 1000 + info.rank,
+        **common,
+    )
+    greedy_right = [s >= 1.0 for s in score_rollout(greedy, mine, tokenizer, scorer, 1)]
+    sample_right = [s >= 1.0 for s in score_rollout(sampled, mine, tokenizer, scorer, NUM_EVAL_SAMPLES)]
+    per_prompt = [
+        sample_right[i : i + NUM_EVAL_SAMPLES] for i in range(0, len(sample_right), NUM_EVAL_SAMPLES)
+    ]
+    counts = [0.0, 0.0, 0.0, 0.0]  # greedy right, samples right, prompts with a right sample, prompts
+    for part in all_gather_object(
+        [sum(greedy_right), sum(sample_right), sum(map(any, per_prompt)), len(mine)]
+    ):
+        counts = [c + p for c, p in zip(counts, part, strict=True)]
+    n = max(counts[3], 1.0)
+    return {
+        "val/accuracy": counts[0] / n,
+        "val/sample_accuracy": counts[1] / (n * NUM_EVAL_SAMPLES),
+        "val/pass_at_k": counts[2] / n,
+        "val/num_prompts": counts[3],
+    }
+
+
+def score_rollout(
+    rollout: Rollout,
+    records: list[data.PromptRecord],
+    tokenizer: PreTrainedTokenizerBase,
+    scorer: rewards.RuleScorer,
+    repeats: int,
+) -> list[float]:
+    """Rule score of each response; response ``i`` answers ``records[i // repeats]``."""
+    scores = []
+    for i, (tokens, mask) in enumerate(
+        zip(rollout.responses.tolist(), rollout.response_mask.tolist(), strict=True)
+    ):
+        text = tokenizer.decode([t for t, m in zip(tokens, mask, strict=True) if m], skip_special_tokens=True)
+        r = records[i // repeats]
+        scores.append(scorer(r.data_source, text, r.ground_truth, r.extra_info))
+    return scores
+
+
+if __name__ == "__main__":
+    sys.exit(main())

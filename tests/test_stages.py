@@ -1,0 +1,337 @@
+"""Tests of the stages before PPO: ``scripts/train_sft.py``, ``scripts/train_reward_model.py`` and
+``ppo/stages.py``.
+
+Runs on a tiny Llama (hidden 32, 2 layers) with the character tokenizer and a few rows of the synthetic
+task of ``scripts/make_tiny_assets.py``; the scripts run in this process as one rank, and under
+``torch.distributed.run`` as 2 gloo ranks for the comparison with one rank::
+
+    pytest tests/test_stages.py                 # about a minute on 2 cores
+    pytest tests/test_stages.py -m "not slow"
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ppo import data, models, stages
+from ppo.config import StageDataConfig
+from ppo.distributed import DistInfo
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str) -> ModuleType:
+    """Import ``scripts/<name>.py`` by its path (scripts/ is not a package)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+sft = load_script("train_sft")
+rm = load_script("train_reward_model")
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Any:
+    """One intra-op thread, as torchrun gives each rank: on a busy 2-core machine two threads spin
+    against each other and make these tiny matmuls 50x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def write(path: Path, rows: list[dict[str, Any]]) -> Path:
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with the character tokenizer in ``base/``, and small data files in ``data/``."""
+    assets = load_script("make_tiny_assets")
+    root = tmp_path_factory.mktemp("tiny_stages")
+    tokenizer = assets.build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(root / "base")
+    tokenizer.save_pretrained(root / "base")
+    task = assets.make_task(0)
+    d = root / "data"
+    d.mkdir()
+    write(d / "sft_train.parquet", task["sft_train"][:128])
+    write(d / "sft_val.parquet", task["sft_val"][:24])
+    write(d / "val.parquet", task["val"][:8])
+    pref = task["pref_train"][:64]
+    bad = [
+        {**pref[0], "chosen": ""},  # empty chosen
+        {**pref[1], "rejected": pref[1]["chosen"]},  # identical
+    ]
+    write(d / "pref_train.parquet", pref[:10] + bad + pref[10:])
+    write(d / "pref_val.parquet", task["pref_val"][:24])
+    return root
+
+
+def sft_args(tiny: Path, out: Path, *extra: str) -> list[str]:
+    """Command-line overrides of a short fp32 SFT run on the tiny assets."""
+    d = tiny / "data"
+    return [
+        f"model.path={tiny / 'base'}",
+        f"data.train_files={d / 'sft_train.parquet'}",
+        f"data.val_files={d / 'sft_val.parquet'}",
+        "data.max_length=40",
+        "data.train_batch_size=16",
+        "data.max_token_len_per_gpu=160",
+        "optim.lr=1e-2",
+        "optim.lr_warmup_steps=0",
+        "optim.lr_scheduler=cosine",  # set again: overriding optim.lr resets the section's other keys
+        "trainer.device=cpu",
+        "trainer.seed=3",
+        "trainer.test_freq=100",
+        "trainer.logger=[jsonl]",
+        f"trainer.output_dir={out}",
+        f"trainer.save_path={out / 'model'}",
+        *extra,
+    ]
+
+
+def read_jsonl(path: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Losses by hand
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_bradley_terry_loss_and_accuracy_by_hand() -> None:
+    chosen = torch.tensor([2.0, 0.0, 1.0])
+    rejected = torch.tensor([0.0, 0.0, 3.0])
+    # differences 2, 0, -2: -log sigmoid(d) = log(1 + e^-d) = log(1 + e^-2) = 0.126928,
+    # log 2 = 0.693147, log(1 + e^2) = 2.126928
+    loss = rm.bradley_terry_loss(chosen, rejected)
+    torch.testing.assert_close(loss, torch.tensor([0.126928, 0.693147, 2.126928]), atol=1e-6, rtol=0)
+    # margin 1 shifts the differences to 1, -1, -3: log(1 + e^-1) = 0.313262, log(1 + e) = 1.313262,
+    # log(1 + e^3) = 3.048587
+    loss = rm.bradley_terry_loss(chosen, rejected, margin=1.0)
+    torch.testing.assert_close(loss, torch.tensor([0.313262, 1.313262, 3.048587]), atol=1e-6, rtol=0)
+    # a tie is not a win: accuracy 1/3
+    assert rm.pair_accuracy(chosen, rejected).tolist() == [1.0, 0.0, 0.0]
+    # the gradient pushes the chosen score up by sigmoid(-d): for d = 0 that is 1/2
+    scores = torch.zeros(2, requires_grad=True)
+    rm.bradley_terry_loss(scores[:1], scores[1:]).sum().backward()
+    assert scores.grad.tolist() == [-0.5, 0.5]
+
+
+def test_answer_labels_mask_prompt_tokens_and_sequence_boundaries() -> None:
+    a = data.SFTExample(input_ids=[10, 11, 12, 13, 14], loss_mask=[False, False, True, True, True])
+    b = data.SFTExample(input_ids=[20, 21, 22], loss_mask=[False, True, True])
+    packed = stages.pack_sequences([a.input_ids, b.input_ids], torch.device("cpu"))
+    assert packed.position_ids.tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    assert packed.cu_seqlens.tolist() == [0, 5, 8]
+    labels = sft.answer_labels(packed, [a, b])
+    # position t predicts token t + 1: only answer tokens are targets, and the last token of ``a``
+    # does not predict the first of ``b``
+    assert labels.tolist() == [-100, 12, 13, 14, -100, 21, 22, -100]
+    assert int((labels != -100).sum()) == sum(a.loss_mask) + sum(b.loss_mask)
+
+
+def test_no_loss_on_prompt_tokens(tiny: Path) -> None:
+    model = models.load_causal_lm(str(tiny / "base"))
+    tok = models.load_tokenizer(str(tiny / "base"))
+    examples = data.load_sft_examples(tiny / "data" / "sft_val.parquet", tok, max_length=40)[:3]
+    packed = stages.pack_sequences([ex.input_ids for ex in examples], torch.device("cpu"))
+    labels = sft.answer_labels(packed, examples)
+    logits = models.causal_lm_logits(model, packed.input_ids, packed.position_ids).detach().requires_grad_()
+    logprobs, _ = sft.kernels.logprobs_from_logits(logits, labels, compute_entropy=False)
+    (-logprobs.sum()).backward()
+    grad_rows = logits.grad.abs().sum(-1)
+    trained = labels != -100
+    assert bool((grad_rows[~trained] == 0).all())  # prompt positions (and sequence ends): no gradient
+    assert bool((grad_rows[trained] > 0).all())
+    # the summed NLL equals a plain fp32 cross-entropy over the answer targets
+    ce = torch.nn.functional.cross_entropy(logits.detach().float(), labels, reduction="sum")
+    torch.testing.assert_close(sft.answer_nll_sum(model, examples, torch.device("cpu")).detach(), ce)
+
+
+def test_eval_micro_batches_pad_to_the_agreed_count() -> None:
+    cfg = StageDataConfig(max_token_len_per_gpu=10, use_dynamic_bsz=True)
+    groups = stages.eval_micro_batches([4, 4, 4, 4], cfg)  # one rank: 16 tokens in groups of <= 10
+    assert sorted(i for g in groups for i in g) == [0, 1, 2, 3] and len(groups) == 2
+    assert stages.eval_micro_batches([], cfg) == []
+    info = DistInfo(rank=1, world_size=3, local_rank=1, device=torch.device("cpu"))
+    assert stages.my_share(list(range(7)), info) == [2, 3, 4]  # bounds 0, 2, 5, 7 (rounded 2.33, 4.67)
+
+
+def test_merge_metrics_keeps_other_keys(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.json"
+    stages.merge_metrics(path, {"sft_val_accuracy": 0.5, "shared": 1})
+    merged = stages.merge_metrics(path, {"rm_val_accuracy": 0.9, "shared": 2})
+    assert merged == {"sft_val_accuracy": 0.5, "rm_val_accuracy": 0.9, "shared": 2}
+    assert json.loads(path.read_text()) == merged
+
+
+# ----------------------------------------------------------------------------------------------------
+# The scripts in this process (one rank)
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_sft_steps_lower_the_loss_and_save_a_loadable_model(tiny: Path, tmp_path: Path) -> None:
+    out = tmp_path / "sft"
+    args = sft_args(
+        tiny, out, "trainer.total_training_steps=12", f"data.eval_prompt_files={tiny / 'data/val.parquet'}"
+    )
+    assert sft.main(args) == 0
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "train/loss" in r]
+    losses = [r["train/loss"] for r in rows]
+    assert len(losses) == 12 and all(math.isfinite(x) for x in losses)
+    assert sum(losses[-3:]) / 3 < 0.7 * sum(losses[:3]) / 3  # a random model starts near log(103) = 4.6
+    assert rows[-1]["train/lr"] < rows[0]["train/lr"]  # cosine decay (the default schedule)
+    assert "val/loss" in rows[-1] and math.isfinite(rows[-1]["val/loss"])
+    assert (out / "config.yaml").is_file()
+    reloaded = models.load_causal_lm(str(out / "model"))
+    assert isinstance(reloaded, LlamaForCausalLM)
+    assert models.load_tokenizer(str(out / "model")).chat_template is not None
+    final = json.loads((out / "metrics.json").read_text())  # beside the saved folder
+    assert final["sft_steps"] == 12 and final["sft_eval_prompts"] == 8
+    assert 0.0 <= final["sft_val_accuracy"] <= 1.0 and 0.0 <= final["sft_sample_accuracy"] <= 1.0
+
+
+def test_print_config_and_bad_override(capsys: pytest.CaptureFixture) -> None:
+    assert sft.main(["--config", str(ROOT / "configs/sft_demo.yaml"), "--print-config", "optim.lr=5e-4"]) == 0
+    printed = capsys.readouterr().out
+    assert "lr: 0.0005" in printed and "eval_prompt_files" in printed
+    assert rm.main(["--print-config", "loss.margn=1"]) == 2
+    assert "did you mean loss.margin" in capsys.readouterr().err
+
+
+def rm_args(tiny: Path, out: Path, *extra: str) -> list[str]:
+    d = tiny / "data"
+    return [
+        f"model.path={tiny / 'base'}",
+        f"data.train_files={d / 'pref_train.parquet'}",
+        f"data.val_files={d / 'pref_val.parquet'}",
+        "data.max_length=40",
+        "data.train_batch_size=16",
+        "data.max_token_len_per_gpu=320",
+        "optim.lr=2e-3",
+        "trainer.device=cpu",
+        "trainer.total_training_steps=6",
+        "trainer.test_freq=3",
+        "trainer.logger=[jsonl]",
+        f"trainer.output_dir={out}",
+        f"trainer.save_path={out / 'model'}",
+        *extra,
+    ]
+
+
+def test_reward_model_end_to_end_with_bad_rows_skipped(
+    tiny: Path, tmp_path: Path, capfd: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "rm"
+    assert rm.main(rm_args(tiny, out, "loss.margin=0.5")) == 0
+    err = capfd.readouterr().err
+    assert "skipped 2 of 66 rows" in err and "64 train pairs (2 rows skipped)" in err
+    final = json.loads((out / "metrics.json").read_text())
+    assert final["rm_train_rows_skipped"] == 2 and final["rm_val_rows_skipped"] == 0
+    assert 0.0 <= final["rm_val_accuracy"] <= 1.0 and math.isfinite(final["rm_val_margin"])
+    kinds = ("broken_format", "far_off", "slipped_carry", "wrong_final_line")
+    assert sorted(final["rm_val_accuracy_by_mistake"]) == list(kinds)
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows if "rm/accuracy" in r] == [3, 6]
+    assert all(f"rm/accuracy/{k}" in rows[-1] for k in kinds)
+    # the saved head is the trained one: reloading gives the same scores, with no fresh head
+    reloaded = models.load_reward_model(str(out / "model"))
+    saved = load_file(out / "model" / "model.safetensors")
+    torch.testing.assert_close(reloaded.score.weight, saved["score.weight"])
+    assert not torch.equal(saved["score.weight"], models.load_reward_model(str(tiny / "base")).score.weight)
+
+
+def test_no_usable_rows_fails_with_one_clear_message(
+    tiny: Path, tmp_path: Path, capfd: pytest.CaptureFixture
+) -> None:
+    rows = [
+        {"prompt": "1 + 1", "chosen": "2", "rejected": "2"},
+        {"prompt": "1 + 2", "chosen": "", "rejected": "4"},
+    ]
+    bad = write(tmp_path / "all_bad.parquet", rows)
+    assert rm.main(rm_args(tiny, tmp_path / "rm", f"data.train_files={bad}")) == 2
+    err = capfd.readouterr().err
+    assert f"{bad}: no usable preference pair among 2 rows" in err
+    assert "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------------------------------
+# Two gloo ranks against one
+# ----------------------------------------------------------------------------------------------------
+
+
+def torchrun(script: str, args: list[str], nproc: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(ROOT / "scripts" / script),
+        *args,
+    ]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+
+
+@pytest.mark.slow
+def test_two_ranks_train_the_same_model_as_one(tiny: Path, tmp_path: Path) -> None:
+    # The same global batches (seeded order, 16 examples) cut into other micro-batches: with the loss
+    # normalized by the global number of answer tokens, the parameters must agree to fp32 rounding.
+    extra = ("trainer.total_training_steps=4", "trainer.dist_timeout_s=120")
+    one = sft.main(sft_args(tiny, tmp_path / "one", *extra))
+    assert one == 0
+    two = torchrun("train_sft.py", sft_args(tiny, tmp_path / "two", *extra), nproc=2)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a = load_file(tmp_path / "one" / "model" / "model.safetensors")
+    b = load_file(tmp_path / "two" / "model" / "model.safetensors")
+    start = load_file(tiny / "base" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert not torch.equal(a[key], start[key]), key  # every tensor moved
+        torch.testing.assert_close(a[key], b[key], atol=2e-5, rtol=1e-4, msg=key)
+    # Adam hides a gradient that is off by a constant factor (e.g. a missing world-size scale) from
+    # the parameters; the logged norm before clipping shows it.
+    for key in ("train/loss", "train/grad_norm"):
+        one_run, two_run = (
+            torch.tensor([r[key] for r in read_jsonl(tmp_path / run / "metrics.jsonl") if key in r])
+            for run in ("one", "two")
+        )
+        torch.testing.assert_close(one_run, two_run, atol=1e-5, rtol=1e-5, msg=key)
