@@ -312,10 +312,12 @@ def torchrun(script: str, args: list[str], nproc: int) -> subprocess.CompletedPr
 
 
 @pytest.mark.slow
-def test_two_ranks_train_the_same_model_as_one(tiny: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("fsdp_size", [-1, 1], ids=["sharded", "replicated"])
+def test_two_ranks_train_the_same_model_as_one(tiny: Path, tmp_path: Path, fsdp_size: int) -> None:
     # The same global batches (seeded order, 16 examples) cut into other micro-batches: with the loss
     # normalized by the global number of answer tokens, the parameters must agree to fp32 rounding.
-    extra = ("trainer.total_training_steps=4", "trainer.dist_timeout_s=120")
+    # fsdp_size=1 replicates the model on each rank (hybrid sharding), as the demo configs do.
+    extra = ("trainer.total_training_steps=4", "trainer.dist_timeout_s=120", f"fsdp.fsdp_size={fsdp_size}")
     one = sft.main(sft_args(tiny, tmp_path / "one", *extra))
     assert one == 0
     two = torchrun("train_sft.py", sft_args(tiny, tmp_path / "two", *extra), nproc=2)
