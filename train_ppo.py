@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import resource
 import signal
 import sys
@@ -102,12 +101,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
 def train(cfg: PPOConfig, info: DistInfo) -> None:
     out_dir = Path(cfg.trainer.output_dir)
     problem = None
@@ -122,7 +115,7 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
     if problem:
         raise checkpoint.CheckpointError(problem)
     # The same seed on every rank while models are built, so fresh heads start identical everywhere.
-    seed_everything(cfg.trainer.seed)
+    checkpoint.seed_everything(cfg.trainer.seed)
     device = info.device
     tokenizer = models.load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
 
@@ -217,7 +210,7 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
         logger.info("resumed from %s at step %d", resume_dir, state["step"])
     else:
         # Sampling differs per rank from here on; checkpoints restore these streams exactly.
-        seed_everything(cfg.trainer.seed * 1000 + info.rank)
+        checkpoint.seed_everything(cfg.trainer.seed * 1000 + info.rank)
         if cfg.algorithm.rollback_kl > 0 or cfg.trainer.rollback_val_drop > 0:
             ckpt.save(0, state, guard)  # something to roll back to before the first good step
 

@@ -95,6 +95,13 @@ def find_resume_dir(out_dir: Path, resume_mode: str) -> Path | None:
     return path
 
 
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (checkpoints then save and restore these streams per rank)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def rng_state() -> dict[str, Any]:
     state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     if torch.cuda.is_available():

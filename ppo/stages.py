@@ -25,7 +25,6 @@ import json
 import logging
 import math
 import os
-import random
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -39,7 +38,7 @@ import transformers
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ppo import data, models
+from ppo import checkpoint, data, models
 from ppo.checkpoint import CheckpointError, ensure_writable
 from ppo.config import (
     ConfigError,
@@ -121,13 +120,6 @@ def run(
     return 0
 
 
-def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (the same seed on every rank while models are built)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
 def prepare_run(cfg: SFTConfig | RewardModelConfig, info: DistInfo) -> Path:
     """Create the run folder, write the resolved config into it (rank 0), seed every rank alike.
 
@@ -145,7 +137,7 @@ def prepare_run(cfg: SFTConfig | RewardModelConfig, info: DistInfo) -> Path:
     error = broadcast_object(error)
     if error is not None:
         raise CheckpointError(error)
-    seed_everything(cfg.trainer.seed)
+    checkpoint.seed_everything(cfg.trainer.seed)  # the same on every rank while models are built
     return out_dir
 
 
