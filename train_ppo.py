@@ -6,45 +6,64 @@
 A step is a straight line: 1. rollout (HF generate, parameters gathered once), 2. score (old and
 reference log-probs, values, rewards), 3. advantages (KL in the reward, GAE | GRPO | RLOO), 4. update
 (critic, then actor: epochs x mini-batches x token-budget micro-batches), 5. log (one cross-rank
-reduction), 6. checkpoint. Every rank runs the same lines; only rank 0 writes files.
+reduction), 6. checkpoint. Every rank runs the same lines; only rank 0 writes files. ``build`` makes
+everything the loop needs once; ``train`` is the loop; the step functions follow in step order.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import resource
 import signal
 import sys
 import threading
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ppo import algorithms, checkpoint, data, models, rewards
-from ppo.config import ConfigError, PPOConfig, parse_cli, to_dict, to_yaml
+import kernels
+from ppo import algorithms, checkpoint, data, models, rewards, runner, sharding
+from ppo.checkpoint import Checkpointer, TrainerState
+from ppo.config import ActorConfig, CriticConfig, PPOConfig, to_yaml
 from ppo.distributed import (
     DistInfo,
+    agree_on_failure,
     all_gather_object,
     all_reduce_scalar,
     all_reduce_scalars,
-    broadcast_object,
-    destroy_distributed,
-    init_distributed,
-    make_mesh,
+    all_reduce_sum,
+    all_reduce_tensors,
     reduce_metrics,
-    setup_logging,
 )
-from ppo.metrics import MetricsLogger, Timer, model_flops_utilization, peak_flops, tensor_stats
+from ppo.metrics import (
+    MetricsLogger,
+    Timer,
+    global_stats,
+    model_flops_utilization,
+    peak_flops,
+    profiled,
+)
 from ppo.monitor import HealthMonitor
-from ppo.optim import build_optimizer, clip_grad_norm
-from ppo.packing import pack, packed_logprobs, packed_values, plan_micro_batches, unpack
-from ppo.rollout import Rollout, generate
+from ppo.optim import build_optimizer
+from ppo.packing import (
+    DUMMY_SEQUENCE,
+    Packed,
+    pack,
+    pack_sequences,
+    packed_logprobs,
+    packed_values,
+    plan_eval_micro_batches,
+    plan_micro_batches,
+    unpack,
+)
+from ppo.rollout import Rollout, generate, generation_config
 
 logger = logging.getLogger("ppo")
+
+KLController = algorithms.FixedKLController | algorithms.AdaptiveKLController
 
 
 @dataclass(kw_only=True)
@@ -57,12 +76,15 @@ class Batch:
     group_ids: torch.Tensor
     """[B] index of the prompt a sequence answers (groups never straddle ranks)."""
     old_logprobs: torch.Tensor | None = None
+    """[B, R] log-probs under the policy that sampled (None with the on-policy shortcut)."""
     ref_logprobs: torch.Tensor | None = None
     full_kl: torch.Tensor | None = None
     """[B, R] exact KL over the vocabulary (only with ``algorithm.kl_penalty=full``)."""
     values: torch.Tensor | None = None
     scores: torch.Tensor | None = None
+    """[B] the reward of each sequence."""
     token_rewards: torch.Tensor | None = None
+    """[B, R] the score on the last response token minus the in-reward KL penalty."""
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
 
@@ -77,581 +99,409 @@ class Batch:
         return [p.numel() + int(r) for p, r in zip(self.rollout.prompts, resp, strict=True)]
 
 
+@dataclass(kw_only=True)
+class Run:
+    """Everything ``build`` makes once, before step 1."""
+
+    out_dir: Path
+    tokenizer: object
+    eos_ids: list[int]
+    """Every token id that ends a response (tokenizer and generation config)."""
+    loader: data.ShardedLoader
+    val_records: list[data.PromptRecord]
+    actor: torch.nn.Module
+    ref: torch.nn.Module | None
+    critic: torch.nn.Module | None
+    reward_model: torch.nn.Module | None
+    scorer: rewards.RuleScorer
+    actor_opt: torch.optim.Optimizer
+    actor_sched: torch.optim.lr_scheduler.LRScheduler
+    critic_opt: torch.optim.Optimizer | None
+    critic_sched: torch.optim.lr_scheduler.LRScheduler | None
+    kl_ctrl: KLController
+    checkpointer: Checkpointer
+    state: TrainerState
+    total_steps: int
+    metrics_logger: MetricsLogger
+    monitor: HealthMonitor
+    num_params: int
+
+
 def main(argv: list[str] | None = None) -> int:
-    try:
-        cfg, args = parse_cli(argv, PPOConfig, description=__doc__)
-        if args.print_config:
-            if args.world_size is not None:
-                cfg.validate(args.world_size)
-            print(to_yaml(cfg), end="")
-            return 0
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    info = init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout_s)
-    setup_logging(info.is_main)
-    try:
-        cfg.validate(info.world_size)
-        train(cfg, info)
-    except (ConfigError, data.DataError, FileNotFoundError, checkpoint.CheckpointError, TrainingError) as e:
-        logger.error("%s", e)
-        destroy_distributed()
-        return 2
-    destroy_distributed()
-    return 0
+    return runner.run(argv, PPOConfig, train, __doc__)
 
 
 def train(cfg: PPOConfig, info: DistInfo) -> None:
-    out_dir = Path(cfg.trainer.output_dir)
-    problem = None
-    if info.is_main:
-        try:
-            checkpoint.ensure_writable(out_dir)
-            (out_dir / "config.yaml").write_text(to_yaml(cfg))
-        except checkpoint.CheckpointError as e:
-            problem = str(e)
-    # Every rank stops on rank 0's I/O error, instead of waiting for it in the next collective.
-    problem = broadcast_object(problem)
-    if problem:
-        raise checkpoint.CheckpointError(problem)
-    # The same seed on every rank while models are built, so fresh heads start identical everywhere.
-    checkpoint.seed_everything(cfg.trainer.seed)
-    device = info.device
-    tokenizer = models.load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
-
-    # ---- data -------------------------------------------------------------------------------------
-    load = dict(
-        tokenizer=tokenizer,
-        prompt_key=cfg.data.prompt_key,
-        max_prompt_length=cfg.data.max_prompt_length,
-        apply_chat_template=cfg.data.apply_chat_template,
-    )
-    train_records = data.load_prompts(cfg.data.train_files, **load)
-    val_records = data.load_prompts(cfg.data.val_files, **load) if cfg.data.val_files else []
-    if cfg.data.max_val_samples > 0:
-        val_records = val_records[: cfg.data.max_val_samples]
-    loader = data.PromptLoader(
-        train_records,
-        batch_size=cfg.data.train_batch_size,
-        rank=info.rank,
-        world_size=info.world_size,
-        seed=cfg.trainer.seed,
-        shuffle=cfg.data.shuffle,
-    )
-    total_steps = cfg.trainer.total_training_steps or loader.steps_per_epoch * cfg.trainer.total_epochs
-
-    # ---- models -----------------------------------------------------------------------------------
-    # Weights load on CPU and move to the device shard by shard inside fully_shard, so no rank ever holds
-    # a whole model on the accelerator; the attention kernel is picked for the device they run on.
-    model_kw = dict(
-        dtype=cfg.model.dtype,
-        attn_implementation=models.resolve_attn_implementation(cfg.model.attn_implementation, device),
-        trust_remote_code=cfg.model.trust_remote_code,
-        device="cpu",
-    )
-    actor = models.load_causal_lm(cfg.model.path, **model_kw)
-    if cfg.model.enable_gradient_checkpointing:
-        models.enable_gradient_checkpointing(actor)
-    actor = models.shard_model(
-        actor, make_mesh(info, cfg.actor.fsdp.fsdp_size), cfg.actor.fsdp, device=device
-    )
-    needs_ref = cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss or cfg.algorithm.rollback_kl > 0
-    ref = None
-    if needs_ref:
-        ref = models.load_causal_lm(cfg.model.path, **model_kw)
-        ref.requires_grad_(False)
-        ref = models.shard_model(ref, make_mesh(info, cfg.ref.fsdp.fsdp_size), cfg.ref.fsdp, device=device)
-    critic = None
-    if cfg.use_critic:
-        critic = models.load_critic(cfg.critic.model_path or cfg.model.path, **model_kw)
-        if cfg.model.enable_gradient_checkpointing:
-            models.enable_gradient_checkpointing(critic)
-        critic = models.shard_model(
-            critic, make_mesh(info, cfg.critic.fsdp.fsdp_size), cfg.critic.fsdp, device=device
-        )
-    reward_model = None
-    if cfg.reward.style == "model" or (cfg.reward.style == "ranking" and cfg.reward.ranking_by == "model"):
-        reward_model = models.load_reward_model(cfg.reward.model_path, **model_kw)
-        reward_model.requires_grad_(False)
-        reward_model = models.shard_model(
-            reward_model, make_mesh(info, cfg.ref.fsdp.fsdp_size), cfg.ref.fsdp, device=device
-        )
-    scorer = rewards.make_rule_scorer(cfg.reward.custom_function, cfg.reward.format_score)
-
-    num_mini = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
-    actor_opt, actor_sched = build_optimizer(
-        actor, cfg.actor.optim, total_steps * cfg.actor.ppo_epochs * num_mini
-    )
-    critic_opt = critic_sched = None
-    if critic is not None:
-        c_mini = cfg.data.train_batch_size // (
-            cfg.critic.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size
-        )
-        c_epochs = cfg.critic.ppo_epochs or cfg.actor.ppo_epochs
-        critic_opt, critic_sched = build_optimizer(critic, cfg.critic.optim, total_steps * c_epochs * c_mini)
-    kl_ctrl = make_kl_controller(cfg)
-
-    # ---- resume -----------------------------------------------------------------------------------
-    ckpt = Checkpointing(
-        cfg=cfg,
-        info=info,
-        out_dir=out_dir,
-        models={"actor": actor, "critic": critic},
-        optimizers={"actor": actor_opt, "critic": critic_opt},
-        schedulers={"actor": actor_sched, "critic": critic_sched},
-        loader=loader,
-        kl_ctrl=kl_ctrl,
-    )
-    state = {"step": 0, "skipped_steps": 0, "best_val": None}
-    guard = {"rollbacks": 0, "consecutive_rollbacks": 0, "lr_scale": 1.0}
-    resume_dir = checkpoint.find_resume_dir(out_dir, cfg.trainer.resume_mode)
-    if resume_dir is not None:
-        ckpt.restore(resume_dir, state, guard, rollback=False)
-        logger.info("resumed from %s at step %d", resume_dir, state["step"])
-    else:
-        # Sampling differs per rank from here on; checkpoints restore these streams exactly.
-        checkpoint.seed_everything(cfg.trainer.seed * 1000 + info.rank)
-        if cfg.algorithm.rollback_kl > 0 or cfg.trainer.rollback_val_drop > 0:
-            ckpt.save(0, state, guard)  # something to roll back to before the first good step
-
-    metrics_logger = MetricsLogger(
-        out_dir,
-        cfg.trainer.logger,
-        is_main=info.is_main,
-        total_steps=total_steps,
-        project=cfg.trainer.project_name,
-        run_name=cfg.trainer.experiment_name,
-        config=to_dict(cfg),
-        resume_step=state["step"] if resume_dir is not None else None,
-    )
-    monitor = HealthMonitor(cfg=cfg)
-    peak = peak_flops(device)  # for MFU on GPUs with a known peak
-    actor_params = models.count_parameters(actor)
-    logger.info(
-        "world size %d on %s; %d train prompts (%d steps), %d val prompts; actor %.2fM parameters",
-        info.world_size,
-        device,
-        len(train_records),
-        total_steps,
-        len(val_records),
-        actor_params / 1e6,
-    )
-    if cfg.trainer.val_before_train and state["step"] == 0 and val_records:
-        val_metrics = validate(cfg, info, actor, tokenizer, val_records, scorer)
-        state["best_val"] = val_metrics.get("val/score")
-        metrics_logger.log(0, val_metrics)
-
+    run = build(cfg, info)
+    state = run.state
+    if cfg.trainer.val_before_train and state.step == 0 and run.val_records:
+        val_metrics = validate(cfg, info, run)
+        state.best_val = val_metrics.get("val/score")
+        run.metrics_logger.log(0, val_metrics)
     stop_requested = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop_requested.set())
-    while state["step"] < total_steps:
-        state["step"] += 1
-        step = state["step"]
+    on_policy = cfg.actor.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
+    while state.step < run.total_steps:
+        state.step += 1
+        step = state.step
         timer = Timer()
         metrics: dict[str, float] = {}
-        step_start = time.perf_counter()
-        profiler = start_profiler(cfg, step, out_dir)
+        with profiled(cfg.trainer.profile_steps, step, run.out_dir), timer("step"):
+            # 1. rollout: n samples per prompt, all ranks sampling their own prompts
+            records = [r for r in next(run.loader) for _ in range(cfg.rollout.n)]
+            with timer("gen"):
+                rollout = sample(cfg, run, records, do_sample=cfg.rollout.do_sample)
+            group_ids = torch.arange(len(records), device=info.device) // cfg.rollout.n
+            batch = Batch(rollout=rollout, records=records, group_ids=group_ids)
 
-        # 1. rollout: n samples per prompt, all ranks sampling their own prompts
-        records = [r for r in next(loader) for _ in range(cfg.rollout.n)]
-        group_ids = torch.arange(len(records), device=device) // cfg.rollout.n
-        with timer("gen"):
-            rollout = sample(cfg, actor, tokenizer, records, do_sample=cfg.rollout.do_sample)
-        batch = Batch(rollout=rollout, records=records, group_ids=group_ids)
-
-        # 2. score: old and reference log-probs, values, rewards (all without gradients)
-        with timer("old_log_prob"):
-            batch.old_logprobs, _ = score_logprobs(cfg, actor, batch)
-        if ref is not None:
-            with timer("ref"):
-                batch.ref_logprobs, _ = score_logprobs(cfg, ref, batch, ref=True)
-                if cfg.algorithm.use_kl_in_reward and cfg.algorithm.kl_penalty == "full":
-                    batch.full_kl = score_full_kl(cfg, actor, ref, batch)
-            metrics["actor/ref_kl"] = ref_kl(batch)
-            # KL explosion: go back to the last good checkpoint with a smaller learning rate.
-            if (
-                cfg.algorithm.rollback_kl > 0
-                and all_reduce_scalar(metrics["actor/ref_kl"], "mean") > cfg.algorithm.rollback_kl
-            ):
-                ckpt.rollback(
-                    state,
-                    guard,
-                    f"KL to the reference above algorithm.rollback_kl={cfg.algorithm.rollback_kl}",
-                )
-                metrics_logger.log(
-                    step, {"trainer/rollbacks": guard["rollbacks"], "trainer/lr_scale": guard["lr_scale"]}
-                )
-                stop_profiler(profiler)
+            # 2. score: old and reference log-probs, values, rewards (all without gradients)
+            if needs_old_logprobs(cfg, on_policy):
+                with timer("old_log_prob"):
+                    batch.old_logprobs = score_logprobs(
+                        cfg, run.actor, batch, cfg.actor.ppo_micro_batch_size_per_gpu
+                    )
+            if run.ref is not None:
+                with timer("ref"):
+                    batch.ref_logprobs = score_logprobs(
+                        cfg, run.ref, batch, cfg.ref.log_prob_micro_batch_size_per_gpu
+                    )
+                    if cfg.algorithm.use_kl_in_reward and cfg.algorithm.kl_penalty == "full":
+                        batch.full_kl = score_full_kl(cfg, run.actor, run.ref, batch)
+                    sharding.release(run.ref)
+                if batch.old_logprobs is not None:
+                    metrics["actor/ref_kl"] = ref_kl(
+                        batch.old_logprobs, batch.ref_logprobs, batch.response_mask
+                    )
+                # KL explosion: go back to the last good checkpoint with a smaller learning rate.
+                if cfg.algorithm.rollback_kl > 0 and all_reduce_scalar(metrics["actor/ref_kl"], "mean") > (
+                    cfg.algorithm.rollback_kl
+                ):
+                    reason = f"KL to the reference above algorithm.rollback_kl={cfg.algorithm.rollback_kl}"
+                    roll_back(cfg, run, reason)
+                    continue
+            if run.critic is not None:
+                with timer("values"):
+                    batch.values = score_values(cfg, run.critic, batch)
+            with timer("reward"):
+                batch.scores = compute_scores(cfg, run, batch)
+            # A NaN or infinite reward anywhere skips the step on every rank: nothing is updated.
+            if all_reduce_scalar(float(not torch.isfinite(batch.scores).all()), "max"):
+                skip_step(cfg, run)
                 continue
-        if critic is not None:
-            with timer("values"):
-                batch.values = score_values(cfg, critic, batch)
-        with timer("reward"):
-            batch.scores = compute_scores(cfg, batch, tokenizer, scorer, reward_model)
-        # A NaN or infinite reward anywhere skips the step on every rank: nothing is updated.
-        if all_reduce_scalar(float(not torch.isfinite(batch.scores).all()), "max"):
-            state["skipped_steps"] += 1
-            logger.warning(
-                "step %d: non-finite reward; the step is skipped (%d so far)", step, state["skipped_steps"]
-            )
-            metrics_logger.log(step, {"trainer/skipped_steps": state["skipped_steps"]})
-            stop_profiler(profiler)
+            state.consecutive_skipped_steps = 0
+
+            # 3. advantages: KL in the reward, then GAE or a group baseline
+            with timer("adv"):
+                metrics.update(compute_advantages(cfg, batch, run.kl_ctrl, step))
+
+            # 4. update: the critic first (it learns the new returns), then the actor
+            if run.critic is not None:
+                with timer("update_critic"):
+                    metrics.update(update_critic(cfg, run, batch))
+            if step >= cfg.trainer.critic_warmup:  # verl's rule: the actor starts at step critic_warmup
+                with timer("update_actor"):
+                    metrics.update(update_actor(cfg, run, batch, on_policy))
+
+            # 5. log: one cross-rank reduction per step, then validation and health warnings
+            global_metrics = batch_metrics(cfg, batch)
+            metrics = reduce_metrics(metrics)
+            metrics.update(global_metrics)
+            if cfg.trainer.test_freq > 0 and (step % cfg.trainer.test_freq == 0 or step == run.total_steps):
+                if run.val_records:
+                    with timer("testing"):
+                        metrics.update(validate(cfg, info, run))
+        metrics.update(perf_metrics(cfg, run, batch, metrics, timer.times, info))
+        metrics["trainer/skipped_steps"] = float(state.skipped_steps)
+        metrics["trainer/rollbacks"] = float(state.rollbacks)
+        if validation_dropped(cfg, run, metrics):
             continue
-
-        # 3. advantages: KL in the reward, then GAE or a group baseline
-        with timer("adv"):
-            metrics.update(compute_advantages(cfg, batch, kl_ctrl, step))
-
-        # 4. update: the critic first (it learns the new returns), then the actor
-        if critic is not None:
-            with timer("update_critic"):
-                metrics.update(update_critic(cfg, critic, critic_opt, critic_sched, batch, info))
-        if step > cfg.trainer.critic_warmup:
-            with timer("update_actor"):
-                metrics.update(update_actor(cfg, actor, actor_opt, actor_sched, batch, info))
-
-        # 5. log: one cross-rank reduction per step, then validation and health warnings
-        metrics.update(batch_metrics(batch, cfg))
-        timer.times["timing_s/step"] = time.perf_counter() - step_start
-        metrics.update(timer.times)
-        num_tokens = float(sum(batch.seq_lens))
-        metrics["perf/total_num_tokens"] = num_tokens
-        metrics["perf/throughput"] = num_tokens / timer.times["timing_s/step"]
-        metrics["perf/max_memory_gib"] = max_memory_gib(device)
-        if "timing_s/update_actor" in timer.times and peak is not None:
-            # Tokens the actor update trained on: every sequence, once per epoch (all updates ran).
-            trained = num_tokens * metrics["actor/num_updates"] / num_mini
-            mfu = model_flops_utilization(actor_params, trained, timer.times["timing_s/update_actor"], peak)
-            metrics["perf/mfu/actor"] = mfu
-        metrics["trainer/skipped_steps"] = float(state["skipped_steps"])
-        metrics = reduce_metrics(metrics)
-        metrics["actor/reward_kl_penalty_coeff"] = kl_ctrl.value
-        metrics["trainer/rollbacks"] = float(guard["rollbacks"])
-        stop_profiler(profiler)
-        if (
-            cfg.trainer.test_freq > 0
-            and (step % cfg.trainer.test_freq == 0 or step == total_steps)
-            and val_records
-        ):
-            with timer("testing"):
-                metrics.update(validate(cfg, info, actor, tokenizer, val_records, scorer))
-            score, best = metrics.get("val/score"), state["best_val"]
-            drop = cfg.trainer.rollback_val_drop
-            if drop > 0 and score is not None and best is not None and score < best * (1 - drop):
-                metrics_logger.log(step, metrics)
-                ckpt.rollback(
-                    state,
-                    guard,
-                    f"validation score {score:.4f} fell more than {drop:.0%} below the best {best:.4f}",
-                )
-                continue
-            if score is not None and (best is None or score > best):
-                state["best_val"] = score
-        metrics.update(monitor.check(step, metrics))
-        metrics_logger.log(step, metrics)
+        metrics.update(run.monitor.check(step, metrics))
+        run.metrics_logger.log(step, metrics)
 
         # 6. checkpoint: sharded, atomic, resumable; also when asked to stop (SIGTERM from Slurm or
         # torchrun), so that a preempted job resumes from this step. Ranks agree on the signal first.
         stopping = all_reduce_scalar(float(stop_requested.is_set()), "max") > 0
         if (
-            cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or step == total_steps)
-        ) or stopping:
-            ckpt.save(step, state, guard)
+            cfg.trainer.save_freq > 0
+            and step % cfg.trainer.save_freq == 0
+            or step == run.total_steps
+            or stopping
+        ):
+            save(cfg, run)
         if stopping:
             logger.warning("stopping after step %d on SIGTERM; resume with trainer.resume_mode=auto", step)
             break
 
     if cfg.trainer.save_hf_on_end:
-        models.save_hf(actor, tokenizer, out_dir / "hf", is_main=info.is_main)
-    metrics_logger.close()
+        models.save_hf(run.actor, run.tokenizer, run.out_dir / "hf", is_main=info.is_main)
+    run.metrics_logger.close()
 
 
-class TrainingError(RuntimeError):
-    """The run cannot go on (e.g. KL exploded again after every rollback); the message says why."""
+# ----------------------------------------------------------------------------------------------------
+# Set-up: data, models, optimizers, resume
+# ----------------------------------------------------------------------------------------------------
 
 
-@dataclass(kw_only=True)
-class Checkpointing:
-    """Everything a checkpoint holds, saved and restored in one place (resume and rollback)."""
+def build(cfg: PPOConfig, info: DistInfo) -> Run:
+    """Load the data and the models, build the optimizers and controllers, resume if there is a
+    checkpoint. Everything that can fail on the user's input fails here, before step 1."""
+    out_dir = runner.prepare_run(cfg, info)
+    tokenizer = runner.load_tokenizer(cfg.model)
+    scorer = rewards.make_rule_scorer(cfg.reward.custom_function, cfg.reward.format_score)
 
-    cfg: PPOConfig
-    info: DistInfo
-    out_dir: Path
-    models: dict
-    optimizers: dict
-    schedulers: dict
-    loader: data.PromptLoader
-    kl_ctrl: algorithms.FixedKLController | algorithms.AdaptiveKLController
-
-    def save(self, step: int, state: dict, guard: dict) -> None:
-        """Write checkpoint ``step``. Reaching a new checkpoint is progress: the rollbacks "in a row"
-        counted against ``algorithm.max_rollbacks`` start again from 0."""
-        guard["consecutive_rollbacks"] = 0
-        checkpoint.save(
-            self.out_dir,
-            step,
-            models=self.models,
-            optimizers=self.optimizers,
-            schedulers=self.schedulers,
-            extra={
-                "trainer": dict(state),
-                "guard": dict(guard),
-                "loader": self.loader.state_dict(),
-                "kl_ctrl": self.kl_ctrl.state_dict(),
-            },
-            config_yaml=to_yaml(self.cfg),
-            rank=self.info.rank,
-            world_size=self.info.world_size,
-            keep=self.cfg.trainer.max_ckpt_to_keep,
-        )
-
-    def restore(self, ckpt_dir: Path, state: dict, guard: dict, *, rollback: bool) -> None:
-        """Load ``ckpt_dir`` into the models, optimizers, schedulers, loader, controller, RNG and
-        ``state``. On resume ``guard`` (rollback counters, lr scale) comes from the checkpoint too; on a
-        rollback it is kept, and the learning rates are rescaled to ``guard["lr_scale"]``."""
-        extra = checkpoint.load(
-            ckpt_dir,
-            models=self.models,
-            optimizers=self.optimizers,
-            schedulers=self.schedulers,
-            rank=self.info.rank,
-            world_size=self.info.world_size,
-        )
-        state.clear()
-        state.update(extra["trainer"])
-        self.loader.load_state_dict(extra["loader"])
-        self.kl_ctrl.load_state_dict(extra["kl_ctrl"])
-        saved_scale = extra["guard"]["lr_scale"]
-        if not rollback:
-            guard.update(extra["guard"])
-            return
-        # The checkpoint's schedulers carry the lr scale they were saved with; apply the newer one.
-        ratio = guard["lr_scale"] / saved_scale
-        for sched in self.schedulers.values():
-            if sched is not None:
-                sched.base_lrs = [lr * ratio for lr in sched.base_lrs]
-                for group, lr in zip(sched.optimizer.param_groups, sched.get_last_lr(), strict=True):
-                    group["lr"] = lr * ratio
-
-    def rollback(self, state: dict, guard: dict, reason: str) -> None:
-        """Restore the last checkpoint with the learning rates times ``rollback_lr_factor``; give up
-        after ``max_rollbacks`` in a row."""
-        a = self.cfg.algorithm
-        guard["rollbacks"] += 1
-        guard["consecutive_rollbacks"] += 1
-        if guard["consecutive_rollbacks"] > a.max_rollbacks:
-            raise TrainingError(
-                f"step {state['step']}: {reason}, after {a.max_rollbacks} rollbacks in a row "
-                f"(algorithm.max_rollbacks). Lower actor.optim.lr, raise the KL coefficient or "
-                f"algorithm.rollback_kl, then resume."
-            )
-        ckpt_dir = checkpoint.find_resume_dir(self.out_dir, "auto")
-        if ckpt_dir is None:
-            raise TrainingError(f"step {state['step']}: {reason}, and there is no checkpoint to roll back to")
-        guard["lr_scale"] *= a.rollback_lr_factor
-        failed_step = state["step"]
-        self.restore(ckpt_dir, state, guard, rollback=True)
-        logger.warning(
-            "step %d: %s; rolled back to %s (step %d) with learning rates x%.3g (rollback %d in a row)",
-            failed_step,
-            reason,
-            ckpt_dir.name,
-            state["step"],
-            guard["lr_scale"],
-            guard["consecutive_rollbacks"],
-        )
-
-
-def start_profiler(cfg: PPOConfig, step: int, out_dir: Path) -> torch.profiler.profile | None:
-    """A torch profiler for the steps in ``trainer.profile_steps`` (traces in ``out_dir/profile``, for
-    TensorBoard or Perfetto)."""
-    if step not in cfg.trainer.profile_steps:
-        return None
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    profiler = torch.profiler.profile(
-        activities=activities,
-        record_shapes=True,
-        profile_memory=True,
-        on_trace_ready=torch.profiler.tensorboard_trace_handler(str(out_dir / "profile")),
+    # ---- data ----
+    load = dict(
+        prompt_key=cfg.data.prompt_key,
+        max_prompt_length=cfg.data.max_prompt_length,
+        apply_chat_template=cfg.data.apply_chat_template,
     )
-    profiler.start()
-    return profiler
+    with runner.main_rank_logs(info):
+        train_records = data.load_prompts(
+            cfg.data.train_files, tokenizer, require_ground_truth=needs_ground_truth(cfg), **load
+        )
+        val_records = (
+            data.load_prompts(cfg.data.val_files, tokenizer, require_ground_truth=False, **load)
+            if cfg.data.val_files
+            else []
+        )
+    if cfg.data.max_val_samples > 0:
+        val_records = val_records[: cfg.data.max_val_samples]
+    if uses_rule(cfg):
+        check_rule_coverage(cfg, train_records)
+        first = train_records[0]
+        rewards.check_scorer(scorer, first.data_source, first.ground_truth, first.extra_info)
+    loader = runner.make_loader(train_records, cfg, info)
+    total_steps = runner.total_steps(cfg, loader)
 
+    # ---- models ----
+    actor = runner.build_model(models.load_causal_lm, cfg.model, cfg.actor.fsdp, info)
+    if cfg.actor.use_fused_kernels:
+        models.check_fused_lm_head(actor)
+    eos_ids = models.eos_token_ids(tokenizer, actor)
+    ref = critic = reward_model = None
+    if cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss or cfg.algorithm.rollback_kl > 0:
+        ref = runner.build_model(models.load_causal_lm, cfg.model, cfg.ref.fsdp, info, trainable=False)
+    if cfg.use_critic:
+        critic = runner.build_model(
+            models.load_critic,
+            cfg.model,
+            cfg.critic.fsdp,
+            info,
+            path=cfg.critic.model_path or cfg.model.path,
+            path_key="critic.model_path" if cfg.critic.model_path else "model.path",
+        )
+    if uses_reward_model(cfg):
+        reward_model = runner.build_model(
+            models.load_reward_model,
+            cfg.model,
+            cfg.reward.fsdp,
+            info,
+            path=cfg.reward.model_path,
+            path_key="reward.model_path",
+            trainable=False,
+        )
 
-def stop_profiler(profiler: torch.profiler.profile | None) -> None:
-    if profiler is not None:
-        profiler.stop()
+    # ---- optimizers: one learning-rate step per training step, as verl ----
+    actor_opt, actor_sched = build_optimizer(actor, cfg.actor.optim, total_steps)
+    critic_opt = critic_sched = None
+    if critic is not None:
+        critic_opt, critic_sched = build_optimizer(critic, cfg.critic.optim, total_steps)
+    kl_ctrl = make_kl_controller(cfg)
 
+    # ---- resume ----
+    state = TrainerState()
+    checkpointer = Checkpointer(
+        out_dir=out_dir,
+        info=info,
+        config_yaml=to_yaml(cfg),
+        keep=cfg.trainer.max_ckpt_to_keep,
+        models={"actor": actor, "critic": critic},
+        optimizers={"actor": actor_opt, "critic": critic_opt},
+        schedulers={"actor": actor_sched, "critic": critic_sched},
+        stateful={"trainer": state, "loader": loader, "kl_ctrl": kl_ctrl},
+    )
+    resume_dir = checkpoint.find_resume_dir(out_dir, cfg.trainer.resume_mode)
+    if resume_dir is not None:
+        checkpointer.restore(resume_dir)
+        logger.info("resumed from %s at step %d", resume_dir, state.step)
+    else:
+        # Sampling differs per rank from here on; checkpoints restore these streams exactly.
+        checkpoint.seed_everything(cfg.trainer.seed * 1000 + info.rank)
+        if cfg.algorithm.rollback_kl > 0 or cfg.trainer.rollback_val_drop > 0:
+            checkpointer.save(0)  # something to roll back to before the first good step
 
-def ref_kl(batch: Batch) -> float:
-    """Mean over sequences of the per-token ``log pi - log pi_ref`` (k1) of the sampled tokens: how far the
-    policy has moved from the reference, whatever KL terms the run uses."""
-    mask = batch.response_mask
-    d = torch.where(mask, batch.old_logprobs - batch.ref_logprobs, torch.zeros_like(batch.old_logprobs))
-    return (d.sum(-1) / mask.sum(-1).clamp(min=1)).mean().item()
-
-
-def sample(
-    cfg: PPOConfig,
-    actor: torch.nn.Module,
-    tokenizer,
-    records: list[data.PromptRecord],
-    *,
-    do_sample: bool,
-    micro_batch_size: int | None = None,
-    ignore_eos: bool | None = None,
-) -> Rollout:
-    """One response per record with the rollout settings (temperature, top-p/k, lengths)."""
-    return generate(
-        actor,
-        [torch.tensor(r.input_ids, dtype=torch.long) for r in records],
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        max_new_tokens=cfg.data.max_response_length,
-        do_sample=do_sample,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k,
-        ignore_eos=cfg.rollout.ignore_eos if ignore_eos is None else ignore_eos,
-        micro_batch_size=micro_batch_size or cfg.rollout.micro_batch_size_per_gpu,
+    num_params = models.count_parameters(actor)
+    logger.info(
+        "world size %d on %s; %d train prompts (%d steps), %d val prompts; actor %.2fM parameters",
+        info.world_size,
+        info.device,
+        len(train_records),
+        total_steps,
+        len(val_records),
+        num_params / 1e6,
+    )
+    return Run(
+        out_dir=out_dir,
+        tokenizer=tokenizer,
+        eos_ids=eos_ids,
+        loader=loader,
+        val_records=val_records,
+        actor=actor,
+        ref=ref,
+        critic=critic,
+        reward_model=reward_model,
+        scorer=scorer,
+        actor_opt=actor_opt,
+        actor_sched=actor_sched,
+        critic_opt=critic_opt,
+        critic_sched=critic_sched,
+        kl_ctrl=kl_ctrl,
+        checkpointer=checkpointer,
+        state=state,
+        total_steps=total_steps,
+        metrics_logger=runner.make_metrics_logger(
+            cfg,
+            info,
+            out_dir,
+            total_steps,
+            console=True,
+            resume_step=state.step if resume_dir is not None else None,
+        ),
+        monitor=HealthMonitor(cfg=cfg),
+        num_params=num_params,
     )
 
 
-def make_kl_controller(cfg: PPOConfig) -> algorithms.FixedKLController | algorithms.AdaptiveKLController:
+def uses_reward_model(cfg: PPOConfig) -> bool:
+    return cfg.reward.style == "model" or (cfg.reward.style == "ranking" and cfg.reward.ranking_by == "model")
+
+
+def uses_rule(cfg: PPOConfig) -> bool:
+    return not uses_reward_model(cfg)
+
+
+def needs_ground_truth(cfg: PPOConfig) -> bool:
+    """The built-in rule scorers compare with a ground truth; a reward model or a custom function
+    (which gets None) does not need one."""
+    return uses_rule(cfg) and cfg.reward.custom_function is None
+
+
+def check_rule_coverage(cfg: PPOConfig, records: list[data.PromptRecord]) -> None:
+    """Every training prompt's ``data_source`` has a rule scorer (found now, not at the first step)."""
+    unknown = sorted(
+        {r.data_source for r in records if not rewards.has_rule(r.data_source, cfg.reward.custom_function)}
+    )
+    if unknown:
+        raise rewards.RewardError(
+            f"no rule reward for data_source {', '.join(map(repr, unknown))} in data.train_files; known: "
+            f"{', '.join(rewards.RULE_DATA_SOURCES)}. Set reward.custom_function=module:function or "
+            f"file.py:function, or use a reward model (reward.style=model)"
+        )
+
+
+def make_kl_controller(cfg: PPOConfig) -> KLController:
     k = cfg.algorithm.kl_ctrl
     if k.type == "fixed":
         return algorithms.FixedKLController(k.kl_coef)
     return algorithms.AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon)
 
 
-# ----------------------------------------------------------------------------------------------------
-# 2. scoring
-# ----------------------------------------------------------------------------------------------------
+def needs_old_logprobs(cfg: PPOConfig, on_policy: bool) -> bool:
+    """On-policy (one epoch, one mini-batch) the ratio is exactly 1, so the update uses its own
+    detached log-probs as the old ones (verl's shortcut) and the scoring forward is needed only for
+    the KL in the reward and the rollback check."""
+    return not on_policy or cfg.algorithm.use_kl_in_reward or cfg.algorithm.rollback_kl > 0
 
 
-def micro_batches(
-    cfg: PPOConfig, batch: Batch, idx: torch.Tensor, *, critic: bool = False, ref: bool = False
-) -> list[torch.Tensor]:
-    """Micro-batches (index tensors into the batch) of the sequences ``idx``, agreed across ranks.
+def save(cfg: PPOConfig, run: Run) -> None:
+    """Checkpoint the step just done. Reaching a new checkpoint is progress: the rollbacks "in a row"
+    counted against ``algorithm.max_rollbacks`` start again from 0."""
+    run.state.consecutive_rollbacks = 0
+    run.checkpointer.save(run.state.step)
 
-    The actor's (or critic's) token budget with dynamic batch size; otherwise its fixed micro-batch
-    size, or ``ref.log_prob_micro_batch_size_per_gpu`` for the reference (no backward: larger fits).
-    """
-    role = cfg.critic if critic else cfg.actor
-    lens = batch.seq_lens
-    groups = plan_micro_batches(
-        [lens[i] for i in idx.tolist()],
-        use_dynamic_bsz=role.use_dynamic_bsz,
-        max_tokens=role.ppo_max_token_len_per_gpu,
-        micro_batch_size=cfg.ref.log_prob_micro_batch_size_per_gpu
-        if ref
-        else role.ppo_micro_batch_size_per_gpu,
+
+def roll_back(cfg: PPOConfig, run: Run, reason: str) -> None:
+    """Restore the last checkpoint with smaller learning rates (``checkpoint.roll_back``) and log it."""
+    a = cfg.algorithm
+    step = run.state.step
+    checkpoint.roll_back(
+        run.checkpointer, run.state, reason, lr_factor=a.rollback_lr_factor, max_rollbacks=a.max_rollbacks
     )
-    return [idx[torch.tensor(g, dtype=torch.long)] for g in groups]
-
-
-def pack_rows(batch: Batch, sel: torch.Tensor):
-    return pack(
-        [batch.rollout.prompts[i] for i in sel.tolist()],
-        batch.rollout.responses[sel],
-        batch.response_mask[sel],
+    run.metrics_logger.log(
+        step, {"trainer/rollbacks": run.state.rollbacks, "trainer/lr_scale": run.state.lr_scale}
     )
 
 
-@torch.no_grad()
-def score_logprobs(
-    cfg: PPOConfig, model: torch.nn.Module, batch: Batch, *, ref: bool = False
-) -> tuple[torch.Tensor, None]:
-    """Log-probs ``[B, R]`` of the sampled tokens under ``model`` at the rollout temperature."""
-    out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
-    all_idx = torch.arange(len(batch.records), device=out.device)
-    for sel in micro_batches(cfg, batch, all_idx, ref=ref):
-        lp, _ = packed_logprobs(
-            model,
-            pack_rows(batch, sel),
-            temperature=cfg.rollout.temperature,
-            backend=cfg.actor.kernels,
-            fused=cfg.actor.use_fused_kernels,
+def skip_step(cfg: PPOConfig, run: Run) -> None:
+    """A non-finite reward: nothing is updated, the step still counts (and is checkpointed when due, so
+    the previous updates are never lost); too many in a row stop the run."""
+    state = run.state
+    state.skipped_steps += 1
+    state.consecutive_skipped_steps += 1
+    logger.warning(
+        "step %d: non-finite reward; the step is skipped (%d so far)", state.step, state.skipped_steps
+    )
+    run.metrics_logger.log(state.step, {"trainer/skipped_steps": float(state.skipped_steps)})
+    if cfg.trainer.save_freq > 0 and state.step % cfg.trainer.save_freq == 0 or state.step == run.total_steps:
+        save(cfg, run)
+    if state.consecutive_skipped_steps >= cfg.trainer.max_skipped_steps:
+        raise runner.TrainingError(
+            f"step {state.step}: {state.consecutive_skipped_steps} steps in a row had a non-finite reward "
+            f"(trainer.max_skipped_steps={cfg.trainer.max_skipped_steps}); check the reward function or model"
         )
-        out[sel] = lp
-    if ref:
-        release(model)
-    return out, None
 
 
-@torch.no_grad()
-def score_full_kl(cfg: PPOConfig, actor: torch.nn.Module, ref: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """Exact ``KL(actor || ref)`` over the vocabulary at every response token, ``[B, R]``.
-
-    Needs both models' logits of a micro-batch at once: the costliest estimator, for small vocabularies
-    or diagnostics.
-    """
-    out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
-    all_idx = torch.arange(len(batch.records), device=out.device)
-    tau = cfg.rollout.temperature
-    for sel in micro_batches(cfg, batch, all_idx):
-        packed = pack_rows(batch, sel)
-        logits = models.causal_lm_logits(actor, packed.input_ids, packed.position_ids).float() / tau
-        ref_logits = models.causal_lm_logits(ref, packed.input_ids, packed.position_ids).float() / tau
-        kl = algorithms.full_kl(logits[None], ref_logits[None], (packed.labels != -100)[None])[0]
-        out[sel] = unpack(kl, packed)
-    release(ref)
-    return out
+def validation_dropped(cfg: PPOConfig, run: Run, metrics: dict[str, float]) -> bool:
+    """Roll back when the validation score fell more than ``trainer.rollback_val_drop`` below the best;
+    otherwise remember a new best. True when it rolled back."""
+    score, best = metrics.get("val/score"), run.state.best_val
+    drop = cfg.trainer.rollback_val_drop
+    if score is None:
+        return False
+    if drop > 0 and best is not None and score < best * (1 - drop):
+        run.metrics_logger.log(run.state.step, metrics)
+        roll_back(
+            cfg, run, f"validation score {score:.4f} fell more than {drop:.0%} below the best {best:.4f}"
+        )
+        return True
+    if best is None or score > best:
+        run.state.best_val = score
+    return False
 
 
-@torch.no_grad()
-def score_values(cfg: PPOConfig, critic: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
-    all_idx = torch.arange(len(batch.records), device=out.device)
-    for sel in micro_batches(cfg, batch, all_idx, critic=True):
-        out[sel] = packed_values(critic, pack_rows(batch, sel))
-    return out
+# ----------------------------------------------------------------------------------------------------
+# 1. rollout
+# ----------------------------------------------------------------------------------------------------
 
 
-def compute_scores(
+def sample(
     cfg: PPOConfig,
-    batch: Batch,
-    tokenizer,
-    scorer,
-    reward_model: torch.nn.Module | None,
-) -> torch.Tensor:
-    """Per-sequence scores ``[B]``: rule, reward model, or the ranking of each prompt's ``n`` responses."""
-    texts = decode_responses(tokenizer, batch.rollout)
-    rule = torch.tensor(
-        [
-            scorer(r.data_source, t, r.ground_truth, r.extra_info)
-            for r, t in zip(batch.records, texts, strict=True)
-        ],
-        dtype=torch.float32,
+    run: Run,
+    records: list[data.PromptRecord],
+    *,
+    do_sample: bool,
+    micro_batch_size: int | None = None,
+    ignore_eos: bool | None = None,
+) -> Rollout:
+    """One response per record with the rollout settings (temperature, top-p/k, lengths, EOS ids)."""
+    ignore_eos = cfg.rollout.ignore_eos if ignore_eos is None else ignore_eos
+    config = generation_config(
+        max_new_tokens=cfg.data.max_response_length,
+        do_sample=do_sample,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        eos_token_ids=run.eos_ids,
+        pad_token_id=run.tokenizer.pad_token_id,
+        ignore_eos=ignore_eos,
     )
-    if reward_model is not None:
-        by_model = torch.zeros(len(batch.records))
-        idx = torch.arange(len(batch.records))
-        with torch.no_grad():
-            for start in range(0, len(idx), cfg.reward.micro_batch_size_per_gpu):
-                sel = idx[start : start + cfg.reward.micro_batch_size_per_gpu]
-                packed = pack_rows(batch, sel.to(batch.response_mask.device))
-                by_model[sel] = models.reward_scores(
-                    reward_model, packed.input_ids, packed.position_ids, packed.cu_seqlens
-                ).cpu()
-        release(reward_model)
-    if cfg.reward.style == "rule":
-        scores = rule
-    elif cfg.reward.style == "model":
-        scores = by_model
-    else:
-        scores = rewards.rank_scores(
-            rule if cfg.reward.ranking_by == "rule" else by_model, batch.group_ids.cpu()
-        )
-    return scores.to(batch.response_mask.device)
-
-
-def release(model: torch.nn.Module) -> None:
-    """Reshard a frozen model's root after its no-grad forwards: FSDP2 keeps the root (embeddings, head)
-    gathered after a forward for the backward that a frozen model never runs."""
-    for module in models.fsdp_modules(model):
-        module.reshard()
+    return generate(
+        run.actor,
+        [torch.tensor(r.input_ids, dtype=torch.long) for r in records],
+        config,
+        micro_batch_size=micro_batch_size or cfg.rollout.micro_batch_size_per_gpu,
+        ignore_eos=ignore_eos,
+    )
 
 
 def decode_responses(tokenizer, rollout: Rollout) -> list[str]:
@@ -665,17 +515,159 @@ def decode_responses(tokenizer, rollout: Rollout) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------------
+# 2. score
+# ----------------------------------------------------------------------------------------------------
+
+
+def micro_batches(
+    batch: Batch, idx: torch.Tensor, role: ActorConfig | CriticConfig, micro_batch_size: int | None = None
+) -> list[torch.Tensor]:
+    """Micro-batches (index tensors into the batch) of the sequences ``idx``, agreed across ranks: the
+    role's token budget with dynamic batch size, else ``micro_batch_size`` (default the role's)."""
+    lens = batch.seq_lens
+    groups = plan_micro_batches(
+        [lens[i] for i in idx.tolist()],
+        use_dynamic_bsz=role.use_dynamic_bsz,
+        max_tokens=role.ppo_max_token_len_per_gpu,
+        micro_batch_size=micro_batch_size or role.ppo_micro_batch_size_per_gpu,
+    )
+    return [idx[torch.tensor(g, dtype=torch.long, device=idx.device)] for g in groups]
+
+
+def pack_rows(batch: Batch, sel: torch.Tensor) -> Packed:
+    return pack(
+        [batch.rollout.prompts[i] for i in sel.tolist()],
+        batch.rollout.responses[sel],
+        batch.response_mask[sel],
+    )
+
+
+def all_rows(batch: Batch) -> torch.Tensor:
+    return torch.arange(len(batch.records), device=batch.response_mask.device)
+
+
+@torch.no_grad()
+def score_logprobs(
+    cfg: PPOConfig, model: torch.nn.Module, batch: Batch, micro_batch_size: int
+) -> torch.Tensor:
+    """Log-probs ``[B, R]`` of the sampled tokens under ``model`` at the rollout temperature."""
+    out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
+    for sel in micro_batches(batch, all_rows(batch), cfg.actor, micro_batch_size):
+        out[sel], _ = packed_logprobs(
+            model,
+            pack_rows(batch, sel),
+            temperature=cfg.rollout.temperature,
+            backend=cfg.actor.kernels,
+            fused=cfg.actor.use_fused_kernels,
+        )
+    return out
+
+
+@torch.no_grad()
+def score_full_kl(cfg: PPOConfig, actor: torch.nn.Module, ref: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """Exact ``KL(actor || ref)`` over the vocabulary at every response token, ``[B, R]``.
+
+    Needs both models' logits of a micro-batch at once: the costliest estimator, for small vocabularies
+    or diagnostics.
+    """
+    out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
+    tau = cfg.rollout.temperature
+    for sel in micro_batches(batch, all_rows(batch), cfg.actor):
+        packed = pack_rows(batch, sel)
+        logits = models.causal_lm_logits(actor, packed.input_ids, packed.position_ids).float() / tau
+        ref_logits = models.causal_lm_logits(ref, packed.input_ids, packed.position_ids).float() / tau
+        kl = algorithms.full_kl(logits[None], ref_logits[None], (packed.labels != -100)[None])[0]
+        out[sel] = unpack(kl, packed)
+    return out
+
+
+@torch.no_grad()
+def score_values(cfg: PPOConfig, critic: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
+    for sel in micro_batches(batch, all_rows(batch), cfg.critic):
+        out[sel] = packed_values(critic, pack_rows(batch, sel))
+    return out
+
+
+def ref_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean over sequences of the per-token ``log pi - log pi_ref`` (k1) of the sampled tokens: how far the
+    policy has moved from the reference, whatever KL terms the run uses."""
+    d = torch.where(mask, logprobs - ref_logprobs, torch.zeros_like(logprobs))
+    return (d.sum(-1) / mask.sum(-1).clamp(min=1)).mean().item()
+
+
+def compute_scores(cfg: PPOConfig, run: Run, batch: Batch) -> torch.Tensor:
+    """Per-sequence scores ``[B]``: the rule, the reward model, or the ranking of each prompt's ``n``
+    responses by one of them. A reward function that fails on any rank stops every rank."""
+    if uses_reward_model(cfg):
+        raw = reward_model_scores(cfg, run.reward_model, batch.rollout)
+    else:
+        texts = decode_responses(run.tokenizer, batch.rollout)
+
+        def rule_scores() -> torch.Tensor:
+            return torch.tensor(
+                [
+                    run.scorer(r.data_source, t, r.ground_truth, r.extra_info)
+                    for r, t in zip(batch.records, texts, strict=True)
+                ],
+                dtype=torch.float32,
+            )
+
+        raw = agree_on_failure(rule_scores, rewards.RewardError)
+    if cfg.reward.style == "ranking":
+        raw = rewards.rank_scores(raw, batch.group_ids.cpu())
+    return raw.to(batch.response_mask.device)
+
+
+@torch.no_grad()
+def reward_model_scores(cfg: PPOConfig, reward_model: torch.nn.Module, rollout: Rollout) -> torch.Tensor:
+    """The reward model's score of each sequence ``[B]`` (CPU), read at its last token.
+
+    Ranks may hold different numbers of sequences (validation), so the micro-batch count is agreed and a
+    rank out of sequences forwards a dummy one: each forward of a sharded model is a collective.
+    """
+    mask = rollout.response_mask
+    seqs = [
+        p.tolist() + r[: int(n)]
+        for p, r, n in zip(rollout.prompts, rollout.responses.tolist(), mask.sum(-1).tolist(), strict=True)
+    ]
+    out = torch.zeros(len(seqs))
+    device = mask.device
+    groups = plan_eval_micro_batches(
+        [len(s) for s in seqs],
+        use_dynamic_bsz=False,
+        max_tokens=0,
+        micro_batch_size=cfg.reward.micro_batch_size_per_gpu,
+    )
+    for group in groups:
+        packed = pack_sequences([seqs[i] for i in group] or [DUMMY_SEQUENCE], device)
+        scores = models.reward_scores(reward_model, packed.input_ids, packed.position_ids, packed.cu_seqlens)
+        if group:
+            out[torch.tensor(group)] = scores.float().cpu()
+    sharding.release(reward_model)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
 # 3. advantages
 # ----------------------------------------------------------------------------------------------------
 
 
-def compute_advantages(
-    cfg: PPOConfig,
-    batch: Batch,
-    kl_ctrl: algorithms.FixedKLController | algorithms.AdaptiveKLController,
-    step: int,
-) -> dict[str, float]:
-    """Token rewards (score on the last response token, minus the KL penalty) and advantages."""
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str, backend: str) -> torch.Tensor:
+    """Per-token KL estimate (``algorithms.kl_penalty``); k3 runs on the ``kernels`` low-variance KL op
+    (Triton on GPU), which computes the same values and gradients."""
+    if kind in ("low_var_kl", "k3"):
+        return kernels.low_var_kl(logprobs, ref_logprobs, backend=backend)
+    return algorithms.kl_penalty(logprobs, ref_logprobs, kind)
+
+
+def compute_advantages(cfg: PPOConfig, batch: Batch, kl_ctrl: KLController, step: int) -> dict[str, float]:
+    """Token rewards (score on the last response token, minus the in-reward KL penalty) and advantages.
+
+    The group estimators (GRPO, RLOO) take each sequence's summed token rewards, as verl does
+    (``token_level_rewards.sum(-1)``): with KL in the reward, a sequence that drifted from the reference
+    earns less than its score.
+    """
     mask = batch.response_mask
     last = (mask.sum(-1) - 1).clamp(min=0)
     rows = torch.arange(mask.shape[0], device=mask.device)
@@ -687,50 +679,47 @@ def compute_advantages(
         if kind == "full":
             kl = batch.full_kl
         else:
-            kl = algorithms.kl_penalty(batch.old_logprobs, batch.ref_logprobs, kind)
+            kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, kind, cfg.actor.kernels)
         kl = torch.where(mask, kl, torch.zeros_like(kl))
-        token_rewards = token_rewards - kl_ctrl.value * kl
+        beta = kl_ctrl.value
+        token_rewards = token_rewards - beta * kl
         # The controller sees the batch's mean per-sequence KL over all ranks.
         seq_kl = (kl.sum(-1) / mask.sum(-1).clamp(min=1)).mean().item()
-        current_kl = all_reduce_scalar(seq_kl, "mean")
         metrics["actor/reward_kl_penalty"] = seq_kl
+        metrics["actor/reward_kl_penalty_coeff"] = beta  # the coefficient used on this batch
+        current_kl = all_reduce_scalar(seq_kl, "mean")
         if step > cfg.algorithm.kl_ctrl.fixed_warmup_steps:
             kl_ctrl.update(current_kl, n_steps=cfg.data.train_batch_size * cfg.rollout.n)
     batch.token_rewards = token_rewards
     est = cfg.algorithm.adv_estimator
     if est == "gae":
-        advantages, batch.returns = algorithms.compute_gae(
-            token_rewards, batch.values, mask, cfg.algorithm.gamma, cfg.algorithm.lam, whiten=False
+        batch.advantages, batch.returns = algorithms.compute_gae(
+            token_rewards,
+            batch.values,
+            mask,
+            cfg.algorithm.gamma,
+            cfg.algorithm.lam,
+            all_reduce=all_reduce_sum,
         )
-        batch.advantages = whiten_over_ranks(advantages, mask)
-    elif est == "grpo":
+        return metrics
+    seq_rewards = token_rewards.sum(-1)
+    if est == "grpo":
         batch.advantages = algorithms.compute_grpo_advantages(
-            batch.scores, batch.group_ids, mask, norm_by_std=cfg.algorithm.norm_adv_by_std_in_grpo
+            seq_rewards, batch.group_ids, mask, norm_by_std=cfg.algorithm.norm_adv_by_std_in_grpo
         )
-        batch.returns = batch.advantages
     else:
-        batch.advantages = algorithms.compute_rloo_advantages(batch.scores, batch.group_ids, mask)
-        batch.returns = batch.advantages
+        batch.advantages = algorithms.compute_rloo_advantages(seq_rewards, batch.group_ids, mask)
+    batch.returns = batch.advantages
     return metrics
-
-
-def whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``algorithms.masked_whiten`` with the statistics of the whole batch over all ranks.
-
-    Two passes (mean, then the unbiased variance of the deviations) as in the one-process version, so
-    any number of ranks gives the advantages one process would; 0 outside the mask.
-    """
-    count, total = all_reduce_scalars([float(mask.sum()), float(x[mask].sum())], "sum")
-    mean = total / max(count, 1.0)
-    sq_dev = all_reduce_scalar(float((x[mask] - mean).square().sum()), "sum")
-    var = sq_dev / (count - 1) if count > 1 else sq_dev
-    out = (x - mean) * torch.rsqrt(torch.tensor(var + 1e-8, dtype=x.dtype))
-    return torch.where(mask, out, torch.zeros_like(out))
 
 
 # ----------------------------------------------------------------------------------------------------
 # 4. update
 # ----------------------------------------------------------------------------------------------------
+
+LossFn = Callable[[torch.Tensor, dict[str, float]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""``(micro-batch row indices, global counts) -> (loss, metric contributions)``: the loss is this
+micro-batch's share of the mini-batch's global loss; each metric is its share of the mini-batch value."""
 
 
 def mini_batches(num_seqs: int, num_mini: int, shuffle: bool) -> list[torch.Tensor]:
@@ -746,148 +735,165 @@ def global_counts(mask: torch.Tensor) -> dict[str, float]:
     return {"num_tokens": max(tokens, 1.0), "num_seqs": max(seqs, 1.0)}
 
 
-def update_actor(cfg, actor, optimizer, scheduler, batch: Batch, info: DistInfo) -> dict[str, float]:
-    """``ppo_epochs`` passes of clipped-PPO updates with gradient accumulation over micro-batches.
+def optimize(
+    role: ActorConfig | CriticConfig,
+    prefix: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    loss_fn: LossFn,
+    *,
+    num_mini: int,
+    shuffle: bool,
+    early_stop_kl: float = 0.0,
+) -> dict[str, float]:
+    """``role.ppo_epochs`` passes over the batch in ``num_mini`` mini-batches; per mini-batch, gradient
+    accumulation over token-budget micro-batches, then one optimizer step.
 
-    Each rank's loss is its share of the mini-batch's global mean (normalized by the counts over all
-    ranks); ``shard_model`` makes FSDP sum gradients over ranks, so the reduced gradient is exactly the
-    global mini-batch's.
+    Each rank's loss is its share of the mini-batch's global loss (normalized by counts over all ranks)
+    and ``shard_model`` makes FSDP sum gradients over ranks, so the reduced gradient is exactly the
+    global mini-batch's. The metrics of a mini-batch are reduced once, so the early-stop decision (on
+    ``<prefix>/ppo_kl``) is the same on every rank. A non-finite gradient norm skips that update.
     """
-    a = cfg.actor
-    device = batch.response_mask.device
-    num_mini = cfg.data.train_batch_size // a.ppo_mini_batch_size
     sums: dict[str, float] = {}
-    updates = 0
-    early_stopped = 0.0
     grad_norms: list[float] = []
-    skipped = 0
-    compute_entropy = True  # logged every step; its gradient only matters with entropy_coeff
-    for _ in range(a.ppo_epochs):
-        for idx in mini_batches(len(batch.records), num_mini, a.shuffle):
-            idx = idx.to(device)
+    updates = skipped = 0
+    early_stopped = False
+    for _ in range(role.ppo_epochs):
+        for idx in mini_batches(len(batch.records), num_mini, shuffle):
+            idx = idx.to(batch.response_mask.device)
             counts = global_counts(batch.response_mask[idx])
-            mb_sums: dict[str, float] = {}
-            for sel in micro_batches(cfg, batch, idx):
-                mask = batch.response_mask[sel]
-                logprobs, entropy = packed_logprobs(
-                    actor,
-                    pack_rows(batch, sel),
-                    temperature=cfg.rollout.temperature,
-                    backend=a.kernels,
-                    compute_entropy=compute_entropy,
-                    fused=a.use_fused_kernels,
-                )
-                pg_loss, pg_metrics = algorithms.policy_loss(
-                    logprobs,
-                    batch.old_logprobs[sel],
-                    batch.advantages[sel],
-                    mask,
-                    a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio,
-                    a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio,
-                    a.clip_ratio_c,
-                    a.loss_agg_mode,
-                    **counts,
-                )
-                loss = pg_loss
-                ent_loss = algorithms.agg_loss(entropy, mask, a.loss_agg_mode, **counts)
-                if a.entropy_coeff:
-                    loss = loss - a.entropy_coeff * ent_loss
-                if a.use_kl_loss:
-                    kl = algorithms.kl_penalty(logprobs, batch.ref_logprobs[sel], a.kl_loss_type)
-                    kl_loss = algorithms.agg_loss(kl, mask, a.loss_agg_mode, **counts)
-                    loss = loss + a.kl_loss_coef * kl_loss
-                    _add(mb_sums, "actor/kl_loss", kl_loss.item())
+            contributions: dict[str, torch.Tensor] = {}
+            for sel in micro_batches(batch, idx, role):
+                loss, parts = loss_fn(sel, counts)
                 loss.backward()
-                # Token-mean metrics of the micro-batch, weighted into the mini-batch's global mean.
-                weight = float(mask.sum()) / counts["num_tokens"]
-                _add(mb_sums, "actor/pg_loss", pg_loss.item())
-                _add(mb_sums, "actor/entropy", ent_loss.item())
-                for key, value in pg_metrics.items():
-                    _add(mb_sums, f"actor/{key}", float(value) * weight)
-            # One reduction per mini-batch: the early-stop decision must be the same on every rank.
-            keys = sorted(mb_sums)
-            reduced = dict(zip(keys, all_reduce_scalars([mb_sums[k] for k in keys], "sum"), strict=True))
-            grad_norm = clip_grad_norm(actor, a.grad_clip)
-            if math.isfinite(grad_norm):
-                optimizer.step()
-            else:
-                skipped += 1
-                logger.warning("actor: non-finite grad norm; this update is skipped on every rank")
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
+                for key, value in parts.items():
+                    contributions[key] = contributions.get(key, 0.0) + value.detach()
+            reduced = all_reduce_tensors(contributions, "sum")
+            grad_norm, was_skipped = runner.optimizer_step(model, optimizer, role.grad_clip)
             grad_norms.append(grad_norm)
             updates += 1
+            skipped += was_skipped
             for key, value in reduced.items():
-                _add(sums, key, value)
-            if a.early_stop_kl > 0 and reduced["actor/ppo_kl"] > a.early_stop_kl:
-                early_stopped = 1.0
+                sums[key] = sums.get(key, 0.0) + value
+            if early_stop_kl > 0 and reduced[f"{prefix}/ppo_kl"] > early_stop_kl:
+                early_stopped = True
                 logger.info(
-                    "actor: ppo_kl %.4f > early_stop_kl; the step's remaining updates are skipped",
-                    reduced["actor/ppo_kl"],
+                    "%s: ppo_kl %.4f > early_stop_kl; the step's remaining updates are skipped",
+                    prefix,
+                    reduced[f"{prefix}/ppo_kl"],
                 )
                 break
         if early_stopped:
             break
-    # Each rank reports the global values / world size so that the step's mean reduction restores them.
-    out = {k: v / updates for k, v in sums.items()}  # already global (summed over ranks), so equal on all
-    out["actor/grad_norm"] = float(np.mean(grad_norms))
-    out["actor/lr"] = scheduler.get_last_lr()[0]
-    out["actor/early_stopped"] = early_stopped
-    out["actor/num_updates"] = float(updates)
-    out["actor/skipped_updates"] = float(skipped)
-    return out
-
-
-def update_critic(cfg, critic, optimizer, scheduler, batch: Batch, info: DistInfo) -> dict[str, float]:
-    """Clipped value regression on the returns, with the same batching as the actor."""
-    c = cfg.critic
-    device = batch.response_mask.device
-    num_mini = cfg.data.train_batch_size // (c.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size)
-    sums: dict[str, float] = {}
-    grad_norms: list[float] = []
-    updates = 0
-    for _ in range(c.ppo_epochs or cfg.actor.ppo_epochs):
-        for idx in mini_batches(len(batch.records), num_mini, cfg.actor.shuffle):
-            idx = idx.to(device)
-            counts = global_counts(batch.response_mask[idx])
-            mb_sums: dict[str, float] = {}
-            for sel in micro_batches(cfg, batch, idx, critic=True):
-                mask = batch.response_mask[sel]
-                values = packed_values(critic, pack_rows(batch, sel))
-                vf_loss, vf_metrics = algorithms.value_loss(
-                    values,
-                    batch.values[sel],
-                    batch.returns[sel],
-                    mask,
-                    c.cliprange_value,
-                    c.loss_agg_mode,
-                    **counts,
-                )
-                vf_loss.backward()
-                weight = float(mask.sum()) / counts["num_tokens"]
-                _add(mb_sums, "critic/vf_loss", vf_loss.item())
-                _add(mb_sums, "critic/vf_clipfrac", float(vf_metrics["vf_clipfrac"]) * weight)
-            keys = sorted(mb_sums)
-            reduced = dict(zip(keys, all_reduce_scalars([mb_sums[k] for k in keys], "sum"), strict=True))
-            grad_norm = clip_grad_norm(critic, c.grad_clip)
-            if math.isfinite(grad_norm):
-                optimizer.step()
-            else:
-                logger.warning("critic: non-finite grad norm; this update is skipped on every rank")
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            grad_norms.append(grad_norm)
-            updates += 1
-            for key, value in reduced.items():
-                _add(sums, key, value)
+    # Every rank holds the same global values; the step's mean reduction over ranks keeps them.
     out = {k: v / updates for k, v in sums.items()}
-    out["critic/grad_norm"] = float(np.mean(grad_norms))
-    out["critic/lr"] = scheduler.get_last_lr()[0]
+    out[f"{prefix}/grad_norm"] = float(np.mean(grad_norms))
+    out[f"{prefix}/num_updates"] = float(updates)
+    out[f"{prefix}/skipped_updates"] = float(skipped)
+    if early_stop_kl > 0:
+        out[f"{prefix}/early_stopped"] = float(early_stopped)
     return out
 
 
-def _add(d: dict[str, float], key: str, value: float) -> None:
-    d[key] = d.get(key, 0.0) + value
+def update_critic(cfg: PPOConfig, run: Run, batch: Batch) -> dict[str, float]:
+    """Clipped value regression on the returns (``optimize`` with the critic's loss)."""
+    c = cfg.critic
+    critic = run.critic
+
+    def loss_fn(sel: torch.Tensor, counts: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        mask = batch.response_mask[sel]
+        values = packed_values(critic, pack_rows(batch, sel))
+        vf_loss, vf_metrics = algorithms.value_loss(
+            values, batch.values[sel], batch.returns[sel], mask, c.cliprange_value, c.loss_agg_mode, **counts
+        )
+        weight = mask.sum() / counts["num_tokens"]
+        return vf_loss, {
+            "critic/vf_loss": vf_loss,
+            "critic/vf_clipfrac": vf_metrics["vf_clipfrac"] * weight,
+            "critic/vpred_mean": algorithms.masked_mean(values.detach(), mask) * weight,
+        }
+
+    lr = run.critic_opt.param_groups[0]["lr"]  # the rate this step's updates use
+    out = optimize(
+        c,
+        "critic",
+        critic,
+        run.critic_opt,
+        batch,
+        loss_fn,
+        num_mini=cfg.data.train_batch_size // c.ppo_mini_batch_size,
+        shuffle=cfg.actor.shuffle,
+    )
+    run.critic_sched.step()
+    out["critic/lr"] = lr
+    return out
+
+
+def update_actor(cfg: PPOConfig, run: Run, batch: Batch, on_policy: bool) -> dict[str, float]:
+    """Clipped PPO on the advantages, with the entropy bonus and the KL loss (``optimize`` with the
+    actor's loss); stops early once a mini-batch's ``ppo_kl`` exceeds ``actor.early_stop_kl``."""
+    a = cfg.actor
+    actor = run.actor
+
+    def loss_fn(sel: torch.Tensor, counts: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        mask = batch.response_mask[sel]
+        logprobs, entropy = packed_logprobs(
+            actor,
+            pack_rows(batch, sel),
+            temperature=cfg.rollout.temperature,
+            backend=a.kernels,
+            compute_entropy=True,  # logged every step; its gradient only with an entropy bonus
+            fused=a.use_fused_kernels,
+        )
+        old_logprobs = logprobs.detach() if on_policy else batch.old_logprobs[sel]
+        pg_loss, pg_metrics = algorithms.policy_loss(
+            logprobs,
+            old_logprobs,
+            batch.advantages[sel],
+            mask,
+            a.clip_ratio_low,
+            a.clip_ratio_high,
+            a.clip_ratio_c,
+            a.loss_agg_mode,
+            **counts,
+        )
+        if not a.entropy_coeff:
+            entropy = entropy.detach()
+        entropy_loss = algorithms.agg_loss(entropy, mask, a.loss_agg_mode, **counts)
+        loss = pg_loss - a.entropy_coeff * entropy_loss if a.entropy_coeff else pg_loss
+        weight = mask.sum() / counts["num_tokens"]
+        parts = {"actor/pg_loss": pg_loss, "actor/entropy": entropy_loss}
+        parts.update({f"actor/{k}": v * weight for k, v in pg_metrics.items()})
+        if a.use_kl_loss:
+            kl = kl_estimate(logprobs, batch.ref_logprobs[sel], a.kl_loss_type, a.kernels)
+            kl_loss = algorithms.agg_loss(kl, mask, a.loss_agg_mode, **counts)
+            loss = loss + a.kl_loss_coef * kl_loss
+            parts["actor/kl_loss"] = kl_loss
+        if on_policy and batch.old_logprobs is None and batch.ref_logprobs is not None:
+            # The scoring forward was skipped: the step's KL to the reference from this forward.
+            d = torch.where(mask, logprobs.detach() - batch.ref_logprobs[sel], torch.zeros_like(logprobs))
+            parts["actor/ref_kl"] = (d.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / counts["num_seqs"]
+        return loss, parts
+
+    lr = run.actor_opt.param_groups[0]["lr"]
+    out = optimize(
+        a,
+        "actor",
+        actor,
+        run.actor_opt,
+        batch,
+        loss_fn,
+        num_mini=cfg.data.train_batch_size // a.ppo_mini_batch_size,
+        shuffle=a.shuffle,
+        early_stop_kl=a.early_stop_kl,
+    )
+    run.actor_sched.step()
+    out["actor/lr"] = lr  # the rate this step's updates used
+    out.setdefault("actor/early_stopped", 0.0)
+    if a.use_kl_loss:
+        out["actor/kl_coef"] = a.kl_loss_coef
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -895,32 +901,72 @@ def _add(d: dict[str, float], key: str, value: float) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 
-def batch_metrics(batch: Batch, cfg: PPOConfig) -> dict[str, float]:
-    """Score, reward, advantage, return, value and length statistics of this rank's batch."""
+def batch_metrics(cfg: PPOConfig, batch: Batch) -> dict[str, float]:
+    """verl's data metrics over the whole batch on all ranks (token-weighted where per token):
+    ``critic/{score,rewards,advantages,returns,values}/{mean,max,min}``, ``critic/vf_explained_var``
+    (``1 - Var(returns - values) / (Var(returns) + 1e-5)``, unbiased), ``response_length/*`` and
+    ``prompt_length/*`` with ``clip_ratio`` the share at the length limit."""
     mask = batch.response_mask
-    m: dict[str, float] = {}
-    m.update(tensor_stats("critic/score", batch.scores))
-    m.update(tensor_stats("critic/rewards", batch.token_rewards.sum(-1)))
-    m.update(tensor_stats("critic/advantages", batch.advantages, mask))
-    m.update(tensor_stats("critic/returns", batch.returns, mask))
+    resp_len = mask.sum(-1).float()
+    prompt_len = torch.tensor([float(p.numel()) for p in batch.rollout.prompts], device=mask.device)
+    values = {
+        "critic/score": batch.scores,
+        "critic/rewards": batch.token_rewards.sum(-1),
+        "critic/advantages": batch.advantages[mask],
+        "critic/returns": batch.returns[mask],
+        "response_length": resp_len,
+        "response_length/clip": (resp_len == cfg.data.max_response_length).float(),
+        "prompt_length": prompt_len,
+        "prompt_length/clip": (prompt_len == cfg.data.max_prompt_length).float(),
+    }
     if batch.values is not None:
-        m.update(tensor_stats("critic/values", batch.values, mask))
-        m["critic/vf_explained_var"] = explained_variance(batch.values, batch.returns, mask)
-    lengths = mask.sum(-1).float()
-    m.update(tensor_stats("response_length", lengths))
-    m["response_length/clip_ratio"] = batch.rollout.truncated.float().mean().item()
-    m.update(tensor_stats("prompt_length", torch.tensor([float(p.numel()) for p in batch.rollout.prompts])))
-    return m
+        values["critic/values"] = batch.values[mask]
+        values["critic/return_error"] = (batch.returns - batch.values)[mask]
+    stats = global_stats(values)
+    out: dict[str, float] = {}
+    for name in (
+        "critic/score",
+        "critic/rewards",
+        "critic/advantages",
+        "critic/returns",
+        "response_length",
+        "prompt_length",
+    ):
+        out.update({f"{name}/{k}": stats[name][k] for k in ("mean", "max", "min")})
+    out["response_length/clip_ratio"] = stats["response_length/clip"]["mean"]
+    out["prompt_length/clip_ratio"] = stats["prompt_length/clip"]["mean"]
+    if batch.values is not None:
+        out.update({f"critic/values/{k}": stats["critic/values"][k] for k in ("mean", "max", "min")})
+        out["critic/vf_explained_var"] = 1.0 - stats["critic/return_error"]["var"] / (
+            stats["critic/returns"]["var"] + 1e-5
+        )
+    return out
 
 
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """``1 - Var(returns - values) / Var(returns)`` over valid tokens (1 is a perfect critic)."""
-    r = returns[mask]
-    v = values[mask]
-    var = r.var(unbiased=False)
-    if r.numel() < 2 or var == 0:
-        return 0.0
-    return float(1 - (r - v).var(unbiased=False) / var)
+def perf_metrics(
+    cfg: PPOConfig, run: Run, batch: Batch, metrics: dict[str, float], times: dict[str, float], info: DistInfo
+) -> dict[str, float]:
+    """Timings, tokens, throughput, memory and the actor's model FLOPs utilization (GPUs we know).
+
+    Rank-local values reduced here (tokens summed, memory maxed); the timings are rank 0's.
+    """
+    out = dict(times)
+    local_tokens = float(sum(batch.seq_lens))
+    num_tokens = all_reduce_scalar(local_tokens, "sum")
+    memory = all_reduce_scalar(max_memory_gib(info.device), "max")
+    out["perf/total_num_tokens"] = num_tokens
+    out["perf/throughput"] = num_tokens / info.world_size / times["timing_s/step"]  # per GPU, as verl
+    out["perf/max_memory_gib"] = memory
+    out["perf/max_memory_allocated_gb"] = memory  # verl's name
+    peak = peak_flops(info.device)
+    if "timing_s/update_actor" in times and peak is not None:
+        # Tokens this rank trained on: a mini-batch's share per update (all updates ran unless stopped).
+        num_mini = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
+        trained = local_tokens * metrics["actor/num_updates"] / num_mini
+        out["perf/mfu/actor"] = model_flops_utilization(
+            run.num_params, trained, times["timing_s/update_actor"], peak
+        )
+    return out
 
 
 def max_memory_gib(device: torch.device) -> float:
@@ -929,43 +975,69 @@ def max_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def validate(cfg: PPOConfig, info: DistInfo, actor, tokenizer, val_records, scorer) -> dict[str, float]:
+def validate(cfg: PPOConfig, info: DistInfo, run: Run) -> dict[str, float]:
     """Generate for every validation prompt (greedy unless ``rollout.val_do_sample``) and score it.
 
-    Reports ``val/<data_source>/score`` (mean score), ``val/<data_source>/accuracy`` (fraction scored
-    1.0) and their averages over sources as ``val/score`` and ``val/accuracy``.
+    ``val/<data_source>/score``: the mean reward the run trains with (the reward model's score with
+    ``reward.style=model``, else the rule's), also logged under verl's name
+    ``val-core/<data_source>/reward/mean@1``; ``val/<data_source>/accuracy``: the share the rule scores
+    1.0, where a rule exists for the source and the data has a ground truth. ``val/score`` and
+    ``val/accuracy`` average over sources.
     """
-    # Every rank calls generate, even with no prompts: it joins the parameter gather inside.
-    mine = val_records[info.rank :: info.world_size]
-    sums: dict[str, list[float]] = {}
+    mine = run.val_records[info.rank :: info.world_size]
     rollout = sample(
         cfg,
-        actor,
-        tokenizer,
+        run,
         mine,
         do_sample=cfg.rollout.val_do_sample,
         micro_batch_size=max(1, cfg.data.val_batch_size // info.world_size),
         ignore_eos=False,
     )
-    for r, text in zip(mine, decode_responses(tokenizer, rollout), strict=True):
-        score = scorer(r.data_source, text, r.ground_truth, r.extra_info)
-        s = sums.setdefault(r.data_source, [0.0, 0.0, 0.0])
-        s[0] += score
-        s[1] += float(score >= 1.0)
-        s[2] += 1
+    texts = decode_responses(run.tokenizer, rollout)
+    model_scores = (
+        reward_model_scores(cfg, run.reward_model, rollout) if run.reward_model is not None else None
+    )
+
+    def rule_scores() -> list[float | None]:
+        return [
+            run.scorer(r.data_source, t, r.ground_truth, r.extra_info)
+            if rewards.has_rule(r.data_source, cfg.reward.custom_function)
+            and (r.ground_truth is not None or cfg.reward.custom_function is not None)
+            else None
+            for r, t in zip(mine, texts, strict=True)
+        ]
+
+    rule = agree_on_failure(rule_scores, rewards.RewardError)
+    sums: dict[str, list[float]] = {}  # source -> [score sum, count, right, rule count]
+    for i, r in enumerate(mine):
+        s = sums.setdefault(r.data_source, [0.0, 0.0, 0.0, 0.0])
+        if model_scores is not None:
+            s[0] += float(model_scores[i])
+        elif rule[i] is not None:
+            s[0] += rule[i]
+        s[1] += 1
+        if rule[i] is not None:
+            s[2] += float(rule[i] >= 1.0)
+            s[3] += 1
     totals: dict[str, list[float]] = {}
     for part in all_gather_object(sums):
         for source, s in part.items():
-            t = totals.setdefault(source, [0.0, 0.0, 0.0])
-            for i in range(3):
+            t = totals.setdefault(source, [0.0, 0.0, 0.0, 0.0])
+            for i in range(4):
                 t[i] += s[i]
     out: dict[str, float] = {}
-    for source, (score, correct, count) in sorted(totals.items()):
+    scored = [s for s, t in totals.items() if model_scores is not None or t[3] > 0]
+    for source in sorted(scored):
+        score, count, right, ruled = totals[source]
         out[f"val/{source}/score"] = score / count
-        out[f"val/{source}/accuracy"] = correct / count
-    if totals:
-        out["val/score"] = float(np.mean([out[f"val/{s}/score"] for s in totals]))
-        out["val/accuracy"] = float(np.mean([out[f"val/{s}/accuracy"] for s in totals]))
+        out[f"val-core/{source}/reward/mean@1"] = score / count
+        if ruled:
+            out[f"val/{source}/accuracy"] = right / ruled
+    if scored:
+        out["val/score"] = float(np.mean([out[f"val/{s}/score"] for s in scored]))
+    accuracies = [out[f"val/{s}/accuracy"] for s in scored if f"val/{s}/accuracy" in out]
+    if accuracies:
+        out["val/accuracy"] = float(np.mean(accuracies))
     return out
 
 

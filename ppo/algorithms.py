@@ -48,7 +48,13 @@ def masked_mean(
     return total.sum(dim=dim) / mask.sum(dim=dim).clamp(min=1)
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+def masked_whiten(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    shift_mean: bool = True,
+    *,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Normalize ``x`` to zero mean and unit variance over the masked positions (verl's ``masked_whiten``).
 
     ``μ = masked_mean(x)``, ``σ² = masked_mean((x - μ)²) · n / (n - 1)`` (unbiased, Bessel-corrected, with
@@ -57,16 +63,24 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
     position, masked or not, is transformed with them: callers that want zeros outside the mask multiply
     by it.
 
+    ``all_reduce``: a function that sums a tensor over data-parallel ranks in place of the identity
+    (e.g. ``torch.distributed.all_reduce``); the statistics are then those of the whole batch on all
+    ranks, computed in two passes (mean, then the squared deviations) as on one rank, so any number of
+    ranks whitens exactly as one process holding every row.
+
     Where verl raises (``n < 2``), the Bessel factor is taken as 1: a single valid element whitens to 0
     and an empty mask gives ``x / 1e-4`` (μ = σ = 0), both finite.
 
     Shapes: ``x [...]``, ``mask`` broadcastable to ``x``; returns ``[...]`` like ``x``.
     """
-    mean = masked_mean(x, mask)
+    reduce = all_reduce or (lambda t: t)
+    mask = mask.expand_as(x).bool()
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    total, n = reduce(torch.stack([torch.where(mask, x, zero).sum(), mask.sum().to(x.dtype)]))
+    mean = total / n.clamp(min=1)
     centered = x - mean
-    var = masked_mean(centered.square(), mask)
-    n = mask.expand_as(x).bool().sum()
-    var = torch.where(n > 1, var * n / (n - 1).clamp(min=1), var)
+    sq_dev = reduce(torch.where(mask, centered.square(), zero).sum())
+    var = sq_dev / (n - 1).clamp(min=1)
     whitened = centered * torch.rsqrt(var + 1e-8)
     if not shift_mean:
         whitened = whitened + mean
@@ -77,7 +91,8 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
 # KL penalties and controllers
 # ---------------------------------------------------------------------------------------------------
 
-_KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+"""Names of the per-token KL estimators of :func:`kl_penalty` (each may carry a ``+`` suffix)."""
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
@@ -101,8 +116,8 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) ->
     """
     straight_through = kind.endswith("+")
     base = kind[:-1] if straight_through else kind
-    if base not in _KL_KINDS:
-        valid = ", ".join(f"{k}, {k}+" for k in _KL_KINDS)
+    if base not in KL_KINDS:
+        valid = ", ".join(f"{k}, {k}+" for k in KL_KINDS)
         raise ValueError(
             f"unknown KL penalty kind {kind!r}; valid kinds: {valid} (use full_kl() for the exact KL)"
         )
@@ -270,6 +285,8 @@ def compute_gae(
     gamma: float,
     lam: float,
     whiten: bool = True,
+    *,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized Advantage Estimation (Schulman et al., 2016) over the masked response tokens.
 
@@ -283,7 +300,7 @@ def compute_gae(
     so masked-out positions (e.g. tool output inside a response) are skipped: the token before them
     bootstraps from the value after them, as in verl's masked GAE. ``returns = A + V`` before whitening;
     then, if ``whiten``, ``A`` is normalized with :func:`masked_whiten` over all valid tokens of the batch
-    (unbiased variance). Both outputs are 0 at masked positions (a fully masked row is all 0). No
+    (unbiased variance; over every rank's tokens with ``all_reduce``, see :func:`masked_whiten`). Both outputs are 0 at masked positions (a fully masked row is all 0). No
     gradient flows through the result.
 
     Shapes: ``token_rewards [B, T]``, ``values [B, T]``, ``response_mask [B, T]``; returns
@@ -307,7 +324,7 @@ def compute_gae(
         advantages[:, t] = last_gae
     returns = advantages + values
     if whiten:
-        advantages = masked_whiten(advantages, mask)
+        advantages = masked_whiten(advantages, mask, all_reduce=all_reduce)
     zero = torch.zeros((), dtype=dtype, device=rewards.device)
     return torch.where(mask, advantages, zero), torch.where(mask, returns, zero)
 
@@ -388,6 +405,11 @@ def compute_rloo_advantages(
 # ---------------------------------------------------------------------------------------------------
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+"""Names of the loss aggregation modes of :func:`agg_loss`."""
+
+ADV_ESTIMATORS = ("gae", "grpo", "rloo")
+"""Advantage estimators: :func:`compute_gae` (with a critic), :func:`compute_grpo_advantages`,
+:func:`compute_rloo_advantages`."""
 
 
 def _denominator(count: int | float | torch.Tensor | None, default: torch.Tensor) -> torch.Tensor | float:

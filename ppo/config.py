@@ -7,9 +7,15 @@ defaults (a runnable tiny CPU setup), then ``--config X.yaml``, then ``section.k
     cfg = load_config("configs/demo_cpu.yaml", ["actor.optim.lr=1e-5", "rollout.n=4"])
     cfg.validate(world_size=2)
 
-Unknown keys fail with their dotted name, their source and the closest valid names; values are coerced
-to the field's type or fail naming key, value and expected type. Checks of single values live in
-``__post_init__``; checks that need the world size live in ``validate``.
+An override changes its key and nothing else: a section is built over the default its enclosing class
+gives it (SFT's ``optim`` keeps its cosine schedule when only ``optim.lr`` is set).
+
+Every error is one line naming the full dotted key and where the value came from (the YAML file, or
+the command line): unknown keys with the closest valid names, values that do not coerce to the field's
+type, values out of range (NaN and ±inf are rejected for every float), and, with file, line and column,
+duplicate YAML keys and malformed YAML. Checks of single values live in each section's ``__post_init__``, which raises a
+:class:`FieldError` naming the field within its section; the loader re-raises it with the full key and
+the source. Checks that need the world size live in ``validate``.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,9 +33,81 @@ from typing import Any, Literal
 
 import yaml
 
+from ppo.algorithms import ADV_ESTIMATORS, KL_KINDS, LOSS_AGG_MODES
+
 
 class ConfigError(ValueError):
     """A config value or key is wrong; the message names the key and what to do."""
+
+
+class FieldError(ConfigError):
+    """A section's ``__post_init__`` check failed. The message starts with the field's key relative to
+    the section (``lr must be > 0``); ``keys`` are the fields involved, the first being the one the
+    message starts with. The loader knows the section's dotted prefix and where each value came from,
+    and re-raises it as a ConfigError naming the full key (``critic.optim.lr``) and its source."""
+
+    def __init__(self, message: str, *keys: str) -> None:
+        super().__init__(message)
+        self.keys = keys
+
+
+LOGGER_SINKS = ("console", "jsonl", "tensorboard", "wandb")
+"""Metric sinks ``trainer.logger`` may name."""
+
+# repr for error messages, cut short so that a huge value (a YAML alias bomb) stays one short line.
+_show = reprlib.Repr()
+_show.maxstring = _show.maxother = 80
+
+
+def _satisfies(value: float, rule: str) -> bool:
+    """Whether ``value`` meets ``rule``: ``"> 0"``, ``">= -1"``, an interval ``"[0, 1)"``, a number
+    (``"-1"``: equal to it), or alternatives joined by ``" or "`` (``"-1 or > 0"``)."""
+    for part in rule.split(" or "):
+        if part[0] in "[(":
+            lo, hi = (float(x) for x in part[1:-1].split(","))
+            above = lo <= value if part[0] == "[" else lo < value
+            below = value <= hi if part[-1] == "]" else value < hi
+            ok = above and below
+        elif part.startswith(">="):
+            ok = value >= float(part[2:])
+        elif part.startswith(">"):
+            ok = value > float(part[1:])
+        else:
+            ok = value == float(part)
+        if ok:
+            return True
+    return False
+
+
+def _require(section: Any, rule: str, *keys: str) -> None:
+    """Raise a FieldError for the first of ``keys`` of ``section`` whose value breaks ``rule`` (see
+    :func:`_satisfies`). A list is checked element by element; None (an optional left unset) passes;
+    NaN and ±inf never do."""
+    for key in keys:
+        value = getattr(section, key)
+        items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+        for i, v in items:
+            if v is None:
+                continue
+            if (isinstance(v, float) and not math.isfinite(v)) or not _satisfies(v, rule):
+                name = key if i is None else f"{key}[{i}]"
+                within = "in " if rule[0] in "[(" else ""
+                raise FieldError(f"{name} must be {within}{rule}, got {v!r}", name)
+
+
+def _check_run_keys(trainer: TrainerConfig | StageTrainerConfig) -> None:
+    """The checks PPO's and the stages' trainer sections share: logger sinks, resume mode, ranges."""
+    bad = [x for x in trainer.logger if x not in LOGGER_SINKS]
+    if bad:
+        raise FieldError(f"logger has unknown sinks {bad}; valid: {list(LOGGER_SINKS)}", "logger")
+    if not trainer.resume_mode.strip():
+        raise FieldError(
+            f"resume_mode={trainer.resume_mode!r} is empty: use auto, disable or a checkpoint path",
+            "resume_mode",
+        )
+    _require(trainer, "> 0", "dist_timeout_s", "total_epochs", "total_training_steps")
+    _require(trainer, ">= 0", "seed", "max_ckpt_to_keep")
+    _require(trainer, ">= -1", "save_freq", "test_freq")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -75,6 +155,9 @@ class FSDPConfig:
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
     """FSDP2 mixed-precision policy."""
 
+    def __post_init__(self) -> None:
+        _require(self, "-1 or >= 1", "fsdp_size")
+
 
 @dataclass(kw_only=True)
 class OptimConfig:
@@ -83,7 +166,7 @@ class OptimConfig:
     weight_decay: float = 0.0
     """Decoupled weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    """AdamW betas."""
+    """AdamW betas, each in [0, 1)."""
     eps: float = 1e-8
     """AdamW epsilon."""
     lr_warmup_steps: int = 0
@@ -96,12 +179,13 @@ class OptimConfig:
     """Cosine decays to ``lr * min_lr_ratio``."""
 
     def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ConfigError(f"optim.lr must be > 0, got {self.lr}")
         if len(self.betas) != 2:
-            raise ConfigError(f"optim.betas must have two values, got {self.betas}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+            raise FieldError(f"betas must have two values, got {self.betas}", "betas")
+        _require(self, "> 0", "lr", "eps")
+        _require(self, ">= 0", "weight_decay")
+        _require(self, "[0, 1)", "betas")
+        _require(self, ">= -1", "lr_warmup_steps")
+        _require(self, "[0, 1]", "lr_warmup_steps_ratio", "min_lr_ratio")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -135,11 +219,12 @@ class DataConfig:
     they are)."""
 
     def __post_init__(self) -> None:
-        for key in ("max_prompt_length", "max_response_length", "train_batch_size", "val_batch_size"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"data.{key} must be > 0, got {getattr(self, key)}")
         if not self.train_files:
-            raise ConfigError("data.train_files is empty: give at least one Parquet file")
+            raise FieldError("train_files is empty: give at least one Parquet file", "train_files")
+        _require(
+            self, "> 0", "max_prompt_length", "max_response_length", "train_batch_size", "val_batch_size"
+        )
+        _require(self, "-1 or > 0", "max_val_samples")
 
 
 @dataclass(kw_only=True)
@@ -159,9 +244,11 @@ class ActorConfig:
     clip_ratio: float = 0.2
     """PPO clip range epsilon (both sides unless ``clip_ratio_low/high`` are set)."""
     clip_ratio_low: float | None = None
-    """Lower clip: ratio >= 1 - clip_ratio_low; default ``clip_ratio``."""
+    """Lower clip: ratio >= 1 - clip_ratio_low; default: ``clip_ratio`` (filled in when the config is
+    built)."""
     clip_ratio_high: float | None = None
-    """Upper clip: ratio <= 1 + clip_ratio_high; default ``clip_ratio``."""
+    """Upper clip: ratio <= 1 + clip_ratio_high; default: ``clip_ratio`` (filled in when the config is
+    built)."""
     clip_ratio_c: float = 3.0
     """Dual-clip bound on the loss for negative advantages (must be > 1)."""
     entropy_coeff: float = 0.0
@@ -172,9 +259,7 @@ class ActorConfig:
     """Weight of the KL loss."""
     kl_loss_type: str = "low_var_kl"
     """KL estimator of the loss: kl|k1, abs, mse|k2, low_var_kl|k3, each optionally with a ``+``."""
-    loss_agg_mode: Literal[
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-    ] = "token-mean"
+    loss_agg_mode: Literal[LOSS_AGG_MODES] = "token-mean"
     """How token losses become one number."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 disables)."""
@@ -190,17 +275,20 @@ class ActorConfig:
     """Sharding of the actor."""
 
     def __post_init__(self) -> None:
-        if self.clip_ratio_c <= 1.0:
-            raise ConfigError(f"actor.clip_ratio_c must be > 1, got {self.clip_ratio_c}")
-        for key in (
+        _require(
+            self,
+            "> 0",
             "ppo_mini_batch_size",
             "ppo_micro_batch_size_per_gpu",
-            "ppo_epochs",
             "ppo_max_token_len_per_gpu",
-        ):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"actor.{key} must be > 0, got {getattr(self, key)}")
-        check_kl_kind(self.kl_loss_type, "actor.kl_loss_type")
+            "ppo_epochs",
+            "clip_ratio",
+            "clip_ratio_low",
+            "clip_ratio_high",
+        )
+        _require(self, "> 1", "clip_ratio_c")
+        _require(self, ">= 0", "kl_loss_coef", "grad_clip", "early_stop_kl")
+        check_kl_kind(self.kl_loss_type, "kl_loss_type")
 
 
 @dataclass(kw_only=True)
@@ -208,7 +296,8 @@ class CriticConfig:
     model_path: str | None = None
     """Where the critic starts; default: the actor's weights (``model.path``) with a fresh value head."""
     ppo_mini_batch_size: int | None = None
-    """Prompts per critic optimizer step; default ``actor.ppo_mini_batch_size``."""
+    """Prompts per critic optimizer step; default: ``actor.ppo_mini_batch_size`` (filled in when the
+    config is built)."""
     ppo_micro_batch_size_per_gpu: int = 8
     """Sequences per critic forward/backward on one rank (ignored with ``use_dynamic_bsz``)."""
     use_dynamic_bsz: bool = True
@@ -216,12 +305,11 @@ class CriticConfig:
     ppo_max_token_len_per_gpu: int = 4096
     """Token budget of one critic micro-batch on one rank."""
     ppo_epochs: int | None = None
-    """Passes over the batch per step; default ``actor.ppo_epochs``."""
+    """Passes over the batch per step; default: ``actor.ppo_epochs`` (filled in when the config is
+    built)."""
     cliprange_value: float = 0.5
     """Value clipping: predictions move at most this far from the old values per update."""
-    loss_agg_mode: Literal[
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-    ] = "token-mean"
+    loss_agg_mode: Literal[LOSS_AGG_MODES] = "token-mean"
     """How token value losses become one number."""
     grad_clip: float = 1.0
     """Clip the critic's global gradient norm to this (0 disables)."""
@@ -230,6 +318,18 @@ class CriticConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """Sharding of the critic."""
 
+    def __post_init__(self) -> None:
+        _require(
+            self,
+            "> 0",
+            "ppo_mini_batch_size",
+            "ppo_micro_batch_size_per_gpu",
+            "ppo_max_token_len_per_gpu",
+            "ppo_epochs",
+            "cliprange_value",
+        )
+        _require(self, ">= 0", "grad_clip")
+
 
 @dataclass(kw_only=True)
 class RefConfig:
@@ -237,6 +337,9 @@ class RefConfig:
     """Sequences per reference forward on one rank (ignored with ``actor.use_dynamic_bsz``)."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """Sharding of the frozen reference (``param_offload`` keeps it on CPU)."""
+
+    def __post_init__(self) -> None:
+        _require(self, "> 0", "log_prob_micro_batch_size_per_gpu")
 
 
 @dataclass(kw_only=True)
@@ -259,12 +362,9 @@ class RolloutConfig:
     """Validation decodes greedily unless this is set."""
 
     def __post_init__(self) -> None:
-        if self.n <= 0:
-            raise ConfigError(f"rollout.n must be > 0, got {self.n}")
-        if self.temperature <= 0:
-            raise ConfigError(f"rollout.temperature must be > 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        _require(self, "> 0", "n", "temperature", "micro_batch_size_per_gpu")
+        _require(self, "(0, 1]", "top_p")
+        _require(self, ">= 0", "top_k")
 
 
 @dataclass(kw_only=True)
@@ -283,6 +383,12 @@ class RewardConfig:
     """What ``style=ranking`` ranks by."""
     micro_batch_size_per_gpu: int = 16
     """Sequences per reward-model forward on one rank."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Sharding of the reward model (``style=model`` or ``ranking_by=model``); ``param_offload`` keeps it
+    on CPU."""
+
+    def __post_init__(self) -> None:
+        _require(self, "> 0", "micro_batch_size_per_gpu")
 
 
 @dataclass(kw_only=True)
@@ -298,10 +404,14 @@ class KLControlConfig:
     fixed_warmup_steps: int = 0
     """Adaptive: keep the coefficient fixed for this many steps, then adapt."""
 
+    def __post_init__(self) -> None:
+        _require(self, ">= 0", "kl_coef", "fixed_warmup_steps")
+        _require(self, "> 0", "target_kl", "horizon")
+
 
 @dataclass(kw_only=True)
 class AlgorithmConfig:
-    adv_estimator: Literal["gae", "grpo", "rloo"] = "gae"
+    adv_estimator: Literal[ADV_ESTIMATORS] = "gae"
     """Advantages: GAE with a critic, or group baselines without one."""
     gamma: float = 1.0
     """Discount factor of GAE."""
@@ -324,11 +434,10 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         if self.kl_penalty != "full":
-            check_kl_kind(self.kl_penalty, "algorithm.kl_penalty")
-        if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
-            raise ConfigError(
-                f"algorithm.gamma and algorithm.lam must be in [0, 1], got {self.gamma}, {self.lam}"
-            )
+            check_kl_kind(self.kl_penalty, "kl_penalty")
+        _require(self, "[0, 1]", "gamma", "lam")
+        _require(self, ">= 0", "rollback_kl", "max_rollbacks")
+        _require(self, "(0, 1]", "rollback_lr_factor")
 
 
 @dataclass(kw_only=True)
@@ -339,6 +448,9 @@ class TrainerConfig:
     """Name of this run."""
     output_dir: str = "outputs/run"
     """Run folder: resolved config, metrics.jsonl, TensorBoard events, checkpoints."""
+    overwrite: bool = False
+    """A fresh run (trainer.resume_mode=disable) refuses an output_dir that already holds a run
+    (config.yaml, metrics.jsonl or checkpoints); true replaces it."""
     n_gpus_per_node: int = 1
     """Ranks per node expected by the launcher (informational; the world size comes from torchrun)."""
     nnodes: int = 1
@@ -358,31 +470,32 @@ class TrainerConfig:
     save_freq: int = -1
     """Checkpoint every this many steps (0 or -1 disables periodic saves)."""
     test_freq: int = -1
-    """Validate every this many steps (-1 disables periodic validation)."""
+    """Validate every this many steps (0 or -1 disables periodic validation)."""
     val_before_train: bool = True
     """Validate once before the first step."""
     resume_mode: str = "auto"
     """``auto`` (latest checkpoint in ``output_dir``), ``disable``, or a checkpoint path."""
     max_ckpt_to_keep: int = 2
-    """Keep this many newest checkpoints."""
+    """Keep this many newest checkpoints (0 keeps all)."""
     save_hf_on_end: bool = False
     """Export the final actor with ``save_pretrained`` to ``output_dir/hf``."""
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
     """Metric sinks: console, jsonl, tensorboard, wandb."""
     profile_steps: list[int] = field(default_factory=list)
-    """Steps to record with the torch profiler."""
+    """Steps to record with the torch profiler (counted from 1)."""
     warn_entropy_below: float = 0.0
     """Warn when the policy entropy falls below this (0 disables)."""
     rollback_val_drop: float = 0.0
     """Roll back when the validation score falls this much (relative) below the best (0 disables)."""
+    max_skipped_steps: int = 3
+    """Stop with an error after this many steps in a row skipped for a non-finite reward."""
 
     def __post_init__(self) -> None:
-        valid = {"console", "jsonl", "tensorboard", "wandb"}
-        bad = [x for x in self.logger if x not in valid]
-        if bad:
-            raise ConfigError(f"trainer.logger has unknown sinks {bad}; valid: {sorted(valid)}")
-        if self.total_epochs <= 0:
-            raise ConfigError(f"trainer.total_epochs must be > 0, got {self.total_epochs}")
+        _check_run_keys(self)
+        _require(self, "> 0", "n_gpus_per_node", "nnodes", "profile_steps")
+        _require(self, ">= 0", "critic_warmup", "warn_entropy_below")
+        _require(self, "[0, 1)", "rollback_val_drop")
+        _require(self, ">= 1", "max_skipped_steps")
 
 
 @dataclass(kw_only=True)
@@ -410,17 +523,38 @@ class PPOConfig:
 
     def __post_init__(self) -> None:
         if self.algorithm.adv_estimator in ("grpo", "rloo") and self.rollout.n < 2:
-            raise ConfigError(
+            raise FieldError(
                 f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs rollout.n >= 2 "
-                f"(a group baseline), got rollout.n={self.rollout.n}"
+                f"(a group baseline), got rollout.n={self.rollout.n}",
+                "rollout.n",
+                "algorithm.adv_estimator",
             )
         if self.reward.style == "ranking" and self.rollout.n < 2:
-            raise ConfigError("reward.style=ranking needs rollout.n >= 2 responses to rank")
+            raise FieldError(
+                f"reward.style=ranking needs rollout.n >= 2 responses to rank, got rollout.n={self.rollout.n}",
+                "rollout.n",
+                "reward.style",
+            )
         needs_rm = self.reward.style == "model" or (
             self.reward.style == "ranking" and self.reward.ranking_by == "model"
         )
         if needs_rm and not self.reward.model_path:
-            raise ConfigError("reward.model_path is required with reward.style=model (or ranking_by=model)")
+            raise FieldError(
+                "reward.model_path is required with reward.style=model (or ranking_by=model)",
+                "reward.model_path",
+                "reward.style",
+            )
+        # Fallbacks resolved once, here, so that the trainer and the saved config.yaml see the values
+        # that run. A default instance is never the base of another build (see _build), so this cannot
+        # freeze a default the user then overrides.
+        if self.critic.ppo_mini_batch_size is None:
+            self.critic.ppo_mini_batch_size = self.actor.ppo_mini_batch_size
+        if self.critic.ppo_epochs is None:
+            self.critic.ppo_epochs = self.actor.ppo_epochs
+        if self.actor.clip_ratio_low is None:
+            self.actor.clip_ratio_low = self.actor.clip_ratio
+        if self.actor.clip_ratio_high is None:
+            self.actor.clip_ratio_high = self.actor.clip_ratio
 
     @property
     def use_critic(self) -> bool:
@@ -435,6 +569,7 @@ class PPOConfig:
         sequences split evenly over ranks, and (without dynamic batch size) each rank's share splits into
         micro-batches of ``ppo_micro_batch_size_per_gpu``.
         """
+        _check_world_size(world_size)
         errors: list[str] = []
         n = self.rollout.n
         bsz = self.data.train_batch_size
@@ -455,8 +590,7 @@ class PPOConfig:
         ]
         if self.use_critic:
             c = self.critic
-            mini = c.ppo_mini_batch_size or self.actor.ppo_mini_batch_size
-            roles.append(("critic", mini, c.use_dynamic_bsz, c.ppo_micro_batch_size_per_gpu))
+            roles.append(("critic", c.ppo_mini_batch_size, c.use_dynamic_bsz, c.ppo_micro_batch_size_per_gpu))
         for role, mini, dynamic, micro in roles:
             if bsz % mini:
                 errors.append(
@@ -484,7 +618,8 @@ class PPOConfig:
                     f"{role}.ppo_max_token_len_per_gpu={cfg.ppo_max_token_len_per_gpu} is below the longest "
                     f"sequence (max_prompt_length + max_response_length = {max_len}): raise it"
                 )
-        for role, fsdp in (("actor", self.actor.fsdp), ("critic", self.critic.fsdp), ("ref", self.ref.fsdp)):
+        for role in ("actor", "critic", "ref", "reward"):
+            fsdp = getattr(self, role).fsdp
             if fsdp.fsdp_size > 0 and world_size % fsdp.fsdp_size:
                 errors.append(
                     f"{role}.fsdp.fsdp_size={fsdp.fsdp_size} must divide the world size {world_size}"
@@ -524,8 +659,11 @@ class StageDataConfig:
     """Shuffle the training examples each epoch."""
 
     def __post_init__(self) -> None:
-        if self.train_batch_size <= 0 or self.max_length <= 0:
-            raise ConfigError("data.train_batch_size and data.max_length must be > 0")
+        if not self.train_files:
+            raise FieldError("train_files is empty: give at least one Parquet file", "train_files")
+        _require(
+            self, "> 0", "max_length", "train_batch_size", "max_token_len_per_gpu", "micro_batch_size_per_gpu"
+        )
 
 
 @dataclass(kw_only=True)
@@ -535,8 +673,11 @@ class StageTrainerConfig:
     experiment_name: str = "stage"
     """Name of this run."""
     output_dir: str = "outputs/stage"
-    """Run folder: resolved config, metrics.jsonl, TensorBoard events; the model is saved in ``hf/``
-    unless ``save_path`` is set."""
+    """Run folder: resolved config, metrics.jsonl, TensorBoard events, checkpoints; the model is saved in
+    ``hf/`` unless ``save_path`` is set."""
+    overwrite: bool = False
+    """A fresh run (trainer.resume_mode=disable) refuses an output_dir that already holds a run
+    (config.yaml, metrics.jsonl or checkpoints); true replaces it."""
     save_path: str | None = None
     """Where the final ``save_pretrained`` folder goes (default ``output_dir/hf``)."""
     device: Literal["auto", "cuda", "cpu"] = "auto"
@@ -552,11 +693,21 @@ class StageTrainerConfig:
     max_time_s: float = 0.0
     """Stop after this many seconds of training (0: no limit); the schedule still assumes the full run."""
     test_freq: int = 50
-    """Validate every this many steps (and at the end)."""
+    """Validate every this many steps (and at the end; 0 or -1 validates only at the end)."""
+    save_freq: int = -1
+    """Checkpoint every this many steps (0 or -1 disables periodic saves)."""
+    resume_mode: str = "auto"
+    """``auto`` (latest checkpoint in ``output_dir``), ``disable``, or a checkpoint path."""
+    max_ckpt_to_keep: int = 2
+    """Keep this many newest checkpoints (0 keeps all)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm (0 disables)."""
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
     """Metric sinks: console, jsonl, tensorboard, wandb."""
+
+    def __post_init__(self) -> None:
+        _check_run_keys(self)
+        _require(self, ">= 0", "max_time_s", "grad_clip")
 
 
 @dataclass(kw_only=True)
@@ -578,7 +729,11 @@ class SFTConfig:
 @dataclass(kw_only=True)
 class RMLossConfig:
     margin: float = 0.0
-    """Bradley-Terry with margin: ``-log sigmoid(r_chosen - r_rejected - margin)``."""
+    """Bradley-Terry with margin: ``-log sigmoid(r_chosen - r_rejected - margin)``; >= 0 (a negative
+    margin would reward ranking the rejected answer above the chosen one)."""
+
+    def __post_init__(self) -> None:
+        _require(self, ">= 0", "margin")
 
 
 @dataclass(kw_only=True)
@@ -605,6 +760,7 @@ class RewardModelConfig:
 
 def validate_stage(cfg: SFTConfig | RewardModelConfig, world_size: int) -> None:
     """The batch divisibility an SFT or reward-model run needs on ``world_size`` ranks."""
+    _check_world_size(world_size)
     d = cfg.data
     errors = []
     if d.train_batch_size % world_size:
@@ -626,14 +782,16 @@ def validate_stage(cfg: SFTConfig | RewardModelConfig, world_size: int) -> None:
         raise ConfigError(f"config does not fit world size {world_size}:\n  - " + "\n  - ".join(errors))
 
 
-KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+def _check_world_size(world_size: int) -> None:
+    if world_size < 1:
+        raise ConfigError(f"the world size must be >= 1, got {world_size}")
 
 
 def check_kl_kind(kind: str, key: str) -> None:
     """Fail unless ``kind`` is a KL estimator name, optionally with the ``+`` (k2 gradient) suffix."""
     if kind.removesuffix("+") not in KL_KINDS:
-        raise ConfigError(
-            f"{key}={kind!r} is not a KL estimator; valid: {', '.join(KL_KINDS)} (optionally with '+')"
+        raise FieldError(
+            f"{key}={kind!r} is not a KL estimator; valid: {', '.join(KL_KINDS)} (optionally with '+')", key
         )
 
 
@@ -642,59 +800,181 @@ def check_kl_kind(kind: str, key: str) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 C = typing.TypeVar("C")
+COMMAND_LINE = "the command line"
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None, cls: type[C] = PPOConfig) -> C:
     """Build ``cls`` from its defaults, then the YAML file at ``path``, then ``a.b.c=value`` overrides.
 
-    Raises ConfigError naming the dotted key, where it came from and the closest valid names.
+    Raises ConfigError, one line naming the dotted key and where it came from, for anything wrong in
+    the file or the overrides (unknown keys with the closest valid names, duplicate keys, malformed
+    YAML, wrong types, values out of range).
     """
     tree: dict[str, Any] = {}
     sources: dict[str, str] = {}
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        loaded = yaml.safe_load(path.read_text()) or {}
+        loaded = _read_yaml(path)
+        if loaded is None:
+            loaded = {}  # an empty file or only comments
         if not isinstance(loaded, dict):
             raise ConfigError(
                 f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}"
             )
-        _merge(tree, loaded, sources, source=str(path), prefix="")
+        _merge(tree, loaded, sources, str(path), "", cls)
     for item in overrides or []:
         key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"command-line override {item!r} must look like section.key=value")
-        value = yaml.safe_load(raw) if raw.strip() else ""
-        node = tree
+        key = key.strip()
         parts = key.split(".")
-        for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                child = node[part] = {}
-            node = child
-        node[parts[-1]] = value
-        for i in range(1, len(parts) + 1):
-            sources[".".join(parts[:i])] = "the command line"
+        if not sep or not all(parts):
+            raise ConfigError(f"command-line override {item!r} must look like section.key=value")
+        try:
+            value: Any = _parse_yaml(raw) if raw.strip() else ""
+        except _YAMLProblem as e:
+            col = f" at column {e.column}" if e.column else ""
+            raise ConfigError(f"{key}={raw!r} (from {COMMAND_LINE}) is not valid YAML{col}: {e}") from None
+        for part in reversed(parts):
+            value = {part: value}
+        _merge(tree, value, sources, COMMAND_LINE, "", cls)
     return _build(cls, tree, sources, prefix="")
 
 
-def _merge(dst: dict, src: dict, sources: dict[str, str], source: str, prefix: str) -> None:
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that fails on a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        self._document = node  # where construct_mapping looks up the dotted key of a duplicate
+        return super().construct_document(node)
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor` merges may be overridden by the mapping's own keys
+            key = self.construct_object(key_node, deep=True)
+            try:
+                line = first_line.get(key)
+            except TypeError:
+                continue  # an unhashable key: the base class reports it
+            if line is not None:
+                path = _node_path(self._document, node)
+                dotted = f"{path}.{key}" if path else str(key)
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {dotted!r} (first set on line {line})", key_node.start_mark
+                )
+            first_line[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+def _node_path(root: yaml.Node, target: yaml.Node) -> str:
+    """The dotted key of the mapping ``target`` within the composed YAML document ``root``."""
+    stack: list[tuple[yaml.Node, str]] = [(root, "")]
+    seen: set[int] = set()
+    while stack:
+        node, path = stack.pop()
+        if node is target:
+            return path
+        if id(node) in seen:
+            continue  # an alias of a node already walked
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            stack.extend((v, f"{path}.{k.value}" if path else str(k.value)) for k, v in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node.value))
+    return ""
+
+
+def _read_yaml(path: Path) -> Any:
+    """The YAML document in the file at ``path``; any problem with it is a one-line ConfigError."""
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory, not a YAML file")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(
+            f"{path}, line {line}: not UTF-8 text (byte {raw[e.start]:#04x}); save the file as UTF-8"
+        ) from None
+    try:
+        return _parse_yaml(text)
+    except _YAMLProblem as e:
+        at = f", line {e.line}" + (f", column {e.column}" if e.column else "") if e.line else ""
+        raise ConfigError(f"{path}{at}: {e}") from None
+
+
+class _YAMLProblem(Exception):
+    """Why a text is not valid YAML, and where (1-based line and column, or None)."""
+
+    def __init__(self, problem: str, line: int | None = None, column: int | None = None) -> None:
+        super().__init__(problem)
+        self.line, self.column = line, column
+
+
+def _parse_yaml(text: str) -> Any:
+    """``text`` parsed by :class:`_UniqueKeyLoader`; any problem (syntax, tabs, a duplicate key, a
+    character YAML forbids, nesting deep enough to exhaust the stack) is a :class:`_YAMLProblem`."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        problem = e.problem or e.context or "invalid YAML"
+        if "'\\t'" in problem:
+            problem += " (indent with spaces, not tabs)"
+        elif e.context and e.problem:
+            problem = f"{e.problem} ({e.context})"
+        raise _YAMLProblem(problem, *((mark.line + 1, mark.column + 1) if mark else ())) from None
+    except yaml.reader.ReaderError as e:
+        line = text.count("\n", 0, e.position) + 1
+        raise _YAMLProblem(f"character #x{e.character:04x} is not allowed in YAML", line) from None
+    except yaml.YAMLError as e:
+        raise _YAMLProblem(" ".join(str(e).split())) from None
+    except RecursionError:
+        raise _YAMLProblem("nested too deeply") from None
+    except (ValueError, OverflowError) as e:  # a scalar the constructor rejects (an int of 5000 digits)
+        raise _YAMLProblem(" ".join(str(e).split())) from None
+
+
+def _merge(dst: dict, src: dict, sources: dict[str, str], source: str, prefix: str, cls: type) -> None:
+    """Merge ``src`` into ``dst`` key by key, recording each dotted key's source. Only the sections of
+    ``cls`` are descended into (and must be mappings); any other value, a leaf or an unknown key, is
+    taken whole for ``_build`` to check, so a self-referencing YAML anchor cannot recurse without end."""
+    hints = typing.get_type_hints(cls)
     for key, value in src.items():
         dotted = f"{prefix}{key}"
-        if isinstance(value, dict):
-            _merge(dst.setdefault(key, {}), value, sources, source, dotted + ".")
-        else:
-            dst[key] = value
+        section = hints.get(key) if isinstance(key, str) else None
         sources[dotted] = source
+        if not dataclasses.is_dataclass(section):
+            dst[key] = value
+            continue
+        if not isinstance(value, dict):
+            raise ConfigError(
+                f"{dotted} is a section; got {_show.repr(value)} (from {source}): set its keys, "
+                f"e.g. {dotted}.<key>=value"
+            )
+        _merge(dst.setdefault(key, {}), value, sources, source, dotted + ".", section)
 
 
 def _source(sources: dict[str, str], dotted: str) -> str:
+    dotted = dotted.partition("[")[0]  # betas[1] came from where betas came from
     while dotted:
         if dotted in sources:
             return sources[dotted]
         dotted = dotted.rpartition(".")[0]
-    return "the config"
+    return "the defaults"
+
+
+def _where(keys: list[str], sources: dict[str, str]) -> str:
+    """``from X`` when all ``keys`` came from one place, else ``a from X; b from Y``."""
+    found = {k: _source(sources, k) for k in keys}
+    if len(set(found.values())) == 1:
+        return f"from {found[keys[0]]}"
+    return "; ".join(f"{k} from {s}" for k, s in found.items())
 
 
 def all_keys(cls: type, prefix: str = "") -> list[str]:
@@ -710,13 +990,24 @@ def all_keys(cls: type, prefix: str = "") -> list[str]:
 
 
 def _build(
-    cls: type[C], tree: dict[str, Any], sources: dict[str, str], prefix: str, root: type | None = None
+    cls: type[C],
+    tree: dict[str, Any],
+    sources: dict[str, str],
+    prefix: str,
+    base: Any = None,
+    root: type | None = None,
 ) -> C:
+    """``cls`` with the values of ``tree`` set over ``base`` (its default where the enclosing class's
+    default gave one, e.g. SFT's cosine ``optim``; the root has none and starts from its own defaults).
+
+    A nested section's base is ``base``'s value for that field, or the enclosing class's field default:
+    never a built root, whose ``__post_init__`` has already resolved fallbacks from other keys.
+    """
     root = root or cls
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in tree:
-        if key not in names:
+        if key not in fields:
             dotted = f"{prefix}{key}"
             close = closest_keys(dotted, all_keys(root))
             hint = f"; did you mean {' or '.join(close)}?" if close else ""
@@ -725,16 +1016,25 @@ def _build(
     for key, value in tree.items():
         dotted = f"{prefix}{key}"
         typ = hints[key]
-        if dataclasses.is_dataclass(typ):
-            if not isinstance(value, dict):
-                raise ConfigError(
-                    f"{dotted} is a section; got {value!r} (from {_source(sources, dotted)}): set its keys, "
-                    f"e.g. {dotted}.<key>=value"
-                )
-            kwargs[key] = _build(typ, value, sources, dotted + ".", root)
+        if dataclasses.is_dataclass(typ):  # _merge made sure that value is a dict
+            inner = getattr(base, key) if base is not None else _field_default(fields[key])
+            kwargs[key] = _build(typ, value, sources, dotted + ".", inner, root)
+        elif isinstance(value, dict):
+            raise ConfigError(
+                f"{dotted} is not a section (it takes {_type_name(typ)}); got {_show.repr(value)} "
+                f"(from {_source(sources, dotted)})"
+            )
         else:
             kwargs[key] = _coerce(value, typ, dotted, sources)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs) if base is None else dataclasses.replace(base, **kwargs)
+    except FieldError as e:
+        keys = [f"{prefix}{k}" for k in e.keys]
+        raise ConfigError(f"{prefix}{e} ({_where(keys, sources)})") from None
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 def closest_keys(dotted: str, keys: list[str], n: int = 3) -> list[str]:
@@ -751,11 +1051,12 @@ def closest_keys(dotted: str, keys: list[str], n: int = 3) -> list[str]:
 
 
 def _coerce(value: Any, typ: Any, dotted: str, sources: dict[str, str]) -> Any:
-    """Convert ``value`` to ``typ`` (bool, int, float, str, Literal, Optional, list) or fail clearly."""
+    """Convert ``value`` to ``typ`` (bool, int, float, str, Literal, Optional, list) or fail clearly.
+    A float must be finite: NaN and ±inf are rejected for every float key."""
 
     def fail() -> typing.NoReturn:
         raise ConfigError(
-            f"{dotted}={value!r} (from {_source(sources, dotted)}) is not a valid {_type_name(typ)}"
+            f"{dotted}={_show.repr(value)} (from {_source(sources, dotted)}) is not a valid {_type_name(typ)}"
         )
 
     origin = typing.get_origin(typ)
@@ -764,6 +1065,8 @@ def _coerce(value: Any, typ: Any, dotted: str, sources: dict[str, str]) -> Any:
         if value is None and type(None) in args:
             return None
         rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1:  # an optional: the error of its one type says more (e.g. "not finite")
+            return _coerce(value, rest[0], dotted, sources)
         for a in rest:
             try:
                 return _coerce(value, a, dotted, sources)
@@ -774,7 +1077,8 @@ def _coerce(value: Any, typ: Any, dotted: str, sources: dict[str, str]) -> Any:
         if value in args:
             return value
         raise ConfigError(
-            f"{dotted}={value!r} (from {_source(sources, dotted)}) must be one of {', '.join(map(str, args))}"
+            f"{dotted}={_show.repr(value)} (from {_source(sources, dotted)}) must be one of "
+            f"{', '.join(map(str, args))}"
         )
     if origin is list:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
@@ -806,14 +1110,17 @@ def _coerce(value: Any, typ: Any, dotted: str, sources: dict[str, str]) -> Any:
     if typ is float:
         if isinstance(value, bool):
             fail()
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)  # YAML 1.1 reads 1e-5 (no dot) as a string
-            except ValueError:
-                fail()
-        fail()
+        if not isinstance(value, (int, float, str)):
+            fail()
+        try:
+            number = float(value)  # YAML 1.1 reads 1e-5 (no dot) as a string
+        except (ValueError, OverflowError):  # not a number; an int beyond the float range
+            fail()
+        if not math.isfinite(number):
+            raise ConfigError(
+                f"{dotted}={_show.repr(value)} (from {_source(sources, dotted)}) must be a finite number"
+            )
+        return number
     if typ is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -831,6 +1138,8 @@ def _type_name(typ: Any) -> str:
         return f"list of {_type_name(typing.get_args(typ)[0])}"
     if origin is Literal:
         return "one of " + ", ".join(map(str, typing.get_args(typ)))
+    if typ is type(None):
+        return "null"
     return getattr(typ, "__name__", str(typ))
 
 
@@ -856,4 +1165,6 @@ def parse_cli(
     parser.add_argument("--world-size", type=int, default=None, help="validate for this many ranks")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args(argv)
+    if args.world_size is not None and args.world_size < 1:
+        raise ConfigError(f"--world-size must be >= 1, got {args.world_size} (from {COMMAND_LINE})")
     return load_config(args.config, args.overrides, cls), args

@@ -27,7 +27,7 @@ the file, the row and the column.
 Usage::
 
     records = load_prompts(cfg.data.train_files, tokenizer, max_prompt_length=cfg.data.max_prompt_length)
-    loader = PromptLoader(records, batch_size=cfg.data.train_batch_size, rank=info.rank,
+    loader = ShardedLoader(records, batch_size=cfg.data.train_batch_size, rank=info.rank,
                           world_size=info.world_size, seed=cfg.trainer.seed)
     for step, batch in zip(range(total_steps), loader):  # batch: this rank's list of PromptRecord
         ...
@@ -59,6 +59,10 @@ MAX_ROWS_LISTED = 5
 """How many row numbers a log line about skipped rows lists."""
 
 
+DEFAULT_DATA_SOURCE = "default"
+"""The ``data_source`` of prompts from a file without that column."""
+
+
 class DataError(ValueError):
     """A data file is missing or malformed; the message names the file, the row and the column."""
 
@@ -78,8 +82,8 @@ class PromptRecord:
     """The text the tokens came from (rendered template or the raw string)."""
     data_source: str
     """Picks the rule scorer."""
-    ground_truth: str
-    """``reward_model.ground_truth`` as a string."""
+    ground_truth: str | None
+    """``reward_model.ground_truth`` as a string; None in a file without one (see ``load_prompts``)."""
     extra_info: dict[str, Any]
     """The row's ``extra_info`` ({} when the column is absent or null)."""
     index: int
@@ -269,8 +273,13 @@ def load_prompts(
     prompt_key: str = "prompt",
     max_prompt_length: int,
     apply_chat_template: bool = True,
+    require_ground_truth: bool = True,
 ) -> list[PromptRecord]:
     """Load RL prompts in verl's layout; prompts over ``max_prompt_length`` tokens are dropped and logged.
+
+    With ``require_ground_truth=False`` (a reward that needs none: a reward model, or a custom function
+    that does without) a file needs only the prompt column, as TRL users keep prompts: a missing
+    ``data_source`` is ``DEFAULT_DATA_SOURCE`` and a missing ``reward_model`` (or ground truth) None.
 
     Raises DataError on a missing file or column, a wrong type, an empty prompt, or when no prompt is
     left after filtering.
@@ -281,8 +290,12 @@ def load_prompts(
     for path in paths:
         rows = read_parquet(
             path,
-            required=[prompt_key, "data_source", "reward_model"],
-            hints={prompt_key: "set data.prompt_key to the column that holds the prompts"},
+            required=[prompt_key, "data_source", "reward_model"] if require_ground_truth else [prompt_key],
+            hints={
+                prompt_key: "set data.prompt_key to the column that holds the prompts",
+                "reward_model": "the rule reward needs reward_model.ground_truth; a reward model "
+                "(reward.style=model) or reward.custom_function can do without",
+            },
         )
         file_dropped = 0
         for i, row in enumerate(rows):
@@ -296,8 +309,12 @@ def load_prompts(
             record = PromptRecord(
                 input_ids=ids,
                 prompt_text=text,
-                data_source=_check_data_source(row["data_source"], _where(path, i, "data_source")),
-                ground_truth=_ground_truth(row["reward_model"], _where(path, i, "reward_model")),
+                data_source=_check_data_source(
+                    row.get("data_source", DEFAULT_DATA_SOURCE), _where(path, i, "data_source")
+                ),
+                ground_truth=_ground_truth(
+                    row.get("reward_model"), _where(path, i, "reward_model"), required=require_ground_truth
+                ),
                 extra_info=_extra_info(row.get("extra_info"), _where(path, i, "extra_info")),
                 index=offset + i,
             )
@@ -327,8 +344,11 @@ def _check_data_source(value: Any, where: str) -> str:
     return value
 
 
-def _ground_truth(value: Any, where: str) -> str:
-    """``reward_model.ground_truth`` as a string (numbers are converted)."""
+def _ground_truth(value: Any, where: str, *, required: bool = True) -> str | None:
+    """``reward_model.ground_truth`` as a string (numbers are converted); None when absent and not
+    ``required``."""
+    if not required and (value is None or (isinstance(value, dict) and value.get("ground_truth") is None)):
+        return None
     if not isinstance(value, dict) or value.get("ground_truth") is None:
         raise DataError(
             f"{where}: expected a struct {{'style': 'rule', 'ground_truth': ...}} with a ground truth, "
@@ -354,7 +374,7 @@ def _extra_info(value: Any, where: str) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------------
 
 
-class PromptLoader:
+class ShardedLoader:
     """Endless iterator over this rank's share of global prompt batches, resumable mid-epoch.
 
     Epoch ``e`` orders the records by a permutation drawn from ``numpy.random.default_rng([seed, e])``

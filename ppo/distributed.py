@@ -11,13 +11,17 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 logger = logging.getLogger("ppo")
+
+T = TypeVar("T")
 
 
 @dataclass(kw_only=True)
@@ -115,6 +119,52 @@ def all_reduce_scalars(
 def all_reduce_scalar(value: float, op: str = "sum") -> float:
     """One number reduced over ranks (sum, mean, max, min)."""
     return all_reduce_scalars([value], op)[0]
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over ranks in place and return it (the identity on one rank).
+
+    The ``all_reduce`` that ``ppo.algorithms`` takes to compute batch statistics over all ranks.
+    """
+    if _initialized():
+        dist.all_reduce(t)
+    return t
+
+
+def all_reduce_tensors(values: dict[str, torch.Tensor], op: str = "sum") -> dict[str, float]:
+    """Reduce a dict of scalar tensors over ranks with one collective and one host sync.
+
+    For metrics accumulated on the device during a mini-batch: reading each with ``.item()`` would
+    wait for the device once per value. Every rank must pass the same keys.
+    """
+    if not values:
+        return {}
+    keys = sorted(values)
+    stacked = torch.stack([values[k].detach().to(torch.float64).reshape(()) for k in keys])
+    if _initialized():
+        if dist.get_backend() != "nccl":
+            stacked = stacked.cpu()
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        dist.all_reduce(stacked, op=reduce_op)
+    return dict(zip(keys, stacked.tolist(), strict=True))
+
+
+def agree_on_failure(fn: Callable[[], T], error_type: type[Exception]) -> T:
+    """Run ``fn`` on every rank; if it raised ``error_type`` on any rank, raise it on every rank.
+
+    For work that can fail on some ranks only (scoring a rank's own responses with a user's reward
+    function): the failing rank alone would stop while the others wait in the next collective. Every
+    rank raises ``error_type`` with the message of the lowest failing rank. One gather of a small
+    object per call.
+    """
+    try:
+        result, failure = fn(), None
+    except error_type as e:
+        result, failure = None, str(e)
+    failures = [f for f in all_gather_object(failure) if f is not None]
+    if failures:
+        raise error_type(failures[0])
+    return result
 
 
 def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:

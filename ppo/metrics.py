@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from ppo.distributed import all_reduce_tensors
+
 logger = logging.getLogger("ppo")
 
 # The keys of the one-line console summary, in order, with short labels.
@@ -45,6 +47,59 @@ def tensor_stats(prefix: str, x: torch.Tensor, mask: torch.Tensor | None = None)
         f"{prefix}/max": values.max().item(),
         f"{prefix}/min": values.min().item(),
     }
+
+
+def global_stats(values: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
+    """Mean, max, min and unbiased variance of each 1-D tensor over the elements of every rank.
+
+    Token-level quantities (advantages, values) have a different count on each rank, so the global mean
+    is the token-weighted one, not the mean of the ranks' means. Three collectives for any number of
+    tensors. An empty tensor on every rank gives zeros.
+    """
+    names = sorted(values)
+    sums, maxes, mins = {}, {}, {}
+    for name in names:
+        x = values[name].detach().to(torch.float64).reshape(-1)
+        sums[f"{name}/n"] = torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)
+        sums[f"{name}/sum"] = x.sum()
+        sums[f"{name}/sumsq"] = x.square().sum()
+        maxes[name] = x.max() if x.numel() else torch.tensor(-math.inf, dtype=torch.float64, device=x.device)
+        mins[name] = x.min() if x.numel() else torch.tensor(math.inf, dtype=torch.float64, device=x.device)
+    sums = all_reduce_tensors(sums, "sum")
+    maxes = all_reduce_tensors(maxes, "max")
+    mins = all_reduce_tensors(mins, "min")
+    out = {}
+    for name in names:
+        n, total, sq = sums[f"{name}/n"], sums[f"{name}/sum"], sums[f"{name}/sumsq"]
+        mean = total / n if n else 0.0
+        var = max(sq - n * mean * mean, 0.0) / (n - 1) if n > 1 else 0.0
+        out[name] = {
+            "mean": mean,
+            "max": maxes[name] if n else 0.0,
+            "min": mins[name] if n else 0.0,
+            "var": var,
+        }
+    return out
+
+
+@contextmanager
+def profiled(steps: list[int], step: int, out_dir: Path) -> Iterator[None]:
+    """Record ``step`` with the torch profiler when it is in ``steps`` (``trainer.profile_steps``); the
+    trace goes to ``out_dir/profile`` (TensorBoard's profiler plugin or Perfetto). The profiler stops
+    however the step ends (a skipped step, a rollback, an error)."""
+    if step not in steps:
+        yield
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(
+        activities=activities,
+        record_shapes=True,
+        profile_memory=True,
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(str(out_dir / "profile")),
+    ):
+        yield
 
 
 # Dense bf16 tensor-core peak FLOP/s per GPU, for MFU. Matched by substring of the device name.

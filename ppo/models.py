@@ -1,4 +1,4 @@
-"""Load, shard, run and save the four models of PPO: actor, reference, critic and reward model.
+"""Load, run and save the four models of PPO: actor, reference, critic and reward model.
 
 - Loading: ``load_causal_lm`` (actor, reference), ``load_critic`` (backbone + token-level value head),
   ``load_reward_model`` (backbone + sequence score read at the last token), ``load_tokenizer``. All go
@@ -6,16 +6,9 @@
   the log-probs of the rollout; dropout would make the first ratio differ from 1).
 - Packed forwards: the tokens of ``B`` sequences concatenated into one row ``[total_tokens]`` with
   ``position_ids`` restarting at 0 per sequence and ``cu_seqlens [B+1]`` marking the boundaries. No
-  attention mask and ``use_cache=False`` (with the cache on, the packing is silently ignored).
-- Attention: ``resolve_attn_implementation("auto")`` is flash_attention_2 on CUDA with flash_attn, which
-  reads the boundaries from the position ids, else ``ppo_varlen_sdpa`` (``varlen_sdpa_attention``):
-  causal sdpa per packed sequence, ``sum(l_i^2)`` work, where transformers' own sdpa and eager apply a
-  block-diagonal mask to a dense ``T x T`` score matrix, ``T = sum(l_i)``. Every other call
-  (``generate`` with left padding and a KV cache, padded batches) is transformers' sdpa, unchanged.
-- Sharding: ``shard_model`` applies FSDP2 ``fully_shard`` per decoder layer, then the root;
-  ``gathered_for_generation`` gathers the parameters once for a whole ``generate`` call and bypasses
-  FSDP's per-module forward hooks meanwhile;
-  ``full_state_dict`` / ``save_hf`` export a ``save_pretrained`` folder from the shards.
+  attention mask and ``use_cache=False`` (with the cache on, the packing is silently ignored); the
+  attention kernel for such rows lives in ``ppo.attention``, the FSDP2 sharding in ``ppo.sharding``.
+- Saving: ``save_hf`` writes a ``save_pretrained`` folder from a sharded or plain model.
 
 Every helper runs the model's own top-level ``forward`` (never ``model.model(...)``): FSDP2 gathers the
 root's parameters (embeddings, final norm, head) in the root's forward pre-hook, so calling a
@@ -24,39 +17,25 @@ hidden states, the per-token reward scores) are read with forward hooks instead.
 
 Usage::
 
-    model = load_causal_lm(cfg.model.path, dtype=cfg.model.dtype, device=info.device)
-    model = shard_model(model, make_mesh(info, fsdp.fsdp_size), fsdp, device=info.device)
+    model = load_causal_lm(cfg.model.path, dtype=cfg.model.dtype, device="cpu")
+    model = sharding.shard_model(model, make_mesh(info, fsdp.fsdp_size), fsdp, device=info.device)
     logits = causal_lm_logits(model, input_ids, position_ids)  # [total_tokens, vocab]
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
 import inspect
-import itertools
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    FSDPModule,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-)
 from torch.distributed.tensor import DTensor
-from torch.utils.hooks import RemovableHandle
 from transformers import (
-    AttentionInterface,
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -66,23 +45,11 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
-from ppo.config import FSDPConfig
+from ppo.attention import resolve_attn_implementation
+from ppo.sharding import full_state_dict, torch_dtype
 
 logger = logging.getLogger("ppo")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-# Attribute that ``shard_model`` sets on each FSDP module, so that ``gathered_for_generation`` can
-# restore the configured ``reshard_after_forward`` (FSDP2 has no public getter for it).
-_RESHARD_ATTR = "_ppo_reshard_after_forward"
-
-PACKED_ATTENTION = "ppo_varlen_sdpa"
-"""Name of ``varlen_sdpa_attention`` in transformers' ``AttentionInterface`` (``attn_implementation``).
-It contains "sdpa" on purpose: transformers then checks at load time that the model supports sdpa, which
-every call that is not a packed forward falls back to."""
 
 
 class ModelPathError(FileNotFoundError):
@@ -92,13 +59,6 @@ class ModelPathError(FileNotFoundError):
 # ----------------------------------------------------------------------------------------------------
 # Loading
 # ----------------------------------------------------------------------------------------------------
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a config name (``float32``, ``bfloat16``, ``float16``)."""
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(_DTYPES)}")
-    return _DTYPES[name]
 
 
 def _looks_local(path: str) -> bool:
@@ -155,39 +115,6 @@ def load_tokenizer(
         tokenizer.pad_token = tokenizer.eos_token
         logger.info("tokenizer %s has no pad token; using eos %r as pad", path, tokenizer.eos_token)
     return tokenizer
-
-
-def resolve_attn_implementation(name: str, device: torch.device | str) -> str:
-    """The attention kernel to load with: ``auto`` is flash_attention_2 on CUDA with flash_attn
-    installed, else ``PACKED_ATTENTION`` (sdpa per packed sequence, see ``varlen_sdpa_attention``).
-    ``sdpa`` and ``eager`` are transformers' own (dense block-diagonal mask on packed rows). An explicit
-    flash_attention_2 without flash_attn (or off CUDA) fails."""
-    device = torch.device(device)
-    if name == "auto":
-        if device.type == "cuda" and _flash_attn_error() is None:
-            return "flash_attention_2"
-        return PACKED_ATTENTION
-    if name == "flash_attention_2":
-        if (error := _flash_attn_error()) is not None:
-            raise ImportError(
-                f"model.attn_implementation=flash_attention_2 needs the flash-attn package ({error}); "
-                "pip install flash-attn, or use model.attn_implementation=auto|sdpa"
-            )
-        if device.type != "cuda":
-            raise ValueError(f"flash_attention_2 runs on CUDA only, the device is {device}; use sdpa")
-    return name
-
-
-def _flash_attn_error() -> str | None:
-    """Why flash_attn cannot be used, or None. Imported, not just found: a wheel built for another
-    torch is installed but fails on import (undefined symbol)."""
-    if importlib.util.find_spec("flash_attn") is None:
-        return "not installed"
-    try:
-        importlib.import_module("flash_attn")
-    except Exception as err:  # ImportError, OSError: an ABI mismatch shows up as either
-        return f"installed but not importable: {err}"
-    return None
 
 
 def _load_config(path: str, trust_remote_code: bool, **overrides: Any) -> PretrainedConfig:
@@ -345,153 +272,6 @@ def _score_head(model: nn.Module) -> nn.Module:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Attention for packed rows
-# ----------------------------------------------------------------------------------------------------
-
-
-def varlen_sdpa_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Causal sdpa per packed sequence; transformers' sdpa for every other call.
-
-    A transformers attention function (``AttentionInterface``, name ``PACKED_ATTENTION``): query
-    ``[b, H, q, d]``, key and value ``[b, H_kv, k, d]`` (grouped-query attention when ``H_kv < H``),
-    returns ``[b, q, H, d]``. A packed forward is one row (``b = 1``) without a cache (``q = k = T``) and
-    without a mask (``varlen_sdpa_mask`` returns none for it), holding the sequences that
-    ``position_ids`` delimit; each gets ``softmax(q_i k_i^T * scaling + causal) v_i`` on its own tokens,
-    ``sum(l_i^2)`` score entries in all instead of the ``T^2`` of a dense block-diagonal mask.
-    Everything else, and a row of one sequence, goes to ``sdpa_attention_forward`` as it is.
-    """
-    starts = _packed_sequence_starts(query, key, attention_mask, kwargs.get("position_ids"))
-    if starts is None or len(starts) == 1:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    # varlen_sdpa_mask dropped the mask of this row, so it must be computed here, and this function
-    # only knows the plain causal pattern: fail rather than attend differently from sdpa.
-    extras = [k for k in ("sliding_window", "softcap", "position_bias") if kwargs.get(k) is not None]
-    is_causal = kwargs.get("is_causal")  # as sdpa_attention_forward reads it
-    if extras or not (getattr(module, "is_causal", True) if is_causal is None else is_causal):
-        raise NotImplementedError(
-            f"{PACKED_ATTENTION} computes plain causal attention per packed sequence; "
-            f"{type(module).__name__} needs {extras or ['non-causal attention']}: load it with "
-            "attn_implementation=sdpa"
-        )
-    # Grouped-query attention: sdpa broadcasts each key/value head over its query heads.
-    gqa = {"enable_gqa": True} if key.shape[1] != query.shape[1] else {}
-    outputs = [
-        torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, start:end],
-            key[:, :, start:end],
-            value[:, :, start:end],
-            dropout_p=dropout,
-            is_causal=True,
-            scale=scaling,
-            **gqa,
-        )
-        for start, end in itertools.pairwise([*starts, query.shape[2]])
-    ]
-    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
-
-
-def _packed_sequence_starts(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-) -> list[int] | None:
-    """Offsets where the sequences of a packed row start (``[0, ...]``), or None for any other call."""
-    if attention_mask is not None or position_ids is None:
-        return None
-    if query.shape[0] != 1 or query.shape[2] != key.shape[2] or position_ids.numel() != query.shape[2]:
-        return None  # a batch of rows, or queries after a cached prefix (decoding)
-    positions = position_ids.reshape(-1)
-    # A sequence starts wherever the position does not continue the previous one: the rule by which
-    # transformers finds packed sequences (masking_utils.find_packed_sequence_indices).
-    breaks = (positions[1:] - positions[:-1] != 1).nonzero().flatten() + 1
-    return [0, *breaks.tolist()]
-
-
-def varlen_sdpa_mask(
-    batch_size: int,
-    q_length: int,
-    kv_length: int,
-    q_offset: int | torch.Tensor = 0,
-    kv_offset: int = 0,
-    mask_function: Callable[..., torch.Tensor] = causal_mask_function,
-    attention_mask: torch.Tensor | None = None,
-    use_vmap: bool = False,
-    **kwargs: Any,
-) -> torch.Tensor | None:
-    """The mask function of ``PACKED_ATTENTION`` (``AttentionMaskInterface``): none for a packed causal
-    row, which ``varlen_sdpa_attention`` splits by its position ids instead, else ``sdpa_mask``.
-
-    Transformers calls it once per forward with the pattern as an index function ``mask_function(b, h,
-    q_idx, kv_idx) -> bool``; for a packed row (no padding mask, one row, no cache) that is causal
-    within each sequence, and ``sdpa_mask`` would materialize it as a dense ``[1, 1, T, T]`` tensor.
-    The pattern is recognized on two diagonals, ``O(T)``: packed causal has no entry above the diagonal
-    and a gap below it at each sequence start. Anything else (a plain causal row, padding, a KV cache,
-    sliding windows, bidirectional or model-specific overlays) gets exactly sdpa's mask, so
-    ``generate`` and padded batches behave as with ``attn_implementation="sdpa"``.
-    """
-    candidate = (
-        attention_mask is None
-        and batch_size == 1
-        and q_length == kv_length > 1
-        and isinstance(q_offset, int)
-        and q_offset == 0
-        and kv_offset == 0
-        and not use_vmap  # or/and overlays (vmap'd, maybe not index-based)
-        and kwargs.get("local_size") is None  # sliding window or chunked attention
-        and "allow_is_bidirectional_skip" not in kwargs  # create_bidirectional_mask
-    )
-    if candidate and _is_packed_causal(mask_function, q_length, kwargs.get("device", "cpu")):
-        return None
-    return sdpa_mask(
-        batch_size=batch_size,
-        q_length=q_length,
-        kv_length=kv_length,
-        q_offset=q_offset,
-        kv_offset=kv_offset,
-        mask_function=mask_function,
-        attention_mask=attention_mask,
-        use_vmap=use_vmap,
-        **kwargs,
-    )
-
-
-def _is_packed_causal(
-    mask_function: Callable[..., torch.Tensor], length: int, device: torch.device | str
-) -> bool:
-    """Whether ``mask_function`` over ``length`` tokens is causal and holds more than one sequence."""
-    zero = torch.zeros((), dtype=torch.long, device=device)
-    t = torch.arange(length - 1, device=device)
-    above = mask_function(zero, zero, t, t + 1)  # (t, t+1): masked in any causal pattern
-    below = mask_function(zero, zero, t + 1, t)  # (t+1, t): masked only where sequence t+1 starts
-    return not bool(above.any()) and not bool(below.all())
-
-
-def _register_packed_attention() -> None:
-    """Make ``PACKED_ATTENTION`` a valid ``attn_implementation`` (idempotent; runs at import).
-
-    Transformers looks the name up in both registries: the attention function per layer, and the mask
-    function once per forward (a name without one would get no mask at all, breaking padded batches).
-    """
-    AttentionInterface.register(PACKED_ATTENTION, varlen_sdpa_attention)
-    AttentionMaskInterface.register(PACKED_ATTENTION, varlen_sdpa_mask)
-
-
-_register_packed_attention()
-
-
-# ----------------------------------------------------------------------------------------------------
 # Packed (padding-free) forwards
 # ----------------------------------------------------------------------------------------------------
 
@@ -540,6 +320,40 @@ def causal_lm_hidden(model: nn.Module, input_ids: torch.Tensor, position_ids: to
     if len(captured) != 1:
         raise RuntimeError(f"expected one backbone output from {type(model).__name__}, got {len(captured)}")
     return captured[0][0]
+
+
+def check_fused_lm_head(model: PreTrainedModel) -> None:
+    """Fail unless the logits are exactly ``hidden @ lm_head.weight^T``, which the fused LM-head
+    kernels compute: no logit soft-capping (Gemma 2), no logit scaling (Cohere, Granite), no LM-head
+    bias."""
+    config = model.config.get_text_config()
+    reasons = []
+    for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        value = getattr(config, key, None)
+        if value not in (None, 1.0, 1):
+            reasons.append(f"{key}={value}")
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        reasons.append("an LM-head bias")
+    if reasons:
+        raise ValueError(
+            f"actor.use_fused_kernels=true computes logits as hidden @ lm_head.weight, but "
+            f"{type(model).__name__} has {', '.join(reasons)}: set actor.use_fused_kernels=false"
+        )
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> list[int]:
+    """Every id that ends a response: the tokenizer's EOS and each EOS the model's generation config
+    lists (Qwen2.5-Instruct: ``<|im_end|>`` and ``<|endoftext|>``), in that order, without repeats."""
+    ids: list[int] = []
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    configured = configured if isinstance(configured, list) else [configured]
+    for token in [tokenizer.eos_token_id, *configured]:
+        if token is not None and int(token) not in ids:
+            ids.append(int(token))
+    if not ids:
+        raise ValueError("neither the tokenizer nor the model's generation config names an EOS token")
+    return ids
 
 
 def lm_head_weight(model: nn.Module) -> torch.Tensor:
@@ -599,90 +413,8 @@ def reward_scores(
 
 
 # ----------------------------------------------------------------------------------------------------
-# Sharding, checkpointing, generation
+# Training mode, saving
 # ----------------------------------------------------------------------------------------------------
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The list of transformer blocks: ``model.layers`` (Llama, Qwen2, Mistral), ``transformer.h``
-    (GPT-2), ``gpt_neox.layers``, ``model.decoder.layers`` (OPT), ..."""
-    base = getattr(model, "base_model", model)
-    for owner in (base, getattr(base, "decoder", None)):
-        for name in ("layers", "h", "blocks"):
-            layers = getattr(owner, name, None) if owner is not None else None
-            if isinstance(layers, nn.ModuleList) and len(layers) > 0:
-                return layers
-    raise ValueError(
-        f"cannot find the decoder layers of {type(model).__name__} (looked for layers, h, blocks under "
-        f"{type(base).__name__} and its decoder); extend ppo.models.decoder_layers for this architecture"
-    )
-
-
-def shard_model(
-    model: nn.Module, mesh: DeviceMesh | None, fsdp: FSDPConfig, *, device: torch.device | str
-) -> nn.Module:
-    """Apply FSDP2 ``fully_shard`` to each decoder layer, then to the root; returns the same model.
-
-    - ``mesh``: 1-D ``("shard",)`` or 2-D ``("replicate", "shard")`` (hybrid sharding, passed through).
-      A 1-rank mesh takes the same code path. ``None`` (one process without a process group) leaves
-      the model as it is, with no mixed precision: there is nothing to shard.
-    - Mixed precision from ``fsdp.mixed_precision`` (params gathered in ``param_dtype``, gradients
-      reduced in ``reduce_dtype``); ``fsdp.param_offload`` keeps shards, grads and optimizer state on
-      CPU (pinned only where CUDA exists: pinning needs an accelerator).
-    - Layers reshard after forward as configured. The root never does (FSDP2's own default for the
-      root): its embeddings and head are needed first thing in the backward, and the fused LM-head
-      path reads ``lm_head_weight`` between forward and backward. The price: the root's parameters
-      (embeddings, head: ~2 x vocab x hidden) stay gathered after a no-grad forward, until the next
-      backward or ``gathered_for_generation`` reshards them.
-    - Gradients are **summed** over data-parallel ranks, not averaged: with losses normalized by the
-      global token count (all ranks, all micro-batches), the summed gradient is exactly the gradient of
-      the global batch, whatever each rank holds.
-    - ``fsdp.forward_prefetch``: layer i prefetches layer i+1's all-gather in forward and layer i-1's
-      in backward.
-    """
-    if mesh is None:
-        logger.info("no device mesh: %s stays unsharded", type(model).__name__)
-        return model
-    device = torch.device(device)
-    if mesh.device_type != device.type:
-        raise ValueError(f"mesh is on {mesh.device_type} but the device is {device}")
-    mp_policy = MixedPrecisionPolicy(
-        param_dtype=torch_dtype(fsdp.mixed_precision.param_dtype),
-        reduce_dtype=torch_dtype(fsdp.mixed_precision.reduce_dtype),
-    )
-    offload_policy = (
-        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if fsdp.param_offload else OffloadPolicy()
-    )
-    layers = list(decoder_layers(model))
-    for layer in layers:
-        fully_shard(
-            layer,
-            mesh=mesh,
-            mp_policy=mp_policy,
-            offload_policy=offload_policy,
-            reshard_after_forward=fsdp.reshard_after_forward,
-        )
-        setattr(layer, _RESHARD_ATTR, fsdp.reshard_after_forward)
-    fully_shard(
-        model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy, reshard_after_forward=False
-    )
-    setattr(model, _RESHARD_ATTR, False)
-    for module in fsdp_modules(model):
-        # SUM on every backend: a divide factor of 1 alone would use PREMUL_SUM, which gloo lacks.
-        module.set_force_sum_reduction_for_comms(True)
-        module.set_gradient_divide_factor(1.0)
-    if fsdp.forward_prefetch:
-        for i, layer in enumerate(layers):
-            if i + 1 < len(layers):
-                layer.set_modules_to_forward_prefetch([layers[i + 1]])
-            if i > 0:
-                layer.set_modules_to_backward_prefetch([layers[i - 1]])
-    return model
-
-
-def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
-    """Every module of ``model`` that ``fully_shard`` was applied to (root last)."""
-    return [m for m in reversed(list(model.modules())) if isinstance(m, FSDPModule)]
 
 
 def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
@@ -696,117 +428,6 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-@contextlib.contextmanager
-def gathered_for_generation(model: nn.Module) -> Iterator[nn.Module]:
-    """Gather all sharded parameters once, for a whole ``generate`` call; reshard on exit.
-
-    Without it, FSDP2 all-gathers every layer at every decode step. Inside, no collective runs (ranks
-    may stop generating at different steps) and decoding runs at the speed of the unsharded model
-    (scripts/bench_rollout.py):
-
-    - ``generate`` makes no per-step all-reduce (``_fsdp_marker_hidden``), which transformers adds
-      for a model it sees as FSDP-managed.
-    - Entered with gradients off (``torch.no_grad``, as ``rollout.generate`` does), FSDP's per-module
-      forward hooks are bypassed (``_fsdp_forward_hooks_bypassed``): with everything gathered they
-      only re-check state and cast inputs, at every module call of every decode step. With gradients
-      on they stay, since they also set up the backward.
-
-    A no-op for an unsharded model. Every rank must enter it (the gathers are collectives). Memory:
-    one full copy of the parameters in ``param_dtype``.
-    """
-    modules = fsdp_modules(model)
-    for module in modules:
-        module.set_reshard_after_forward(False, recurse=False)
-    for module in modules:
-        module.unshard()  # not recursive: each FSDP module gathers its own group
-    try:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(_fsdp_marker_hidden(model))
-            if not torch.is_grad_enabled():
-                stack.enter_context(_fsdp_forward_hooks_bypassed(modules))
-            yield model
-    finally:
-        for module in modules:
-            module.reshard()
-            module.set_reshard_after_forward(getattr(module, _RESHARD_ATTR, True), recurse=False)
-
-
-@contextlib.contextmanager
-def _fsdp_marker_hidden(model: nn.Module) -> Iterator[None]:
-    """Let transformers' ``generate`` treat the gathered model as unsharded: no per-step all-reduce.
-
-    ``generate`` defaults to ``synced_gpus=True`` (an all-reduce at every decode step, so that ranks
-    keep calling forward until all are done) for a model it finds FSDP-managed: one whose
-    ``_is_fsdp_managed_module`` attribute, set by ``fully_shard`` for Dynamo, is True. With the
-    parameters gathered no forward makes a collective, so that sync only costs (~10% of decoding the
-    tiny model on 2 ranks). The root's attribute is False until exit; passing ``synced_gpus=False`` to
-    ``generate`` has the same effect for one call.
-    """
-    if not getattr(model, "_is_fsdp_managed_module", False):
-        yield
-        return
-    model._is_fsdp_managed_module = False
-    try:
-        yield
-    finally:
-        model._is_fsdp_managed_module = True
-
-
-@contextlib.contextmanager
-def _fsdp_forward_hooks_bypassed(modules: list[FSDPModule]) -> Iterator[None]:
-    """Replace the forward pre- and post-hook of each FSDP module with a no-op; restore them on exit.
-
-    Only for no-grad forwards of modules whose parameters are all unsharded with reshard-after-forward
-    off (``gathered_for_generation``). There FSDP2's hooks would find the parameters gathered, reshard
-    nothing and, without autograd, register no backward hooks; what remains is casting floating-point
-    inputs to ``param_dtype``, which changes nothing either: generate feeds token ids, and the layers
-    get hidden states from embeddings already in ``param_dtype``.
-
-    FSDP2 has no public switch for its hooks, so this uses its private state (torch 2.13):
-    ``FSDPState._pre_forward_hook_handle`` / ``_post_forward_hook_handle``, the ``RemovableHandle`` of
-    ``register_forward_pre_hook`` / ``register_forward_hook`` on the module. Each hook is swapped in
-    place in the module's hook dict (so the hooks keep their order) and put back in ``finally``. A
-    module whose handles do not look like that (another torch version, grouped ``fully_shard``) keeps
-    its hooks: slower, still correct.
-    """
-    swapped: list[tuple[dict[int, Callable[..., Any]], int, Callable[..., Any]]] = []
-    try:
-        for module in modules:
-            state = module._get_fsdp_state()
-            handles = [
-                getattr(state, name, None)
-                for name in ("_pre_forward_hook_handle", "_post_forward_hook_handle")
-            ]
-            hook_dicts = [h.hooks_dict_ref() if isinstance(h, RemovableHandle) else None for h in handles]
-            if any(d is None or h.id not in d for h, d in zip(handles, hook_dicts, strict=True)):
-                logger.debug("FSDP hooks of %s not found; generating with them", type(module).__name__)
-                continue
-            for handle, hooks in zip(handles, hook_dicts, strict=True):
-                swapped.append((hooks, handle.id, hooks[handle.id]))
-                hooks[handle.id] = _no_op_hook
-        yield
-    finally:
-        for hooks, hook_id, hook in swapped:
-            hooks[hook_id] = hook
-
-
-def _no_op_hook(*_: Any) -> None:
-    """A forward (pre-)hook that changes nothing: returning None keeps the inputs / output."""
-    return None
-
-
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
-    """The full (unsharded) state dict on CPU on rank 0, ``None`` elsewhere. Collective: all ranks call.
-
-    An unsharded model in a single process returns its own state dict (on CPU).
-    """
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state_dict = get_model_state_dict(model, options=options)
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return None
-    return state_dict
 
 
 def save_hf(

@@ -1,24 +1,29 @@
-"""Padding-free sequences and token-budget micro-batches.
+"""Padding-free sequences and token-budget micro-batches, for every trainer (PPO, SFT, reward model).
 
-Every scoring and training forward runs on packed sequences: the prompt and response tokens of ``B``
-sequences are concatenated into one row of ``T`` tokens, position ids restart at 0 for each sequence,
+Every training and scoring forward runs on packed sequences: the tokens of ``B`` sequences are
+concatenated into one row of ``T`` tokens, position ids restart at 0 for each sequence,
 ``cu_seqlens [B+1]`` marks the boundaries, and the model runs with no attention mask and
 ``use_cache=False`` (with a cache, transformers silently ignores the packing; see
-``shared/notes/platform.md``). flash_attention_2 reads the boundaries from the position ids, and so
-does ``ppo_varlen_sdpa`` (``ppo.models``: sdpa per sequence), the default elsewhere; plain sdpa and
-eager attend through a dense block-diagonal mask. Token quantities come back as ``[B, R]`` over response tokens, the
-layout of ``ppo.algorithms``.
+``docs/platform.md``). The packed attention kernels (``ppo.attention``) read the boundaries from the
+position ids; transformers' plain sdpa and eager attend through a dense block-diagonal mask. PPO's
+token quantities come back as ``[B, R]`` over response tokens, the layout of ``ppo.algorithms``.
 
 Micro-batches are cut by a token budget and balanced by length (longest-first greedy partition, the
 classic LPT heuristic), with their count agreed across ranks so every rank makes the same number of
 forward/backward calls.
+
+    packed = pack_sequences([[1, 2, 3], [4, 5]], device)        # SFT / reward model
+    packed = pack(prompts, responses, response_mask)            # PPO: prompt + response
+    logprobs, entropy = packed_logprobs(actor, packed, temperature=1.0)   # [B, R] each
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import kernels
@@ -27,8 +32,8 @@ from ppo.distributed import all_reduce_scalar
 
 
 @dataclass(kw_only=True)
-class Packed:
-    """``B`` sequences (prompt + the response's valid tokens) as one padding-free row."""
+class PackedSequences:
+    """``B`` token sequences as one padding-free row."""
 
     input_ids: torch.Tensor
     """[T] token ids of all sequences back to back."""
@@ -36,6 +41,17 @@ class Packed:
     """[T] positions, restarting at 0 for each sequence."""
     cu_seqlens: torch.Tensor
     """[B+1] int32 offsets of the sequences in the row."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+
+@dataclass(kw_only=True)
+class Packed(PackedSequences):
+    """PPO's ``B`` sequences (prompt + the response's valid tokens) as one row, with the map back to the
+    ``[B, R]`` response layout."""
+
     labels: torch.Tensor
     """[T] the next token where it is a response token, -100 elsewhere (prompt, last token)."""
     response_index: torch.Tensor
@@ -43,9 +59,22 @@ class Packed:
     response_mask: torch.Tensor
     """[B, R] bool, True on valid response tokens."""
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.numel())
+
+def pack_sequences(seqs: Sequence[Sequence[int]], device: torch.device | str) -> PackedSequences:
+    """Concatenate token lists into ``[T]`` with restarting position ids and ``cu_seqlens [B+1]``.
+
+    Built on the host and copied to ``device`` once per tensor.
+    """
+    lengths = [len(s) for s in seqs]
+    if not lengths or min(lengths) == 0:
+        raise ValueError(f"cannot pack an empty sequence (lengths {lengths})")
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    positions = np.arange(offsets[-1]) - np.repeat(offsets[:-1], lengths)
+    return PackedSequences(
+        input_ids=torch.tensor([t for s in seqs for t in s], dtype=torch.long).to(device),
+        position_ids=torch.from_numpy(positions).to(device),
+        cu_seqlens=torch.from_numpy(offsets.astype(np.int32)).to(device),
+    )
 
 
 def pack(prompts: list[torch.Tensor], responses: torch.Tensor, response_mask: torch.Tensor) -> Packed:
@@ -55,26 +84,21 @@ def pack(prompts: list[torch.Tensor], responses: torch.Tensor, response_mask: to
     logits there give its log-prob and the critic's value there is the value of the state before it.
     """
     device = responses.device
-    resp_lens = response_mask.sum(dim=-1).tolist()
-    pieces, positions, offsets = [], [], [0]
-    for prompt, resp, n in zip(prompts, responses, resp_lens, strict=True):
-        seq = torch.cat([prompt.to(device), resp[: int(n)]])
-        pieces.append(seq)
-        positions.append(torch.arange(seq.numel(), device=device))
-        offsets.append(offsets[-1] + seq.numel())
-    input_ids = torch.cat(pieces)
-    starts = torch.tensor(offsets[:-1], device=device)
+    mask = response_mask.bool()
+    resp_lens = mask.sum(dim=-1).tolist()
+    rows = responses.tolist()
+    seqs = [p.tolist() + row[: int(n)] for p, row, n in zip(prompts, rows, resp_lens, strict=True)]
+    base = pack_sequences(seqs, device)
     prompt_lens = torch.tensor([p.numel() for p in prompts], device=device)
     j = torch.arange(responses.shape[1], device=device)
-    response_index = (starts + prompt_lens - 1)[:, None] + j[None, :]
-    mask = response_mask.bool()
+    response_index = (base.cu_seqlens[:-1].long() + prompt_lens - 1)[:, None] + j[None, :]
     response_index = torch.where(mask, response_index, torch.zeros_like(response_index))
-    labels = torch.full_like(input_ids, -100)
+    labels = torch.full_like(base.input_ids, -100)
     labels[response_index[mask]] = responses[mask]
     return Packed(
-        input_ids=input_ids,
-        position_ids=torch.cat(positions),
-        cu_seqlens=torch.tensor(offsets, dtype=torch.int32, device=device),
+        input_ids=base.input_ids,
+        position_ids=base.position_ids,
+        cu_seqlens=base.cu_seqlens,
         labels=labels,
         response_index=response_index,
         response_mask=mask,
@@ -169,7 +193,8 @@ def plan_micro_batches(
 
     Dynamic: the fewest token-budget groups any rank needs, maxed over ranks (one all-reduce, so all
     ranks run the same number of forward/backward passes), then balanced by length. Fixed: consecutive
-    groups of ``micro_batch_size`` sequences (the same count on every rank by ``validate``).
+    groups of ``micro_batch_size`` sequences (the same count on every rank, by the config's
+    ``validate``: every rank holds the same number of sequences).
     """
     if not lengths:
         raise ValueError("a mini-batch with no sequences")
@@ -180,3 +205,33 @@ def plan_micro_batches(
         ]
     k = int(all_reduce_scalar(min_micro_batches(lengths, max_tokens), "max"))
     return balanced_partition(lengths, min(k, len(lengths)))
+
+
+def plan_eval_micro_batches(
+    lengths: list[int], *, use_dynamic_bsz: bool, max_tokens: int, micro_batch_size: int
+) -> list[list[int]]:
+    """Index groups of this rank's evaluation examples, the same number of groups on every rank.
+
+    Evaluation shares differ in size (and may be empty), so ranks that need fewer groups get empty
+    ones at the end; the caller runs a forward of ``DUMMY_SEQUENCE`` for those (each forward of a
+    sharded model is a collective every rank must join).
+    """
+    if use_dynamic_bsz:
+        needed = min_micro_batches(lengths, max_tokens) if lengths else 0
+    else:
+        needed = -(-len(lengths) // micro_batch_size)
+    count = int(all_reduce_scalar(float(needed), "max"))
+    if not lengths:
+        return [[] for _ in range(count)]
+    if use_dynamic_bsz:
+        groups = balanced_partition(lengths, min(count, len(lengths)))
+    else:
+        groups = [
+            list(range(i, min(i + micro_batch_size, len(lengths))))
+            for i in range(0, len(lengths), micro_batch_size)
+        ]
+    return groups + [[] for _ in range(count - len(groups))]
+
+
+DUMMY_SEQUENCE = [0]
+"""The one-token sequence a rank with an empty evaluation group forwards (and ignores)."""

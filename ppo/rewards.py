@@ -18,6 +18,7 @@ import difflib
 import functools
 import importlib
 import importlib.util
+import logging
 import math
 import re
 import sys
@@ -28,8 +29,11 @@ from typing import Any
 
 import torch
 
-RuleScorer = Callable[[str, str, str, dict], float]
-"""``(data_source, solution_str, ground_truth, extra_info) -> score``."""
+logger = logging.getLogger("ppo")
+
+RuleScorer = Callable[[str, str, str | None, dict], float]
+"""``(data_source, solution_str, ground_truth, extra_info) -> score`` (ground truth None where the data
+has none)."""
 
 GSM8K_CLIP_CHARS = 300
 """Only the last this many characters of a response are searched for the answer (as verl does), so a
@@ -138,9 +142,11 @@ def load_custom_function(spec: str) -> Callable[..., Any]:
         sys.modules[module_name] = module  # so pickling and dataclasses inside it work
         try:
             module_spec.loader.exec_module(module)
-        except BaseException:
+        except Exception as e:
             del sys.modules[module_name]
-            raise
+            raise RewardError(
+                f"reward.custom_function={spec!r}: importing {path} raised {type(e).__name__}: {e}"
+            ) from e
     else:
         try:
             module = importlib.import_module(target)
@@ -149,6 +155,10 @@ def load_custom_function(spec: str) -> Callable[..., Any]:
                 raise  # the module exists but one of its own imports is missing
             raise RewardError(
                 f"reward.custom_function={spec!r}: no module named {e.name!r} (is it on PYTHONPATH?)"
+            ) from e
+        except Exception as e:
+            raise RewardError(
+                f"reward.custom_function={spec!r}: importing {target} raised {type(e).__name__}: {e}"
             ) from e
     if not hasattr(module, name):
         public = [k for k in vars(module) if not k.startswith("_") and callable(getattr(module, k))]
@@ -174,8 +184,14 @@ def make_rule_scorer(custom_function: str | None, format_score: float) -> RuleSc
         return functools.partial(default_compute_score, format_score=format_score)
     fn = load_custom_function(custom_function)
 
-    def score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict) -> float:
-        result = fn(data_source, solution_str, ground_truth, extra_info)
+    def score(data_source: str, solution_str: str, ground_truth: str | None, extra_info: dict) -> float:
+        try:
+            result = fn(data_source, solution_str, ground_truth, extra_info)
+        except Exception as e:
+            raise RewardError(
+                f"reward.custom_function={custom_function!r} raised {type(e).__name__}: {e} "
+                f"(data_source={data_source!r}, response {solution_str[:60]!r})"
+            ) from e
         value = result.get("score") if isinstance(result, dict) else result
         if not isinstance(value, Real) or isinstance(value, bool):
             raise RewardError(
@@ -186,6 +202,20 @@ def make_rule_scorer(custom_function: str | None, format_score: float) -> RuleSc
         return float(value)
 
     return score
+
+
+def has_rule(data_source: str, custom_function: str | None) -> bool:
+    """Whether the rule reward can score ``data_source``: a custom function scores every source."""
+    return custom_function is not None or data_source in RULE_DATA_SOURCES
+
+
+def check_scorer(scorer: RuleScorer, data_source: str, ground_truth: str | None, extra_info: dict) -> None:
+    """Call ``scorer`` once on an empty response before any model loads, so a broken reward function
+    (it raises, returns no number) fails in seconds and not at the first scoring. A non-finite score
+    only warns: the trainer skips such steps."""
+    value = scorer(data_source, "", ground_truth, extra_info)
+    if not math.isfinite(value):
+        logger.warning("the rule reward returned %s for an empty response; such steps are skipped", value)
 
 
 def rank_scores(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:

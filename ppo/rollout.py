@@ -1,19 +1,32 @@
 """Rollout: sample responses with Hugging Face ``generate`` and its KV cache.
 
 The actor's sharded parameters are gathered once for the whole rollout and released after it
-(``models.gathered_for_generation``), so decoding makes no collective calls; ranks whose responses end
+(``sharding.gathered_for_generation``), so decoding makes no collective calls; ranks whose responses end
 at different lengths therefore never wait on each other. Prompts are left-padded per generation
-micro-batch; responses come back right-padded ``[B, R]`` with ``R = max_response_length`` and a mask
-that is True up to and including the first EOS.
+micro-batch; responses come back right-padded ``[B, R]`` with ``R = max_new_tokens`` and a mask that is
+True up to and including the first EOS (any of the EOS ids).
+
+The sampler is exactly the one PPO's log-probs assume: ``generation_config`` builds every setting
+explicitly from the rollout's own (temperature, top-p, top-k, lengths, EOS ids), and ``generate`` hides
+the checkpoint's ``generation_config.json`` while it runs, so a repetition penalty, n-gram block, min-p
+or bad-words list shipped with a model cannot change the distribution that old and reference
+log-probs, the ratio and the KL are computed for.
+
+    config = generation_config(max_new_tokens=512, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                               eos_token_ids=[151645, 151643], pad_token_id=151643)
+    rollout = generate(actor, prompts, config, micro_batch_size=64)
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from transformers import GenerationConfig
 
-from ppo import models
+from ppo import sharding
 
 
 @dataclass(kw_only=True)
@@ -27,69 +40,98 @@ class Rollout:
     response_mask: torch.Tensor
     """[B, R] bool: True on generated tokens up to and including the first EOS."""
     truncated: torch.Tensor
-    """[B] bool: the response hit ``max_response_length`` without an EOS (clipped)."""
+    """[B] bool: the response hit ``max_new_tokens`` without an EOS."""
+
+
+def generation_config(
+    *,
+    max_new_tokens: int,
+    do_sample: bool,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+    ignore_eos: bool = False,
+) -> GenerationConfig:
+    """The whole sampler configuration: softmax(logits / temperature), then top-k (0: off) and top-p
+    (1: off) when sampling; argmax otherwise. Nothing else: transformers' defaults for every other
+    field are neutral (no repetition penalty, no n-gram blocking, no min-p, typical-p or epsilon
+    cutoffs, no forced or suppressed tokens), and the model's own generation config is not consulted
+    (see ``generate``). ``ignore_eos`` forces exactly ``max_new_tokens`` tokens (benchmarks).
+    """
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens if ignore_eos else None,
+        do_sample=do_sample,
+        num_beams=1,
+        eos_token_id=list(eos_token_ids),
+        pad_token_id=pad_token_id,
+        use_cache=True,
+    )
+    if do_sample:
+        config.temperature = temperature
+        config.top_p = top_p
+        config.top_k = top_k  # 0 disables top-k (transformers' own default would be 50)
+    else:
+        config.top_k = None
+    return config
 
 
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
     prompts: list[torch.Tensor],
+    config: GenerationConfig,
     *,
-    pad_token_id: int,
-    eos_token_id: int | list[int],
-    max_new_tokens: int,
-    do_sample: bool,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    ignore_eos: bool = False,
     micro_batch_size: int = 64,
-    generator_seed: int | None = None,
+    ignore_eos: bool = False,
 ) -> Rollout:
     """Sample one response per prompt (repeat prompts for ``n`` samples) in generation micro-batches.
 
-    ``ignore_eos`` forces exactly ``max_new_tokens`` tokens (equal work for benchmarks). Sampling is
-    seeded by ``generator_seed`` when given (pass one that differs per rank and step).
+    Every rank must call it, also with no prompts: gathering the shards is a collective. Sampling draws
+    from torch's global RNG (seeded per rank by the trainer, restored by checkpoints).
     """
     device = next(model.parameters()).device
-    eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    if generator_seed is not None:
-        torch.manual_seed(generator_seed)
-    gen_kwargs = dict(
-        max_new_tokens=max_new_tokens,
-        do_sample=do_sample,
-        pad_token_id=pad_token_id,
-        eos_token_id=eos_ids,
-        use_cache=True,
-    )
-    if do_sample:
-        # top_k=0 disables top-k; HF's own default would be 50.
-        gen_kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k or None)
-    else:
-        gen_kwargs.update(temperature=None, top_p=None, top_k=None)
-    if ignore_eos:
-        gen_kwargs["min_new_tokens"] = max_new_tokens
+    max_new_tokens = int(config.max_new_tokens)
+    eos_ids = list(config.eos_token_id)
     chunks = []
     was_training = model.training
     model.eval()
-    with models.gathered_for_generation(model):
+    with sharding.gathered_for_generation(model), _checkpoint_generation_config_hidden(model):
         for start in range(0, len(prompts), micro_batch_size):
             batch = prompts[start : start + micro_batch_size]
-            input_ids, attention_mask = left_pad(batch, pad_token_id, device)
-            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **gen_kwargs)
+            input_ids, attention_mask = left_pad(batch, config.pad_token_id, device)
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
             resp = out[:, input_ids.shape[1] :]
             chunks.append(
-                torch.nn.functional.pad(resp, (0, max_new_tokens - resp.shape[1]), value=pad_token_id)
+                torch.nn.functional.pad(resp, (0, max_new_tokens - resp.shape[1]), value=config.pad_token_id)
             )
     model.train(was_training)
     responses = (
         torch.cat(chunks) if chunks else torch.empty(0, max_new_tokens, dtype=torch.long, device=device)
     )
     response_mask, truncated = response_mask_from_eos(responses, eos_ids, ignore_eos=ignore_eos)
-    responses = torch.where(response_mask, responses, torch.full_like(responses, pad_token_id))
+    responses = torch.where(response_mask, responses, torch.full_like(responses, config.pad_token_id))
     return Rollout(
         prompts=list(prompts), responses=responses, response_mask=response_mask, truncated=truncated
     )
+
+
+@contextlib.contextmanager
+def _checkpoint_generation_config_hidden(model: torch.nn.Module) -> Iterator[None]:
+    """Give the model a default ``GenerationConfig`` while it generates.
+
+    ``generate(generation_config=c)`` fills every field that ``c`` leaves unset from
+    ``model.generation_config``, i.e. from the checkpoint's ``generation_config.json``; with a default
+    one in its place only transformers' neutral defaults remain.
+    """
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
 
 
 def left_pad(

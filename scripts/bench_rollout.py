@@ -4,7 +4,7 @@ Both paths decode the same prompts with the same weights in the same run, with `
 response is exactly ``--new-tokens`` long (equal work; generation is greedy unless ``--do-sample``):
 
 - ``hf_generate``:  an unsharded copy of the model, ``model.generate`` on left-padded micro-batches;
-- ``ppo_rollout``:  ``ppo.rollout.generate`` on the model sharded by ``ppo.models.shard_model``: the
+- ``ppo_rollout``:  ``ppo.rollout.generate`` on the model sharded by ``ppo.sharding.shard_model``: the
   parameters are gathered once per call (``gathered_for_generation``), then the same HF generate runs
   with FSDP's forward hooks bypassed and no per-step sync between ranks. The target is >= 0.9x the
   plain path's tokens/s.
@@ -52,7 +52,7 @@ from transformers import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ppo import models  # noqa: E402
+from ppo import models, sharding  # noqa: E402
 from ppo.config import FSDPConfig, MixedPrecisionConfig  # noqa: E402
 from ppo.distributed import (  # noqa: E402
     DistInfo,
@@ -62,7 +62,7 @@ from ppo.distributed import (  # noqa: E402
     init_distributed,
     make_mesh,
 )
-from ppo.rollout import generate  # noqa: E402
+from ppo.rollout import generate, generation_config  # noqa: E402
 
 PAD_ID, EOS_ID = 0, 2
 """Token ids of the random models: prompts draw from ids >= 3."""
@@ -235,16 +235,14 @@ def ppo_rollout(
     model: torch.nn.Module, prompts: list[torch.Tensor], *, new_tokens: int, micro_batch: int, do_sample: bool
 ) -> torch.Tensor:
     """Our rollout on the sharded model: ``[B, new_tokens]``."""
-    rollout = generate(
-        model,
-        prompts,
-        pad_token_id=PAD_ID,
-        eos_token_id=EOS_ID,
+    config = generation_config(
         max_new_tokens=new_tokens,
         do_sample=do_sample,
+        eos_token_ids=[EOS_ID],
+        pad_token_id=PAD_ID,
         ignore_eos=True,
-        micro_batch_size=micro_batch,
     )
+    rollout = generate(model, prompts, config, micro_batch_size=micro_batch, ignore_eos=True)
     return rollout.responses
 
 
@@ -270,8 +268,8 @@ def run(args: argparse.Namespace, info: DistInfo) -> list[Row]:
     clock = resolve_clock(args.clock, device)
     model = build_causal_lm(args, device)
     # The unsharded copy in the compute dtype: what FSDP's mixed precision computes in, too.
-    plain = copy.deepcopy(model).to(device=device, dtype=models.torch_dtype(args.dtype)).eval()
-    sharded = models.shard_model(model, make_mesh(info), fsdp_config(args.dtype), device=device)
+    plain = copy.deepcopy(model).to(device=device, dtype=sharding.torch_dtype(args.dtype)).eval()
+    sharded = sharding.shard_model(model, make_mesh(info), fsdp_config(args.dtype), device=device)
     vocab = plain.config.get_text_config().vocab_size
     prompts = rank_share(random_prompts(args.num_prompts, args.prompt_len, vocab, args.seed), info)
 
@@ -292,7 +290,7 @@ def run(args: argparse.Namespace, info: DistInfo) -> list[Row]:
     run_ours(4, prompts[:2])
 
     def gather_only() -> torch.Tensor:
-        with models.gathered_for_generation(sharded):
+        with sharding.gathered_for_generation(sharded):
             pass
         return torch.empty(0)
 

@@ -74,6 +74,7 @@ from bench_rollout import (  # noqa: E402
 import kernels  # noqa: E402
 import train_ppo  # noqa: E402
 from ppo import data, models  # noqa: E402
+from ppo.attention import PACKED_ATTENTION  # noqa: E402
 from ppo.config import PPOConfig, load_config  # noqa: E402
 from ppo.distributed import (  # noqa: E402
     DistInfo,
@@ -89,7 +90,7 @@ from ppo.packing import Packed  # noqa: E402
 from ppo.rollout import Rollout, generate  # noqa: E402
 
 PATHS = ("padded", "packed", "packed_dynamic", "packed_dense")
-VARLEN_ATTENTION = ("flash_attention_2", models.PACKED_ATTENTION)
+VARLEN_ATTENTION = ("flash_attention_2", PACKED_ATTENTION)
 """Attention implementations that compute packed rows per sequence (``sum(l_i^2)``)."""
 PHASES = ("old_log_prob", "ref", "values", "update")
 T = TypeVar("T")

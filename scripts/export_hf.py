@@ -16,7 +16,7 @@ import logging
 import sys
 from pathlib import Path
 
-from ppo import checkpoint, models
+from ppo import checkpoint, models, sharding
 from ppo.config import PPOConfig, load_config
 from ppo.distributed import destroy_distributed, init_distributed, make_mesh, setup_logging
 
@@ -35,13 +35,13 @@ def export(ckpt_dir: Path, out_dir: Path, *, with_critic: bool = False) -> None:
         dtype=cfg.model.dtype, attn_implementation="eager", trust_remote_code=cfg.model.trust_remote_code
     )
     tokenizer = models.load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
-    actor = models.shard_model(
+    actor = sharding.shard_model(
         models.load_causal_lm(cfg.model.path, **kw), make_mesh(info), cfg.actor.fsdp, device=info.device
     )
     to_load = {"actor": actor}
     if with_critic:
         critic = models.load_critic(cfg.critic.model_path or cfg.model.path, **kw)
-        to_load["critic"] = models.shard_model(critic, make_mesh(info), cfg.critic.fsdp, device=info.device)
+        to_load["critic"] = sharding.shard_model(critic, make_mesh(info), cfg.critic.fsdp, device=info.device)
     checkpoint.load_models(ckpt_dir, to_load)
     models.save_hf(actor, tokenizer, out_dir, is_main=info.is_main)
     if with_critic:

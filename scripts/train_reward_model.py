@@ -20,17 +20,19 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ppo import data, models, stages
+from ppo import data, models, runner
 from ppo.config import RewardModelConfig
 from ppo.distributed import DistInfo, all_gather_object, all_reduce_scalars
 from ppo.metrics import Timer
 from ppo.optim import build_optimizer
+from ppo.packing import DUMMY_SEQUENCE, pack_sequences, plan_eval_micro_batches, plan_micro_batches
 
 logger = logging.getLogger("ppo")
 
@@ -45,15 +47,15 @@ PROGRESS_KEYS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    return stages.run(argv, RewardModelConfig, train, __doc__)
+    return runner.run(argv, RewardModelConfig, train, __doc__)
 
 
 def train(cfg: RewardModelConfig, info: DistInfo) -> None:
     """The reward-model run: pairs, model, the loop, held-out accuracy, the saved model."""
-    out_dir = stages.prepare_run(cfg, info)
-    tokenizer = stages.load_tokenizer(cfg)
+    out_dir = runner.prepare_run(cfg, info)
+    tokenizer = runner.load_tokenizer(cfg.model)
     load = dict(max_length=cfg.data.max_length, apply_chat_template=cfg.data.apply_chat_template)
-    with stages.main_rank_logs(info):  # data warnings once, not once per rank
+    with runner.main_rank_logs(info):  # data warnings once, not once per rank
         train_pairs = data.load_preference_pairs(cfg.data.train_files, tokenizer, **load)
         val_pairs = (
             data.load_preference_pairs(cfg.data.val_files, tokenizer, **load) if cfg.data.val_files else []
@@ -62,12 +64,12 @@ def train(cfg: RewardModelConfig, info: DistInfo) -> None:
         "train": count_rows(cfg.data.train_files) - len(train_pairs),
         "val": count_rows(cfg.data.val_files) - len(val_pairs),
     }
-    loader = stages.make_loader(train_pairs, cfg, info)
-    num_steps = stages.total_steps(cfg, loader)
-    model = stages.build_model(models.load_reward_model, cfg, info)
+    loader = runner.make_loader(train_pairs, cfg, info)
+    num_steps = runner.total_steps(cfg, loader)
+    model = runner.build_model(models.load_reward_model, cfg.model, cfg.fsdp, info)
     optimizer, scheduler = build_optimizer(model, cfg.optim, num_steps)
-    metrics_logger = stages.make_metrics_logger(cfg, info, out_dir, num_steps)
-    progress = stages.Progress(num_steps, PROGRESS_KEYS, enabled="console" in cfg.trainer.logger)
+    metrics_logger = runner.make_metrics_logger(cfg, info, out_dir, num_steps, console=False)
+    progress = runner.Progress(num_steps, PROGRESS_KEYS, enabled="console" in cfg.trainer.logger)
     logger.info(
         "reward model: world size %d on %s; %d train pairs (%d rows skipped), %d val pairs (%d skipped); "
         "%d steps of %d pairs; %.2fM parameters",
@@ -85,14 +87,19 @@ def train(cfg: RewardModelConfig, info: DistInfo) -> None:
     start = time.perf_counter()
     step = 0
     val_metrics: dict[str, float] = {}
-    while step < num_steps and not stages.out_of_time(start, cfg.trainer.max_time_s):
+    while step < num_steps and not runner.out_of_time(start, cfg.trainer.max_time_s):
         step += 1
         timer = Timer()
         step_start = time.perf_counter()
 
         # 1. batch: this rank's share of the global batch of pairs, in micro-batches agreed across ranks
         pairs = next(loader)
-        groups = stages.train_micro_batches([pair_length(p) for p in pairs], cfg.data)
+        groups = plan_micro_batches(
+            [pair_length(p) for p in pairs],
+            use_dynamic_bsz=cfg.data.use_dynamic_bsz,
+            max_tokens=cfg.data.max_token_len_per_gpu,
+            micro_batch_size=cfg.data.micro_batch_size_per_gpu,
+        )
 
         # 2. forward/backward: the pairwise loss averaged over every pair of the global batch
         sums = {"loss": 0.0, "correct": 0.0, "margin": 0.0}
@@ -100,16 +107,16 @@ def train(cfg: RewardModelConfig, info: DistInfo) -> None:
             for group in groups:
                 chosen, rejected = pair_scores(model, [pairs[i] for i in group], info.device)
                 loss = bradley_terry_loss(chosen, rejected, cfg.loss.margin).sum()
-                stages.backward(loss / cfg.data.train_batch_size, info)
+                (loss / cfg.data.train_batch_size).backward()
                 sums["loss"] += loss.item()
                 sums["correct"] += pair_accuracy(chosen, rejected).sum().item()
                 sums["margin"] += (chosen - rejected).sum().item()
 
         # 3. optimizer step: clip, skip a non-finite step on every rank, advance the schedule
+        lr = scheduler.get_last_lr()[0]
         with timer("optimizer"):
-            grad_norm, skipped_step = stages.optimizer_step(
-                model, optimizer, scheduler, cfg.trainer.grad_clip
-            )
+            grad_norm, skipped_step = runner.optimizer_step(model, optimizer, cfg.trainer.grad_clip)
+            scheduler.step()
 
         # 4. validate: held-out accuracy, margin and loss, per kind of mistake where labelled
         loss_sum, correct, margin_sum = all_reduce_scalars(
@@ -119,7 +126,7 @@ def train(cfg: RewardModelConfig, info: DistInfo) -> None:
             "train/loss": loss_sum / cfg.data.train_batch_size,
             "train/accuracy": correct / cfg.data.train_batch_size,
             "train/margin": margin_sum / cfg.data.train_batch_size,
-            "train/lr": scheduler.get_last_lr()[0],
+            "train/lr": lr,
             "train/grad_norm": grad_norm,
             "train/skipped_step": float(skipped_step),
             "train/epoch": float(loader.epoch),
@@ -144,7 +151,7 @@ def train(cfg: RewardModelConfig, info: DistInfo) -> None:
             val_metrics = evaluate(model, val_pairs, cfg, info)
 
     # 6. save the model (PPO's reward.model_path) and its held-out numbers
-    stages.save_model(model, tokenizer, cfg, info)
+    saved = runner.save_model(model, tokenizer, save_path(cfg), info)
     metrics_logger.close()
     final: dict[str, object] = {
         "rm_steps": step,
@@ -161,7 +168,12 @@ def train(cfg: RewardModelConfig, info: DistInfo) -> None:
             rm_val_margin=round(val_metrics["rm/margin"], 4),
             rm_val_accuracy_by_mistake={k: round(v, 4) for k, v in sorted(kinds.items())},
         )
-    stages.write_final_metrics(cfg, info, final)
+    runner.write_final_metrics(saved.parent, info, final)
+
+
+def save_path(cfg: RewardModelConfig) -> Path:
+    """Where the model goes: ``trainer.save_path`` or ``output_dir/hf``."""
+    return Path(cfg.trainer.save_path or Path(cfg.trainer.output_dir) / "hf")
 
 
 def bradley_terry_loss(
@@ -193,7 +205,7 @@ def pair_scores(
     The row holds chosen_0, rejected_0, chosen_1, ...; each score is read at its sequence's last token.
     """
     seqs = [ids for p in pairs for ids in (p.chosen_ids, p.rejected_ids)]
-    packed = stages.pack_sequences(seqs, device)
+    packed = pack_sequences(seqs, device)
     scores = models.reward_scores(model, packed.input_ids, packed.position_ids, packed.cu_seqlens)
     return scores[0::2], scores[1::2]
 
@@ -211,12 +223,18 @@ def evaluate(
 
     Every rank scores its share; the per-kind counts are gathered once.
     """
-    mine = stages.my_share(pairs, info)
+    mine = runner.my_share(pairs, info)
     counts: dict[str, list[float]] = {}  # kind -> [correct, pairs]; "" is all of them
     margin_sum = loss_sum = 0.0
-    for group in stages.eval_micro_batches([pair_length(p) for p in mine], cfg.data):
+    groups = plan_eval_micro_batches(
+        [pair_length(p) for p in mine],
+        use_dynamic_bsz=cfg.data.use_dynamic_bsz,
+        max_tokens=cfg.data.max_token_len_per_gpu,
+        micro_batch_size=cfg.data.micro_batch_size_per_gpu,
+    )
+    for group in groups:
         if not group:  # this rank is out of pairs, but the forward is a collective: join it
-            dummy = stages.pack_sequences([stages.DUMMY_SEQUENCE], info.device)
+            dummy = pack_sequences([DUMMY_SEQUENCE], info.device)
             models.reward_scores(model, dummy.input_ids, dummy.position_ids, dummy.cu_seqlens)
             continue
         batch = [mine[i] for i in group]

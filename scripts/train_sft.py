@@ -17,18 +17,26 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 import kernels
-from ppo import data, models, rewards, stages
+from ppo import data, models, rewards, runner
 from ppo.config import SFTConfig
 from ppo.distributed import DistInfo, all_gather_object, all_reduce_scalars
 from ppo.metrics import Timer
 from ppo.optim import build_optimizer
-from ppo.rollout import Rollout, generate
+from ppo.packing import (
+    DUMMY_SEQUENCE,
+    PackedSequences,
+    pack_sequences,
+    plan_eval_micro_batches,
+    plan_micro_batches,
+)
+from ppo.rollout import Rollout, generate, generation_config
 
 logger = logging.getLogger("ppo")
 
@@ -41,25 +49,25 @@ PROGRESS_KEYS = {"train/loss": "loss", "val/loss": "val_loss", "train/lr": "lr",
 
 
 def main(argv: list[str] | None = None) -> int:
-    return stages.run(argv, SFTConfig, train, __doc__)
+    return runner.run(argv, SFTConfig, train, __doc__)
 
 
 def train(cfg: SFTConfig, info: DistInfo) -> None:
     """The SFT run: data, model, the loop, the saved model and its final evaluation."""
-    out_dir = stages.prepare_run(cfg, info)
-    tokenizer = stages.load_tokenizer(cfg)
+    out_dir = runner.prepare_run(cfg, info)
+    tokenizer = runner.load_tokenizer(cfg.model)
     load = dict(max_length=cfg.data.max_length, apply_chat_template=cfg.data.apply_chat_template)
-    with stages.main_rank_logs(info):  # data warnings once, not once per rank
+    with runner.main_rank_logs(info):  # data warnings once, not once per rank
         train_examples = data.load_sft_examples(cfg.data.train_files, tokenizer, **load)
         val_examples = (
             data.load_sft_examples(cfg.data.val_files, tokenizer, **load) if cfg.data.val_files else []
         )
-    loader = stages.make_loader(train_examples, cfg, info)
-    num_steps = stages.total_steps(cfg, loader)
-    model = stages.build_model(models.load_causal_lm, cfg, info)
+    loader = runner.make_loader(train_examples, cfg, info)
+    num_steps = runner.total_steps(cfg, loader)
+    model = runner.build_model(models.load_causal_lm, cfg.model, cfg.fsdp, info)
     optimizer, scheduler = build_optimizer(model, cfg.optim, num_steps)
-    metrics_logger = stages.make_metrics_logger(cfg, info, out_dir, num_steps)
-    progress = stages.Progress(num_steps, PROGRESS_KEYS, enabled="console" in cfg.trainer.logger)
+    metrics_logger = runner.make_metrics_logger(cfg, info, out_dir, num_steps, console=False)
+    progress = runner.Progress(num_steps, PROGRESS_KEYS, enabled="console" in cfg.trainer.logger)
     logger.info(
         "SFT: world size %d on %s; %d train examples (%d steps of %d), %d val examples; %.2fM parameters",
         info.world_size,
@@ -74,14 +82,19 @@ def train(cfg: SFTConfig, info: DistInfo) -> None:
     start = time.perf_counter()
     step = 0
     metrics: dict[str, float] = {}
-    while step < num_steps and not stages.out_of_time(start, cfg.trainer.max_time_s):
+    while step < num_steps and not runner.out_of_time(start, cfg.trainer.max_time_s):
         step += 1
         timer = Timer()
         step_start = time.perf_counter()
 
         # 1. batch: this rank's share of the global batch, cut into micro-batches agreed across ranks
         examples = next(loader)
-        groups = stages.train_micro_batches([len(ex.input_ids) for ex in examples], cfg.data)
+        groups = plan_micro_batches(
+            [len(ex.input_ids) for ex in examples],
+            use_dynamic_bsz=cfg.data.use_dynamic_bsz,
+            max_tokens=cfg.data.max_token_len_per_gpu,
+            micro_batch_size=cfg.data.micro_batch_size_per_gpu,
+        )
         global_answer_tokens, global_tokens = all_reduce_scalars(
             [
                 float(sum(sum(ex.loss_mask) for ex in examples)),
@@ -95,18 +108,20 @@ def train(cfg: SFTConfig, info: DistInfo) -> None:
         with timer("update"):
             for group in groups:
                 nll = answer_nll_sum(model, [examples[i] for i in group], info.device)
-                stages.backward(nll / global_answer_tokens, info)
+                (nll / global_answer_tokens).backward()
                 loss_sum += nll.item()
 
         # 3. optimizer step: clip, skip a non-finite step on every rank, advance the schedule
+        lr = scheduler.get_last_lr()[0]
         with timer("optimizer"):
-            grad_norm, skipped = stages.optimizer_step(model, optimizer, scheduler, cfg.trainer.grad_clip)
+            grad_norm, skipped = runner.optimizer_step(model, optimizer, cfg.trainer.grad_clip)
+            scheduler.step()
 
         # 4. validate: token-mean loss on the held-out demonstrations
         (global_loss_sum,) = all_reduce_scalars([loss_sum], "sum")
         metrics = {
             "train/loss": global_loss_sum / global_answer_tokens,
-            "train/lr": scheduler.get_last_lr()[0],
+            "train/lr": lr,
             "train/grad_norm": grad_norm,
             "train/skipped_step": float(skipped),
             "train/num_answer_tokens": global_answer_tokens,
@@ -132,7 +147,7 @@ def train(cfg: SFTConfig, info: DistInfo) -> None:
             metrics["val/loss"] = validation_loss(model, val_examples, cfg, info)
 
     # 6. save the model (the PPO actor's starting point), then score its answers
-    stages.save_model(model, tokenizer, cfg, info)
+    saved = runner.save_model(model, tokenizer, save_path(cfg), info)
     final = {"sft_steps": step, "sft_train_time_s": round(train_time_s, 1)}
     if "val/loss" in metrics:
         final["sft_val_loss"] = round(metrics["val/loss"], 4)
@@ -147,10 +162,15 @@ def train(cfg: SFTConfig, info: DistInfo) -> None:
             sft_eval_samples_per_prompt=NUM_EVAL_SAMPLES,
         )
     metrics_logger.close()
-    stages.write_final_metrics(cfg, info, final)
+    runner.write_final_metrics(saved.parent, info, final)
 
 
-def answer_labels(packed: stages.PackedSequences, examples: list[data.SFTExample]) -> torch.Tensor:
+def save_path(cfg: SFTConfig) -> Path:
+    """Where the model goes: ``trainer.save_path`` or ``output_dir/hf``."""
+    return Path(cfg.trainer.save_path or Path(cfg.trainer.output_dir) / "hf")
+
+
+def answer_labels(packed: PackedSequences, examples: list[data.SFTExample]) -> torch.Tensor:
     """Next-token labels that are -100 except where the next token is an answer token: ``[T]``.
 
     ``labels[t] = input_ids[t + 1]`` when token ``t + 1`` is in the same sequence and its loss mask
@@ -171,7 +191,7 @@ def answer_nll_sum(model: nn.Module, examples: list[data.SFTExample], device: to
     A scalar (fp32); the log-softmax runs in fp32 whatever the compute dtype. Divide by the global
     number of answer tokens for the token-mean.
     """
-    packed = stages.pack_sequences([ex.input_ids for ex in examples], device)
+    packed = pack_sequences([ex.input_ids for ex in examples], device)
     labels = answer_labels(packed, examples)
     logits = models.causal_lm_logits(model, packed.input_ids, packed.position_ids)
     logprobs, _ = kernels.logprobs_from_logits(logits, labels, compute_entropy=False)
@@ -183,11 +203,17 @@ def validation_loss(
     model: nn.Module, examples: list[data.SFTExample], cfg: SFTConfig, info: DistInfo
 ) -> float:
     """Token-mean answer loss over all held-out examples (every rank scores its share)."""
-    mine = stages.my_share(examples, info)
+    mine = runner.my_share(examples, info)
     nll = tokens = 0.0
-    for group in stages.eval_micro_batches([len(ex.input_ids) for ex in mine], cfg.data):
+    groups = plan_eval_micro_batches(
+        [len(ex.input_ids) for ex in mine],
+        use_dynamic_bsz=cfg.data.use_dynamic_bsz,
+        max_tokens=cfg.data.max_token_len_per_gpu,
+        micro_batch_size=cfg.data.micro_batch_size_per_gpu,
+    )
+    for group in groups:
         if not group:  # this rank is out of examples, but the forward is a collective: join it
-            dummy = data.SFTExample(input_ids=stages.DUMMY_SEQUENCE, loss_mask=[False])
+            dummy = data.SFTExample(input_ids=DUMMY_SEQUENCE, loss_mask=[False])
             answer_nll_sum(model, [dummy], info.device)
             continue
         batch = [mine[i] for i in group]
@@ -212,24 +238,25 @@ def evaluate_answers(
         apply_chat_template=cfg.data.apply_chat_template,
     )
     scorer = rewards.make_rule_scorer(None, 0.0)
-    mine = stages.my_share(records, info)
+    mine = runner.my_share(records, info)
     longest = int(all_reduce_scalars([max((len(r.input_ids) for r in mine), default=0)], "max")[0])
     prompts = [torch.tensor(r.input_ids, dtype=torch.long) for r in mine]
+    eos_ids = models.eos_token_ids(tokenizer, model)
     common = dict(
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
         max_new_tokens=cfg.data.max_length - longest,
-        micro_batch_size=EVAL_GENERATE_BATCH,
+        eos_token_ids=eos_ids,
+        pad_token_id=tokenizer.pad_token_id,
     )
     # Every rank calls generate, even with no prompts: it joins the parameter gather inside.
-    greedy = generate(model, prompts, do_sample=False, **common)
+    greedy = generate(
+        model, prompts, generation_config(do_sample=False, **common), micro_batch_size=EVAL_GENERATE_BATCH
+    )
+    torch.manual_seed(cfg.trainer.seed * 1000 + info.rank)
     sampled = generate(
         model,
         [p for p in prompts for _ in range(NUM_EVAL_SAMPLES)],
-        do_sample=True,
-        temperature=1.0,
-        generator_seed=cfg.trainer.seed * 1000 + info.rank,
-        **common,
+        generation_config(do_sample=True, temperature=1.0, **common),
+        micro_batch_size=EVAL_GENERATE_BATCH,
     )
     greedy_right = [s >= 1.0 for s in score_rollout(greedy, mine, tokenizer, scorer, 1)]
     sample_right = [s >= 1.0 for s in score_rollout(sampled, mine, tokenizer, scorer, NUM_EVAL_SAMPLES)]

@@ -111,7 +111,7 @@ def test_padded_forwards_match_packed() -> None:
     """The padded baseline and the dense-mask packed path compute what the trainer's packed path does."""
     import train_ppo
     from ppo.distributed import destroy_distributed, init_distributed
-    from ppo.models import PACKED_ATTENTION
+    from ppo.attention import PACKED_ATTENTION
 
     args = bench_step.parse_args(
         ["--num-seqs", "4", "--prompt-len", "10", "--max-response", "8", "--micro-batch", "2"]

@@ -1,16 +1,49 @@
-"""Config: precedence, coercion, clear errors, world-size validation, the --print-config CLI."""
+"""Config: precedence, coercion, clear errors, world-size validation, the --print-config CLI.
+
+Every loading error is one line naming the full dotted key and its source (the YAML file and line, or
+the command line); the tables below cover each duplicate-key shape, malformed file, bad override and
+out-of-range field, and the rule that an override changes its key and nothing else.
+"""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
+import json
+import random
 import subprocess
 import sys
+import typing
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
+from conftest import load_script
 
-from ppo.config import ConfigError, PPOConfig, all_keys, load_config, to_yaml
+import train_ppo
+from ppo.algorithms import ADV_ESTIMATORS, KL_KINDS, LOSS_AGG_MODES
+from ppo.config import (
+    ActorConfig,
+    AlgorithmConfig,
+    ConfigError,
+    CriticConfig,
+    FSDPConfig,
+    OptimConfig,
+    PPOConfig,
+    RewardConfig,
+    RewardModelConfig,
+    SFTConfig,
+    StageTrainerConfig,
+    TrainerConfig,
+    all_keys,
+    check_kl_kind,
+    load_config,
+    parse_cli,
+    to_dict,
+    to_yaml,
+    validate_stage,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -188,3 +221,611 @@ def test_print_config_cli(tmp_path: Path) -> None:
 
     out = run_cli("--print-config", "rollout.nn=2")
     assert out.returncode != 0 and "rollout.n" in out.stderr and "Traceback" not in out.stderr
+
+
+# ----------------------------------------------------------------------------------------------------
+# Robust loading: every problem is one line naming the full key and where the value came from
+# ----------------------------------------------------------------------------------------------------
+
+CLASSES = [PPOConfig, SFTConfig, RewardModelConfig]
+
+
+def load_error(path: Path | None = None, overrides: list[str] | None = None, cls: type = PPOConfig) -> str:
+    """The message of the ConfigError that loading raises; it must be one line."""
+    with pytest.raises(ConfigError) as e:
+        load_config(path, overrides or [], cls)
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+def leaf_types(cls: type, prefix: str = "") -> dict[str, tuple[type, str, Any]]:
+    """Every leaf key of a config class: dotted key -> (the section class, field name, type)."""
+    out = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        typ = hints[f.name]
+        if dataclasses.is_dataclass(typ):
+            out.update(leaf_types(typ, f"{prefix}{f.name}."))
+        else:
+            out[f"{prefix}{f.name}"] = (cls, f.name, typ)
+    return out
+
+
+def flat(cfg: Any) -> dict[str, Any]:
+    """The config as {dotted key: value}."""
+
+    def walk(d: dict, prefix: str) -> dict[str, Any]:
+        out = {}
+        for k, v in d.items():
+            out.update(walk(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    return walk(to_dict(cfg), "")
+
+
+def nested_yaml(overrides: list[str]) -> str:
+    """The YAML file that sets the same keys as ``section.key=value`` overrides."""
+    tree: dict = {}
+    for item in overrides:
+        key, _, raw = item.partition("=")
+        *sections, leaf = key.split(".")
+        node = tree
+        for s in sections:
+            node = node.setdefault(s, {})
+        node[leaf] = yaml.safe_load(raw)
+    return yaml.safe_dump(tree)
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "line"),
+    [
+        ("actor:\n  clip_ratio: 0.1\n  clip_ratio: 0.2\n", "actor.clip_ratio", 3),
+        ("actor:\n  optim:\n    lr: 1.0e-5\n    eps: 1.0e-8\n    lr: 2.0e-5\n", "actor.optim.lr", 5),
+        (
+            "actor:\n  fsdp:\n    mixed_precision:\n      param_dtype: bfloat16\n      param_dtype: float32\n",
+            "actor.fsdp.mixed_precision.param_dtype",
+            5,
+        ),
+        ("actor:\n  clip_ratio: 0.1\nrollout:\n  n: 2\nactor:\n  ppo_epochs: 2\n", "actor", 5),
+        (
+            "actor:\n  optim:\n    lr: 1.0e-5\n  clip_ratio: 0.1\n  optim:\n    eps: 1.0e-8\n",
+            "actor.optim",
+            5,
+        ),
+        ("rollout: {n: 2, temperature: 1.0, n: 3}\n", "rollout.n", 1),
+        ("trainer:\n  seed: 1\n  'seed': 2\n", "trainer.seed", 3),
+    ],
+    ids=["leaf", "deep-leaf", "deepest-leaf", "section", "nested-section", "flow-mapping", "quoted"],
+)
+def test_duplicate_yaml_key_names_file_line_and_key(tmp_path: Path, text: str, key: str, line: int) -> None:
+    path = write_yaml(tmp_path, text)
+    msg = load_error(path)
+    assert str(path) in msg and f"line {line}" in msg and f"duplicate key {key!r}" in msg, msg
+
+
+def test_yaml_merge_key_may_be_overridden(tmp_path: Path) -> None:
+    # `<<: *anchor` then the same key is how YAML overrides a merged mapping: not a duplicate.
+    path = write_yaml(
+        tmp_path,
+        "actor:\n  optim: &o {lr: 1.0e-5, eps: 1.0e-7}\ncritic:\n  optim:\n    <<: *o\n    lr: 2.0e-5\n",
+    )
+    cfg = load_config(path)
+    assert (cfg.critic.optim.lr, cfg.critic.optim.eps) == (2e-5, 1e-7)
+
+
+@pytest.mark.parametrize(
+    ("content", "fragments"),
+    [
+        (b"actor: [\n", ["line 2", "expected the node content"]),
+        (b"actor:\n\tclip_ratio: 0.1\n", ["line 2, column 1", "tabs"]),
+        (b"actor:\n  clip_ratio: 0.1\n  kl_loss_type: k\xe9\n", ["line 3", "not UTF-8"]),
+        (b"actor:\n  clip_ratio: 0.1\x00\n", ["line 2", "not allowed"]),
+        (b"rollout:\n  n: 2\n---\nrollout:\n  n: 3\n", ["line 3", "single document"]),
+        (b"[" * 1000, ["nested too deeply"]),
+        (b"actor: !!python/object:os.system {}\n", ["line 1", "could not determine a constructor"]),
+        (b"? [a, b]\n: 1\n", ["unhashable key"]),
+        (b"rollout:\n  n: " + b"9" * 5000 + b"\n", ["digits"]),
+        (b"- actor\n- rollout\n", ["top level must be a mapping"]),
+        (b"actor: &a {optim: *a}\n", ["'actor.optim.optim'"]),
+        (b"actor: 3\n", ["actor is a section"]),
+        (b"actor:\n", ["actor is a section; got None"]),
+    ],
+    ids=[
+        "syntax",
+        "tab",
+        "not-utf8",
+        "control-char",
+        "two-documents",
+        "deep-nesting",
+        "python-tag",
+        "unhashable-key",
+        "huge-int",
+        "not-a-mapping",
+        "recursive-anchor",
+        "section-scalar",
+        "section-null",
+    ],
+)
+def test_malformed_file_is_one_line_naming_it(tmp_path: Path, content: bytes, fragments: list[str]) -> None:
+    path = tmp_path / "cfg.yaml"
+    path.write_bytes(content)
+    msg = load_error(path)
+    assert str(path) in msg, msg
+    for fragment in fragments:
+        assert fragment in msg, msg
+
+
+def test_config_path_that_is_a_directory_or_missing(tmp_path: Path) -> None:
+    assert f"config file {tmp_path} is a directory" in load_error(tmp_path)
+    assert "does not exist" in load_error(tmp_path / "nope.yaml")
+
+
+def test_empty_file_and_bom_are_fine(tmp_path: Path) -> None:
+    assert load_config(write_yaml(tmp_path, "# only a comment\n")) == PPOConfig()
+    path = tmp_path / "bom.yaml"
+    path.write_bytes("\ufeffrollout:\n  n: 3\n".encode())
+    assert load_config(path).rollout.n == 3
+
+
+@pytest.mark.parametrize("preset", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_no_file_content_escapes_as_a_traceback(tmp_path: Path, preset: Path) -> None:
+    # Random corruptions of a real preset (deleted, inserted, swapped bytes): each loads or fails with
+    # a one-line ConfigError, never another exception.
+    rng = random.Random(preset.name)
+    original = preset.read_bytes()
+    alphabet = b" \t\n:-[]{}&*!|>'\"#%@`,?.0e9xa\x00\xff"
+    cls = PPOConfig if preset.name.startswith(("demo", "qwen")) else SFTConfig
+    cls = RewardModelConfig if preset.name.startswith("rm") else cls
+    path = tmp_path / "cfg.yaml"
+    for _ in range(40):
+        data = bytearray(original)
+        for _ in range(rng.randint(1, 4)):
+            i = rng.randrange(len(data))
+            op = rng.randrange(3)
+            if op == 0:
+                del data[i : i + rng.randint(1, 8)]
+            elif op == 1:
+                data[i:i] = bytes(rng.choice(alphabet) for _ in range(rng.randint(1, 3)))
+            else:
+                data[i] = rng.choice(alphabet)
+        path.write_bytes(bytes(data))
+        try:
+            load_config(path, [], cls)
+        except ConfigError as e:
+            assert "\n" not in str(e), str(e)
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("actor.optim.lr=[1,", "actor.optim.lr"),
+        ("rollout.n={", "rollout.n"),
+        ("trainer.logger=[console, jsonl", "trainer.logger"),
+        ("data.train_files='a.parquet", "data.train_files"),
+        ("actor={clip_ratio: 0.1, clip_ratio: 0.2}", "actor"),
+        ("actor.kl_loss_type=\tk1", "actor.kl_loss_type"),
+    ],
+)
+def test_malformed_override_value_names_key_and_command_line(override: str, key: str) -> None:
+    msg = load_error(overrides=[override])
+    assert msg.startswith(f"{key}=") and "(from the command line)" in msg and "not valid YAML" in msg, msg
+
+
+@pytest.mark.parametrize("override", ["=1", "actor..lr=1", "actor.=1", ".n=1", "rollout.n"])
+def test_malformed_override_key(override: str) -> None:
+    assert "must look like section.key=value" in load_error(overrides=[override])
+
+
+def test_override_into_a_leaf_is_not_a_section() -> None:
+    msg = load_error(overrides=["rollout.n.x=1"])
+    assert "rollout.n is not a section" in msg and "(from the command line)" in msg
+
+
+@pytest.mark.parametrize("world_size", ["0", "-2"])
+def test_world_size_below_one_is_a_config_error(world_size: str) -> None:
+    with pytest.raises(
+        ConfigError, match=rf"--world-size must be >= 1, got {world_size} \(from the command line\)"
+    ):
+        parse_cli(["--print-config", "--world-size", world_size])
+    with pytest.raises(ConfigError, match="world size must be >= 1"):
+        PPOConfig().validate(int(world_size))
+    with pytest.raises(ConfigError, match="world size must be >= 1"):
+        validate_stage(SFTConfig(), int(world_size))
+
+
+# One out-of-range value for every range-checked field: (class, override, full key in the message).
+RANGE_CASES = [
+    (PPOConfig, "actor.fsdp.fsdp_size=0", "actor.fsdp.fsdp_size"),
+    (PPOConfig, "reward.fsdp.fsdp_size=-2", "reward.fsdp.fsdp_size"),
+    (PPOConfig, "actor.optim.lr=0", "actor.optim.lr"),
+    (PPOConfig, "critic.optim.lr=-1e-5", "critic.optim.lr"),
+    (PPOConfig, "actor.optim.weight_decay=-0.1", "actor.optim.weight_decay"),
+    (PPOConfig, "actor.optim.betas=[0.9,1.0]", "actor.optim.betas[1]"),
+    (PPOConfig, "critic.optim.betas=[-0.1,0.9]", "critic.optim.betas[0]"),
+    (PPOConfig, "actor.optim.betas=[0.9]", "actor.optim.betas"),
+    (PPOConfig, "actor.optim.eps=0", "actor.optim.eps"),
+    (PPOConfig, "actor.optim.lr_warmup_steps=-2", "actor.optim.lr_warmup_steps"),
+    (PPOConfig, "actor.optim.lr_warmup_steps_ratio=1.5", "actor.optim.lr_warmup_steps_ratio"),
+    (PPOConfig, "critic.optim.min_lr_ratio=-0.1", "critic.optim.min_lr_ratio"),
+    (PPOConfig, "data.max_prompt_length=0", "data.max_prompt_length"),
+    (PPOConfig, "data.max_response_length=-1", "data.max_response_length"),
+    (PPOConfig, "data.train_batch_size=0", "data.train_batch_size"),
+    (PPOConfig, "data.val_batch_size=0", "data.val_batch_size"),
+    (PPOConfig, "data.max_val_samples=0", "data.max_val_samples"),
+    (PPOConfig, "data.max_val_samples=-2", "data.max_val_samples"),
+    (PPOConfig, "data.train_files=[]", "data.train_files"),
+    (PPOConfig, "actor.ppo_mini_batch_size=0", "actor.ppo_mini_batch_size"),
+    (PPOConfig, "actor.ppo_micro_batch_size_per_gpu=0", "actor.ppo_micro_batch_size_per_gpu"),
+    (PPOConfig, "actor.ppo_max_token_len_per_gpu=0", "actor.ppo_max_token_len_per_gpu"),
+    (PPOConfig, "actor.ppo_epochs=0", "actor.ppo_epochs"),
+    (PPOConfig, "actor.clip_ratio=0", "actor.clip_ratio"),
+    (PPOConfig, "actor.clip_ratio_low=0", "actor.clip_ratio_low"),
+    (PPOConfig, "actor.clip_ratio_high=-0.1", "actor.clip_ratio_high"),
+    (PPOConfig, "actor.clip_ratio_c=1.0", "actor.clip_ratio_c"),
+    (PPOConfig, "actor.kl_loss_coef=-0.001", "actor.kl_loss_coef"),
+    (PPOConfig, "actor.grad_clip=-1", "actor.grad_clip"),
+    (PPOConfig, "actor.early_stop_kl=-0.1", "actor.early_stop_kl"),
+    (PPOConfig, "critic.ppo_mini_batch_size=0", "critic.ppo_mini_batch_size"),
+    (PPOConfig, "critic.ppo_micro_batch_size_per_gpu=0", "critic.ppo_micro_batch_size_per_gpu"),
+    (PPOConfig, "critic.ppo_max_token_len_per_gpu=-8", "critic.ppo_max_token_len_per_gpu"),
+    (PPOConfig, "critic.ppo_epochs=0", "critic.ppo_epochs"),
+    (PPOConfig, "critic.cliprange_value=0", "critic.cliprange_value"),
+    (PPOConfig, "critic.grad_clip=-0.5", "critic.grad_clip"),
+    (PPOConfig, "critic.fsdp.fsdp_size=0", "critic.fsdp.fsdp_size"),
+    (PPOConfig, "ref.log_prob_micro_batch_size_per_gpu=0", "ref.log_prob_micro_batch_size_per_gpu"),
+    (PPOConfig, "ref.fsdp.fsdp_size=-3", "ref.fsdp.fsdp_size"),
+    (PPOConfig, "rollout.n=0", "rollout.n"),
+    (PPOConfig, "rollout.temperature=0", "rollout.temperature"),
+    (PPOConfig, "rollout.top_p=0", "rollout.top_p"),
+    (PPOConfig, "rollout.top_p=1.5", "rollout.top_p"),
+    (PPOConfig, "rollout.top_k=-1", "rollout.top_k"),
+    (PPOConfig, "rollout.micro_batch_size_per_gpu=0", "rollout.micro_batch_size_per_gpu"),
+    (PPOConfig, "reward.micro_batch_size_per_gpu=0", "reward.micro_batch_size_per_gpu"),
+    (PPOConfig, "algorithm.kl_ctrl.kl_coef=-0.1", "algorithm.kl_ctrl.kl_coef"),
+    (PPOConfig, "algorithm.kl_ctrl.target_kl=0", "algorithm.kl_ctrl.target_kl"),
+    (PPOConfig, "algorithm.kl_ctrl.horizon=0", "algorithm.kl_ctrl.horizon"),
+    (PPOConfig, "algorithm.kl_ctrl.fixed_warmup_steps=-1", "algorithm.kl_ctrl.fixed_warmup_steps"),
+    (PPOConfig, "algorithm.gamma=1.01", "algorithm.gamma"),
+    (PPOConfig, "algorithm.lam=-0.1", "algorithm.lam"),
+    (PPOConfig, "algorithm.rollback_kl=-1", "algorithm.rollback_kl"),
+    (PPOConfig, "algorithm.rollback_lr_factor=0", "algorithm.rollback_lr_factor"),
+    (PPOConfig, "algorithm.rollback_lr_factor=1.5", "algorithm.rollback_lr_factor"),
+    (PPOConfig, "algorithm.max_rollbacks=-1", "algorithm.max_rollbacks"),
+    (PPOConfig, "trainer.n_gpus_per_node=0", "trainer.n_gpus_per_node"),
+    (PPOConfig, "trainer.nnodes=0", "trainer.nnodes"),
+    (PPOConfig, "trainer.dist_timeout_s=0", "trainer.dist_timeout_s"),
+    (PPOConfig, "trainer.seed=-1", "trainer.seed"),
+    (PPOConfig, "trainer.total_epochs=0", "trainer.total_epochs"),
+    (PPOConfig, "trainer.total_training_steps=-1", "trainer.total_training_steps"),
+    (PPOConfig, "trainer.total_training_steps=0", "trainer.total_training_steps"),
+    (PPOConfig, "trainer.critic_warmup=-1", "trainer.critic_warmup"),
+    (PPOConfig, "trainer.save_freq=-2", "trainer.save_freq"),
+    (PPOConfig, "trainer.test_freq=-2", "trainer.test_freq"),
+    (PPOConfig, "trainer.max_ckpt_to_keep=-1", "trainer.max_ckpt_to_keep"),
+    (PPOConfig, "trainer.profile_steps=[3,0]", "trainer.profile_steps[1]"),
+    (PPOConfig, "trainer.warn_entropy_below=-0.1", "trainer.warn_entropy_below"),
+    (PPOConfig, "trainer.rollback_val_drop=1.0", "trainer.rollback_val_drop"),
+    (PPOConfig, "trainer.max_skipped_steps=0", "trainer.max_skipped_steps"),
+    (SFTConfig, "optim.lr=0", "optim.lr"),
+    (SFTConfig, "fsdp.fsdp_size=0", "fsdp.fsdp_size"),
+    (SFTConfig, "data.max_length=0", "data.max_length"),
+    (SFTConfig, "data.train_batch_size=0", "data.train_batch_size"),
+    (SFTConfig, "data.max_token_len_per_gpu=0", "data.max_token_len_per_gpu"),
+    (SFTConfig, "data.micro_batch_size_per_gpu=0", "data.micro_batch_size_per_gpu"),
+    (SFTConfig, "data.train_files=[]", "data.train_files"),
+    (SFTConfig, "trainer.dist_timeout_s=0", "trainer.dist_timeout_s"),
+    (SFTConfig, "trainer.seed=-1", "trainer.seed"),
+    (SFTConfig, "trainer.total_epochs=0", "trainer.total_epochs"),
+    (SFTConfig, "trainer.total_training_steps=-1", "trainer.total_training_steps"),
+    (SFTConfig, "trainer.max_time_s=-1", "trainer.max_time_s"),
+    (SFTConfig, "trainer.test_freq=-2", "trainer.test_freq"),
+    (SFTConfig, "trainer.save_freq=-2", "trainer.save_freq"),
+    (SFTConfig, "trainer.max_ckpt_to_keep=-1", "trainer.max_ckpt_to_keep"),
+    (SFTConfig, "trainer.grad_clip=-1", "trainer.grad_clip"),
+    (RewardModelConfig, "loss.margin=-0.5", "loss.margin"),
+    (RewardModelConfig, "data.max_length=-1", "data.max_length"),
+    (RewardModelConfig, "trainer.save_freq=-3", "trainer.save_freq"),
+]
+UNRANGED = {(ActorConfig, "entropy_coeff"), (RewardConfig, "format_score")}
+"""Numeric fields any finite value is valid for."""
+
+
+@pytest.mark.parametrize(("cls", "override", "key"), RANGE_CASES, ids=[c[1] for c in RANGE_CASES])
+def test_out_of_range_names_full_key_and_source(cls: type, override: str, key: str, tmp_path: Path) -> None:
+    msg = load_error(overrides=[override], cls=cls)
+    assert msg.startswith(f"{key} ") and msg.endswith("(from the command line)"), msg
+    # The same value from a file names the file.
+    path = write_yaml(tmp_path, nested_yaml([override]))
+    msg = load_error(path, cls=cls)
+    assert msg.startswith(f"{key} ") and msg.endswith(f"(from {path})"), msg
+
+
+def test_every_numeric_field_has_a_range_case() -> None:
+    covered = set()
+    for cls, override, _ in RANGE_CASES:
+        section, name, _ = leaf_types(cls)[override.partition("=")[0]]
+        covered.add((section, name))
+    numeric = {
+        (section, name)
+        for cls in CLASSES
+        for section, name, typ in leaf_types(cls).values()
+        if {int, float}
+        & {typ, *typing.get_args(typ), *(a for t in typing.get_args(typ) for a in typing.get_args(t))}
+    }
+    assert not numeric - covered - UNRANGED, (
+        f"numeric fields without a range case: {numeric - covered - UNRANGED}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("cls", "override"),
+    [
+        (PPOConfig, "actor.fsdp.fsdp_size=-1"),
+        (PPOConfig, "actor.fsdp.fsdp_size=1"),
+        (PPOConfig, "actor.optim.lr_warmup_steps=-1"),
+        (PPOConfig, "actor.optim.betas=[0.0,0.5]"),
+        (PPOConfig, "actor.optim.min_lr_ratio=1"),
+        (PPOConfig, "data.max_val_samples=-1"),
+        (PPOConfig, "data.max_val_samples=1"),
+        (PPOConfig, "actor.clip_ratio_c=1.01"),
+        (PPOConfig, "actor.entropy_coeff=-0.01"),
+        (PPOConfig, "critic.ppo_epochs=null"),
+        (PPOConfig, "rollout.top_p=1"),
+        (PPOConfig, "rollout.top_k=0"),
+        (PPOConfig, "algorithm.gamma=0"),
+        (PPOConfig, "algorithm.rollback_lr_factor=1"),
+        (PPOConfig, "trainer.save_freq=-1"),
+        (PPOConfig, "trainer.test_freq=0"),
+        (PPOConfig, "trainer.seed=0"),
+        (PPOConfig, "trainer.max_ckpt_to_keep=0"),
+        (PPOConfig, "trainer.rollback_val_drop=0.99"),
+        (PPOConfig, "trainer.max_skipped_steps=1"),
+        (SFTConfig, "trainer.max_time_s=0"),
+        (RewardModelConfig, "loss.margin=0"),
+    ],
+)
+def test_boundary_values_are_accepted(cls: type, override: str) -> None:
+    load_config(None, [override], cls)
+
+
+def float_keys(cls: type) -> list[str]:
+    keys = []
+    for key, (_, _, typ) in leaf_types(cls).items():
+        if typ is float or float in typing.get_args(typ):
+            keys.append(key)
+    return keys
+
+
+FLOAT_KEYS = [(cls, key) for cls in CLASSES for key in float_keys(cls)]
+
+
+@pytest.mark.parametrize(("cls", "key"), FLOAT_KEYS, ids=[f"{c.__name__}:{k}" for c, k in FLOAT_KEYS])
+def test_non_finite_float_is_rejected(cls: type, key: str, tmp_path: Path) -> None:
+    is_list = typing.get_origin(leaf_types(cls)[key][2]) is list
+    for raw in (".nan", ".inf", "-.inf", "nan", "1e400"):
+        value = f"[0.9,{raw}]" if is_list else raw
+        dotted = f"{key}[1]" if is_list else key
+        msg = load_error(overrides=[f"{key}={value}"], cls=cls)
+        assert msg.startswith(f"{dotted}=") and "(from the command line) must be a finite number" in msg, msg
+    path = write_yaml(tmp_path, nested_yaml([f"{key}={'[0.9, .nan]' if is_list else '.nan'}"]))
+    msg = load_error(path, cls=cls)
+    assert f"(from {path}) must be a finite number" in msg, msg
+
+
+def section_paths(cls: type, section: type, prefix: str = "") -> list[str]:
+    """Dotted paths of every occurrence of the section class ``section`` in ``cls``."""
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        typ = hints[f.name]
+        if typ is section:
+            out.append(f"{prefix}{f.name}")
+        if dataclasses.is_dataclass(typ):
+            out += section_paths(typ, section, f"{prefix}{f.name}.")
+    return out
+
+
+SHARED_SECTIONS = [
+    (cls, path, override)
+    for cls in CLASSES
+    for section, override in (
+        (OptimConfig, "lr=0"),
+        (FSDPConfig, "fsdp_size=0"),
+        (StageTrainerConfig, "seed=-1"),
+    )
+    for path in section_paths(cls, section)
+]
+
+
+@pytest.mark.parametrize(
+    ("cls", "path", "override"), SHARED_SECTIONS, ids=[f"{c.__name__}:{p}" for c, p, _ in SHARED_SECTIONS]
+)
+def test_shared_section_errors_carry_the_full_key(cls: type, path: str, override: str) -> None:
+    # One OptimConfig check, reached as actor.optim, critic.optim or optim: the message says which.
+    key = override.partition("=")[0]
+    msg = load_error(overrides=[f"{path}.{override}"], cls=cls)
+    assert msg.startswith(f"{path}.{key} must be "), msg
+
+
+def test_cross_key_error_names_each_source(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, "algorithm:\n  adv_estimator: grpo\n")
+    msg = load_error(path, ["rollout.n=1"])
+    assert "needs rollout.n >= 2" in msg
+    assert f"rollout.n from the command line; algorithm.adv_estimator from {path}" in msg, msg
+
+
+@pytest.mark.parametrize("cls", [TrainerConfig, StageTrainerConfig])
+@pytest.mark.parametrize("value", ["''", "' '"])
+def test_empty_resume_mode_is_an_error(cls: type, value: str) -> None:
+    root = PPOConfig if cls is TrainerConfig else SFTConfig
+    msg = load_error(overrides=[f"trainer.resume_mode={value}"], cls=root)
+    assert msg.startswith("trainer.resume_mode=") and "auto, disable or a checkpoint path" in msg, msg
+    assert load_config(None, ["trainer.resume_mode=/ckpt/step_5"], root).trainer.resume_mode == "/ckpt/step_5"
+
+
+def test_new_keys_and_their_defaults() -> None:
+    cfg = load_config(None, ["reward.fsdp.param_offload=true", "trainer.overwrite=true"])
+    assert cfg.reward.fsdp.param_offload and not cfg.ref.fsdp.param_offload
+    assert cfg.trainer.overwrite and cfg.trainer.max_skipped_steps == 3
+    for cls in (SFTConfig, RewardModelConfig):
+        t = cls().trainer
+        assert (t.save_freq, t.resume_mode, t.max_ckpt_to_keep, t.overwrite) == (-1, "auto", 2, False)
+    with pytest.raises(ConfigError, match="reward.fsdp.fsdp_size=3 must divide the world size 4"):
+        load_config(None, ["reward.fsdp.fsdp_size=3"]).validate(4)
+
+
+def test_allowed_names_come_from_algorithms() -> None:
+    hints = typing.get_type_hints(ActorConfig)
+    assert typing.get_args(hints["loss_agg_mode"]) == LOSS_AGG_MODES
+    assert typing.get_args(typing.get_type_hints(CriticConfig)["loss_agg_mode"]) == LOSS_AGG_MODES
+    assert typing.get_args(typing.get_type_hints(AlgorithmConfig)["adv_estimator"]) == ADV_ESTIMATORS
+    for kind in KL_KINDS:
+        check_kl_kind(kind, "actor.kl_loss_type")
+        check_kl_kind(kind + "+", "actor.kl_loss_type")
+    with pytest.raises(ConfigError, match="'k4' is not a KL estimator"):
+        check_kl_kind("k4", "actor.kl_loss_type")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Overrides change their key and nothing else; fallbacks are resolved once
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+def test_setting_any_key_to_its_default_changes_nothing(cls: type, tmp_path: Path) -> None:
+    # If building a section lost what its enclosing default set (SFT's cosine optim, its model path,
+    # the reward model's preference files), setting one key to its default would change a sibling.
+    default = load_config(None, [], cls)
+    values = flat(default)
+    for key, value in values.items():
+        override = f"{key}={json.dumps(value)}"
+        assert load_config(None, [override], cls) == default, override
+        path = write_yaml(tmp_path, nested_yaml([override]))
+        assert load_config(path, [], cls) == default, f"{override} in a file"
+
+
+SIBLING_CASES = [
+    (SFTConfig, "optim.lr=1.0e-3", {"optim.lr"}),
+    (SFTConfig, "model.dtype=bfloat16", {"model.dtype"}),
+    (SFTConfig, "trainer.seed=7", {"trainer.seed"}),
+    (RewardModelConfig, "data.max_length=64", {"data.max_length"}),
+    (RewardModelConfig, "optim.min_lr_ratio=0.1", {"optim.min_lr_ratio"}),
+    (RewardModelConfig, "trainer.save_freq=10", {"trainer.save_freq"}),
+    (PPOConfig, "actor.optim.lr=2.0e-6", {"actor.optim.lr"}),
+    (
+        PPOConfig,
+        "actor.fsdp.mixed_precision.param_dtype=bfloat16",
+        {"actor.fsdp.mixed_precision.param_dtype"},
+    ),
+    (PPOConfig, "algorithm.kl_ctrl.kl_coef=0.01", {"algorithm.kl_ctrl.kl_coef"}),
+    (PPOConfig, "reward.fsdp.fsdp_size=1", {"reward.fsdp.fsdp_size"}),
+    # Fallbacks follow the key they fall back to, unless set themselves.
+    (
+        PPOConfig,
+        "actor.clip_ratio=0.3",
+        {"actor.clip_ratio", "actor.clip_ratio_low", "actor.clip_ratio_high"},
+    ),
+    (PPOConfig, "actor.ppo_epochs=2", {"actor.ppo_epochs", "critic.ppo_epochs"}),
+    (PPOConfig, "actor.ppo_mini_batch_size=8", {"actor.ppo_mini_batch_size", "critic.ppo_mini_batch_size"}),
+]
+
+
+@pytest.mark.parametrize("source", ["yaml", "cli"])
+@pytest.mark.parametrize(("cls", "override", "changed"), SIBLING_CASES, ids=[c[1] for c in SIBLING_CASES])
+def test_override_changes_only_its_key(
+    cls: type, override: str, changed: set[str], source: str, tmp_path: Path
+) -> None:
+    if source == "cli":
+        cfg = load_config(None, [override], cls)
+    else:
+        cfg = load_config(write_yaml(tmp_path, nested_yaml([override])), [], cls)
+    before, after = flat(load_config(None, [], cls)), flat(cfg)
+    assert {k for k in before if before[k] != after[k]} == changed
+
+
+def test_sft_optim_override_keeps_the_cosine_schedule() -> None:
+    # The bug this fixes: SFTConfig's optim default is OptimConfig(lr=1e-4, lr_scheduler="cosine");
+    # building optim from OptimConfig's class defaults gave lr_scheduler="constant".
+    cfg = load_config(None, ["optim.lr=1e-3"], SFTConfig)
+    assert (cfg.optim.lr, cfg.optim.lr_scheduler) == (1e-3, "cosine")
+    assert load_config(None, ["model.dtype=bfloat16"], SFTConfig).model.path == "assets/base"
+    rm = load_config(None, ["data.max_length=64"], RewardModelConfig)
+    assert rm.data.train_files == ["assets/data/pref_train.parquet"]
+    assert (
+        rm.trainer.output_dir == load_config(None, ["trainer.seed=3"], RewardModelConfig).trainer.output_dir
+    )
+
+
+def entry_main(cls: type):
+    if cls is PPOConfig:
+        return train_ppo.main
+    return load_script("train_sft" if cls is SFTConfig else "train_reward_model").main
+
+
+PRINT_CASES = [
+    (PPOConfig, "actor.optim.lr=2.0e-6", ("actor", "optim", "lr"), 2e-6, ("critic", "optim", "lr"), 1e-5),
+    (PPOConfig, "actor.ppo_epochs=3", ("actor", "ppo_epochs"), 3, ("critic", "ppo_epochs"), 3),
+    (SFTConfig, "optim.lr=0.001", ("optim", "lr"), 1e-3, ("optim", "lr_scheduler"), "cosine"),
+    (SFTConfig, "trainer.seed=7", ("trainer", "seed"), 7, ("trainer", "output_dir"), "outputs/sft"),
+    (RewardModelConfig, "optim.lr=0.001", ("optim", "lr"), 1e-3, ("optim", "lr_scheduler"), "cosine"),
+    (
+        RewardModelConfig,
+        "data.max_length=64",
+        ("data", "max_length"),
+        64,
+        ("data", "train_files"),
+        ["assets/data/pref_train.parquet"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("cls", "override", "key", "value", "sibling", "sibling_value"),
+    PRINT_CASES,
+    ids=[f"{c[0].__name__}:{c[1]}" for c in PRINT_CASES],
+)
+def test_print_config_keeps_siblings(
+    cls: type,
+    override: str,
+    key: tuple[str, ...],
+    value: Any,
+    sibling: tuple[str, ...],
+    sibling_value: Any,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert entry_main(cls)(["--print-config", override]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+
+    def get(keys: tuple[str, ...]) -> Any:
+        node = printed
+        for k in keys:
+            node = node[k]
+        return node
+
+    assert get(key) == value and get(sibling) == sibling_value
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+def test_print_config_reports_bad_override_without_traceback(
+    cls: type, capsys: pytest.CaptureFixture[str]
+) -> None:
+    key = "optim.lr" if cls is not PPOConfig else "actor.optim.lr"
+    assert entry_main(cls)(["--print-config", f"{key}=[1,"]) == 2
+    err = capsys.readouterr().err
+    assert f"{key}='[1,' (from the command line)" in err and "Traceback" not in err, err
+    assert entry_main(cls)(["--print-config", "--world-size", "0"]) == 2
+    assert "--world-size must be >= 1" in capsys.readouterr().err
+
+
+def test_fallbacks_are_resolved_in_the_config(tmp_path: Path) -> None:
+    cfg = load_config(None, ["actor.ppo_mini_batch_size=8", "actor.ppo_epochs=2", "actor.clip_ratio=0.25"])
+    assert (cfg.critic.ppo_mini_batch_size, cfg.critic.ppo_epochs) == (8, 2)
+    assert (cfg.actor.clip_ratio_low, cfg.actor.clip_ratio_high) == (0.25, 0.25)
+    cfg = load_config(None, ["critic.ppo_mini_batch_size=4", "actor.clip_ratio_high=0.28"])
+    assert cfg.critic.ppo_mini_batch_size == 4 and cfg.actor.clip_ratio_high == 0.28
+    assert cfg.actor.clip_ratio_low == cfg.actor.clip_ratio == 0.2
+    # The resolved config, written and read back, is the same config.
+    path = tmp_path / "resolved.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_config(path) == cfg

@@ -21,8 +21,8 @@ import pytest
 
 from ppo.data import (
     DataError,
-    PromptLoader,
     PromptRecord,
+    ShardedLoader,
     load_preference_pairs,
     load_prompts,
     load_sft_examples,
@@ -219,7 +219,7 @@ def test_messages_need_a_chat_template(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
-# PromptLoader
+# ShardedLoader
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -233,13 +233,13 @@ def fake_records(n: int) -> list[PromptRecord]:
     ]
 
 
-def take(loader: PromptLoader, steps: int) -> list[list[int]]:
+def take(loader: ShardedLoader, steps: int) -> list[list[int]]:
     """Indices of the next ``steps`` batches."""
     return [[r.index for r in next(loader)] for _ in range(steps)]
 
 
 def test_loader_order_is_the_seeded_permutation_per_epoch() -> None:
-    loader = PromptLoader(fake_records(10), batch_size=4, rank=0, world_size=1, seed=0)
+    loader = ShardedLoader(fake_records(10), batch_size=4, rank=0, world_size=1, seed=0)
     assert loader.steps_per_epoch == 2  # 10 // 4, the last 2 prompts of each epoch are dropped
     batches = take(loader, 4)
     perm0 = np.random.default_rng([0, 0]).permutation(10).tolist()
@@ -250,21 +250,21 @@ def test_loader_order_is_the_seeded_permutation_per_epoch() -> None:
     assert perm0 != perm1
     assert len(set(batches[0] + batches[1])) == 8
     assert (loader.epoch, loader.batch_in_epoch) == (1, 2)
-    again = PromptLoader(fake_records(10), batch_size=4, rank=0, world_size=1, seed=0)
+    again = ShardedLoader(fake_records(10), batch_size=4, rank=0, world_size=1, seed=0)
     assert take(again, 4) == batches
-    other = PromptLoader(fake_records(10), batch_size=4, rank=0, world_size=1, seed=1)
+    other = ShardedLoader(fake_records(10), batch_size=4, rank=0, world_size=1, seed=1)
     assert take(other, 4) != batches
 
 
 def test_loader_without_shuffle_keeps_file_order() -> None:
-    loader = PromptLoader(fake_records(10), batch_size=4, rank=0, world_size=1, seed=0, shuffle=False)
+    loader = ShardedLoader(fake_records(10), batch_size=4, rank=0, world_size=1, seed=0, shuffle=False)
     assert take(loader, 3) == [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3]]
 
 
 def test_rank_shares_are_disjoint_and_cover_the_global_batch() -> None:
-    single = take(PromptLoader(fake_records(50), batch_size=12, rank=0, world_size=1, seed=3), 6)
+    single = take(ShardedLoader(fake_records(50), batch_size=12, rank=0, world_size=1, seed=3), 6)
     shares = [
-        take(PromptLoader(fake_records(50), batch_size=12, rank=r, world_size=3, seed=3), 6) for r in range(3)
+        take(ShardedLoader(fake_records(50), batch_size=12, rank=r, world_size=3, seed=3), 6) for r in range(3)
     ]
     for step in range(6):
         per_rank = [shares[r][step] for r in range(3)]
@@ -274,37 +274,37 @@ def test_rank_shares_are_disjoint_and_cover_the_global_batch() -> None:
 
 def test_state_dict_resumes_at_the_next_batch_mid_epoch() -> None:
     records = fake_records(50)
-    run = PromptLoader(records, batch_size=8, rank=0, world_size=1, seed=7)
+    run = ShardedLoader(records, batch_size=8, rank=0, world_size=1, seed=7)
     assert run.steps_per_epoch == 6
     take(run, 9)  # epoch 1, batch 3 of 6 done
     state = run.state_dict()
     assert (state["epoch"], state["batch_in_epoch"]) == (1, 3)
     expected = take(run, 5)  # crosses into epoch 2
-    resumed = PromptLoader(records, batch_size=8, rank=0, world_size=1, seed=7)
+    resumed = ShardedLoader(records, batch_size=8, rank=0, world_size=1, seed=7)
     resumed.load_state_dict(state)
     assert take(resumed, 5) == expected
     # The global order does not depend on the world size: resume on 2 ranks.
     halves = []
     for r in range(2):
-        loader = PromptLoader(records, batch_size=8, rank=r, world_size=2, seed=7)
+        loader = ShardedLoader(records, batch_size=8, rank=r, world_size=2, seed=7)
         loader.load_state_dict(state)
         halves.append(take(loader, 5))
     assert [a + b for a, b in zip(*halves, strict=True)] == expected
 
 
 def test_state_dict_from_other_data_is_refused() -> None:
-    state = PromptLoader(fake_records(50), batch_size=8, rank=0, world_size=1, seed=7).state_dict()
-    loader = PromptLoader(fake_records(50), batch_size=8, rank=0, world_size=1, seed=8)
+    state = ShardedLoader(fake_records(50), batch_size=8, rank=0, world_size=1, seed=7).state_dict()
+    loader = ShardedLoader(fake_records(50), batch_size=8, rank=0, world_size=1, seed=8)
     with pytest.raises(DataError, match=r"seed: checkpoint 7, now 8.*trainer.seed"):
         loader.load_state_dict(state)
-    loader = PromptLoader(fake_records(40), batch_size=8, rank=0, world_size=1, seed=7)
+    loader = ShardedLoader(fake_records(40), batch_size=8, rank=0, world_size=1, seed=7)
     with pytest.raises(DataError, match=r"num_records: checkpoint 50, now 40"):
         loader.load_state_dict(state)
 
 
 def test_loader_without_drop_last_covers_every_record() -> None:
     loaders = [
-        PromptLoader(fake_records(10), batch_size=4, rank=r, world_size=2, seed=0, drop_last=False)
+        ShardedLoader(fake_records(10), batch_size=4, rank=r, world_size=2, seed=0, drop_last=False)
         for r in range(2)
     ]
     assert loaders[0].steps_per_epoch == 3
@@ -312,7 +312,7 @@ def test_loader_without_drop_last_covers_every_record() -> None:
     assert [len(b) for b in shares[0]] == [2, 2, 1] and [len(b) for b in shares[1]] == [2, 2, 1]
     seen = sorted(i for rank in shares for batch in rank for i in batch)
     assert seen == list(range(10))
-    small = PromptLoader(fake_records(3), batch_size=4, rank=1, world_size=2, seed=0, drop_last=False)
+    small = ShardedLoader(fake_records(3), batch_size=4, rank=1, world_size=2, seed=0, drop_last=False)
     assert small.steps_per_epoch == 1 and len(next(small)) == 1  # 3 prompts split 2 + 1
 
 
@@ -327,7 +327,7 @@ def test_loader_without_drop_last_covers_every_record() -> None:
 def test_loader_errors(kwargs: dict, message: str) -> None:
     args = {"batch_size": 4, "rank": 0, "world_size": 1, "seed": 0} | kwargs
     with pytest.raises(DataError, match=message):
-        PromptLoader(fake_records(10), **args)
+        ShardedLoader(fake_records(10), **args)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -38,30 +38,30 @@ from transformers import (
 )
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from ppo.attention import PACKED_ATTENTION, resolve_attn_implementation, varlen_sdpa_attention
 from ppo.config import FSDPConfig, MixedPrecisionConfig
 from ppo.models import (
-    PACKED_ATTENTION,
     ModelPathError,
-    _no_op_hook,
     causal_lm_hidden,
     causal_lm_logits,
     count_parameters,
     critic_values,
-    decoder_layers,
     enable_gradient_checkpointing,
-    fsdp_modules,
-    full_state_dict,
-    gathered_for_generation,
     lm_head_weight,
     load_causal_lm,
     load_critic,
     load_reward_model,
     load_tokenizer,
-    resolve_attn_implementation,
     reward_scores,
     save_hf,
+)
+from ppo.sharding import (
+    _no_op_hook,
+    decoder_layers,
+    fsdp_modules,
+    full_state_dict,
+    gathered_for_generation,
     shard_model,
-    varlen_sdpa_attention,
 )
 
 VOCAB = 128

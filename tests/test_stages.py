@@ -1,5 +1,5 @@
 """Tests of the stages before PPO: ``scripts/train_sft.py``, ``scripts/train_reward_model.py`` and
-``ppo/stages.py``.
+the run harness they share, ``ppo/runner.py``.
 
 Runs on a tiny Llama (hidden 32, 2 layers) with the character tokenizer and a few rows of the synthetic
 task of ``scripts/make_tiny_assets.py``; the scripts run in this process as one rank, and under
@@ -28,9 +28,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ppo import data, models, stages
-from ppo.config import StageDataConfig
+from ppo import data, models, runner
 from ppo.distributed import DistInfo
+from ppo.packing import pack_sequences, plan_eval_micro_batches
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -157,7 +157,7 @@ def test_bradley_terry_loss_and_accuracy_by_hand() -> None:
 def test_answer_labels_mask_prompt_tokens_and_sequence_boundaries() -> None:
     a = data.SFTExample(input_ids=[10, 11, 12, 13, 14], loss_mask=[False, False, True, True, True])
     b = data.SFTExample(input_ids=[20, 21, 22], loss_mask=[False, True, True])
-    packed = stages.pack_sequences([a.input_ids, b.input_ids], torch.device("cpu"))
+    packed = pack_sequences([a.input_ids, b.input_ids], torch.device("cpu"))
     assert packed.position_ids.tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
     assert packed.cu_seqlens.tolist() == [0, 5, 8]
     labels = sft.answer_labels(packed, [a, b])
@@ -171,7 +171,7 @@ def test_no_loss_on_prompt_tokens(tiny: Path) -> None:
     model = models.load_causal_lm(str(tiny / "base"))
     tok = models.load_tokenizer(str(tiny / "base"))
     examples = data.load_sft_examples(tiny / "data" / "sft_val.parquet", tok, max_length=40)[:3]
-    packed = stages.pack_sequences([ex.input_ids for ex in examples], torch.device("cpu"))
+    packed = pack_sequences([ex.input_ids for ex in examples], torch.device("cpu"))
     labels = sft.answer_labels(packed, examples)
     logits = models.causal_lm_logits(model, packed.input_ids, packed.position_ids).detach().requires_grad_()
     logprobs, _ = sft.kernels.logprobs_from_logits(logits, labels, compute_entropy=False)
@@ -186,18 +186,18 @@ def test_no_loss_on_prompt_tokens(tiny: Path) -> None:
 
 
 def test_eval_micro_batches_pad_to_the_agreed_count() -> None:
-    cfg = StageDataConfig(max_token_len_per_gpu=10, use_dynamic_bsz=True)
-    groups = stages.eval_micro_batches([4, 4, 4, 4], cfg)  # one rank: 16 tokens in groups of <= 10
+    budget = dict(use_dynamic_bsz=True, max_tokens=10, micro_batch_size=16)
+    groups = plan_eval_micro_batches([4, 4, 4, 4], **budget)  # one rank: 16 tokens in groups of <= 10
     assert sorted(i for g in groups for i in g) == [0, 1, 2, 3] and len(groups) == 2
-    assert stages.eval_micro_batches([], cfg) == []
+    assert plan_eval_micro_batches([], **budget) == []
     info = DistInfo(rank=1, world_size=3, local_rank=1, device=torch.device("cpu"))
-    assert stages.my_share(list(range(7)), info) == [2, 3, 4]  # bounds 0, 2, 5, 7 (rounded 2.33, 4.67)
+    assert runner.my_share(list(range(7)), info) == [2, 3, 4]  # bounds 0, 2, 5, 7 (rounded 2.33, 4.67)
 
 
 def test_merge_metrics_keeps_other_keys(tmp_path: Path) -> None:
     path = tmp_path / "metrics.json"
-    stages.merge_metrics(path, {"sft_val_accuracy": 0.5, "shared": 1})
-    merged = stages.merge_metrics(path, {"rm_val_accuracy": 0.9, "shared": 2})
+    runner.merge_metrics(path, {"sft_val_accuracy": 0.5, "shared": 1})
+    merged = runner.merge_metrics(path, {"rm_val_accuracy": 0.9, "shared": 2})
     assert merged == {"sft_val_accuracy": 0.5, "rm_val_accuracy": 0.9, "shared": 2}
     assert json.loads(path.read_text()) == merged
 

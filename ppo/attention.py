@@ -1,0 +1,210 @@
+"""Attention for packed (padding-free) rows, registered with transformers' attention interface.
+
+A packed forward holds ``B`` sequences in one row of ``T`` tokens, with ``position_ids`` restarting at 0
+per sequence, no attention mask and no KV cache. Each sequence must attend only to itself, causally.
+
+- ``resolve_attn_implementation("auto")``: flash_attention_2 on CUDA where flash-attn imports (it
+  reads the boundaries from the position ids), else ``PACKED_ATTENTION``.
+- ``PACKED_ATTENTION`` (``varlen_sdpa_attention``): causal sdpa per packed sequence, ``sum(l_i^2)``
+  work, where transformers' own sdpa and eager apply a block-diagonal mask to a dense ``T x T`` score
+  matrix, ``T = sum(l_i)``. Every other call (``generate`` with left padding and a KV cache, padded
+  batches) is transformers' sdpa, unchanged.
+
+This module is what breaks when transformers changes its attention or mask interfaces
+(``AttentionInterface``, ``AttentionMaskInterface``, ``sdpa_attention_forward``, ``sdpa_mask``); the
+models load with ``attn_implementation=PACKED_ATTENTION`` once it is imported (``ppo.models`` does).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+
+PACKED_ATTENTION = "ppo_varlen_sdpa"
+"""Name of ``varlen_sdpa_attention`` in transformers' ``AttentionInterface`` (``attn_implementation``).
+It contains "sdpa" on purpose: transformers then checks at load time that the model supports sdpa, which
+every call that is not a packed forward falls back to."""
+
+
+def resolve_attn_implementation(name: str, device: torch.device | str) -> str:
+    """The attention kernel to load with: ``auto`` is flash_attention_2 on CUDA with flash_attn
+    installed, else ``PACKED_ATTENTION`` (sdpa per packed sequence, see ``varlen_sdpa_attention``).
+    ``sdpa`` and ``eager`` are transformers' own (dense block-diagonal mask on packed rows). An explicit
+    flash_attention_2 without flash_attn (or off CUDA) fails."""
+    device = torch.device(device)
+    if name == "auto":
+        if device.type == "cuda" and _flash_attn_error() is None:
+            return "flash_attention_2"
+        return PACKED_ATTENTION
+    if name == "flash_attention_2":
+        if (error := _flash_attn_error()) is not None:
+            raise ImportError(
+                f"model.attn_implementation=flash_attention_2 needs the flash-attn package ({error}); "
+                "pip install flash-attn, or use model.attn_implementation=auto|sdpa"
+            )
+        if device.type != "cuda":
+            raise ValueError(f"flash_attention_2 runs on CUDA only, the device is {device}; use sdpa")
+    return name
+
+
+def _flash_attn_error() -> str | None:
+    """Why flash_attn cannot be used, or None. Imported, not just found: a wheel built for another
+    torch is installed but fails on import (undefined symbol)."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return "not installed"
+    try:
+        importlib.import_module("flash_attn")
+    except Exception as err:  # ImportError, OSError: an ABI mismatch shows up as either
+        return f"installed but not importable: {err}"
+    return None
+
+
+def varlen_sdpa_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal sdpa per packed sequence; transformers' sdpa for every other call.
+
+    A transformers attention function (``AttentionInterface``, name ``PACKED_ATTENTION``): query
+    ``[b, H, q, d]``, key and value ``[b, H_kv, k, d]`` (grouped-query attention when ``H_kv < H``),
+    returns ``[b, q, H, d]``. A packed forward is one row (``b = 1``) without a cache (``q = k = T``) and
+    without a mask (``varlen_sdpa_mask`` returns none for it), holding the sequences that
+    ``position_ids`` delimit; each gets ``softmax(q_i k_i^T * scaling + causal) v_i`` on its own tokens,
+    ``sum(l_i^2)`` score entries in all instead of the ``T^2`` of a dense block-diagonal mask.
+    Everything else, and a row of one sequence, goes to ``sdpa_attention_forward`` as it is.
+    """
+    starts = _packed_sequence_starts(query, key, attention_mask, kwargs.get("position_ids"))
+    if starts is None or len(starts) == 1:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    # varlen_sdpa_mask dropped the mask of this row, so it must be computed here, and this function
+    # only knows the plain causal pattern: fail rather than attend differently from sdpa.
+    extras = [k for k in ("sliding_window", "softcap", "position_bias") if kwargs.get(k) is not None]
+    is_causal = kwargs.get("is_causal")  # as sdpa_attention_forward reads it
+    if extras or not (getattr(module, "is_causal", True) if is_causal is None else is_causal):
+        raise NotImplementedError(
+            f"{PACKED_ATTENTION} computes plain causal attention per packed sequence; "
+            f"{type(module).__name__} needs {extras or ['non-causal attention']}: load it with "
+            "attn_implementation=sdpa"
+        )
+    # Grouped-query attention: sdpa broadcasts each key/value head over its query heads.
+    gqa = {"enable_gqa": True} if key.shape[1] != query.shape[1] else {}
+    outputs = [
+        torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, start:end],
+            key[:, :, start:end],
+            value[:, :, start:end],
+            dropout_p=dropout,
+            is_causal=True,
+            scale=scaling,
+            **gqa,
+        )
+        for start, end in itertools.pairwise([*starts, query.shape[2]])
+    ]
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _packed_sequence_starts(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+) -> list[int] | None:
+    """Offsets where the sequences of a packed row start (``[0, ...]``), or None for any other call."""
+    if attention_mask is not None or position_ids is None:
+        return None
+    if query.shape[0] != 1 or query.shape[2] != key.shape[2] or position_ids.numel() != query.shape[2]:
+        return None  # a batch of rows, or queries after a cached prefix (decoding)
+    positions = position_ids.reshape(-1)
+    # A sequence starts wherever the position does not continue the previous one: the rule by which
+    # transformers finds packed sequences (masking_utils.find_packed_sequence_indices).
+    breaks = (positions[1:] - positions[:-1] != 1).nonzero().flatten() + 1
+    return [0, *breaks.tolist()]
+
+
+def varlen_sdpa_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int | torch.Tensor = 0,
+    kv_offset: int = 0,
+    mask_function: Callable[..., torch.Tensor] = causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    use_vmap: bool = False,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """The mask function of ``PACKED_ATTENTION`` (``AttentionMaskInterface``): none for a packed causal
+    row, which ``varlen_sdpa_attention`` splits by its position ids instead, else ``sdpa_mask``.
+
+    Transformers calls it once per forward with the pattern as an index function ``mask_function(b, h,
+    q_idx, kv_idx) -> bool``; for a packed row (no padding mask, one row, no cache) that is causal
+    within each sequence, and ``sdpa_mask`` would materialize it as a dense ``[1, 1, T, T]`` tensor.
+    The pattern is recognized on two diagonals, ``O(T)``: packed causal has no entry above the diagonal
+    and a gap below it at each sequence start. Anything else (a plain causal row, padding, a KV cache,
+    sliding windows, bidirectional or model-specific overlays) gets exactly sdpa's mask, so
+    ``generate`` and padded batches behave as with ``attn_implementation="sdpa"``.
+    """
+    candidate = (
+        attention_mask is None
+        and batch_size == 1
+        and q_length == kv_length > 1
+        and isinstance(q_offset, int)
+        and q_offset == 0
+        and kv_offset == 0
+        and not use_vmap  # or/and overlays (vmap'd, maybe not index-based)
+        and kwargs.get("local_size") is None  # sliding window or chunked attention
+        and "allow_is_bidirectional_skip" not in kwargs  # create_bidirectional_mask
+    )
+    if candidate and _is_packed_causal(mask_function, q_length, kwargs.get("device", "cpu")):
+        return None
+    return sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        use_vmap=use_vmap,
+        **kwargs,
+    )
+
+
+def _is_packed_causal(
+    mask_function: Callable[..., torch.Tensor], length: int, device: torch.device | str
+) -> bool:
+    """Whether ``mask_function`` over ``length`` tokens is causal and holds more than one sequence."""
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    t = torch.arange(length - 1, device=device)
+    above = mask_function(zero, zero, t, t + 1)  # (t, t+1): masked in any causal pattern
+    below = mask_function(zero, zero, t + 1, t)  # (t+1, t): masked only where sequence t+1 starts
+    return not bool(above.any()) and not bool(below.all())
+
+
+def _register_packed_attention() -> None:
+    """Make ``PACKED_ATTENTION`` a valid ``attn_implementation`` (idempotent; runs at import).
+
+    Transformers looks the name up in both registries: the attention function per layer, and the mask
+    function once per forward (a name without one would get no mask at all, breaking padded batches).
+    """
+    AttentionInterface.register(PACKED_ATTENTION, varlen_sdpa_attention)
+    AttentionMaskInterface.register(PACKED_ATTENTION, varlen_sdpa_mask)
+
+
+_register_packed_attention()

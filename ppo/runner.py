@@ -1,0 +1,385 @@
+"""The one run harness of the three trainers: PPO (``train_ppo.py``), SFT and the reward model.
+
+Every entry point is ``sys.exit(runner.run(argv, ConfigClass, train, __doc__))``; ``run`` parses the
+command line, joins the process group and calls ``train(cfg, info)`` inside the error boundary. The
+pieces every ``train`` shares live here too, so they are written once::
+
+    def train(cfg: SFTConfig, info: DistInfo) -> None:
+        out_dir = runner.prepare_run(cfg, info)
+        tokenizer = runner.load_tokenizer(cfg.model)
+        model = runner.build_model(models.load_causal_lm, cfg.model, cfg.fsdp, info, path_key="model.path")
+        optimizer, scheduler = build_optimizer(model, cfg.optim, num_steps)
+        ...
+        grad_norm, skipped = runner.optimizer_step(model, optimizer, cfg.trainer.grad_clip)
+
+Error boundary: an expected failure (bad config, data, model path, checkpoint, reward function, an
+I/O error) ends as one line on rank 0 and exit code 2; an unexpected exception prints its traceback
+once and exits with 1. Ranks other than 0 wait a moment before reporting, so that when every rank
+fails alike, torchrun (which stops the others as soon as one rank exits) keeps only rank 0's report,
+and when a single rank fails, its report is still printed.
+
+Every rank runs every function here; the ones that write files do so on rank 0 only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+import transformers
+from torch import nn
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ppo import checkpoint, data, models, rewards, sharding
+from ppo.checkpoint import CheckpointError
+from ppo.config import (
+    ConfigError,
+    FSDPConfig,
+    ModelConfig,
+    PPOConfig,
+    RewardModelConfig,
+    SFTConfig,
+    parse_cli,
+    to_dict,
+    to_yaml,
+    validate_stage,
+)
+from ppo.distributed import (
+    DistInfo,
+    all_reduce_scalar,
+    broadcast_object,
+    destroy_distributed,
+    init_distributed,
+    make_mesh,
+    setup_logging,
+)
+from ppo.metrics import MetricsLogger
+from ppo.optim import clip_grad_norm
+
+logger = logging.getLogger("ppo")
+
+AnyConfig = TypeVar("AnyConfig", PPOConfig, SFTConfig, RewardModelConfig)
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. KL exploded again after every rollback); the message says why."""
+
+
+EXPECTED_ERRORS = (
+    ConfigError,
+    data.DataError,
+    CheckpointError,
+    rewards.RewardError,
+    TrainingError,
+    OSError,  # a missing model folder (models.ModelPathError), a full disk, a permission
+)
+"""Failures caused by the user's input or the machine: one line on rank 0, exit code 2."""
+
+REPORT_DELAY_S = 2.0
+"""How long ranks other than 0 wait before reporting a failure (see the module docstring)."""
+
+METRICS_FILE = "metrics.json"
+"""Final numbers of every stage, merged into one file beside the saved model folders."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Entry point and set-up
+# ----------------------------------------------------------------------------------------------------
+
+
+def run(
+    argv: list[str] | None,
+    cls: type[AnyConfig],
+    train: Callable[[AnyConfig, DistInfo], None],
+    description: str,
+) -> int:
+    """Parse the command line, join the process group and call ``train(cfg, info)``; the exit code.
+
+    ``--print-config`` prints the resolved config and exits (validated for ``--world-size`` if given).
+    """
+    try:
+        cfg, args = parse_cli(argv, cls, description=description)
+        if args.print_config:
+            if args.world_size is not None:
+                validate_config(cfg, args.world_size)
+            print(to_yaml(cfg), end="")
+            return 0
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    info = init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout_s)
+    setup_logging(info.is_main)
+    quiet_other_ranks(info)
+    try:
+        validate_config(cfg, info.world_size)
+        train(cfg, info)
+    except EXPECTED_ERRORS as e:
+        message = one_line(e)
+        report(info, lambda: logger.error("%s", message))
+        return 2
+    except Exception:
+        text = traceback.format_exc()
+        report(info, lambda: logger.error("unexpected error on rank %d:\n%s", info.rank, text))
+        return 1
+    finally:
+        destroy_distributed()
+    return 0
+
+
+def validate_config(cfg: PPOConfig | SFTConfig | RewardModelConfig, world_size: int) -> None:
+    """The world-size checks of the config (batch divisibility, shard groups)."""
+    if isinstance(cfg, PPOConfig):
+        cfg.validate(world_size)
+    else:
+        validate_stage(cfg, world_size)
+
+
+def one_line(error: BaseException) -> str:
+    """An error's message on one line (the ones from the config may list several problems)."""
+    text = str(error) or type(error).__name__
+    if isinstance(error, OSError) and not isinstance(error, models.ModelPathError) and error.filename:
+        text = f"{error.strerror or text}: {error.filename}"
+    return " | ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
+def report(info: DistInfo, log: Callable[[], None]) -> None:
+    """Log a fatal error on rank 0 at once, elsewhere after ``REPORT_DELAY_S`` (see the module doc)."""
+    if not info.is_main:
+        time.sleep(REPORT_DELAY_S)
+    log()
+
+
+def quiet_other_ranks(info: DistInfo) -> None:
+    """Loading reports and progress bars once, from rank 0; a tiny model needs no bars anyway."""
+    transformers.utils.logging.disable_progress_bar()
+    if not info.is_main:
+        transformers.utils.logging.set_verbosity_error()
+
+
+def prepare_run(cfg: PPOConfig | SFTConfig | RewardModelConfig, info: DistInfo) -> Path:
+    """Create the run folder, write the resolved config into it (rank 0), seed every rank alike.
+
+    Raises CheckpointError on every rank when rank 0 cannot write the folder.
+    """
+    out_dir = Path(cfg.trainer.output_dir)
+    error = None
+    if info.is_main:
+        try:
+            checkpoint.ensure_writable(out_dir)
+            (out_dir / "config.yaml").write_text(to_yaml(cfg))
+        except (CheckpointError, OSError) as e:
+            error = one_line(e)
+    # Only rank 0 writes, but every rank must stop if it cannot, or the others wait in a collective.
+    error = broadcast_object(error)
+    if error is not None:
+        raise CheckpointError(error)
+    checkpoint.seed_everything(cfg.trainer.seed)  # the same on every rank while models are built
+    return out_dir
+
+
+def load_tokenizer(model_cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    """The tokenizer of ``model.tokenizer_path`` (default ``model.path``); errors name the key used."""
+    key = "model.tokenizer_path" if model_cfg.tokenizer_path else "model.path"
+    return models.load_tokenizer(
+        model_cfg.tokenizer_path or model_cfg.path, model_cfg.trust_remote_code, config_key=key
+    )
+
+
+def build_model(
+    load: Callable[..., PreTrainedModel],
+    model_cfg: ModelConfig,
+    fsdp: FSDPConfig,
+    info: DistInfo,
+    *,
+    path: str | None = None,
+    path_key: str = "model.path",
+    trainable: bool = True,
+) -> nn.Module:
+    """Load a model on the CPU with ``load`` (a ``models.load_*``), then shard it onto the device.
+
+    Weights load on CPU and move to the device shard by shard inside ``fully_shard``, so no rank ever
+    holds a whole model on the accelerator. A model that trains is put in training mode (dropout is
+    off from loading; transformers recomputes checkpointed layers only in training mode) with gradient
+    checkpointing as configured; a frozen one gets ``requires_grad=False`` and eval mode.
+    """
+    with main_rank_logs(info):  # e.g. "fresh score head" once, not once per rank
+        model = load(
+            path or model_cfg.path,
+            dtype=model_cfg.dtype,
+            attn_implementation=model_cfg.attn_implementation,
+            trust_remote_code=model_cfg.trust_remote_code,
+            device="cpu",
+            config_key=path_key,
+        )
+    if trainable:
+        if model_cfg.enable_gradient_checkpointing:
+            models.enable_gradient_checkpointing(model)
+        model.train()
+    else:
+        model.requires_grad_(False)
+        model.eval()
+    return sharding.shard_model(model, make_mesh(info, fsdp.fsdp_size), fsdp, device=info.device)
+
+
+def make_loader(
+    records: Sequence[Any], cfg: PPOConfig | SFTConfig | RewardModelConfig, info: DistInfo
+) -> data.ShardedLoader:
+    """This rank's contiguous share of each global batch, from a permutation seeded by
+    ``(trainer.seed, epoch)``."""
+    return data.ShardedLoader(
+        records,
+        batch_size=cfg.data.train_batch_size,
+        rank=info.rank,
+        world_size=info.world_size,
+        seed=cfg.trainer.seed,
+        shuffle=cfg.data.shuffle,
+    )
+
+
+def total_steps(cfg: PPOConfig | SFTConfig | RewardModelConfig, loader: data.ShardedLoader) -> int:
+    """``trainer.total_training_steps``, or ``total_epochs`` passes over the training data."""
+    return cfg.trainer.total_training_steps or loader.steps_per_epoch * cfg.trainer.total_epochs
+
+
+def make_metrics_logger(
+    cfg: PPOConfig | SFTConfig | RewardModelConfig,
+    info: DistInfo,
+    out_dir: Path,
+    num_steps: int,
+    *,
+    console: bool,
+    resume_step: int | None = None,
+) -> MetricsLogger:
+    """JSONL, TensorBoard (and wandb) sinks, and with ``console`` the per-step console line."""
+    sinks = [s for s in cfg.trainer.logger if console or s != "console"]
+    return MetricsLogger(
+        out_dir,
+        sinks,
+        is_main=info.is_main,
+        total_steps=num_steps,
+        project=cfg.trainer.project_name,
+        run_name=cfg.trainer.experiment_name,
+        config=to_dict(cfg),
+        resume_step=resume_step,
+    )
+
+
+def my_share(items: Sequence[Any], info: DistInfo) -> list[Any]:
+    """This rank's contiguous slice of an evaluation set (sizes differ by at most one)."""
+    bounds = np.linspace(0, len(items), info.world_size + 1).round().astype(int)
+    return list(items[bounds[info.rank] : bounds[info.rank + 1]])
+
+
+# ----------------------------------------------------------------------------------------------------
+# The optimizer step, progress, saving
+# ----------------------------------------------------------------------------------------------------
+
+
+def optimizer_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float
+) -> tuple[float, bool]:
+    """Clip the global gradient norm, step unless it is not finite, zero the gradients.
+
+    Returns ``(grad_norm before clipping, skipped)``. The norm is reduced over ranks, so every rank
+    makes the same skip decision. The learning-rate schedule is the caller's (PPO advances it once per
+    training step, whatever the number of optimizer steps in it).
+    """
+    grad_norm = clip_grad_norm(model, grad_clip)
+    skipped = not math.isfinite(grad_norm)
+    if skipped:
+        logger.warning("non-finite gradient norm (%s): this update is skipped on every rank", grad_norm)
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, skipped
+
+
+def out_of_time(start: float, max_time_s: float) -> bool:
+    """Whether ``trainer.max_time_s`` has passed on any rank (all ranks agree; no-op when 0)."""
+    if max_time_s <= 0:
+        return False
+    return bool(all_reduce_scalar(float(time.perf_counter() - start > max_time_s), "max"))
+
+
+class Progress:
+    """One console line about every twentieth step, at validation and at the end (rank 0)."""
+
+    def __init__(self, total: int, keys: dict[str, str], *, enabled: bool, first_step: int = 0) -> None:
+        self.total = total
+        self.keys = keys
+        self.enabled = enabled
+        self.every = max(1, total // 20)
+        self.first_step = first_step
+        self.start = time.perf_counter()
+
+    def update(self, step: int, metrics: dict[str, float], *, force: bool = False) -> None:
+        """Log ``step`` if it is due; ``keys`` maps a metric name to its short label."""
+        if not self.enabled or not (force or step % self.every == 0 or step == self.total):
+            return
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / max(step - self.first_step, 1) * (self.total - step)
+        shown = " ".join(f"{label}={metrics[k]:.4g}" for k, label in self.keys.items() if k in metrics)
+        logger.info("step %d/%d %s | %.0fs elapsed, eta %.0fs", step, self.total, shown, elapsed, eta)
+
+
+def save_model(model: nn.Module, tokenizer: PreTrainedTokenizerBase, path: Path, info: DistInfo) -> Path:
+    """Write the ``save_pretrained`` folder (weights, config, tokenizer); every rank calls it."""
+    models.save_hf(model, tokenizer, str(path), is_main=info.is_main)
+    logger.info("saved %s", path)
+    return path
+
+
+def merge_metrics(path: Path, updates: dict[str, Any]) -> dict[str, Any]:
+    """Merge ``updates`` into the JSON object at ``path`` (created if missing) and return the result.
+
+    Keys of other stages are kept. Written to a temporary file and renamed, so a reader never sees
+    half a file.
+    """
+    merged: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            merged = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            logger.warning("%s is not valid JSON; starting it afresh", path)
+        if not isinstance(merged, dict):
+            merged = {}
+    merged.update(updates)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return merged
+
+
+def write_final_metrics(folder: Path, info: DistInfo, updates: dict[str, Any]) -> None:
+    """Merge a stage's final numbers into ``folder/metrics.json`` (rank 0)."""
+    if info.is_main:
+        path = folder / METRICS_FILE
+        merge_metrics(path, updates)
+        logger.info("final: %s -> %s", json.dumps(updates, sort_keys=True), path)
+
+
+@contextlib.contextmanager
+def main_rank_logs(info: DistInfo) -> Iterator[None]:
+    """Silence warnings of the ``ppo`` logger on ranks other than 0 (e.g. data files read by every
+    rank report skipped rows once, not once per rank); errors still show."""
+    if info.is_main:
+        yield
+        return
+    previous = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
