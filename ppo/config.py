@@ -122,9 +122,14 @@ class ModelConfig:
     ``from_pretrained``."""
     tokenizer_path: str | None = None
     """Tokenizer folder or hub id; default: ``path``."""
-    attn_implementation: Literal["auto", "ppo_varlen_sdpa", "sdpa", "eager", "flash_attention_2"] = "auto"
-    """Attention kernel: ``auto`` picks flash_attention_2 on CUDA where installed, else ``ppo_varlen_sdpa``
-    (sdpa per packed sequence: work grows with the sum of squared lengths, not the square of the sum)."""
+    attn_implementation: Literal[
+        "auto", "ppo_varlen_flash", "ppo_varlen_sdpa", "sdpa", "eager", "flash_attention_2"
+    ] = "auto"
+    """Attention kernel of packed rows: ``auto`` picks the fastest available: flash_attention_2 on CUDA
+    where flash-attn imports, else ``ppo_varlen_flash`` on CUDA (torch's own varlen FlashAttention,
+    torch >= 2.10), else ``ppo_varlen_sdpa`` (sdpa per packed sequence: work grows with the sum of
+    squared lengths, not the square of the sum). ``sdpa``/``eager``: transformers' dense masked
+    attention. The start-up log line names the choice."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype the weights are loaded in (the master copy the optimizer updates)."""
     enable_gradient_checkpointing: bool = False
@@ -228,6 +233,34 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
+class LoRAConfig:
+    rank: int = 0
+    """LoRA rank r of the adapters (0: off, every weight trains)."""
+    alpha: float = 16.0
+    """Adapter scale numerator: a layer computes ``W x + (alpha / rank) * B A x``."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training (0 keeps the on-policy ratio exactly 1)."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Names (or name suffixes) of the linear layers that get adapters; ``all-linear``: every linear
+    layer of the decoder (not the LM head or the value head)."""
+    base_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Dtype of the frozen base weights (default ``model.dtype``); adapters (and a critic's value head)
+    keep ``model.dtype`` as their master copy."""
+    save_merged: bool = True
+    """Exports (``trainer.save_hf_on_end``, ``scripts/export_hf.py``) write the merged model, which loads
+    in plain transformers; false writes the adapter folder, which loads with peft."""
+
+    def __post_init__(self) -> None:
+        _require(self, ">= 0", "rank")
+        _require(self, "> 0", "alpha")
+        _require(self, "[0, 1)", "dropout")
+        if not self.target_modules:
+            raise FieldError(
+                "lora.target_modules is empty: name the layers that get adapters", "target_modules"
+            )
+
+
+@dataclass(kw_only=True)
 class ActorConfig:
     ppo_mini_batch_size: int = 16
     """Prompts per optimizer step over all ranks (each brings ``rollout.n`` responses)."""
@@ -273,6 +306,12 @@ class ActorConfig:
     """Optimizer and learning-rate schedule."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """Sharding of the actor."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters: with ``lora.rank > 0`` only they train, and the reference (unless
+    ``ref.model_path`` is set) is the actor with its adapters switched off."""
+    ulysses_sequence_parallel_size: int = 1
+    """Ulysses sequence parallelism: groups of this many consecutive ranks split each packed micro-batch
+    along the tokens and exchange heads around attention (for responses too long for one GPU)."""
 
     def __post_init__(self) -> None:
         _require(
@@ -288,6 +327,7 @@ class ActorConfig:
         )
         _require(self, "> 1", "clip_ratio_c")
         _require(self, ">= 0", "kl_loss_coef", "grad_clip", "early_stop_kl")
+        _require(self, ">= 1", "ulysses_sequence_parallel_size")
         check_kl_kind(self.kl_loss_type, "kl_loss_type")
 
 
@@ -317,6 +357,10 @@ class CriticConfig:
     """Critic optimizer and schedule."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """Sharding of the critic."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters of the critic's backbone (its value head always trains)."""
+    ulysses_sequence_parallel_size: int = 1
+    """Ulysses sequence parallelism of the critic (see ``actor.ulysses_sequence_parallel_size``)."""
 
     def __post_init__(self) -> None:
         _require(
@@ -329,6 +373,7 @@ class CriticConfig:
             "cliprange_value",
         )
         _require(self, ">= 0", "grad_clip")
+        _require(self, ">= 1", "ulysses_sequence_parallel_size")
 
 
 @dataclass(kw_only=True)
@@ -337,9 +382,15 @@ class RefConfig:
     """Sequences per reference forward on one rank (ignored with ``actor.use_dynamic_bsz``)."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """Sharding of the frozen reference (``param_offload`` keeps it on CPU)."""
+    model_path: str | None = None
+    """Where the reference comes from; default: ``model.path`` (with actor LoRA: the actor itself with
+    its adapters switched off, so no second copy is loaded)."""
+    ulysses_sequence_parallel_size: int = 1
+    """Ulysses sequence parallelism of the reference (see ``actor.ulysses_sequence_parallel_size``)."""
 
     def __post_init__(self) -> None:
         _require(self, "> 0", "log_prob_micro_batch_size_per_gpu")
+        _require(self, ">= 1", "ulysses_sequence_parallel_size")
 
 
 @dataclass(kw_only=True)
@@ -360,8 +411,26 @@ class RolloutConfig:
     """Sequences per ``generate`` call on one rank."""
     val_do_sample: bool = False
     """Validation decodes greedily unless this is set."""
+    source: Literal["generate", "dataset"] = "generate"
+    """Where each step's responses come from: sampled from the actor, or read from the training file's
+    ``responses`` column (offline RLHF: no sampling in the loop; validation still generates)."""
+    offline_fraction: float | None = None
+    """Share of each step's prompt groups whose responses come from the data set; the rest are sampled.
+    Default: 1 with ``source=dataset``, 0 with ``source=generate``."""
+    compile: bool | Literal["auto"] = "auto"
+    """Decode with a static KV cache and a compiled decoding step (CUDA graphs): ``auto`` on CUDA."""
 
     def __post_init__(self) -> None:
+        if self.offline_fraction is None:
+            self.offline_fraction = 1.0 if self.source == "dataset" else 0.0
+        _require(self, "[0, 1]", "offline_fraction")
+        if self.source == "dataset" and self.offline_fraction != 1.0:
+            raise FieldError(
+                f"rollout.source=dataset reads every group from the data set, but rollout.offline_fraction="
+                f"{self.offline_fraction}: to mix sampled and offline groups use rollout.source=generate "
+                f"with rollout.offline_fraction in (0, 1)",
+                "offline_fraction",
+            )
         _require(self, "> 0", "n", "temperature", "micro_batch_size_per_gpu")
         _require(self, "(0, 1]", "top_p")
         _require(self, ">= 0", "top_k")
@@ -369,9 +438,11 @@ class RolloutConfig:
 
 @dataclass(kw_only=True)
 class RewardConfig:
-    style: Literal["rule", "model", "ranking"] = "rule"
-    """``rule``: scorer chosen by ``data_source``; ``model``: a trained reward model; ``ranking``: of the
-    ``rollout.n`` responses to a prompt the best gets 1, the rest 0."""
+    style: Literal["rule", "model", "ranking", "dataset"] = "rule"
+    """``rule``: scorer chosen by ``data_source``; ``model``: a trained reward model; ``ranking``: scores
+    from the ranks of the ``rollout.n`` responses to a prompt (``rank_scores``), ranked by the data's
+    ``ranks`` column for offline groups and by ``ranking_by`` for sampled ones; ``dataset``: the
+    offline data's ``scores`` column."""
     model_path: str | None = None
     """Reward model folder for ``style=model`` (or ``ranking_by=model``)."""
     custom_function: str | None = None
@@ -380,7 +451,10 @@ class RewardConfig:
     format_score: float = 0.0
     """GSM8K scorer: score of a well-formed but wrong answer."""
     ranking_by: Literal["rule", "model"] = "rule"
-    """What ``style=ranking`` ranks by."""
+    """What ``style=ranking`` ranks sampled responses by."""
+    rank_scores: Literal["best", "linear"] = "best"
+    """``style=ranking``: ``best`` scores 1 for the best response of a group (ties share it) and 0 for
+    the others; ``linear`` scores ``1 - rank / (k - 1)`` for rank 0 (best) to k - 1."""
     micro_batch_size_per_gpu: int = 16
     """Sequences per reward-model forward on one rank."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
@@ -544,6 +618,13 @@ class PPOConfig:
                 "reward.model_path",
                 "reward.style",
             )
+        if self.reward.style == "dataset" and self.rollout.offline_fraction < 1.0:
+            raise FieldError(
+                "reward.style=dataset reads the offline data's scores, which sampled responses do not have: "
+                "use it with rollout.source=dataset",
+                "reward.style",
+                "rollout.source",
+            )
         # Fallbacks resolved once, here, so that the trainer and the saved config.yaml see the values
         # that run. A default instance is never the base of another build (see _build), so this cannot
         # freeze a default the user then overrides.
@@ -617,6 +698,12 @@ class PPOConfig:
                 errors.append(
                     f"{role}.ppo_max_token_len_per_gpu={cfg.ppo_max_token_len_per_gpu} is below the longest "
                     f"sequence (max_prompt_length + max_response_length = {max_len}): raise it"
+                )
+        for role in ("actor", "critic", "ref"):
+            sp = getattr(self, role).ulysses_sequence_parallel_size
+            if world_size % sp:
+                errors.append(
+                    f"{role}.ulysses_sequence_parallel_size={sp} must divide the world size {world_size}"
                 )
         for role in ("actor", "critic", "ref", "reward"):
             fsdp = getattr(self, role).fsdp

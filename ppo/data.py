@@ -1,4 +1,5 @@
-"""Prompts, preference pairs and SFT examples from Parquet files, and the per-rank prompt loader.
+"""RL prompts from Parquet files, the reading and validation every data file shares, and the per-rank
+loader of all three trainers.
 
 Prompt files follow verl's layout, one row per prompt::
 
@@ -7,8 +8,8 @@ Prompt files follow verl's layout, one row per prompt::
     reward_model  struct {style, ground_truth}
     extra_info    struct/dict (optional column)
 
-Preference files have ``prompt``, ``chosen``, ``rejected`` (any other column is kept in ``extra``);
-SFT files have ``prompt`` + ``answer``, or a ``messages`` column of whole conversations.
+Preference pairs and SFT examples (the stages before PPO) are read in ``ppo.stage_data``, offline
+response groups in ``ppo.offline``, with the helpers here.
 
 How a prompt becomes tokens (one function, ``encode_prompt``, does it for every loader):
 
@@ -39,7 +40,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -88,36 +89,6 @@ class PromptRecord:
     """The row's ``extra_info`` ({} when the column is absent or null)."""
     index: int
     """Row number over the concatenated files, counted before filtering (a stable id of the row)."""
-
-
-@dataclass(kw_only=True)
-class PreferencePair:
-    """A prompt with a chosen and a rejected response, both as whole token sequences."""
-
-    chosen_ids: list[int]
-    """Prompt tokens + chosen response tokens + EOS."""
-    rejected_ids: list[int]
-    """Prompt tokens + rejected response tokens + EOS."""
-    prompt_length: int
-    """Number of leading prompt tokens shared by both sequences."""
-    extra: dict[str, Any]
-    """Every other column of the row (e.g. ``mistake``), for per-kind metrics."""
-    index: int
-    """Row number over the concatenated files, counted before filtering."""
-
-
-@dataclass(kw_only=True)
-class SFTExample:
-    """A tokenized demonstration with the tokens to train on."""
-
-    input_ids: list[int]
-    """Prompt and answer tokens."""
-    loss_mask: list[bool]
-    """True on the answer tokens (assistant turns) including their final EOS; False on the prompt."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Every other column of the row."""
-    index: int = 0
-    """Row number over the concatenated files, counted before filtering."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -239,18 +210,18 @@ def _eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
     return int(tokenizer.eos_token_id)
 
 
-def _where(path: Path, row: int, column: str) -> str:
+def cell_ref(path: Path, row: int, column: str) -> str:
     """The ``file: row i, column 'c'`` prefix of an error message."""
     return f"{path}: row {row}, column {column!r}"
 
 
-def _row_list(rows: list[int]) -> str:
+def row_list(rows: list[int]) -> str:
     """The first few row numbers for a log line."""
     shown = ", ".join(map(str, rows[:MAX_ROWS_LISTED]))
     return shown + (f", ... ({len(rows)} in all)" if len(rows) > MAX_ROWS_LISTED else "")
 
 
-def _log_dropped(path: Path, what: str, dropped: int, total: int, limit_key: str, limit: int) -> None:
+def log_dropped(path: Path, what: str, dropped: int, total: int, limit_key: str, limit: int) -> None:
     """Log how many rows of a file were loaded, or how many of how many were too long."""
     # INFO, so only rank 0 prints it (the other ranks log warnings only).
     if dropped:
@@ -303,26 +274,26 @@ def load_prompts(
                 row[prompt_key],
                 tokenizer,
                 apply_chat_template=apply_chat_template,
-                where=_where(path, i, prompt_key),
+                where=cell_ref(path, i, prompt_key),
             )
             # Check every row, kept or not, so a bad file fails whatever the length limit.
             record = PromptRecord(
                 input_ids=ids,
                 prompt_text=text,
                 data_source=_check_data_source(
-                    row.get("data_source", DEFAULT_DATA_SOURCE), _where(path, i, "data_source")
+                    row.get("data_source", DEFAULT_DATA_SOURCE), cell_ref(path, i, "data_source")
                 ),
                 ground_truth=_ground_truth(
-                    row.get("reward_model"), _where(path, i, "reward_model"), required=require_ground_truth
+                    row.get("reward_model"), cell_ref(path, i, "reward_model"), required=require_ground_truth
                 ),
-                extra_info=_extra_info(row.get("extra_info"), _where(path, i, "extra_info")),
+                extra_info=_extra_info(row.get("extra_info"), cell_ref(path, i, "extra_info")),
                 index=offset + i,
             )
             if len(ids) > max_prompt_length:
                 file_dropped += 1
             else:
                 records.append(record)
-        _log_dropped(path, "prompts", file_dropped, len(rows), "data.max_prompt_length", max_prompt_length)
+        log_dropped(path, "prompts", file_dropped, len(rows), "data.max_prompt_length", max_prompt_length)
         total += len(rows)
         dropped += file_dropped
         offset += len(rows)
@@ -497,194 +468,3 @@ class ShardedLoader:
             )
         self.epoch = int(state["epoch"])
         self.batch_in_epoch = int(state["batch_in_epoch"])
-
-
-# ----------------------------------------------------------------------------------------------------
-# Preference pairs (reward model) and SFT examples
-# ----------------------------------------------------------------------------------------------------
-
-
-def load_preference_pairs(
-    files: Files,
-    tokenizer: PreTrainedTokenizerBase,
-    *,
-    max_length: int,
-    apply_chat_template: bool = True,
-) -> list[PreferencePair]:
-    """Load ``prompt``/``chosen``/``rejected`` rows as token sequences for reward-model training.
-
-    Rows whose chosen or rejected is empty (or null), or where the two are identical, are skipped and
-    logged with their row numbers; pairs where either sequence exceeds ``max_length`` tokens are
-    dropped and counted. A file with no usable row raises DataError.
-    """
-    pairs: list[PreferencePair] = []
-    offset = 0
-    for path in as_paths(files):
-        rows = read_parquet(path, required=["prompt", "chosen", "rejected"])
-        skipped: list[int] = []
-        too_long = 0
-        for i, row in enumerate(rows):
-            chosen = _response_text(row["chosen"], _where(path, i, "chosen"))
-            rejected = _response_text(row["rejected"], _where(path, i, "rejected"))
-            if not chosen.strip() or not rejected.strip() or chosen == rejected:
-                skipped.append(i)
-                continue
-            _, prompt_ids = encode_prompt(
-                row["prompt"],
-                tokenizer,
-                apply_chat_template=apply_chat_template,
-                where=_where(path, i, "prompt"),
-            )
-            chosen_ids = prompt_ids + encode_response(chosen, tokenizer)
-            rejected_ids = prompt_ids + encode_response(rejected, tokenizer)
-            if max(len(chosen_ids), len(rejected_ids)) > max_length:
-                too_long += 1
-                continue
-            extra = {k: v for k, v in row.items() if k not in ("prompt", "chosen", "rejected")}
-            pairs.append(
-                PreferencePair(
-                    chosen_ids=chosen_ids,
-                    rejected_ids=rejected_ids,
-                    prompt_length=len(prompt_ids),
-                    extra=extra,
-                    index=offset + i,
-                )
-            )
-        if skipped:
-            logger.warning(
-                "%s: skipped %d of %d rows with an empty or null chosen/rejected, or chosen == rejected "
-                "(rows %s)",
-                path,
-                len(skipped),
-                len(rows),
-                _row_list(skipped),
-            )
-        _log_dropped(path, "preference pairs", too_long, len(rows), "max_length", max_length)
-        usable = len(rows) - len(skipped) - too_long
-        if usable == 0:
-            raise DataError(
-                f"{path}: no usable preference pair among {len(rows)} rows ({len(skipped)} empty or identical, "
-                f"{too_long} longer than max_length={max_length} tokens)"
-            )
-        offset += len(rows)
-    return pairs
-
-
-def _response_text(value: Any, where: str) -> str:
-    """A response cell as a string; null counts as empty (the caller skips it)."""
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        raise DataError(f"{where}: expected a string response, got {type(value).__name__}")
-    return value
-
-
-def load_sft_examples(
-    files: Files,
-    tokenizer: PreTrainedTokenizerBase,
-    *,
-    max_length: int,
-    apply_chat_template: bool = True,
-) -> list[SFTExample]:
-    """Load demonstrations with a loss mask on the answer tokens.
-
-    Two layouts: ``prompt`` + ``answer`` columns (the answer and its EOS are trained), or a ``messages``
-    column of whole conversations (every assistant turn as the chat template renders it is trained;
-    needs ``apply_chat_template``). Examples over ``max_length`` tokens are dropped and logged.
-    """
-    examples: list[SFTExample] = []
-    offset = 0
-    for path in as_paths(files):
-        use_messages, rows = _sft_layout(path)
-        too_long = 0
-        for i, row in enumerate(rows):
-            if use_messages:
-                ids, mask = _encode_conversation(
-                    row["messages"], tokenizer, apply_chat_template, _where(path, i, "messages")
-                )
-                used = ("messages",)
-            else:
-                _, prompt_ids = encode_prompt(
-                    row["prompt"],
-                    tokenizer,
-                    apply_chat_template=apply_chat_template,
-                    where=_where(path, i, "prompt"),
-                )
-                answer = row["answer"]
-                if not isinstance(answer, str) or not answer.strip():
-                    raise DataError(
-                        f"{_where(path, i, 'answer')}: expected a non-empty string, got {answer!r:.80}"
-                    )
-                answer_ids = encode_response(answer, tokenizer)
-                ids = prompt_ids + answer_ids
-                mask = [False] * len(prompt_ids) + [True] * len(answer_ids)
-                used = ("prompt", "answer")
-            if len(ids) > max_length:
-                too_long += 1
-                continue
-            extra = {k: v for k, v in row.items() if k not in used}
-            examples.append(SFTExample(input_ids=ids, loss_mask=mask, extra=extra, index=offset + i))
-        _log_dropped(path, "SFT examples", too_long, len(rows), "max_length", max_length)
-        if too_long == len(rows):
-            raise DataError(
-                f"{path}: no usable SFT example among {len(rows)} rows ({too_long} longer than "
-                f"max_length={max_length} tokens): raise max_length"
-            )
-        offset += len(rows)
-    return examples
-
-
-def _sft_layout(path: Path) -> tuple[bool, list[dict[str, Any]]]:
-    """Whether an SFT file uses the ``messages`` layout, and its rows."""
-    columns = parquet_columns(path)
-    use_messages = "messages" in columns and "answer" not in columns
-    rows = read_parquet(
-        path,
-        required=["messages"] if use_messages else ["prompt", "answer"],
-        hints={"answer": "an SFT file needs 'prompt' + 'answer' columns, or a 'messages' column"},
-    )
-    if not rows:
-        raise DataError(f"{path}: the file has no rows")
-    return use_messages, rows
-
-
-def _encode_conversation(
-    value: Any, tokenizer: PreTrainedTokenizerBase, apply_chat_template: bool, where: str
-) -> tuple[list[int], list[bool]]:
-    """Tokens and loss mask of a whole conversation; assistant turns are trained.
-
-    The conversation is rendered once; the text of assistant turn ``i`` is what rendering
-    ``messages[: i + 1]`` adds to rendering ``messages[:i]`` with the generation prompt. The pieces are
-    tokenized separately (no special tokens added) so the mask boundaries are exact.
-    """
-    if not apply_chat_template:
-        raise DataError(f"{where}: a 'messages' column needs the chat template; set apply_chat_template=true")
-    messages = check_messages(value, where)
-    full = render_messages(messages, tokenizer, add_generation_prompt=False, where=where)
-    cuts: list[tuple[int, int]] = []  # [start, end) character spans of assistant turns
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        if i == 0:
-            raise DataError(f"{where}: the conversation starts with an assistant turn; it needs a prompt")
-        start = len(render_messages(messages[:i], tokenizer, add_generation_prompt=True, where=where))
-        end_text = render_messages(messages[: i + 1], tokenizer, add_generation_prompt=False, where=where)
-        if not full.startswith(end_text) or start > len(end_text) or (cuts and start < cuts[-1][1]):
-            raise DataError(
-                f"{where}: the chat template does not render the conversation turn by turn (a prefix of it "
-                f"renders differently), so assistant turns cannot be located; use prompt + answer columns"
-            )
-        cuts.append((start, len(end_text)))
-    if not cuts:
-        raise DataError(f"{where}: no assistant turn to train on")
-    ids: list[int] = []
-    mask: list[bool] = []
-    pos = 0
-    for start, end in cuts:
-        for lo, hi, trained in ((pos, start, False), (start, end, True)):
-            piece = list(tokenizer(full[lo:hi], add_special_tokens=False)["input_ids"]) if hi > lo else []
-            ids += piece
-            mask += [trained] * len(piece)
-        pos = end
-    tail = list(tokenizer(full[pos:], add_special_tokens=False)["input_ids"]) if pos < len(full) else []
-    return ids + tail, mask + [False] * len(tail)

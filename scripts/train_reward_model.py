@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ppo import data, models, runner
+from ppo import models, runner, stage_data
 from ppo.config import RewardModelConfig
 from ppo.distributed import DistInfo, all_gather_object, all_reduce_scalars
 from ppo.metrics import Timer
@@ -56,9 +56,11 @@ def train(cfg: RewardModelConfig, info: DistInfo) -> None:
     tokenizer = runner.load_tokenizer(cfg.model)
     load = dict(max_length=cfg.data.max_length, apply_chat_template=cfg.data.apply_chat_template)
     with runner.main_rank_logs(info):  # data warnings once, not once per rank
-        train_pairs = data.load_preference_pairs(cfg.data.train_files, tokenizer, **load)
+        train_pairs = stage_data.load_preference_pairs(cfg.data.train_files, tokenizer, **load)
         val_pairs = (
-            data.load_preference_pairs(cfg.data.val_files, tokenizer, **load) if cfg.data.val_files else []
+            stage_data.load_preference_pairs(cfg.data.val_files, tokenizer, **load)
+            if cfg.data.val_files
+            else []
         )
     skipped = {
         "train": count_rows(cfg.data.train_files) - len(train_pairs),
@@ -192,13 +194,13 @@ def pair_accuracy(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor) ->
     return (chosen_scores > rejected_scores).float()
 
 
-def pair_length(pair: data.PreferencePair) -> int:
+def pair_length(pair: stage_data.PreferencePair) -> int:
     """Tokens a pair takes in a packed micro-batch (its chosen and its rejected sequence)."""
     return len(pair.chosen_ids) + len(pair.rejected_ids)
 
 
 def pair_scores(
-    model: nn.Module, pairs: list[data.PreferencePair], device: torch.device
+    model: nn.Module, pairs: list[stage_data.PreferencePair], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores ``[B]`` of the chosen and of the rejected sequences, from one packed forward.
 
@@ -217,7 +219,7 @@ def count_rows(files: list[str]) -> int:
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, pairs: list[data.PreferencePair], cfg: RewardModelConfig, info: DistInfo
+    model: nn.Module, pairs: list[stage_data.PreferencePair], cfg: RewardModelConfig, info: DistInfo
 ) -> dict[str, float]:
     """Held-out ``rm/accuracy``, ``rm/margin``, ``val/loss`` and ``rm/accuracy/<mistake>``.
 

@@ -24,7 +24,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 import kernels
-from ppo import data, models, rewards, runner
+from ppo import data, models, rewards, runner, stage_data
 from ppo.config import SFTConfig
 from ppo.distributed import DistInfo, all_gather_object, all_reduce_scalars
 from ppo.metrics import Timer
@@ -58,9 +58,9 @@ def train(cfg: SFTConfig, info: DistInfo) -> None:
     tokenizer = runner.load_tokenizer(cfg.model)
     load = dict(max_length=cfg.data.max_length, apply_chat_template=cfg.data.apply_chat_template)
     with runner.main_rank_logs(info):  # data warnings once, not once per rank
-        train_examples = data.load_sft_examples(cfg.data.train_files, tokenizer, **load)
+        train_examples = stage_data.load_sft_examples(cfg.data.train_files, tokenizer, **load)
         val_examples = (
-            data.load_sft_examples(cfg.data.val_files, tokenizer, **load) if cfg.data.val_files else []
+            stage_data.load_sft_examples(cfg.data.val_files, tokenizer, **load) if cfg.data.val_files else []
         )
     loader = runner.make_loader(train_examples, cfg, info)
     num_steps = runner.total_steps(cfg, loader)
@@ -170,7 +170,7 @@ def save_path(cfg: SFTConfig) -> Path:
     return Path(cfg.trainer.save_path or Path(cfg.trainer.output_dir) / "hf")
 
 
-def answer_labels(packed: PackedSequences, examples: list[data.SFTExample]) -> torch.Tensor:
+def answer_labels(packed: PackedSequences, examples: list[stage_data.SFTExample]) -> torch.Tensor:
     """Next-token labels that are -100 except where the next token is an answer token: ``[T]``.
 
     ``labels[t] = input_ids[t + 1]`` when token ``t + 1`` is in the same sequence and its loss mask
@@ -185,7 +185,9 @@ def answer_labels(packed: PackedSequences, examples: list[data.SFTExample]) -> t
     return labels.masked_fill(~next_trained, kernels.IGNORE_INDEX)
 
 
-def answer_nll_sum(model: nn.Module, examples: list[data.SFTExample], device: torch.device) -> torch.Tensor:
+def answer_nll_sum(
+    model: nn.Module, examples: list[stage_data.SFTExample], device: torch.device
+) -> torch.Tensor:
     """Summed negative log-likelihood of the answer tokens of ``examples``, packed into one row.
 
     A scalar (fp32); the log-softmax runs in fp32 whatever the compute dtype. Divide by the global
@@ -200,7 +202,7 @@ def answer_nll_sum(model: nn.Module, examples: list[data.SFTExample], device: to
 
 @torch.no_grad()
 def validation_loss(
-    model: nn.Module, examples: list[data.SFTExample], cfg: SFTConfig, info: DistInfo
+    model: nn.Module, examples: list[stage_data.SFTExample], cfg: SFTConfig, info: DistInfo
 ) -> float:
     """Token-mean answer loss over all held-out examples (every rank scores its share)."""
     mine = runner.my_share(examples, info)
@@ -213,7 +215,7 @@ def validation_loss(
     )
     for group in groups:
         if not group:  # this rank is out of examples, but the forward is a collective: join it
-            dummy = data.SFTExample(input_ids=DUMMY_SEQUENCE, loss_mask=[False])
+            dummy = stage_data.SFTExample(input_ids=DUMMY_SEQUENCE, loss_mask=[False])
             answer_nll_sum(model, [dummy], info.device)
             continue
         batch = [mine[i] for i in group]

@@ -21,8 +21,9 @@ from transformers import (
     AutoTokenizer,
 )
 
-from ppo.data import load_preference_pairs, load_prompts, load_sft_examples
+from ppo.data import load_prompts
 from ppo.rewards import RULE_DATA_SOURCES, default_compute_score, gsm8k_score
+from ppo.stage_data import load_preference_pairs, load_sft_examples
 
 DATA_FILES = ("train", "val", "sft_train", "sft_val", "pref_train", "pref_val")
 

@@ -436,6 +436,13 @@ def test_world_size_below_one_is_a_config_error(world_size: str) -> None:
 
 # One out-of-range value for every range-checked field: (class, override, full key in the message).
 RANGE_CASES = [
+    (PPOConfig, "actor.ulysses_sequence_parallel_size=0", "actor.ulysses_sequence_parallel_size"),
+    (PPOConfig, "critic.ulysses_sequence_parallel_size=0", "critic.ulysses_sequence_parallel_size"),
+    (PPOConfig, "ref.ulysses_sequence_parallel_size=-1", "ref.ulysses_sequence_parallel_size"),
+    (PPOConfig, "actor.lora.rank=-1", "actor.lora.rank"),
+    (PPOConfig, "critic.lora.alpha=0", "critic.lora.alpha"),
+    (PPOConfig, "actor.lora.dropout=1.0", "actor.lora.dropout"),
+    (PPOConfig, "rollout.offline_fraction=1.5", "rollout.offline_fraction"),
     (PPOConfig, "actor.fsdp.fsdp_size=0", "actor.fsdp.fsdp_size"),
     (PPOConfig, "reward.fsdp.fsdp_size=-2", "reward.fsdp.fsdp_size"),
     (PPOConfig, "actor.optim.lr=0", "actor.optim.lr"),

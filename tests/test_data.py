@@ -19,14 +19,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ppo.data import (
-    DataError,
-    PromptRecord,
-    ShardedLoader,
-    load_preference_pairs,
-    load_prompts,
-    load_sft_examples,
-)
+from ppo.data import DataError, PromptRecord, ShardedLoader, load_prompts
+from ppo.stage_data import load_preference_pairs, load_sft_examples
 
 BOS, EOS, USER, ASSISTANT = 1, 2, 5, 6
 
@@ -264,7 +258,8 @@ def test_loader_without_shuffle_keeps_file_order() -> None:
 def test_rank_shares_are_disjoint_and_cover_the_global_batch() -> None:
     single = take(ShardedLoader(fake_records(50), batch_size=12, rank=0, world_size=1, seed=3), 6)
     shares = [
-        take(ShardedLoader(fake_records(50), batch_size=12, rank=r, world_size=3, seed=3), 6) for r in range(3)
+        take(ShardedLoader(fake_records(50), batch_size=12, rank=r, world_size=3, seed=3), 6)
+        for r in range(3)
     ]
     for step in range(6):
         per_rank = [shares[r][step] for r in range(3)]

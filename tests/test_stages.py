@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ppo import data, models, runner
+from ppo import models, runner, stage_data
 from ppo.distributed import DistInfo
 from ppo.packing import pack_sequences, plan_eval_micro_batches
 
@@ -155,8 +155,8 @@ def test_bradley_terry_loss_and_accuracy_by_hand() -> None:
 
 
 def test_answer_labels_mask_prompt_tokens_and_sequence_boundaries() -> None:
-    a = data.SFTExample(input_ids=[10, 11, 12, 13, 14], loss_mask=[False, False, True, True, True])
-    b = data.SFTExample(input_ids=[20, 21, 22], loss_mask=[False, True, True])
+    a = stage_data.SFTExample(input_ids=[10, 11, 12, 13, 14], loss_mask=[False, False, True, True, True])
+    b = stage_data.SFTExample(input_ids=[20, 21, 22], loss_mask=[False, True, True])
     packed = pack_sequences([a.input_ids, b.input_ids], torch.device("cpu"))
     assert packed.position_ids.tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
     assert packed.cu_seqlens.tolist() == [0, 5, 8]
@@ -170,7 +170,7 @@ def test_answer_labels_mask_prompt_tokens_and_sequence_boundaries() -> None:
 def test_no_loss_on_prompt_tokens(tiny: Path) -> None:
     model = models.load_causal_lm(str(tiny / "base"))
     tok = models.load_tokenizer(str(tiny / "base"))
-    examples = data.load_sft_examples(tiny / "data" / "sft_val.parquet", tok, max_length=40)[:3]
+    examples = stage_data.load_sft_examples(tiny / "data" / "sft_val.parquet", tok, max_length=40)[:3]
     packed = pack_sequences([ex.input_ids for ex in examples], torch.device("cpu"))
     labels = sft.answer_labels(packed, examples)
     logits = models.causal_lm_logits(model, packed.input_ids, packed.position_ids).detach().requires_grad_()
