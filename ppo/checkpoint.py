@@ -32,6 +32,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -43,6 +44,10 @@ from ppo.distributed import DistInfo, barrier, broadcast_object
 logger = logging.getLogger("ppo")
 
 COMPLETE = "COMPLETE"
+
+TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True)
+"""Checkpoints hold what trains: with LoRA the frozen base weights come from ``model.path`` again, so a
+checkpoint is the adapters (and value head) and their optimizer state."""
 
 
 class CheckpointError(RuntimeError):
@@ -147,7 +152,7 @@ def save(
     barrier()
     state = {}
     for name, model in _present(models).items():
-        model_sd, optim_sd = get_state_dict(model, optimizers[name])
+        model_sd, optim_sd = get_state_dict(model, optimizers[name], options=TRAINABLE_ONLY)
         state[f"{name}.model"] = model_sd
         state[f"{name}.optim"] = optim_sd
     dcp.save(state, checkpoint_id=str(tmp / "dcp"))
@@ -201,7 +206,10 @@ def load_models(ckpt_dir: Path, models: dict[str, torch.nn.Module | None]) -> No
         raise CheckpointError(
             f"{ckpt_dir} is not a complete checkpoint (no {COMPLETE} marker or DCP metadata)"
         )
-    state = {f"{name}.model": get_model_state_dict(model) for name, model in _present(models).items()}
+    state = {
+        f"{name}.model": get_model_state_dict(model, options=TRAINABLE_ONLY)
+        for name, model in _present(models).items()
+    }
     try:
         dcp.load(state, checkpoint_id=str(ckpt_dir / "dcp"))
     except (Exception, CheckpointException) as e:
@@ -209,7 +217,7 @@ def load_models(ckpt_dir: Path, models: dict[str, torch.nn.Module | None]) -> No
             f"checkpoint {ckpt_dir} does not fit the models (different shapes?): {_dcp_error(e)}"
         ) from None
     for name, model in _present(models).items():
-        set_model_state_dict(model, state[f"{name}.model"])
+        set_model_state_dict(model, state[f"{name}.model"], options=TRAINABLE_ONLY)
 
 
 def load(
@@ -231,7 +239,7 @@ def load(
         )
     state = {}
     for name, model in _present(models).items():
-        model_sd, optim_sd = get_state_dict(model, optimizers[name])
+        model_sd, optim_sd = get_state_dict(model, optimizers[name], options=TRAINABLE_ONLY)
         state[f"{name}.model"] = model_sd
         state[f"{name}.optim"] = optim_sd
     try:
@@ -247,6 +255,7 @@ def load(
             optimizers[name],
             model_state_dict=state[f"{name}.model"],
             optim_state_dict=state[f"{name}.optim"],
+            options=TRAINABLE_ONLY,
         )
     local = torch.load(ckpt_dir / f"rank_{rank:05d}.pt", weights_only=False)
     for name, sched in _present(schedulers).items():
