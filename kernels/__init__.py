@@ -9,14 +9,17 @@ about 25 GB); `fused_linear_logprobs` never holds the whole logits.
     logprobs, entropy = fused_linear_logprobs(hidden, lm_head.weight, labels, temperature=0.6)
     kl = low_var_kl(logprobs, ref_logprobs)
 
-Each op has a Triton path (`kernels/triton_ops.py`), a chunked PyTorch path and a naive `*_reference`
-(`kernels/torch_ops.py`); `backend` picks one ("auto" = Triton on CUDA, else torch; see
-`kernels/dispatch.py`). Tests: `.venv/bin/python -m pytest tests/test_kernels.py` (Triton under
-TRITON_INTERPRET=1 on CPU). Benchmark: `.venv/bin/python scripts/bench_kernels.py`. Compile check of the
+Both fast paths run one chunked algorithm (`kernels/chunked.py`: chunk loops, autograd, peak-memory
+accounting) over per-chunk primitives in Triton (`kernels/triton_ops.py`) or PyTorch
+(`kernels/torch_ops.py`, which also holds the naive `*_reference` of each op); `backend` picks one
+("auto" = Triton on CUDA, else torch; see `kernels/dispatch.py`).
+
+Tests: `.venv/bin/python -m pytest tests/test_kernels.py` (Triton under TRITON_INTERPRET=1 on CPU). Benchmark: `.venv/bin/python scripts/bench_kernels.py`. Compile check of the
 Triton kernels for a GPU without one: `.venv/bin/python -m kernels.aot_check`. On a GPU machine:
 `bash scripts/gpu_check.sh`.
 """
 
+from kernels.chunked import IGNORE_INDEX, fused_memory_plan
 from kernels.dispatch import (
     BACKENDS,
     fused_linear_logprobs,
@@ -25,7 +28,6 @@ from kernels.dispatch import (
     resolve_backend,
 )
 from kernels.torch_ops import (
-    IGNORE_INDEX,
     fused_linear_logprobs_reference,
     logprobs_from_logits_reference,
     low_var_kl_reference,
@@ -37,6 +39,7 @@ __all__ = [
     "IGNORE_INDEX",
     "fused_linear_logprobs",
     "fused_linear_logprobs_reference",
+    "fused_memory_plan",
     "logprobs_from_logits",
     "logprobs_from_logits_reference",
     "low_var_kl",

@@ -25,7 +25,7 @@ from kernels import triton_ops as k
 
 # Argument types shared by name across the kernels; "{dt}" is the input dtype.
 _ARG_TYPES = {
-    **dict.fromkeys(("logits_ptr", "grad_logits_ptr", "hidden_ptr", "weight_ptr", "a_ptr", "b_ptr"), "*{dt}"),
+    **dict.fromkeys(("logits_ptr", "grad_logits_ptr", "a_ptr", "b_ptr"), "*{dt}"),
     **dict.fromkeys(
         (
             "logprobs_ptr",
@@ -34,15 +34,11 @@ _ARG_TYPES = {
             "mean_z_ptr",
             "grad_logprobs_ptr",
             "grad_entropy_ptr",
-            "part_max_ptr",
-            "part_sum_ptr",
-            "part_ent_ptr",
-            "part_target_ptr",
             "c_ptr",
             "ref_ptr",
             "kl_ptr",
             "grad_kl_ptr",
-            "grad_ref_ptr",
+            "grad_x_ptr",
         ),
         "*fp32",
     ),
@@ -68,26 +64,26 @@ def compile_kernel(
 def specializations() -> list[tuple[triton.JITFunction, str, dict, dict]]:
     """(kernel, input dtype, constexprs, launch options) for every kernel variant the ops launch."""
     specs = []
+    grad_tile = {name: k._GRAD_TILE[name] for name in ("BLOCK_T", "BLOCK_V")}
     for dt in ("bf16", "fp32"):
         for flag in (True, False):
             specs.append(
                 (k._logits_fwd_kernel, dt, {"COMPUTE_ENTROPY": flag, "BLOCK_V": 4096}, {"num_warps": 8})
             )
             specs.append(
-                (k._logits_bwd_kernel, dt, {"HAS_GRAD_ENTROPY": flag, "BLOCK_V": 4096}, {"num_warps": 8})
+                (
+                    k._logits_bwd_kernel,
+                    dt,
+                    {"HAS_GRAD_ENTROPY": flag, **grad_tile},
+                    {"num_warps": k._GRAD_TILE["num_warps"]},
+                )
             )
-        tile = k._GPU_TILES[0]
-        blocks = {"BLOCK_T": tile.block_t, "BLOCK_V": tile.block_v, "BLOCK_H": tile.block_h}
-        flags = {"UPCAST": False, "IEEE_FP32": dt == "fp32"}
-        launch = {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
-        specs.append((k._fused_fwd_kernel, dt, {**blocks, **flags, "COMPUTE_ENTROPY": True}, launch))
-        specs.append((k._fused_bwd_kernel, dt, {**blocks, **flags, "HAS_GRAD_ENTROPY": True}, launch))
-        config = k._ACC_CONFIG_FP32 if dt == "fp32" else k._ACC_CONFIG
-        acc_blocks = {name: config[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
-        acc_launch = {name: config[name] for name in ("num_warps", "num_stages")}
-        specs.append((k._matmul_acc_kernel, dt, {**acc_blocks, **flags}, acc_launch))
+    # grad_hidden accumulation: half-precision inputs only (fp32 goes to cuBLAS).
+    acc_blocks = {name: k._ACC_CONFIG[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+    acc_launch = {name: k._ACC_CONFIG[name] for name in ("num_warps", "num_stages")}
+    specs.append((k._matmul_acc_kernel, "bf16", {**acc_blocks, "UPCAST": False}, acc_launch))
     specs.append((k._low_var_kl_fwd_kernel, "fp32", {"BLOCK": 1024}, {}))
-    specs.append((k._low_var_kl_bwd_kernel, "fp32", {"BLOCK": 1024}, {}))
+    specs.append((k._low_var_kl_grad_kernel, "fp32", {"BLOCK": 1024}, {}))
     return specs
 
 

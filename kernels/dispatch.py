@@ -8,6 +8,9 @@
   import), else RuntimeError. Needs the triton package, which is imported lazily so that importing
   `kernels` works without it.
 - "torch": the chunked PyTorch path. "reference": the naive full-tensor formulas.
+
+Beyond the names, `backend` may be a `kernels.chunked.Primitives` instance: the chunked algorithm on
+those primitives (tests use Triton with narrow blocks, `kernels.triton_ops.primitives(block_v=256)`).
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ import types
 import torch
 from torch import Tensor
 
-from kernels import torch_ops
-from kernels.torch_ops import IGNORE_INDEX
+from kernels import chunked, torch_ops
+from kernels.chunked import IGNORE_INDEX
 
 BACKENDS = ("auto", "triton", "torch", "reference")
 
@@ -55,6 +58,16 @@ def resolve_backend(backend: str, x: Tensor) -> str:
     return "triton" if not isinstance(module, ImportError) and not module.INTERPRETED else "torch"
 
 
+def _primitives(backend: str | chunked.Primitives, x: Tensor) -> chunked.Primitives | None:
+    """The per-chunk primitives that run an op on input `x`; None for the reference."""
+    if isinstance(backend, chunked.Primitives):
+        return backend
+    name = resolve_backend(backend, x)
+    if name == "reference":
+        return None
+    return torch_ops.TORCH if name == "torch" else _triton_ops().primitives()
+
+
 def logprobs_from_logits(
     logits: Tensor,
     labels: Tensor,
@@ -63,7 +76,7 @@ def logprobs_from_logits(
     compute_entropy: bool = True,
     chunk_size: int | None = None,
     ignore_index: int = IGNORE_INDEX,
-    backend: str = "auto",
+    backend: str | chunked.Primitives = "auto",
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs of `labels` and entropy under softmax(logits / temperature).
 
@@ -74,19 +87,22 @@ def logprobs_from_logits(
     Args:
         logits: [T, V] fp16/bf16/fp32 (fp64 runs on the torch paths).
         labels: [T] int (see `next_token_labels`).
-        chunk_size: tokens per chunk of the torch path (default: ~16 MiB of fp32 per chunk).
+        chunk_size: tokens per chunk of the torch path (default: 64 MiB of temporaries on CPU).
 
     Returns:
         logprobs [T] fp32 and entropy [T] fp32, or None when compute_entropy is False.
     """
-    kwargs = {"temperature": temperature, "compute_entropy": compute_entropy, "ignore_index": ignore_index}
-    match resolve_backend(backend, logits):
-        case "reference":
-            return torch_ops.logprobs_from_logits_reference(logits, labels, **kwargs)
-        case "torch":
-            return torch_ops.logprobs_from_logits_torch(logits, labels, chunk_size=chunk_size, **kwargs)
-        case _:
-            return _triton_ops().logprobs_from_logits_triton(logits, labels, chunk_size=chunk_size, **kwargs)
+    prims = _primitives(backend, logits)
+    if prims is None:
+        return torch_ops.logprobs_from_logits_reference(
+            logits,
+            labels,
+            temperature=temperature,
+            compute_entropy=compute_entropy,
+            ignore_index=ignore_index,
+        )
+    config = chunked.OpConfig(prims, float(temperature), compute_entropy, ignore_index, chunk_size)
+    return chunked.logprobs_from_logits(logits, labels, config)
 
 
 def fused_linear_logprobs(
@@ -97,44 +113,52 @@ def fused_linear_logprobs(
     temperature: float = 1.0,
     compute_entropy: bool = True,
     chunk_size: int | None = None,
+    vocab_chunk_size: int | None = None,
     ignore_index: int = IGNORE_INDEX,
-    backend: str = "auto",
+    backend: str | chunked.Primitives = "auto",
 ) -> tuple[Tensor, Tensor | None]:
     """`logprobs_from_logits(hidden @ weight.T, ...)` without ever holding the [T, V] logits.
+
+    The forward computes the logits `chunk_size` tokens at a time (one GEMM each, in the input dtype
+    like the naive LM head) and keeps [T] statistics; the backward walks `vocab_chunk_size` rows of the
+    weight at a time, so grad_weight is written once per chunk and grad_hidden accumulates in fp32.
+    Both chunks default to 256 MiB of temporaries on CUDA, 64 MiB elsewhere; `kernels.chunked`
+    documents the algorithm and its peak memory (`fused_memory_plan`). The GEMMs are torch matmuls
+    (cuBLAS): fp32 inputs follow torch's fp32 matmul precision (TF32 only if enabled).
 
     Args:
         hidden: [T, H] final hidden states (after the last norm).
         weight: [V, H] LM-head weight, same dtype as hidden.
         labels: [T] int.
-        chunk_size: tokens per chunk (torch path: forward and backward; Triton: backward only).
+        chunk_size: tokens per forward chunk. vocab_chunk_size: vocabulary rows per backward chunk.
 
     Returns:
         logprobs [T] fp32 and entropy [T] fp32 or None; gradients flow to hidden and weight.
     """
-    kwargs = {
-        "temperature": temperature,
-        "compute_entropy": compute_entropy,
-        "chunk_size": chunk_size,
-        "ignore_index": ignore_index,
-    }
-    match resolve_backend(backend, hidden):
-        case "reference":
-            return torch_ops.fused_linear_logprobs_reference(hidden, weight, labels, **kwargs)
-        case "torch":
-            return torch_ops.fused_linear_logprobs_torch(hidden, weight, labels, **kwargs)
-        case _:
-            return _triton_ops().fused_linear_logprobs_triton(hidden, weight, labels, **kwargs)
+    prims = _primitives(backend, hidden)
+    if prims is None:
+        return torch_ops.fused_linear_logprobs_reference(
+            hidden,
+            weight,
+            labels,
+            temperature=temperature,
+            compute_entropy=compute_entropy,
+            ignore_index=ignore_index,
+        )
+    config = chunked.OpConfig(
+        prims, float(temperature), compute_entropy, ignore_index, chunk_size, vocab_chunk_size
+    )
+    return chunked.fused_linear_logprobs(hidden, weight, labels, config)
 
 
-def low_var_kl(logprobs: Tensor, ref_logprobs: Tensor, backend: str = "auto") -> Tensor:
+def low_var_kl(logprobs: Tensor, ref_logprobs: Tensor, backend: str | chunked.Primitives = "auto") -> Tensor:
     """Per-token k3 KL estimate: x = clamp(ref - logp, -20, 20), kl = clamp(e^x - x - 1, -10, 10).
 
-    The gradient is zero where either clamp is active. Shapes: any, equal (usually [T]); fp32 output.
+    Equals `ppo.algorithms.kl_penalty(logprobs, ref_logprobs, "low_var_kl")` in value and gradient
+    (fp32 inputs). The gradient is zero where either clamp is active. Shapes: any, equal (usually
+    [T]); fp32 output (fp64 for fp64 inputs on the torch paths).
     """
-    match resolve_backend(backend, logprobs):
-        case "reference":
-            return torch_ops.low_var_kl_reference(logprobs, ref_logprobs)
-        case "torch":
-            return torch_ops.low_var_kl_torch(logprobs, ref_logprobs)
-        case _:
-            return _triton_ops().low_var_kl_triton(logprobs, ref_logprobs)
+    prims = _primitives(backend, logprobs)
+    if prims is None:
+        return torch_ops.low_var_kl_reference(logprobs, ref_logprobs)
+    return chunked.low_var_kl(logprobs, ref_logprobs, prims)

@@ -5,6 +5,8 @@ Every path starts from hidden [T, H] and the LM-head weight [V, H], so rows comp
 - naive:       logits = hidden @ W^T, then a full fp32 log_softmax + gather + entropy (the references)
 - from_logits: logits = hidden @ W^T, then `kernels.logprobs_from_logits` (fast backend)
 - fused:       `kernels.fused_linear_logprobs` (fast backend): the [T, V] logits never exist
+- liger:       Liger-Kernel's fused linear cross entropy (reduction="none", log-probs only, no entropy
+               or temperature), only where `liger_kernel` imports and on CUDA; skipped otherwise
 
 "fwd" runs under `torch.no_grad()` (how old/ref log-probs are computed in PPO); "fwd+bwd" runs with grad
 and backpropagates sum(g1 * logprobs + g2 * entropy) into hidden and weight. The fast backend is
@@ -24,13 +26,20 @@ Memory is the peak of what the call allocates on top of what existed before it (
 
 Time is the median of --repeat runs after a warm-up (CUDA events on GPU, perf_counter on CPU). On GPU
 the table adds the roofline floor, FLOPs / peak tensor-core FLOP/s, with FLOPs = 2·T·H·V forward,
-6·T·H·V forward+backward for the paths that keep logits and 8·T·H·V for the fused path (its backward
-recomputes the logits), and the achieved fraction floor / time.
+6·T·H·V forward+backward for the paths that keep logits (and Liger, which forms the gradients in its
+forward) and 8·T·H·V for the fused path (its backward recomputes the logits), and the achieved
+fraction floor / time.
+
+Each row (a table line, or with --json one JSON object) is one shape x path x mode and carries `ms`
+(median time) and `extra_gib` (peak extra memory), e.g. for a GPU check:
+    {"path": "fused", "mode": "fwd+bwd", "T": 16384, "H": 4096, "V": 152064, "dtype": "bfloat16",
+     "ms": ..., "extra_gib": ..., ...}
 
 Run:
     .venv/bin/python scripts/bench_kernels.py                     # CPU defaults, table
     .venv/bin/python scripts/bench_kernels.py --shapes 4096x256x32000 --json
-    .venv/bin/python scripts/bench_kernels.py --device cuda --dtype bfloat16 --shapes 16384x4096x152064
+    .venv/bin/python scripts/bench_kernels.py --device cuda --dtype bfloat16 --shapes 16384x4096x152064 \
+        --paths fused liger --json
 """
 
 from __future__ import annotations
@@ -50,7 +59,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels  # noqa: E402
 
-PATHS = ("naive", "from_logits", "fused")
+PATHS = ("naive", "from_logits", "fused", "liger")
+DEFAULT_PATHS = ("naive", "from_logits", "fused")
 MODES = ("fwd", "fwd+bwd")
 # Dense peak FLOP/s (bf16/fp16 tensor cores, fp32 without TF32) by device-name substring.
 PEAK_TFLOPS = {"H200": (989.0, 67.0), "H100": (989.0, 67.0), "A100": (312.0, 19.5), "L40S": (362.0, 91.6)}
@@ -68,8 +78,10 @@ class Row:
     H: int
     V: int
     dtype: str
-    time_ms: float
-    peak_extra_mib: float
+    ms: float
+    """Median time of one call, milliseconds."""
+    extra_gib: float
+    """Peak memory the call allocates beyond its inputs, GiB."""
     mem_vs_naive: float | None = None
     """Peak extra memory / the naive path's, same shape and mode."""
     floor_ms: float | None = None
@@ -85,6 +97,29 @@ def parse_shape(text: str) -> tuple[int, int, int]:
     return t, h, v
 
 
+def liger_unavailable(device: torch.device) -> str | None:
+    """Why the liger path cannot run here (None when it can)."""
+    if device.type != "cuda":
+        return "Liger-Kernel runs on CUDA only"
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except ImportError as exc:
+        return f"liger_kernel does not import ({exc})"
+    return None
+
+
+def _liger_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Liger's fused linear cross entropy per token: log-probs = -loss (0 at ignored labels), no entropy."""
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    loss = LigerFusedLinearCrossEntropyLoss(reduction="none")(weight, hidden, labels)
+    if isinstance(loss, tuple):  # versions that also return z-loss / accuracy
+        loss = loss[0]
+    return -loss, None
+
+
 def make_run(
     path: str,
     mode: str,
@@ -93,6 +128,7 @@ def make_run(
     labels: torch.Tensor,
     backend: str,
     chunk_size: int | None,
+    vocab_chunk_size: int | None = None,
 ) -> Callable[[], None]:
     """A closure that runs one path once; everything it allocates is freed when it returns."""
     gen = torch.Generator(device=hidden.device).manual_seed(0)
@@ -104,7 +140,11 @@ def make_run(
             return kernels.fused_linear_logprobs(h, w, labels, backend="reference")
         if path == "from_logits":
             return kernels.logprobs_from_logits(h @ w.T, labels, backend=backend, chunk_size=chunk_size)
-        return kernels.fused_linear_logprobs(h, w, labels, backend=backend, chunk_size=chunk_size)
+        if path == "liger":
+            return _liger_logprobs(h, w, labels)
+        return kernels.fused_linear_logprobs(
+            h, w, labels, backend=backend, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size
+        )
 
     def run() -> None:
         if mode == "fwd":
@@ -113,7 +153,8 @@ def make_run(
             return
         h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
         logprobs, entropy = forward(h, w)
-        (g_lp * logprobs + g_ent * entropy).sum().backward()
+        loss = g_lp * logprobs if entropy is None else g_lp * logprobs + g_ent * entropy
+        loss.sum().backward()
 
     return run
 
@@ -183,6 +224,10 @@ def bench(args: argparse.Namespace) -> list[Row]:
     """Measure every (shape, mode, path) and print each row as soon as it is measured."""
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
+    paths = list(args.paths)
+    if "liger" in paths and (why := liger_unavailable(device)):
+        print(f"skipping --paths liger: {why}", file=sys.stderr)
+        paths.remove("liger")
     rows = []
     for num_tokens, hidden_size, vocab_size in args.shapes:
         gen = torch.Generator().manual_seed(0)
@@ -192,21 +237,23 @@ def bench(args: argparse.Namespace) -> list[Row]:
         backend = kernels.resolve_backend(args.backend, hidden)
         for mode in args.modes:
             naive_peak = None
-            for path in args.paths:
-                run = make_run(path, mode, hidden, weight, labels, backend, args.chunk_size)
+            for path in paths:
+                run = make_run(
+                    path, mode, hidden, weight, labels, backend, args.chunk_size, args.vocab_chunk_size
+                )
                 run()  # warm-up: compilation, autotuning, allocator
                 peak = cuda_peak_bytes(run) if device.type == "cuda" else cpu_peak_bytes(run)
                 row = Row(
                     device=device.type,
                     path=path,
-                    backend="reference" if path == "naive" else backend,
+                    backend={"naive": "reference", "liger": "liger"}.get(path, backend),
                     mode=mode,
                     T=num_tokens,
                     H=hidden_size,
                     V=vocab_size,
                     dtype=args.dtype,
-                    time_ms=median_time_ms(run, device, args.repeat),
-                    peak_extra_mib=peak / 2**20,
+                    ms=median_time_ms(run, device, args.repeat),
+                    extra_gib=peak / 2**30,
                 )
                 if path == "naive":
                     naive_peak = peak
@@ -216,7 +263,7 @@ def bench(args: argparse.Namespace) -> list[Row]:
                 if tflops:
                     units = 2 if mode == "fwd" else (8 if path == "fused" else 6)
                     row.floor_ms = units * num_tokens * hidden_size * vocab_size / (tflops * 1e12) * 1e3
-                    row.roofline_frac = row.floor_ms / row.time_ms
+                    row.roofline_frac = row.floor_ms / row.ms
                 rows.append(row)
                 print_row(row, args.json)
     return rows
@@ -231,8 +278,8 @@ _COLUMNS = (
     ("H", "{:>5}"),
     ("V", "{:>7}"),
     ("dtype", "{:<8}"),
-    ("time_ms", "{:>9.1f}"),
-    ("peak_extra_mib", "{:>14.1f}"),
+    ("ms", "{:>9.1f}"),
+    ("extra_gib", "{:>9.3f}"),
     ("mem_vs_naive", "{:>12.3f}"),
     ("floor_ms", "{:>8.2f}"),
     ("roofline_frac", "{:>13.2f}"),
@@ -263,8 +310,8 @@ def print_row(row: Row, as_json: bool) -> None:
     print(" ".join(cells), flush=True)
 
 
-def main() -> None:
-    """Parse flags, fill in per-device defaults, run the benchmark."""
+def main(argv: list[str] | None = None) -> int:
+    """Parse flags (argv, default sys.argv), fill in per-device defaults, run the benchmark."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     cuda = torch.cuda.is_available()
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
@@ -276,16 +323,24 @@ def main() -> None:
         help="TxHxV ... (default CPU: 1024x256x32000 4096x256x32000; CUDA: 4096x4096x152064 16384x4096x152064)",
     )
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA)")
-    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
+    parser.add_argument(
+        "--paths", nargs="+", choices=PATHS, default=list(DEFAULT_PATHS), help="liger: only where it imports"
+    )
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--backend", choices=kernels.BACKENDS, default="auto", help="fast paths' backend")
     parser.add_argument(
-        "--chunk-size", type=int, default=None, help="tokens per chunk (default: per backend)"
+        "--chunk-size", type=int, default=None, help="tokens per chunk (default: from the memory budget)"
+    )
+    parser.add_argument(
+        "--vocab-chunk-size",
+        type=int,
+        default=None,
+        help="vocabulary rows per backward chunk of the fused path (default: from the memory budget)",
     )
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per row (median)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="override the roofline peak")
     parser.add_argument("--json", action="store_true", help="one JSON object per row instead of a table")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     on_cuda = args.device.startswith("cuda")
     if args.shapes is None:
         args.shapes = (
@@ -296,7 +351,8 @@ def main() -> None:
     args.dtype = args.dtype or ("bfloat16" if on_cuda else "float32")
     print_header(args.json)
     bench(args)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

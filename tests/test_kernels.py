@@ -7,9 +7,10 @@ interpreter spends ~10 ms per program.
 
 Tolerances are written as multiples of the unit roundoff of the stage that rounds (the logits or the
 gradients in the input dtype, fp32 arithmetic otherwise), times the magnitude involved; the multiples
-were set at 4-10x the worst error seen on CPU.
+were set at 4-10x the worst error seen on CPU. Both fused paths compute the logits with a GEMM in the
+input dtype (like the naive LM head), so both are held to the input dtype's roundoff of the logits.
 
-Run: .venv/bin/python -m pytest tests/test_kernels.py  (about 1 minute on 2 CPU cores).
+Run: .venv/bin/python -m pytest tests/test_kernels.py  (about 20-30 s on 2 CPU cores).
 """
 
 import importlib.util
@@ -41,7 +42,10 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "c
 
 # Odd sizes: V is not a multiple of any block width used below.
 T, H, V = 37, 48, 1000
-IGNORED_ROWS = slice(16, 32)  # a whole BLOCK_T=16 tile of ignored tokens in the fused kernel
+IGNORED_ROWS = slice(16, 32)  # a whole token chunk (and BLOCK_T=16 tile) of ignored tokens
+# Fused op: 37 tokens = 16 + 16 + 5 per forward chunk, 1000 vocabulary rows = 384 + 384 + 232 per
+# backward chunk; neither divides evenly.
+TOKEN_CHUNK, VOCAB_CHUNK = 16, 384
 
 EPS32 = torch.finfo(torch.float32).eps
 FWD_TOL = 8.0  # x eps x (1 + max|z|): log-probs and entropy
@@ -75,41 +79,27 @@ def _output_grads(seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(T, generator=gen).to(DEVICE), torch.randn(T, generator=gen).to(DEVICE)
 
 
-def _triton_kwargs(op: str) -> dict:
-    """Small tiles for the Triton paths so that every loop runs several, partly masked iterations."""
-    from kernels import triton_ops
-
-    if op == "logits":
-        return {"block_v": 256}  # 1000 = 3 x 256 + 232
-    # 3 token tiles (the middle one all ignored), 1000 = 7 x 128 + 104, H = 48 = 32 + 16, 3 vocab splits,
-    # backward chunks of 32 tokens.
-    return {
-        "tile": triton_ops.TileConfig(block_t=16, block_v=128, block_h=32),
-        "num_splits": 3,
-        "chunk_size": 32,
-    }
-
-
 def _logits_op(backend: str, logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> tuple:
-    """The op on one backend ("reference", "torch" or "triton"), with small chunks or tiles."""
+    """logprobs_from_logits on one backend, with small chunks (torch) or blocks (Triton)."""
     if backend == "triton":
         from kernels import triton_ops
 
-        return triton_ops.logprobs_from_logits_triton(logits, labels, **_triton_kwargs("logits"), **kwargs)
+        # 256-wide blocks: 1000 = 3 x 256 + 232, so the online log-sum-exp runs several, partly
+        # masked iterations per row.
+        return kernels.logprobs_from_logits(
+            logits, labels, backend=triton_ops.primitives(block_v=256), **kwargs
+        )
     return kernels.logprobs_from_logits(logits, labels, backend=backend, chunk_size=8, **kwargs)
 
 
 def _linear_op(
     backend: str, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, **kwargs
 ) -> tuple:
-    """The fused op on one backend ("reference", "torch" or "triton"), with small chunks or tiles."""
-    if backend == "triton":
-        from kernels import triton_ops
-
-        return triton_ops.fused_linear_logprobs_triton(
-            hidden, weight, labels, **_triton_kwargs("linear"), **kwargs
-        )
-    return kernels.fused_linear_logprobs(hidden, weight, labels, backend=backend, chunk_size=8, **kwargs)
+    """fused_linear_logprobs on one backend, with chunks that do not divide T or V."""
+    kwargs = {"chunk_size": TOKEN_CHUNK, "vocab_chunk_size": VOCAB_CHUNK, **kwargs}
+    if backend == "reference":
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("chunk_size", "vocab_chunk_size")}
+    return kernels.fused_linear_logprobs(hidden, weight, labels, backend=backend, **kwargs)
 
 
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, what: str) -> None:
@@ -229,9 +219,8 @@ def test_fused_linear_logprobs_matches_reference(
     (g_lp * lp + g_ent * ent).sum().backward()
 
     z_max = (ref_h @ ref_w.T).abs().max().item() / temperature
-    # The torch path rounds the logits to the input dtype (like the naive LM head); the Triton tile
-    # keeps them in its fp32 accumulator.
-    logits_eps = _eps(dtype) if backend == "torch" else EPS32
+    # Both paths round the logits to the input dtype (a GEMM in that dtype, like the naive LM head).
+    logits_eps = _eps(dtype)
     atol = FWD_TOL * logits_eps * (1 + z_max)
     _assert_close(lp, ref_lp, atol, "logprobs")
     _assert_close(ent, ref_ent, atol, "entropy")
@@ -311,6 +300,45 @@ def test_low_var_kl_matches_reference(backend: str) -> None:
     assert (kl >= 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("backend", ["auto", "reference", *FAST_BACKENDS])
+def test_low_var_kl_equals_kl_penalty(backend: str, dtype: torch.dtype) -> None:
+    """kernels.low_var_kl is ppo.algorithms.kl_penalty(..., "low_var_kl"): value and both gradients."""
+    from ppo.algorithms import kl_penalty
+
+    if backend == "triton" and dtype == torch.float64:
+        pytest.skip("Triton takes fp16/bf16/fp32")
+    gen = torch.Generator().manual_seed(7)
+    # x = ref - logp across both clamps: |x| > 20 (log-ratio clamp), e^x - x - 1 > 10 (value clamp, for
+    # x > ~2.53 and x < ~-11.0), live in between, and x = +-20 exactly (logp = 0).
+    x = torch.cat([torch.linspace(-30, 30, 241), torch.tensor([-20.0, 20.0, 2.5, 2.6, -10.9, -11.1])])
+    logprobs = -5 * torch.rand(x.numel(), generator=gen)
+    logprobs[241:243] = 0.0
+    ref_logprobs = logprobs + x
+    g = torch.randn(x.numel(), generator=gen)
+    lp, rf = (t.to(dtype).to(DEVICE).requires_grad_() for t in (logprobs, ref_logprobs))
+    kl = kernels.low_var_kl(lp, rf, backend=backend)
+    (g.to(DEVICE, dtype) * kl).sum().backward()
+    lp2, rf2 = (t.detach().clone().requires_grad_() for t in (lp, rf))
+    expected = kl_penalty(lp2, rf2, "low_var_kl")
+    (g.to(DEVICE, dtype) * expected).sum().backward()
+
+    assert kl.dtype == dtype
+    if backend == "triton":
+        # tl.exp vs torch.exp: a few ulps of e^x <= e^20 before the clamp, <= ~12.6 after it.
+        _assert_close(kl, expected, 16 * EPS32 * 12.6, "kl")
+    else:
+        assert torch.equal(kl.detach(), expected.detach())  # the same operations in the same order
+    clamped = expected.detach().abs() >= 10
+    assert clamped.any() and (~clamped).any()
+    for name, grad, ref_grad in (("logprobs", lp.grad, lp2.grad), ("ref_logprobs", rf.grad, rf2.grad)):
+        # Where a clamp is active both give exactly 0; elsewhere g (e^x - 1) against autograd's
+        # g e^x - g: a few roundings of |g| e^x <= 4 x 12.6.
+        assert (grad[clamped] == 0).all() and (ref_grad[clamped] == 0).all(), name
+        _assert_close(grad, ref_grad, 16 * _eps(dtype) * 4 * 12.6, f"grad {name}")
+        assert grad.dtype == dtype
+
+
 # ---------------------------------------------------------------------------------------------------
 # Gradient paths, no-grad, determinism, chunking.
 # ---------------------------------------------------------------------------------------------------
@@ -372,19 +400,33 @@ def test_no_grad_saves_nothing(backend: str) -> None:
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_compute_entropy_false(backend: str) -> None:
+    """No entropy: the same log-probs, and gradients (from logits; to the weight alone when hidden is
+    frozen) against the reference."""
     logits, labels = _logits("randn", torch.float32), _labels(T, V)
+    g_lp, _ = _output_grads()
     x = logits.clone().requires_grad_()
     lp, ent = _logits_op(backend, x, labels, compute_entropy=False)
     assert ent is None
-    lp.sum().backward()
+    (g_lp * lp).sum().backward()
     lp_full, _ = _logits_op(backend, logits, labels)
     torch.testing.assert_close(lp.detach(), lp_full, rtol=0, atol=0)
+    ref_x = logits.double().requires_grad_()
+    ref_lp, _ = kernels.logprobs_from_logits_reference(ref_x, labels, compute_entropy=False)
+    (g_lp * ref_lp).sum().backward()
+    _assert_close(x.grad, ref_x.grad, 1e-5 * ref_x.grad.abs().max().item(), "grad logits")
+
     hidden, weight = _linear_inputs("randn", torch.float32)
-    h = hidden.clone().requires_grad_()
-    lp, ent = _linear_op(backend, h, weight, labels, compute_entropy=False)
+    w = weight.clone().requires_grad_()
+    lp, ent = _linear_op(backend, hidden, w, labels, compute_entropy=False, temperature=0.6)
     assert ent is None
-    lp.sum().backward()
-    assert torch.isfinite(h.grad).all()
+    (g_lp * lp).sum().backward()
+    ref_w = weight.double().requires_grad_()
+    ref_lp, _ = kernels.fused_linear_logprobs_reference(
+        hidden.double(), ref_w, labels, compute_entropy=False, temperature=0.6
+    )
+    (g_lp * ref_lp).sum().backward()
+    _assert_close(lp, ref_lp, 1e-5, "logprobs")
+    _assert_close(w.grad, ref_w.grad, 1e-5 * ref_w.grad.abs().max().item(), "grad weight")
 
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
@@ -403,46 +445,50 @@ def test_two_runs_are_bitwise_equal(backend: str) -> None:
 
 
 @pytest.mark.slow
-def test_chunk_size_does_not_change_torch_results() -> None:
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_chunk_sizes_do_not_change_results(backend: str) -> None:
+    """Token chunks of the forward and vocabulary chunks of the backward: from 1 row to everything."""
     hidden, weight = _linear_inputs("randn", torch.float32)
     labels = _labels(T, V)
     g_lp, g_ent = _output_grads()
     outs = []
-    for chunk_size in (1, 5, 16, 37, 1000):
+    for chunk_size, vocab_chunk_size in ((1, 1000), (5, 97), (16, 129), (37, 384), (1000, 5000)):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        lp, ent = kernels.fused_linear_logprobs(h, w, labels, chunk_size=chunk_size, backend="torch")
-        (g_lp * lp + g_ent * ent).sum().backward()
-        x = (hidden @ weight.T).requires_grad_()
-        lp2, ent2 = kernels.logprobs_from_logits(x, labels, chunk_size=chunk_size, backend="torch")
-        (g_lp * lp2 + g_ent * ent2).sum().backward()
-        outs.append([lp, ent, h.grad, w.grad, lp2, ent2, x.grad])
-    for out in outs[1:]:
-        for a, b in zip(out, outs[0], strict=True):
-            # Only the BLAS blocking of the chunk's matmul and the grad_weight sum order change:
-            # fp32 rounding of sums, relative to the largest entry.
-            _assert_close(a, b, 1e-5 * b.abs().max().item(), "chunked vs one chunk")
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not HAS_TRITON, reason="no triton")
-def test_chunk_size_and_splits_do_not_change_triton_results() -> None:
-    from kernels import triton_ops
-
-    hidden, weight = _linear_inputs("randn", torch.float32)
-    labels = _labels(T, V)
-    g_lp, g_ent = _output_grads()
-    tile = triton_ops.TileConfig(block_t=16, block_v=128, block_h=32)
-    outs = []
-    for chunk_size, num_splits in ((16, 1), (48, 8)):
-        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        lp, ent = triton_ops.fused_linear_logprobs_triton(
-            h, w, labels, chunk_size=chunk_size, tile=tile, num_splits=num_splits
+        lp, ent = kernels.fused_linear_logprobs(
+            h, w, labels, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size, backend=backend
         )
         (g_lp * lp + g_ent * ent).sum().backward()
         outs.append([lp, ent, h.grad, w.grad])
-    for a, b in zip(*outs, strict=True):
-        # Splits change the order the epilogue merges partials; chunks the grad_weight sum order.
-        _assert_close(a, b, 1e-5 * b.abs().max().item(), "chunks/splits")
+        if backend == "torch":
+            x = (hidden @ weight.T).requires_grad_()
+            lp2, ent2 = kernels.logprobs_from_logits(x, labels, chunk_size=chunk_size, backend="torch")
+            (g_lp * lp2 + g_ent * ent2).sum().backward()
+            outs[-1] += [lp2, ent2, x.grad]
+    for out in outs[1:]:
+        for a, b in zip(out, outs[0], strict=True):
+            # Only the BLAS blocking of each chunk's matmul changes: fp32 rounding of sums, relative to
+            # the largest entry.
+            _assert_close(a, b, 1e-5 * b.abs().max().item(), "chunked vs other chunks")
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_forward_without_grad_equals_forward_with_grad(backend: str) -> None:
+    """PPO's old log-probs (no grad) and the update's log-probs (grad) agree bitwise on the same inputs,
+    and equal the from-logits op on the same logits (a single GEMM instead of token chunks)."""
+    hidden, weight = _linear_inputs("randn", torch.float16)
+    labels = _labels(T, V)
+    with torch.no_grad():
+        lp_old, ent_old = _linear_op(backend, hidden, weight, labels, temperature=0.6)
+    lp, ent = _linear_op(backend, hidden.clone().requires_grad_(), weight, labels, temperature=0.6)
+    assert torch.equal(lp.detach(), lp_old) and torch.equal(ent.detach(), ent_old)
+    lp_logits, ent_logits = kernels.logprobs_from_logits(
+        hidden @ weight.T, labels, temperature=0.6, backend=backend
+    )
+    # Per-chunk and whole GEMMs may round a logit differently by one fp16 ulp (<= eps |logit|), which
+    # moves logp and entropy by at most twice that over the temperature.
+    atol = 4 * _eps(torch.float16) * (hidden.double() @ weight.double().T).abs().max().item() / 0.6
+    _assert_close(lp_old, lp_logits, atol, "fused vs from logits")
+    _assert_close(ent_old, ent_logits, atol, "fused vs from logits")
 
 
 def test_torch_backward_passes_gradcheck() -> None:
@@ -453,15 +499,102 @@ def test_torch_backward_passes_gradcheck() -> None:
     hidden = torch.randn(5, 3, generator=gen, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(7, 3, generator=gen, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(
-        lambda x: torch_ops.logprobs_from_logits_torch(x, labels, temperature=0.6, chunk_size=2), (logits,)
+        lambda x: kernels.logprobs_from_logits(x, labels, temperature=0.6, chunk_size=2, backend="torch"),
+        (logits,),
     )
     assert torch.autograd.gradcheck(
-        lambda h, w: torch_ops.fused_linear_logprobs_torch(h, w, labels, temperature=0.6, chunk_size=2),
+        lambda h, w: kernels.fused_linear_logprobs(
+            h, w, labels, temperature=0.6, chunk_size=2, vocab_chunk_size=3, backend="torch"
+        ),
         (hidden, weight),
     )
     logprobs = torch.randn(9, generator=gen, dtype=torch.float64, requires_grad=True)
     ref = (logprobs + torch.linspace(-4, 4, 9, dtype=torch.float64)).detach().requires_grad_()
-    assert torch.autograd.gradcheck(torch_ops.low_var_kl_torch, (logprobs, ref))
+    assert torch.autograd.gradcheck(lambda a, b: kernels.low_var_kl(a, b, backend="torch"), (logprobs, ref))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Peak memory: the accounting, and the torch path measured against it.
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="no triton")
+def test_memory_plan_at_target_shape() -> None:
+    """Triton path, bf16, T=16384, H=4096, V=152064, 256 MiB budget: the accounting of fused_memory_plan."""
+    from kernels import triton_ops
+
+    mib, gib = 2**20, 2**30
+    plan = kernels.fused_memory_plan(triton_ops.primitives(), 16384, 4096, 152064, torch.bfloat16, 256 * mib)
+    # Backward chunk: 256 MiB / (16384 tokens x 2 B) = 8192 vocab rows (a multiple of 128).
+    # Forward chunk: 256 MiB / (152064 x 2 B) = 882 tokens, rounded down to 768.
+    assert (plan.vocab_chunk, plan.token_chunk) == (8192, 768)
+    assert plan.backward == {
+        "grad_weight": 152064 * 4096 * 2,  # 1,245,708,288 B, bf16, written once per vocab chunk
+        "grad_hidden_acc": 16384 * 4096 * 4,  # 256 MiB, fp32
+        "vocab_chunk": 16384 * 8192 * 2,  # 256 MiB, logits then d logits in place
+        "per_token": 16384 * 128,  # 2 MiB
+    }
+    assert plan.forward["token_chunk"] == 768 * 152064 * 2
+    assert plan.peak_bytes == sum(plan.backward.values()) == 1_784_676_352  # 1.662 GiB
+    assert plan.peak_bytes <= 1.7 * gib
+    # Without the fp32 grad_weight accumulator of the token-chunked design (2.3 GiB) and its copy.
+    assert "grad_weight_acc" not in plan.backward
+    # T=4096: a 32768-row chunk, 1.473 GiB; H=896: 0.560 GiB.
+    plan_4k = kernels.fused_memory_plan(
+        triton_ops.primitives(), 4096, 4096, 152064, torch.bfloat16, 256 * mib
+    )
+    assert plan_4k.vocab_chunk == 32768 and abs(plan_4k.peak_bytes / gib - 1.473) < 1e-3
+    plan_896 = kernels.fused_memory_plan(
+        triton_ops.primitives(), 16384, 896, 152064, torch.bfloat16, 256 * mib
+    )
+    assert abs(plan_896.peak_bytes / gib - 0.560) < 1e-3
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_memory_plan_keeps_chunks_within_budget(backend: str) -> None:
+    """Whatever T, the [T, chunk] and [chunk, V] temporaries fit the budget."""
+    if backend == "torch":
+        prims = torch_ops.TORCH
+    else:
+        from kernels import triton_ops
+
+        prims = triton_ops.primitives()
+    budget = 256 * 2**20
+    for dtype in (torch.bfloat16, torch.float32):
+        for num_tokens in (1, 100, 4096, 16384, 65536, 1 << 20):
+            plan = kernels.fused_memory_plan(prims, num_tokens, 4096, 152064, dtype, budget)
+            assert plan.backward["vocab_chunk"] <= budget and plan.forward["token_chunk"] <= budget
+            # Multiples of 128 (whole GEMM tiles) unless the budget allows fewer rows or all of V.
+            assert plan.vocab_chunk % 128 == 0 or plan.vocab_chunk in (152064, *range(1, 128))
+            # The rest of the peak: the gradients (grad_hidden in fp32, then cast), [T] vectors.
+            gradients = 152064 * 4096 * dtype.itemsize + num_tokens * 4096 * (4 + dtype.itemsize % 4)
+            assert plan.peak_bytes <= gradients + 128 * num_tokens + budget
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_fused_memory_measured_within_plan(dtype: torch.dtype) -> None:
+    """The torch path's extra peak memory, fwd+bwd, measured like the benchmark (profiler, CPU), stays
+    within fused_memory_plan and far below the naive path's."""
+    from conftest import load_script
+
+    bench = load_script("bench_kernels")
+    num_tokens, hidden_size, vocab_size = 512, 64, 4096
+    gen = torch.Generator().manual_seed(8)
+    hidden = torch.randn(num_tokens, hidden_size, generator=gen).to(dtype)
+    weight = (torch.randn(vocab_size, hidden_size, generator=gen) / 8).to(dtype)
+    labels = _labels(num_tokens, vocab_size).cpu()
+    # A 2 MiB budget: 42 tokens per forward chunk, 256 vocab rows per backward chunk (fp32).
+    plan = kernels.fused_memory_plan(torch_ops.TORCH, num_tokens, hidden_size, vocab_size, dtype, 2 * 2**20)
+    assert 1 < plan.vocab_chunk < vocab_size and 1 < plan.token_chunk < num_tokens
+    measured = {}
+    for path in ("fused", "naive"):
+        run = bench.make_run(
+            path, "fwd+bwd", hidden, weight, labels, "torch", plan.token_chunk, plan.vocab_chunk
+        )
+        run()
+        measured[path] = bench.cpu_peak_bytes(run)
+    assert measured["fused"] <= plan.peak_bytes, (measured, plan)
+    assert measured["fused"] < measured["naive"] / 8, measured
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -522,4 +655,49 @@ def test_triton_kernels_compile_for_sm90() -> None:
         timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("ok ") == 16
+    from kernels import aot_check
+
+    assert result.stdout.count("ok ") == len(aot_check.specializations())
+
+
+# ---------------------------------------------------------------------------------------------------
+# The benchmark script (scripts/bench_kernels.py) at a small shape.
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_bench_kernels_json_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    """One JSON object per shape x path x mode with `ms` and `extra_gib`; liger is skipped where it
+    cannot run (here: no CUDA or no liger_kernel)."""
+    import json
+
+    from conftest import load_script
+
+    bench = load_script("bench_kernels")
+    argv = [
+        "--device",
+        "cpu",
+        "--shapes",
+        "64x16x512",
+        "--repeat",
+        "1",
+        "--json",
+        "--paths",
+        "naive",
+        "fused",
+    ]
+    assert bench.main([*argv, "liger"]) == 0
+    captured = capsys.readouterr()
+    rows = [json.loads(line) for line in captured.out.splitlines() if line.startswith("{")]
+    assert [(r["path"], r["mode"]) for r in rows] == [
+        ("naive", "fwd"),
+        ("fused", "fwd"),
+        ("naive", "fwd+bwd"),
+        ("fused", "fwd+bwd"),
+    ]
+    for row in rows:
+        assert (row["T"], row["H"], row["V"], row["dtype"]) == (64, 16, 512, "float32")
+        assert row["ms"] > 0 and 0 < row["extra_gib"] < 1
+    fused = rows[3]
+    assert fused["extra_gib"] < rows[2]["extra_gib"] and fused["mem_vs_naive"] < 1
+    if bench.liger_unavailable(torch.device("cpu")):
+        assert "skipping --paths liger" in captured.err
