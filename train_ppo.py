@@ -574,8 +574,10 @@ def score_full_kl(cfg: PPOConfig, actor: torch.nn.Module, ref: torch.nn.Module, 
     tau = cfg.rollout.temperature
     for sel in micro_batches(batch, all_rows(batch), cfg.actor):
         packed = pack_rows(batch, sel)
-        logits = models.causal_lm_logits(actor, packed.input_ids, packed.position_ids).float() / tau
-        ref_logits = models.causal_lm_logits(ref, packed.input_ids, packed.position_ids).float() / tau
+        logits = models.causal_lm_logits(actor, packed.input_ids, packed.position_ids, packed.offsets)
+        logits = logits.float() / tau
+        ref_logits = models.causal_lm_logits(ref, packed.input_ids, packed.position_ids, packed.offsets)
+        ref_logits = ref_logits.float() / tau
         kl = algorithms.full_kl(logits[None], ref_logits[None], (packed.labels != -100)[None])[0]
         out[sel] = unpack(kl, packed)
     return out
@@ -641,7 +643,9 @@ def reward_model_scores(cfg: PPOConfig, reward_model: torch.nn.Module, rollout: 
     )
     for group in groups:
         packed = pack_sequences([seqs[i] for i in group] or [DUMMY_SEQUENCE], device)
-        scores = models.reward_scores(reward_model, packed.input_ids, packed.position_ids, packed.cu_seqlens)
+        scores = models.reward_scores(
+            reward_model, packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.offsets
+        )
         if group:
             out[torch.tensor(group)] = scores.float().cpu()
     sharding.release(reward_model)

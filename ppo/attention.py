@@ -2,23 +2,31 @@
 
 A packed forward holds ``B`` sequences in one row of ``T`` tokens, with ``position_ids`` restarting at 0
 per sequence, no attention mask and no KV cache. Each sequence must attend only to itself, causally.
+The boundaries are computed once per micro-batch on the host (``packed_kwargs``) and passed down to
+every layer as forward keyword arguments (``cu_seq_lens_q/k``, ``max_length_q/k``, which
+transformers' flash_attention_2 also reads, and ``PACKED_OFFSETS``), so no layer reads them back from
+the device.
 
-- ``resolve_attn_implementation("auto")``: flash_attention_2 on CUDA where flash-attn imports (it
-  reads the boundaries from the position ids), else ``PACKED_ATTENTION``.
+- ``resolve_attn_implementation("auto")``: flash_attention_2 on CUDA where flash-attn imports, else
+  ``VARLEN_FLASH`` on CUDA where torch has ``torch.nn.attention.varlen`` (torch >= 2.10: PyTorch's own
+  FlashAttention-2 varlen kernel), else ``PACKED_ATTENTION``.
+- ``VARLEN_FLASH`` (``varlen_flash_attention``): one varlen FlashAttention call over the whole row.
 - ``PACKED_ATTENTION`` (``varlen_sdpa_attention``): causal sdpa per packed sequence, ``sum(l_i^2)``
   work, where transformers' own sdpa and eager apply a block-diagonal mask to a dense ``T x T`` score
-  matrix, ``T = sum(l_i)``. Every other call (``generate`` with left padding and a KV cache, padded
-  batches) is transformers' sdpa, unchanged.
+  matrix, ``T = sum(l_i)``.
+- Every call that is not a packed forward (``generate`` with left padding and a KV cache, padded
+  batches) goes to transformers' sdpa, unchanged.
 
 This module is what breaks when transformers changes its attention or mask interfaces
 (``AttentionInterface``, ``AttentionMaskInterface``, ``sdpa_attention_forward``, ``sdpa_mask``); the
-models load with ``attn_implementation=PACKED_ATTENTION`` once it is imported (``ppo.models`` does).
+models load with these names once it is imported (``ppo.models`` does).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -34,16 +42,39 @@ PACKED_ATTENTION = "ppo_varlen_sdpa"
 It contains "sdpa" on purpose: transformers then checks at load time that the model supports sdpa, which
 every call that is not a packed forward falls back to."""
 
+VARLEN_FLASH = "ppo_varlen_flash"
+"""Name of ``varlen_flash_attention`` (torch's varlen FlashAttention, CUDA only)."""
+
+PACKED_OFFSETS = "ppo_packed_offsets"
+"""Forward keyword argument: the row's sequence offsets ``[0, l_0, l_0 + l_1, ..., T]`` on the host."""
+
+
+def packed_kwargs(offsets: list[int], device: torch.device | str) -> dict[str, Any]:
+    """Forward keyword arguments that tell every attention layer where the packed sequences are.
+
+    ``offsets``: ``[B+1]`` host list from 0 to ``T``. One host-to-device copy per micro-batch.
+    """
+    cu_seqlens = torch.tensor(offsets, dtype=torch.int32).to(device, non_blocking=True)
+    longest = max(b - a for a, b in itertools.pairwise(offsets))
+    return {
+        PACKED_OFFSETS: tuple(offsets),
+        "cu_seq_lens_q": cu_seqlens,
+        "cu_seq_lens_k": cu_seqlens,
+        "max_length_q": longest,
+        "max_length_k": longest,
+    }
+
 
 def resolve_attn_implementation(name: str, device: torch.device | str) -> str:
-    """The attention kernel to load with: ``auto`` is flash_attention_2 on CUDA with flash_attn
-    installed, else ``PACKED_ATTENTION`` (sdpa per packed sequence, see ``varlen_sdpa_attention``).
-    ``sdpa`` and ``eager`` are transformers' own (dense block-diagonal mask on packed rows). An explicit
-    flash_attention_2 without flash_attn (or off CUDA) fails."""
+    """The attention kernel to load with (see the module docstring for ``auto``). ``sdpa`` and ``eager``
+    are transformers' own (dense block-diagonal mask on packed rows). An explicit flash_attention_2
+    without flash_attn, or a CUDA-only kernel off CUDA, fails."""
     device = torch.device(device)
     if name == "auto":
         if device.type == "cuda" and _flash_attn_error() is None:
             return "flash_attention_2"
+        if device.type == "cuda" and _varlen_attn() is not None:
+            return VARLEN_FLASH
         return PACKED_ATTENTION
     if name == "flash_attention_2":
         if (error := _flash_attn_error()) is not None:
@@ -53,7 +84,24 @@ def resolve_attn_implementation(name: str, device: torch.device | str) -> str:
             )
         if device.type != "cuda":
             raise ValueError(f"flash_attention_2 runs on CUDA only, the device is {device}; use sdpa")
+    if name == VARLEN_FLASH:
+        if _varlen_attn() is None:
+            raise ImportError(
+                f"model.attn_implementation={VARLEN_FLASH} needs torch >= 2.10 (torch.nn.attention.varlen); "
+                f"this is torch {torch.__version__}: use model.attn_implementation=auto"
+            )
+        if device.type != "cuda":
+            raise ValueError(f"{VARLEN_FLASH} runs on CUDA only, the device is {device}; use auto")
     return name
+
+
+def _varlen_attn() -> Any:
+    """``torch.nn.attention.varlen.varlen_attn``, or None where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
 
 
 def _flash_attn_error() -> str | None:
@@ -84,25 +132,17 @@ def varlen_sdpa_attention(
     ``[b, H, q, d]``, key and value ``[b, H_kv, k, d]`` (grouped-query attention when ``H_kv < H``),
     returns ``[b, q, H, d]``. A packed forward is one row (``b = 1``) without a cache (``q = k = T``) and
     without a mask (``varlen_sdpa_mask`` returns none for it), holding the sequences that
-    ``position_ids`` delimit; each gets ``softmax(q_i k_i^T * scaling + causal) v_i`` on its own tokens,
-    ``sum(l_i^2)`` score entries in all instead of the ``T^2`` of a dense block-diagonal mask.
-    Everything else, and a row of one sequence, goes to ``sdpa_attention_forward`` as it is.
+    ``PACKED_OFFSETS`` (or else the position ids) delimit; each gets
+    ``softmax(q_i k_i^T * scaling + causal) v_i`` on its own tokens, ``sum(l_i^2)`` score entries in all
+    instead of the ``T^2`` of a dense block-diagonal mask. Everything else, and a row of one sequence,
+    goes to ``sdpa_attention_forward`` as it is.
     """
-    starts = _packed_sequence_starts(query, key, attention_mask, kwargs.get("position_ids"))
-    if starts is None or len(starts) == 1:
+    offsets = _packed_offsets(query, key, attention_mask, kwargs)
+    if offsets is None or len(offsets) == 2:
         return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **_plain(kwargs)
         )
-    # varlen_sdpa_mask dropped the mask of this row, so it must be computed here, and this function
-    # only knows the plain causal pattern: fail rather than attend differently from sdpa.
-    extras = [k for k in ("sliding_window", "softcap", "position_bias") if kwargs.get(k) is not None]
-    is_causal = kwargs.get("is_causal")  # as sdpa_attention_forward reads it
-    if extras or not (getattr(module, "is_causal", True) if is_causal is None else is_causal):
-        raise NotImplementedError(
-            f"{PACKED_ATTENTION} computes plain causal attention per packed sequence; "
-            f"{type(module).__name__} needs {extras or ['non-causal attention']}: load it with "
-            "attn_implementation=sdpa"
-        )
+    _check_plain_causal(module, kwargs)
     # Grouped-query attention: sdpa broadcasts each key/value head over its query heads.
     gqa = {"enable_gqa": True} if key.shape[1] != query.shape[1] else {}
     outputs = [
@@ -115,9 +155,82 @@ def varlen_sdpa_attention(
             scale=scaling,
             **gqa,
         )
-        for start, end in itertools.pairwise([*starts, query.shape[2]])
+        for start, end in itertools.pairwise(offsets)
     ]
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def varlen_flash_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal varlen FlashAttention over a whole packed row (``VARLEN_FLASH``, CUDA); transformers'
+    sdpa for every other call.
+
+    Shapes as ``varlen_sdpa_attention``. The kernel takes ``[T, H, d]`` tensors and ``cu_seqlens``;
+    where this torch has no grouped-query support (2.10, 2.11) the key/value heads are repeated.
+    """
+    offsets = _packed_offsets(query, key, attention_mask, kwargs)
+    if offsets is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **_plain(kwargs)
+        )
+    _check_plain_causal(module, kwargs)
+    if dropout:
+        raise NotImplementedError(f"{VARLEN_FLASH} has no attention dropout; models load with it off")
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor(offsets, dtype=torch.int32, device=query.device)
+    longest = kwargs.get("max_length_q") or max(b - a for a, b in itertools.pairwise(offsets))
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, d]
+    gqa = {}
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in inspect.signature(_varlen_attn()).parameters:
+            gqa = {"enable_gqa": True}
+        else:
+            repeat = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    out = _varlen_attn()(
+        q, k, v, cu_seqlens, cu_seqlens, longest, longest, scale=scaling, window_size=(-1, 0), **gqa
+    )
+    return out[None], None  # [1, T, H, d]
+
+
+def _packed_offsets(
+    query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict[str, Any]
+) -> list[int] | None:
+    """The row's sequence offsets ``[0, ..., T]`` for a packed forward, or None for any other call:
+    from ``PACKED_OFFSETS`` when the caller passed them, else from the position ids (one device read)."""
+    if attention_mask is not None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
+        return None  # a padded batch, or queries after a cached prefix (decoding)
+    offsets = kwargs.get(PACKED_OFFSETS)
+    if offsets is not None:
+        return list(offsets)
+    starts = _packed_sequence_starts(query, key, attention_mask, kwargs.get("position_ids"))
+    return None if starts is None else [*starts, query.shape[2]]
+
+
+def _plain(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` without the packed-row arguments, for transformers' own attention functions."""
+    return {k: v for k, v in kwargs.items() if k != PACKED_OFFSETS}
+
+
+def _check_plain_causal(module: nn.Module, kwargs: dict[str, Any]) -> None:
+    """The packed kernels know only plain causal attention: fail rather than attend differently."""
+    extras = [k for k in ("sliding_window", "softcap", "position_bias") if kwargs.get(k) is not None]
+    is_causal = kwargs.get("is_causal")  # as sdpa_attention_forward reads it
+    if extras or not (getattr(module, "is_causal", True) if is_causal is None else is_causal):
+        raise NotImplementedError(
+            f"the packed attention kernels compute plain causal attention per sequence; "
+            f"{type(module).__name__} needs {extras or ['non-causal attention']}: load it with "
+            "model.attn_implementation=sdpa"
+        )
 
 
 def _packed_sequence_starts(
@@ -205,6 +318,8 @@ def _register_packed_attention() -> None:
     """
     AttentionInterface.register(PACKED_ATTENTION, varlen_sdpa_attention)
     AttentionMaskInterface.register(PACKED_ATTENTION, varlen_sdpa_mask)
+    AttentionInterface.register(VARLEN_FLASH, varlen_flash_attention)
+    AttentionMaskInterface.register(VARLEN_FLASH, varlen_sdpa_mask)
 
 
 _register_packed_attention()

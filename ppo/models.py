@@ -46,7 +46,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from ppo.attention import resolve_attn_implementation
+from ppo.attention import packed_kwargs, resolve_attn_implementation
 from ppo.sharding import full_state_dict, torch_dtype
 
 logger = logging.getLogger("ppo")
@@ -276,27 +276,36 @@ def _score_head(model: nn.Module) -> nn.Module:
 # ----------------------------------------------------------------------------------------------------
 
 
-def _packed_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor) -> dict[str, Any]:
+def _packed_inputs(
+    input_ids: torch.Tensor, position_ids: torch.Tensor, offsets: list[int] | None
+) -> dict[str, Any]:
     if input_ids.dim() != 1 or input_ids.shape != position_ids.shape:
         raise ValueError(
             f"packed input_ids and position_ids must both be [total_tokens]; got {tuple(input_ids.shape)} "
             f"and {tuple(position_ids.shape)}"
         )
     # No attention mask and no cache: with position ids restarting at 0 per sequence, transformers
-    # attends block-diagonally (PACKED_ATTENTION: per sequence); a cache would make it ignore the
-    # packing (silently).
-    return {"input_ids": input_ids[None], "position_ids": position_ids[None], "use_cache": False}
+    # attends block-diagonally (the ppo.attention kernels: per sequence); a cache would make it ignore
+    # the packing (silently). ``offsets`` (host list) spare each layer finding the boundaries itself.
+    inputs = {"input_ids": input_ids[None], "position_ids": position_ids[None], "use_cache": False}
+    if offsets is not None:
+        inputs.update(packed_kwargs(offsets, input_ids.device))
+    return inputs
 
 
-def causal_lm_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+def causal_lm_logits(
+    model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, offsets: list[int] | None = None
+) -> torch.Tensor:
     """Next-token logits of packed sequences: ``[total_tokens] -> [total_tokens, vocab]``.
 
     In the compute dtype (bf16 under bf16 mixed precision); upcast where it matters.
     """
-    return model(**_packed_inputs(input_ids, position_ids)).logits[0]
+    return model(**_packed_inputs(input_ids, position_ids, offsets)).logits[0]
 
 
-def causal_lm_hidden(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+def causal_lm_hidden(
+    model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, offsets: list[int] | None = None
+) -> torch.Tensor:
     """Final (normed) hidden states of packed sequences: ``[total_tokens] -> [total_tokens, hidden]``.
 
     For the fused LM-head log-prob kernels, with ``lm_head_weight(model)``: the ``[tokens, vocab]``
@@ -314,7 +323,7 @@ def causal_lm_hidden(model: nn.Module, input_ids: torch.Tensor, position_ids: to
 
     handle = backbone.register_forward_hook(grab)
     try:
-        model(**_packed_inputs(input_ids, position_ids), **keep)
+        model(**_packed_inputs(input_ids, position_ids, offsets), **keep)
     finally:
         handle.remove()
     if len(captured) != 1:
@@ -372,20 +381,27 @@ def lm_head_weight(model: nn.Module) -> torch.Tensor:
     return weight
 
 
-def critic_values(critic: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+def critic_values(
+    critic: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, offsets: list[int] | None = None
+) -> torch.Tensor:
     """Token values of packed sequences: ``[total_tokens] -> [total_tokens]`` fp32.
 
     ``values[t]`` is the critic's estimate at token ``t`` (the state after reading tokens ``<= t``).
     """
-    return critic(**_packed_inputs(input_ids, position_ids)).logits[0, :, 0].float()
+    return critic(**_packed_inputs(input_ids, position_ids, offsets)).logits[0, :, 0].float()
 
 
 def reward_scores(
-    reward_model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor
+    reward_model: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    offsets: list[int] | None = None,
 ) -> torch.Tensor:
     """One score per packed sequence, read at its last token: ``[total_tokens] -> [B]`` fp32.
 
-    ``cu_seqlens [B+1]``: sequence ``i`` is tokens ``cu_seqlens[i]:cu_seqlens[i+1]``. The per-token
+    ``cu_seqlens [B+1]``: sequence ``i`` is tokens ``cu_seqlens[i]:cu_seqlens[i+1]`` (``offsets``: the
+    same on the host, passed to the attention layers when given). The per-token
     scores are taken from the ``score`` head with a forward hook, so HF's pooling (which searches for
     the last non-pad token of each row) plays no part.
     """
@@ -404,7 +420,7 @@ def reward_scores(
 
     handle = _score_head(reward_model).register_forward_hook(grab)
     try:
-        reward_model(**_packed_inputs(input_ids, position_ids))
+        reward_model(**_packed_inputs(input_ids, position_ids, offsets))
     finally:
         handle.remove()
     token_scores = captured[0][0, :, 0]  # [total_tokens]

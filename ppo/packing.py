@@ -41,6 +41,8 @@ class PackedSequences:
     """[T] positions, restarting at 0 for each sequence."""
     cu_seqlens: torch.Tensor
     """[B+1] int32 offsets of the sequences in the row."""
+    offsets: list[int]
+    """``cu_seqlens`` on the host (the attention layers read it without a device sync)."""
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +76,7 @@ def pack_sequences(seqs: Sequence[Sequence[int]], device: torch.device | str) ->
         input_ids=torch.tensor([t for s in seqs for t in s], dtype=torch.long).to(device),
         position_ids=torch.from_numpy(positions).to(device),
         cu_seqlens=torch.from_numpy(offsets.astype(np.int32)).to(device),
+        offsets=offsets.tolist(),
     )
 
 
@@ -99,6 +102,7 @@ def pack(prompts: list[torch.Tensor], responses: torch.Tensor, response_mask: to
         input_ids=base.input_ids,
         position_ids=base.position_ids,
         cu_seqlens=base.cu_seqlens,
+        offsets=base.offsets,
         labels=labels,
         response_index=response_index,
         response_mask=mask,
@@ -127,7 +131,7 @@ def packed_logprobs(
     kernels).
     """
     if fused:
-        hidden = models.causal_lm_hidden(model, packed.input_ids, packed.position_ids)
+        hidden = models.causal_lm_hidden(model, packed.input_ids, packed.position_ids, packed.offsets)
         weight = models.lm_head_weight(model)
         lp, ent = kernels.fused_linear_logprobs(
             hidden,
@@ -138,7 +142,7 @@ def packed_logprobs(
             backend=backend,
         )
     else:
-        logits = models.causal_lm_logits(model, packed.input_ids, packed.position_ids)
+        logits = models.causal_lm_logits(model, packed.input_ids, packed.position_ids, packed.offsets)
         lp, ent = kernels.logprobs_from_logits(
             logits, packed.labels, temperature=temperature, compute_entropy=compute_entropy, backend=backend
         )
@@ -147,7 +151,8 @@ def packed_logprobs(
 
 def packed_values(critic: torch.nn.Module, packed: Packed) -> torch.Tensor:
     """The critic's value of the state before each response token, ``[B, R]`` fp32."""
-    return unpack(models.critic_values(critic, packed.input_ids, packed.position_ids), packed)
+    values = models.critic_values(critic, packed.input_ids, packed.position_ids, packed.offsets)
+    return unpack(values, packed)
 
 
 # ----------------------------------------------------------------------------------------------------

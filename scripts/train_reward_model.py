@@ -208,7 +208,9 @@ def pair_scores(
     """
     seqs = [ids for p in pairs for ids in (p.chosen_ids, p.rejected_ids)]
     packed = pack_sequences(seqs, device)
-    scores = models.reward_scores(model, packed.input_ids, packed.position_ids, packed.cu_seqlens)
+    scores = models.reward_scores(
+        model, packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.offsets
+    )
     return scores[0::2], scores[1::2]
 
 
@@ -237,7 +239,7 @@ def evaluate(
     for group in groups:
         if not group:  # this rank is out of pairs, but the forward is a collective: join it
             dummy = pack_sequences([DUMMY_SEQUENCE], info.device)
-            models.reward_scores(model, dummy.input_ids, dummy.position_ids, dummy.cu_seqlens)
+            models.reward_scores(model, dummy.input_ids, dummy.position_ids, dummy.cu_seqlens, dummy.offsets)
             continue
         batch = [mine[i] for i in group]
         chosen, rejected = pair_scores(model, batch, info.device)

@@ -195,7 +195,7 @@ def answer_nll_sum(
     """
     packed = pack_sequences([ex.input_ids for ex in examples], device)
     labels = answer_labels(packed, examples)
-    logits = models.causal_lm_logits(model, packed.input_ids, packed.position_ids)
+    logits = models.causal_lm_logits(model, packed.input_ids, packed.position_ids, packed.offsets)
     logprobs, _ = kernels.logprobs_from_logits(logits, labels, compute_entropy=False)
     return -logprobs.sum()
 
