@@ -63,10 +63,13 @@ class ModelPathError(FileNotFoundError):
 
 def _looks_local(path: str) -> bool:
     # A hub id is ``name`` or ``org/name``: anything with a leading ./ ../ / ~, or more than one
-    # separator, can only mean a folder on disk.
+    # separator, can only mean a folder on disk; so does ``org/name`` whose ``org`` is a local folder
+    # (``assets/sft`` before ``make assets`` wrote it).
     if os.sep != "/" and os.sep in path:
         return True
-    return path.startswith(("/", "./", "../", "~", ".")) or path.count("/") > 1
+    if path.startswith(("/", "./", "../", "~", ".")) or path.count("/") > 1:
+        return True
+    return "/" in path and os.path.isdir(path.split("/")[0])
 
 
 def _check_path(path: str, config_key: str) -> str:

@@ -19,12 +19,13 @@ def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:
 def lr_factor(step: int, *, warmup: int, total: int, schedule: str, min_lr_ratio: float) -> float:
     """Multiplier of the peak lr after ``step`` optimizer steps.
 
-    Warm-up: ``(step + 1) / warmup`` for ``step < warmup`` (the first update already moves, by
-    ``lr / warmup``). Then constant 1, or cosine ``m + (1 - m) * (1 + cos(pi * p)) / 2`` with
-    ``p = (step - warmup) / (total - warmup)`` clamped to [0, 1] and ``m = min_lr_ratio``.
+    Warm-up from 0, as verl (and transformers' schedules): ``step / warmup`` for ``step < warmup``,
+    so the first step's rate is 0. Then constant 1, or cosine ``m + (1 - m) * (1 + cos(pi * p)) / 2``
+    with ``p = (step - warmup) / (total - warmup)`` clamped to [0, 1] and ``m = min_lr_ratio``.
+    ``step`` counts scheduler steps: PPO takes one per training step, the stages one per optimizer step.
     """
     if step < warmup:
-        return (step + 1) / warmup
+        return step / warmup
     if schedule == "constant":
         return 1.0
     progress = min(1.0, (step - warmup) / max(1, total - warmup))

@@ -86,7 +86,7 @@ EXPECTED_ERRORS = (
 )
 """Failures caused by the user's input or the machine: one line on rank 0, exit code 2."""
 
-REPORT_DELAY_S = 2.0
+REPORT_DELAY_S = 10.0
 """How long ranks other than 0 wait before reporting a failure (see the module docstring)."""
 
 METRICS_FILE = "metrics.json"

@@ -17,3 +17,22 @@ def nan_score(
 ) -> float:
     """A broken scorer: NaN for every response (the step must be skipped, nothing updated)."""
     return math.nan
+
+
+def huge_score(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None
+) -> float:
+    """Finite but so large that the critic's squared error overflows fp32 (its updates are skipped)."""
+    return 1e30
+
+
+def raises(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    """A scorer with a bug: it raises on every response."""
+    return 1 / 0
+
+
+def returns_text(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None
+) -> str:
+    """A scorer that returns a string instead of a number."""
+    return "high"
