@@ -16,6 +16,10 @@ the device.
   matrix, ``T = sum(l_i)``.
 - Every call that is not a packed forward (``generate`` with left padding and a KV cache, padded
   batches) goes to transformers' sdpa, unchanged.
+- Sequence parallelism (``ppo.ulysses``): a forward whose kwargs carry ``ULYSSES`` runs on this rank's
+  slice of a packed row; both packed kernels then exchange heads for tokens around the attention proper
+  (one all-to-all before, one after) and attend over the whole row with its offsets. Without the kwarg
+  nothing changes.
 
 This module is what breaks when transformers changes its attention or mask interfaces
 (``AttentionInterface``, ``AttentionMaskInterface``, ``sdpa_attention_forward``, ``sdpa_mask``); the
@@ -48,6 +52,11 @@ VARLEN_FLASH = "ppo_varlen_flash"
 PACKED_OFFSETS = "ppo_packed_offsets"
 """Forward keyword argument: the row's sequence offsets ``[0, l_0, l_0 + l_1, ..., T]`` on the host."""
 
+ULYSSES = "ppo_ulysses"
+"""Forward keyword argument of a sequence-parallel forward on one rank's token slice: the
+``ppo.ulysses.UlyssesContext`` (group, slice length, the full row's packed kwargs). Set by ``ppo.ulysses``;
+read here only through the context's ``scatter_heads`` / ``gather_heads`` and ``attention_kwargs``."""
+
 
 def packed_kwargs(offsets: list[int], device: torch.device | str) -> dict[str, Any]:
     """Forward keyword arguments that tell every attention layer where the packed sequences are.
@@ -65,13 +74,24 @@ def packed_kwargs(offsets: list[int], device: torch.device | str) -> dict[str, A
     }
 
 
-def resolve_attn_implementation(name: str, device: torch.device | str) -> str:
+def resolve_attn_implementation(
+    name: str, device: torch.device | str, *, sequence_parallel: bool = False
+) -> str:
     """The attention kernel to load with (see the module docstring for ``auto``). ``sdpa`` and ``eager``
     are transformers' own (dense block-diagonal mask on packed rows). An explicit flash_attention_2
-    without flash_attn, or a CUDA-only kernel off CUDA, fails."""
+    without flash_attn, or a CUDA-only kernel off CUDA, fails.
+
+    ``sequence_parallel``: the model runs with Ulysses sequence parallelism, which only this module's
+    kernels implement: ``auto`` skips flash_attention_2 (``VARLEN_FLASH`` is the same FlashAttention-2
+    algorithm), and any other explicit name fails."""
     device = torch.device(device)
+    if sequence_parallel and name not in ("auto", PACKED_ATTENTION, VARLEN_FLASH):
+        raise ValueError(
+            f"model.attn_implementation={name} cannot run with ulysses_sequence_parallel_size > 1; "
+            f"use auto ({VARLEN_FLASH} on CUDA, {PACKED_ATTENTION} elsewhere)"
+        )
     if name == "auto":
-        if device.type == "cuda" and _flash_attn_error() is None:
+        if device.type == "cuda" and _flash_attn_error() is None and not sequence_parallel:
             return "flash_attention_2"
         if device.type == "cuda" and _varlen_attn() is not None:
             return VARLEN_FLASH
@@ -135,8 +155,11 @@ def varlen_sdpa_attention(
     ``PACKED_OFFSETS`` (or else the position ids) delimit; each gets
     ``softmax(q_i k_i^T * scaling + causal) v_i`` on its own tokens, ``sum(l_i^2)`` score entries in all
     instead of the ``T^2`` of a dense block-diagonal mask. Everything else, and a row of one sequence,
-    goes to ``sdpa_attention_forward`` as it is.
+    goes to ``sdpa_attention_forward`` as it is. With ``ULYSSES`` in the kwargs, see ``_ulysses_attention``.
     """
+    if (context := kwargs.get(ULYSSES)) is not None:
+        args = (module, query, key, value, attention_mask, dropout, scaling)
+        return _ulysses_attention(varlen_sdpa_attention, context, *args, kwargs)
     offsets = _packed_offsets(query, key, attention_mask, kwargs)
     if offsets is None or len(offsets) == 2:
         return sdpa_attention_forward(
@@ -174,8 +197,12 @@ def varlen_flash_attention(
     sdpa for every other call.
 
     Shapes as ``varlen_sdpa_attention``. The kernel takes ``[T, H, d]`` tensors and ``cu_seqlens``;
-    where this torch has no grouped-query support (2.10, 2.11) the key/value heads are repeated.
+    where this torch has no grouped-query support (2.10, 2.11) the key/value heads are repeated. With
+    ``ULYSSES`` in the kwargs, see ``_ulysses_attention``.
     """
+    if (context := kwargs.get(ULYSSES)) is not None:
+        args = (module, query, key, value, attention_mask, dropout, scaling)
+        return _ulysses_attention(varlen_flash_attention, context, *args, kwargs)
     offsets = _packed_offsets(query, key, attention_mask, kwargs)
     if offsets is None:
         return sdpa_attention_forward(
@@ -200,6 +227,41 @@ def varlen_flash_attention(
         q, k, v, cu_seqlens, cu_seqlens, longest, longest, scale=scaling, window_size=(-1, 0), **gqa
     )
     return out[None], None  # [1, T, H, d]
+
+
+def _ulysses_attention(
+    attention: Callable[..., tuple[torch.Tensor, None]],
+    context: Any,
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, None]:
+    """``attention`` over whole sequences from this rank's token slice (Ulysses sequence parallelism).
+
+    ``query [1, H, T/sp, d]``, ``key``/``value [1, H_kv, T/sp, d]`` -> all-to-all -> ``[1, H/sp, T, d]``
+    (the context repeats key/value heads where ``sp`` does not divide ``H_kv``), ``attention`` with the
+    full row's offsets, output ``[1, T, H/sp, d]`` -> all-to-all -> ``[1, T/sp, H, d]``. The slice's own
+    mask and position ids play no part: the full row's offsets say where every sequence is. A mask, a
+    batch of rows or a cache cannot be sliced that way and fails.
+    """
+    local = context.local_tokens
+    if attention_mask is not None or query.shape[0] != 1 or query.shape[2] != local or key.shape[2] != local:
+        raise RuntimeError(
+            f"a sequence-parallel forward is one packed row of {local} tokens per rank without a mask or "
+            f"cache; got query {tuple(query.shape)}, key {tuple(key.shape)}, "
+            f"mask {None if attention_mask is None else tuple(attention_mask.shape)}"
+        )
+    _check_plain_causal(module, kwargs)
+    query, key, value = context.scatter_heads(query, key, value)
+    inner = {k: v for k, v in kwargs.items() if k not in (ULYSSES, "position_ids")}
+    inner.update(context.attention_kwargs)
+    out, _ = attention(module, query, key, value, None, dropout=dropout, scaling=scaling, **inner)
+    return context.gather_heads(out), None
 
 
 def _packed_offsets(
