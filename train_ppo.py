@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 import kernels
-from ppo import algorithms, checkpoint, data, models, rewards, runner, sharding
+from ppo import algorithms, checkpoint, data, models, rewards, runner, sharding, ulysses
 from ppo.checkpoint import Checkpointer, TrainerState
 from ppo.config import ActorConfig, CriticConfig, PPOConfig, to_yaml
 from ppo.distributed import (
@@ -53,8 +53,6 @@ from ppo.packing import (
     Packed,
     pack,
     pack_sequences,
-    packed_logprobs,
-    packed_values,
     plan_eval_micro_batches,
     plan_micro_batches,
     unpack,
@@ -125,6 +123,8 @@ class Run:
     metrics_logger: MetricsLogger
     monitor: HealthMonitor
     num_params: int
+    sp: ulysses.SPGroup
+    """This rank's Ulysses sequence-parallel group (``ulysses.NO_SP`` without sequence parallelism)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,6 +151,8 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
             records = [r for r in next(run.loader) for _ in range(cfg.rollout.n)]
             with timer("gen"):
                 rollout = sample(cfg, run, records, do_sample=cfg.rollout.do_sample)
+            if run.sp.size > 1:  # the ranks of a sequence-parallel group score and train the same batch
+                rollout, records = gather_group(rollout, records, run.sp, run.tokenizer.pad_token_id)
             group_ids = torch.arange(len(records), device=info.device) // cfg.rollout.n
             batch = Batch(rollout=rollout, records=records, group_ids=group_ids)
 
@@ -158,15 +160,15 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
             if needs_old_logprobs(cfg, on_policy):
                 with timer("old_log_prob"):
                     batch.old_logprobs = score_logprobs(
-                        cfg, run.actor, batch, cfg.actor.ppo_micro_batch_size_per_gpu
+                        cfg, run.actor, batch, cfg.actor.ppo_micro_batch_size_per_gpu, run.sp
                     )
             if run.ref is not None:
                 with timer("ref"):
                     batch.ref_logprobs = score_logprobs(
-                        cfg, run.ref, batch, cfg.ref.log_prob_micro_batch_size_per_gpu
+                        cfg, run.ref, batch, cfg.ref.log_prob_micro_batch_size_per_gpu, run.sp
                     )
                     if cfg.algorithm.use_kl_in_reward and cfg.algorithm.kl_penalty == "full":
-                        batch.full_kl = score_full_kl(cfg, run.actor, run.ref, batch)
+                        batch.full_kl = score_full_kl(cfg, run.actor, run.ref, batch, run.sp)
                     sharding.release(run.ref)
                 if batch.old_logprobs is not None:
                     metrics["actor/ref_kl"] = ref_kl(
@@ -181,7 +183,7 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
                     continue
             if run.critic is not None:
                 with timer("values"):
-                    batch.values = score_values(cfg, run.critic, batch)
+                    batch.values = score_values(cfg, run.critic, batch, run.sp)
             with timer("reward"):
                 batch.scores = compute_scores(cfg, run, batch)
             # A NaN or infinite reward anywhere skips the step on every rank: nothing is updated.
@@ -274,13 +276,18 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
     total_steps = runner.total_steps(cfg, loader)
 
     # ---- models ----
-    actor = runner.build_model(models.load_causal_lm, cfg.model, cfg.actor.fsdp, info)
+    sp = ulysses.make_sp_groups(cfg.actor.ulysses_sequence_parallel_size)
+    actor = runner.build_model(
+        models.load_causal_lm, cfg.model, cfg.actor.fsdp, info, sequence_parallel=sp.size
+    )
     if cfg.actor.use_fused_kernels:
         models.check_fused_lm_head(actor)
     eos_ids = models.eos_token_ids(tokenizer, actor)
     ref = critic = reward_model = None
     if cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss or cfg.algorithm.rollback_kl > 0:
-        ref = runner.build_model(models.load_causal_lm, cfg.model, cfg.ref.fsdp, info, trainable=False)
+        ref = runner.build_model(
+            models.load_causal_lm, cfg.model, cfg.ref.fsdp, info, trainable=False, sequence_parallel=sp.size
+        )
     if cfg.use_critic:
         critic = runner.build_model(
             models.load_critic,
@@ -289,6 +296,8 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
             info,
             path=cfg.critic.model_path or cfg.model.path,
             path_key="critic.model_path" if cfg.critic.model_path else "model.path",
+            sequence_parallel=sp.size,
+            sp_key="critic.ulysses_sequence_parallel_size",
         )
     if uses_reward_model(cfg):
         reward_model = runner.build_model(
@@ -369,6 +378,7 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
         ),
         monitor=HealthMonitor(cfg=cfg),
         num_params=num_params,
+        sp=sp,
     )
 
 
@@ -504,6 +514,22 @@ def sample(
     )
 
 
+def gather_group(
+    rollout: Rollout, records: list[data.PromptRecord], sp: ulysses.SPGroup, pad_token_id: int
+) -> tuple[Rollout, list[data.PromptRecord]]:
+    """The rollouts of every rank of a sequence-parallel group, in group order: the group scores and
+    trains them together, each rank on its slice of every micro-batch's tokens."""
+    parts = ulysses.all_gather_object(([p.tolist() for p in rollout.prompts], records), sp)
+    device = rollout.responses.device
+    gathered = Rollout(
+        prompts=[torch.tensor(p, dtype=torch.long) for part in parts for p in part[0]],
+        responses=ulysses.all_gather_rows(rollout.responses, sp, pad_token_id),
+        response_mask=ulysses.all_gather_rows(rollout.response_mask, sp, False),
+        truncated=ulysses.all_gather_rows(rollout.truncated.to(device), sp, False),
+    )
+    return gathered, [r for part in parts for r in part[1]]
+
+
 def decode_responses(tokenizer, rollout: Rollout) -> list[str]:
     """Response texts up to (not including) their EOS."""
     texts = []
@@ -528,7 +554,8 @@ def micro_batches(
     groups = plan_micro_batches(
         [lens[i] for i in idx.tolist()],
         use_dynamic_bsz=role.use_dynamic_bsz,
-        max_tokens=role.ppo_max_token_len_per_gpu,
+        # A sequence-parallel group splits each micro-batch over its ranks: its budget is theirs together.
+        max_tokens=role.ppo_max_token_len_per_gpu * role.ulysses_sequence_parallel_size,
         micro_batch_size=micro_batch_size or role.ppo_micro_batch_size_per_gpu,
     )
     return [idx[torch.tensor(g, dtype=torch.long, device=idx.device)] for g in groups]
@@ -548,14 +575,15 @@ def all_rows(batch: Batch) -> torch.Tensor:
 
 @torch.no_grad()
 def score_logprobs(
-    cfg: PPOConfig, model: torch.nn.Module, batch: Batch, micro_batch_size: int
+    cfg: PPOConfig, model: torch.nn.Module, batch: Batch, micro_batch_size: int, sp: ulysses.SPGroup
 ) -> torch.Tensor:
     """Log-probs ``[B, R]`` of the sampled tokens under ``model`` at the rollout temperature."""
     out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
     for sel in micro_batches(batch, all_rows(batch), cfg.actor, micro_batch_size):
-        out[sel], _ = packed_logprobs(
+        out[sel], _ = ulysses.packed_logprobs(
             model,
             pack_rows(batch, sel),
+            sp,
             temperature=cfg.rollout.temperature,
             backend=cfg.actor.kernels,
             fused=cfg.actor.use_fused_kernels,
@@ -564,30 +592,31 @@ def score_logprobs(
 
 
 @torch.no_grad()
-def score_full_kl(cfg: PPOConfig, actor: torch.nn.Module, ref: torch.nn.Module, batch: Batch) -> torch.Tensor:
+def score_full_kl(
+    cfg: PPOConfig, actor: torch.nn.Module, ref: torch.nn.Module, batch: Batch, sp: ulysses.SPGroup
+) -> torch.Tensor:
     """Exact ``KL(actor || ref)`` over the vocabulary at every response token, ``[B, R]``.
 
     Needs both models' logits of a micro-batch at once: the costliest estimator, for small vocabularies
-    or diagnostics.
+    or diagnostics. With sequence parallelism each rank computes its slice's tokens.
     """
     out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
     tau = cfg.rollout.temperature
     for sel in micro_batches(batch, all_rows(batch), cfg.actor):
         packed = pack_rows(batch, sel)
-        logits = models.causal_lm_logits(actor, packed.input_ids, packed.position_ids, packed.offsets)
-        logits = logits.float() / tau
-        ref_logits = models.causal_lm_logits(ref, packed.input_ids, packed.position_ids, packed.offsets)
-        ref_logits = ref_logits.float() / tau
-        kl = algorithms.full_kl(logits[None], ref_logits[None], (packed.labels != -100)[None])[0]
-        out[sel] = unpack(kl, packed)
+        part = ulysses.slice_for_rank(packed, sp)  # the whole row without sequence parallelism
+        logits = ulysses.local_logits(actor, part).float() / tau
+        ref_logits = ulysses.local_logits(ref, part).float() / tau
+        kl = algorithms.full_kl(logits[None], ref_logits[None], (part.labels != -100)[None])[0]
+        out[sel] = unpack(part.gather(kl), packed)
     return out
 
 
 @torch.no_grad()
-def score_values(cfg: PPOConfig, critic: torch.nn.Module, batch: Batch) -> torch.Tensor:
+def score_values(cfg: PPOConfig, critic: torch.nn.Module, batch: Batch, sp: ulysses.SPGroup) -> torch.Tensor:
     out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
     for sel in micro_batches(batch, all_rows(batch), cfg.critic):
-        out[sel] = packed_values(critic, pack_rows(batch, sel))
+        out[sel] = ulysses.packed_values(critic, pack_rows(batch, sel), sp)
     return out
 
 
@@ -696,6 +725,7 @@ def compute_advantages(cfg: PPOConfig, batch: Batch, kl_ctrl: KLController, step
             kl_ctrl.update(current_kl, n_steps=cfg.data.train_batch_size * cfg.rollout.n)
     batch.token_rewards = token_rewards
     est = cfg.algorithm.adv_estimator
+    sp_size = cfg.actor.ulysses_sequence_parallel_size
     if est == "gae":
         batch.advantages, batch.returns = algorithms.compute_gae(
             token_rewards,
@@ -703,7 +733,8 @@ def compute_advantages(cfg: PPOConfig, batch: Batch, kl_ctrl: KLController, step
             mask,
             cfg.algorithm.gamma,
             cfg.algorithm.lam,
-            all_reduce=all_reduce_sum,
+            # The ranks of a sequence-parallel group hold the same tokens: count them once.
+            all_reduce=lambda t: all_reduce_sum(t).div_(sp_size),
         )
         return metrics
     seq_rewards = token_rewards.sum(-1)
@@ -726,10 +757,14 @@ LossFn = Callable[[torch.Tensor, dict[str, float]], tuple[torch.Tensor, dict[str
 micro-batch's share of the mini-batch's global loss; each metric is its share of the mini-batch value."""
 
 
-def mini_batches(num_seqs: int, num_mini: int, shuffle: bool) -> list[torch.Tensor]:
+def mini_batches(num_seqs: int, num_mini: int, shuffle: bool, sp: ulysses.SPGroup) -> list[torch.Tensor]:
     """Split this rank's sequences into ``num_mini`` equal mini-batches, shuffled by the rank's RNG
-    (seeded per rank and restored by checkpoints, so runs and resumes repeat)."""
+    (seeded per rank and restored by checkpoints, so runs and resumes repeat); the ranks of a
+    sequence-parallel group take their first rank's order."""
     order = torch.randperm(num_seqs) if shuffle else torch.arange(num_seqs)
+    if shuffle and sp.size > 1:
+        device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+        order = ulysses.broadcast(order.to(device), sp).cpu()
     return list(order.chunk(num_mini))
 
 
@@ -749,6 +784,7 @@ def optimize(
     *,
     num_mini: int,
     shuffle: bool,
+    sp: ulysses.SPGroup,
     early_stop_kl: float = 0.0,
 ) -> dict[str, float]:
     """``role.ppo_epochs`` passes over the batch in ``num_mini`` mini-batches; per mini-batch, gradient
@@ -764,7 +800,7 @@ def optimize(
     updates = skipped = 0
     early_stopped = False
     for _ in range(role.ppo_epochs):
-        for idx in mini_batches(len(batch.records), num_mini, shuffle):
+        for idx in mini_batches(len(batch.records), num_mini, shuffle, sp):
             idx = idx.to(batch.response_mask.device)
             counts = global_counts(batch.response_mask[idx])
             contributions: dict[str, torch.Tensor] = {}
@@ -807,7 +843,7 @@ def update_critic(cfg: PPOConfig, run: Run, batch: Batch) -> dict[str, float]:
 
     def loss_fn(sel: torch.Tensor, counts: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         mask = batch.response_mask[sel]
-        values = packed_values(critic, pack_rows(batch, sel))
+        values = ulysses.packed_values(critic, pack_rows(batch, sel), run.sp)
         vf_loss, vf_metrics = algorithms.value_loss(
             values, batch.values[sel], batch.returns[sel], mask, c.cliprange_value, c.loss_agg_mode, **counts
         )
@@ -828,6 +864,7 @@ def update_critic(cfg: PPOConfig, run: Run, batch: Batch) -> dict[str, float]:
         loss_fn,
         num_mini=cfg.data.train_batch_size // c.ppo_mini_batch_size,
         shuffle=cfg.actor.shuffle,
+        sp=run.sp,
     )
     run.critic_sched.step()
     out["critic/lr"] = lr
@@ -842,9 +879,10 @@ def update_actor(cfg: PPOConfig, run: Run, batch: Batch, on_policy: bool) -> dic
 
     def loss_fn(sel: torch.Tensor, counts: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         mask = batch.response_mask[sel]
-        logprobs, entropy = packed_logprobs(
+        logprobs, entropy = ulysses.packed_logprobs(
             actor,
             pack_rows(batch, sel),
+            run.sp,
             temperature=cfg.rollout.temperature,
             backend=a.kernels,
             compute_entropy=True,  # logged every step; its gradient only with an entropy bonus
@@ -890,6 +928,7 @@ def update_actor(cfg: PPOConfig, run: Run, batch: Batch, on_policy: bool) -> dic
         loss_fn,
         num_mini=cfg.data.train_batch_size // a.ppo_mini_batch_size,
         shuffle=a.shuffle,
+        sp=run.sp,
         early_stop_kl=a.early_stop_kl,
     )
     run.actor_sched.step()
@@ -926,7 +965,7 @@ def batch_metrics(cfg: PPOConfig, batch: Batch) -> dict[str, float]:
     if batch.values is not None:
         values["critic/values"] = batch.values[mask]
         values["critic/return_error"] = (batch.returns - batch.values)[mask]
-    stats = global_stats(values)
+    stats = global_stats(values, copies=cfg.actor.ulysses_sequence_parallel_size)
     out: dict[str, float] = {}
     for name in (
         "critic/score",
@@ -955,7 +994,8 @@ def perf_metrics(
     Rank-local values reduced here (tokens summed, memory maxed); the timings are rank 0's.
     """
     out = dict(times)
-    local_tokens = float(sum(batch.seq_lens))
+    # The ranks of a sequence-parallel group hold the same sequences: each counts its share.
+    local_tokens = float(sum(batch.seq_lens)) / run.sp.size
     num_tokens = all_reduce_scalar(local_tokens, "sum")
     memory = all_reduce_scalar(max_memory_gib(info.device), "max")
     out["perf/total_num_tokens"] = num_tokens

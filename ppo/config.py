@@ -359,8 +359,9 @@ class CriticConfig:
     """Sharding of the critic."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """LoRA adapters of the critic's backbone (its value head always trains)."""
-    ulysses_sequence_parallel_size: int = 1
-    """Ulysses sequence parallelism of the critic (see ``actor.ulysses_sequence_parallel_size``)."""
+    ulysses_sequence_parallel_size: int | None = None
+    """Ulysses sequence parallelism of the critic; default: the actor's (filled in when the config is
+    built). The actor, critic and reference share one data layout, so the three must be equal."""
 
     def __post_init__(self) -> None:
         _require(
@@ -385,8 +386,9 @@ class RefConfig:
     model_path: str | None = None
     """Where the reference comes from; default: ``model.path`` (with actor LoRA: the actor itself with
     its adapters switched off, so no second copy is loaded)."""
-    ulysses_sequence_parallel_size: int = 1
-    """Ulysses sequence parallelism of the reference (see ``actor.ulysses_sequence_parallel_size``)."""
+    ulysses_sequence_parallel_size: int | None = None
+    """Ulysses sequence parallelism of the reference; default: the actor's (filled in when the config is
+    built)."""
 
     def __post_init__(self) -> None:
         _require(self, "> 0", "log_prob_micro_batch_size_per_gpu")
@@ -636,6 +638,19 @@ class PPOConfig:
             self.actor.clip_ratio_low = self.actor.clip_ratio
         if self.actor.clip_ratio_high is None:
             self.actor.clip_ratio_high = self.actor.clip_ratio
+        sp = self.actor.ulysses_sequence_parallel_size
+        for role in ("critic", "ref"):
+            section = getattr(self, role)
+            if section.ulysses_sequence_parallel_size is None:
+                section.ulysses_sequence_parallel_size = sp
+            elif section.ulysses_sequence_parallel_size != sp:
+                raise FieldError(
+                    f"{role}.ulysses_sequence_parallel_size={section.ulysses_sequence_parallel_size} differs from "
+                    f"actor.ulysses_sequence_parallel_size={sp}: actor, critic and reference share one "
+                    f"sequence-parallel layout; set them equal (or leave {role}'s unset)",
+                    f"{role}.ulysses_sequence_parallel_size",
+                    "actor.ulysses_sequence_parallel_size",
+                )
 
     @property
     def use_critic(self) -> bool:
@@ -654,6 +669,7 @@ class PPOConfig:
         errors: list[str] = []
         n = self.rollout.n
         bsz = self.data.train_batch_size
+        sp = self.actor.ulysses_sequence_parallel_size
         if bsz % world_size:
             # Each rank samples all n responses of its own prompts, so groups (GRPO, RLOO, ranking)
             # never straddle ranks.
@@ -685,18 +701,24 @@ class PPOConfig:
                     f"{world_size} ranks: change {role}.ppo_mini_batch_size or rollout.n"
                 )
                 continue
-            per_rank = mini * n // world_size
-            if not dynamic and per_rank % micro:
+            # With sequence parallelism a group of sp ranks shares its members' sequences.
+            per_group = mini * n * sp // world_size
+            if not dynamic and per_group % micro:
+                where = "rank" if sp == 1 else f"sequence-parallel group of {sp} ranks"
                 errors.append(
-                    f"{role}: {per_rank} sequences per rank per mini-batch must be a multiple of "
-                    f"{role}.ppo_micro_batch_size_per_gpu={micro}: change it to a divisor of {per_rank}, "
+                    f"{role}: {per_group} sequences per {where} per mini-batch must be a multiple of "
+                    f"{role}.ppo_micro_batch_size_per_gpu={micro}: change it to a divisor of {per_group}, "
                     f"or set {role}.use_dynamic_bsz=true"
                 )
         max_len = self.data.max_prompt_length + self.data.max_response_length
         for role, cfg in (("actor", self.actor), ("critic", self.critic)):
-            if cfg.use_dynamic_bsz and cfg.ppo_max_token_len_per_gpu < max_len:
+            if cfg.use_dynamic_bsz and cfg.ppo_max_token_len_per_gpu * sp < max_len:
                 errors.append(
-                    f"{role}.ppo_max_token_len_per_gpu={cfg.ppo_max_token_len_per_gpu} is below the longest "
+                    f"{role}.ppo_max_token_len_per_gpu={cfg.ppo_max_token_len_per_gpu} (x {sp} sequence-parallel "
+                    f"ranks) is below the longest sequence (max_prompt_length + max_response_length = "
+                    f"{max_len}): raise it"
+                    if sp > 1
+                    else f"{role}.ppo_max_token_len_per_gpu={cfg.ppo_max_token_len_per_gpu} is below the longest "
                     f"sequence (max_prompt_length + max_response_length = {max_len}): raise it"
                 )
         for role in ("actor", "critic", "ref"):

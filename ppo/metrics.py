@@ -49,12 +49,13 @@ def tensor_stats(prefix: str, x: torch.Tensor, mask: torch.Tensor | None = None)
     }
 
 
-def global_stats(values: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
+def global_stats(values: dict[str, torch.Tensor], *, copies: int = 1) -> dict[str, dict[str, float]]:
     """Mean, max, min and unbiased variance of each 1-D tensor over the elements of every rank.
 
     Token-level quantities (advantages, values) have a different count on each rank, so the global mean
-    is the token-weighted one, not the mean of the ranks' means. Three collectives for any number of
-    tensors. An empty tensor on every rank gives zeros.
+    is the token-weighted one, not the mean of the ranks' means. ``copies``: how many ranks hold each
+    element (the ranks of a sequence-parallel group hold the same batch), so each counts once. Three
+    collectives for any number of tensors. An empty tensor on every rank gives zeros.
     """
     names = sorted(values)
     sums, maxes, mins = {}, {}, {}
@@ -65,7 +66,7 @@ def global_stats(values: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]
         sums[f"{name}/sumsq"] = x.square().sum()
         maxes[name] = x.max() if x.numel() else torch.tensor(-math.inf, dtype=torch.float64, device=x.device)
         mins[name] = x.min() if x.numel() else torch.tensor(math.inf, dtype=torch.float64, device=x.device)
-    sums = all_reduce_tensors(sums, "sum")
+    sums = {k: v / copies for k, v in all_reduce_tensors(sums, "sum").items()}
     maxes = all_reduce_tensors(maxes, "max")
     mins = all_reduce_tensors(mins, "min")
     out = {}

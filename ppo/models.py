@@ -46,10 +46,14 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from ppo.attention import packed_kwargs, resolve_attn_implementation
+from ppo.attention import PACKED_ATTENTION, VARLEN_FLASH, packed_kwargs, resolve_attn_implementation
 from ppo.sharding import full_state_dict, torch_dtype
 
 logger = logging.getLogger("ppo")
+
+_RESOLVED = (PACKED_ATTENTION, VARLEN_FLASH, "flash_attention_2", "sdpa", "eager")
+"""Attention names used as given: the caller resolved ``auto`` for the device the model will run on
+(``runner.build_model`` loads on the CPU for a GPU run)."""
 
 
 class ModelPathError(FileNotFoundError):
@@ -155,7 +159,9 @@ def _from_pretrained(
             path,
             config=config,
             dtype=torch_dtype(dtype),
-            attn_implementation=resolve_attn_implementation(attn_implementation, device),
+            attn_implementation=attn_implementation
+            if attn_implementation in _RESOLVED
+            else resolve_attn_implementation(attn_implementation, device),
             trust_remote_code=trust_remote_code,
             output_loading_info=True,
         )

@@ -41,7 +41,7 @@ import transformers
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ppo import checkpoint, data, models, rewards, sharding
+from ppo import attention, checkpoint, data, models, rewards, sharding, ulysses
 from ppo.checkpoint import CheckpointError
 from ppo.config import (
     ConfigError,
@@ -205,23 +205,33 @@ def build_model(
     path: str | None = None,
     path_key: str = "model.path",
     trainable: bool = True,
+    sequence_parallel: int = 1,
+    sp_key: str = "actor.ulysses_sequence_parallel_size",
 ) -> nn.Module:
     """Load a model on the CPU with ``load`` (a ``models.load_*``), then shard it onto the device.
 
     Weights load on CPU and move to the device shard by shard inside ``fully_shard``, so no rank ever
-    holds a whole model on the accelerator. A model that trains is put in training mode (dropout is
-    off from loading; transformers recomputes checkpointed layers only in training mode) with gradient
-    checkpointing as configured; a frozen one gets ``requires_grad=False`` and eval mode.
+    holds a whole model on the accelerator; the attention kernel is picked for the device it will run
+    on (and for Ulysses sequence parallelism, ``sequence_parallel`` ranks per group, whose heads are
+    checked). A model that trains is put in training mode (dropout is off from loading; transformers
+    recomputes checkpointed layers only in training mode) with gradient checkpointing as configured;
+    a frozen one gets ``requires_grad=False`` and eval mode.
     """
+    attn = attention.resolve_attn_implementation(
+        model_cfg.attn_implementation, info.device, sequence_parallel=sequence_parallel > 1
+    )
     with main_rank_logs(info):  # e.g. "fresh score head" once, not once per rank
         model = load(
             path or model_cfg.path,
             dtype=model_cfg.dtype,
-            attn_implementation=model_cfg.attn_implementation,
+            attn_implementation=attn,
             trust_remote_code=model_cfg.trust_remote_code,
             device="cpu",
             config_key=path_key,
         )
+    logger.info("%s (%s): attention %s", path or model_cfg.path, type(model).__name__, attn)
+    if sequence_parallel > 1:
+        ulysses.check_heads(model.config, sequence_parallel, sp_key)
     if trainable:
         if model_cfg.enable_gradient_checkpointing:
             models.enable_gradient_checkpointing(model)

@@ -266,8 +266,8 @@ def test_bad_config_and_data_fail_clearly(
 
 @pytest.mark.slow
 def test_two_ranks_equal_one_rank(tiny_assets: Path, tmp_path: Path) -> None:
-    """The same global batch on 1 rank, on 2 gloo ranks (1 x 2 sharding) and on 2 ranks as 2 x 1 hybrid
-    sharding gives the same parameters after 2 steps.
+    """The same global batch on 1 rank, on 2 gloo ranks (1 x 2 sharding), on 2 ranks as 2 x 1 hybrid
+    sharding and on 2 ranks with Ulysses sequence parallelism gives the same parameters after 2 steps.
 
     Greedy rollouts (identical on any rank layout), one mini-batch per step (so shuffling cannot differ)
     and a reward that varies per prompt so GAE has a signal.
@@ -288,7 +288,7 @@ def test_two_ranks_equal_one_rank(tiny_assets: Path, tmp_path: Path) -> None:
         "actor.optim.eps=1e-3",
         "critic.optim.eps=1e-3",
     ]
-    one, two, hybrid = tmp_path / "one", tmp_path / "two", tmp_path / "hybrid"
+    one, two, hybrid, sp = tmp_path / "one", tmp_path / "two", tmp_path / "hybrid", tmp_path / "sp"
     assert run(base_args(tiny_assets, one) + common) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [
@@ -299,9 +299,11 @@ def test_two_ranks_equal_one_rank(tiny_assets: Path, tmp_path: Path) -> None:
         "--nproc_per_node=2",
         str(ROOT / "train_ppo.py"),
     ]
-    # 1 x 2 (shard over both ranks) and 2 x 1 (hybrid: replicate across 2 groups of 1 rank each).
+    # 1 x 2 (shard over both ranks), 2 x 1 (hybrid: replicate across 2 groups of 1 rank each), and
+    # Ulysses sequence parallelism over both ranks (one data-parallel group whose micro-batches are split
+    # along the tokens; greedy rollouts, so the group's batch is the one-rank batch, in the same order).
     hsdp = ["actor.fsdp.fsdp_size=1", "critic.fsdp.fsdp_size=1", "ref.fsdp.fsdp_size=1"]
-    for out, extra in ((two, []), (hybrid, hsdp)):
+    for out, extra in ((two, []), (hybrid, hsdp), (sp, ["actor.ulysses_sequence_parallel_size=2"])):
         proc = subprocess.run(
             cmd + base_args(tiny_assets, out) + common + extra + ["trainer.dist_timeout_s=120"],
             capture_output=True,
@@ -313,15 +315,68 @@ def test_two_ranks_equal_one_rank(tiny_assets: Path, tmp_path: Path) -> None:
     a = load_file(one / "hf" / "model.safetensors")
     base = load_file(tiny_assets / "base" / "model.safetensors")
     assert any(not torch.equal(a[k], base[k]) for k in a), "the update changed nothing"
-    for other in (two, hybrid):
+    for other in (two, hybrid, sp):
         b = load_file(other / "hf" / "model.safetensors")
         for key in a:
             torch.testing.assert_close(
                 a[key], b[key], atol=1e-6, rtol=1e-5, msg=f"{other.name}: {key} differs"
             )
         for x, y in zip(read_metrics(one), read_metrics(other), strict=True):
-            for k in ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "response_length/mean"):
-                assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-5), k
+            # Token-level statistics are token-weighted over all ranks (not means of the ranks' means).
+            for k in (
+                "critic/score/mean",
+                "actor/pg_loss",
+                "critic/vf_loss",
+                "response_length/mean",
+                "critic/advantages/mean",
+                "critic/values/mean",
+                "critic/vf_explained_var",
+                "actor/entropy",
+            ):
+                assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-5), f"{other.name}: {k}"
+
+
+@pytest.mark.slow
+def test_sequence_parallel_grpo_equals_one_rank(tiny_assets: Path, tmp_path: Path) -> None:
+    """GRPO with a KL loss, two mini-batches of several micro-batches: 2 ranks with Ulysses sequence
+    parallelism (each micro-batch split along its tokens) train the parameters one rank trains."""
+    common = [
+        "algorithm.adv_estimator=grpo",
+        "actor.use_kl_loss=true",
+        "rollout.do_sample=false",
+        "trainer.val_before_train=false",
+        "trainer.save_hf_on_end=true",
+        "data.max_prompt_length=16",
+        "actor.shuffle=false",
+        "actor.ppo_max_token_len_per_gpu=24",  # several micro-batches, boundaries inside the slices
+        "actor.optim.eps=1e-3",
+        # Greedy samples of a group are equal (zero advantages): the entropy bonus gives the gradient.
+        "actor.entropy_coeff=0.01",
+    ]
+    one, sp = tmp_path / "one", tmp_path / "sp"
+    assert run(base_args(tiny_assets, one) + common + ["actor.ppo_max_token_len_per_gpu=48"]) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.run(
+        cmd
+        + [str(ROOT / "train_ppo.py")]
+        + base_args(tiny_assets, sp)
+        + common
+        + ["actor.ulysses_sequence_parallel_size=2", "trainer.dist_timeout_s=120"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    a = load_file(one / "hf" / "model.safetensors")
+    b = load_file(sp / "hf" / "model.safetensors")
+    base = load_file(tiny_assets / "base" / "model.safetensors")
+    assert any(not torch.equal(a[k], base[k]) for k in a), "the update changed nothing"
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=1e-5, msg=key)
+    for x, y in zip(read_metrics(one), read_metrics(sp), strict=True):
+        for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "critic/advantages/mean"):
+            assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-5), k
 
 
 def test_plot_run_writes_png(gae_run: Path, tmp_path: Path) -> None:

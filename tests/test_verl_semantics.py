@@ -222,7 +222,7 @@ def test_rollout_logprobs_equal_scoring_logprobs(tiny_assets: Path, tmp_path: Pa
         records=records,
         group_ids=torch.arange(len(records)),
     )
-    scored = train_ppo.score_logprobs(cfg, run_.actor, batch, cfg.actor.ppo_micro_batch_size_per_gpu)
+    scored = train_ppo.score_logprobs(cfg, run_.actor, batch, cfg.actor.ppo_micro_batch_size_per_gpu, run_.sp)
     torch.testing.assert_close(
         scored[:, : responses.shape[1]][mask], sampled_logprobs[mask], atol=2e-5, rtol=0
     )
@@ -474,4 +474,4 @@ def test_a_fatal_error_is_reported_once_on_two_ranks(tiny_assets: Path, tmp_path
     )
     assert proc.returncode != 0
     assert proc.stderr.count("missing.parquet: no such data file") == 1, proc.stderr[-3000:]
-    assert "train_ppo.py\", line" not in proc.stderr  # no traceback through the trainer (torchrun has its own)
+    assert 'train_ppo.py", line' not in proc.stderr  # no traceback through the trainer (torchrun has its own)
