@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 import kernels
-from ppo import algorithms, checkpoint, data, models, rewards, runner, sharding, ulysses
+from ppo import algorithms, checkpoint, data, lora, models, rewards, runner, sharding, ulysses
 from ppo.checkpoint import Checkpointer, TrainerState
 from ppo.config import ActorConfig, CriticConfig, PPOConfig, to_yaml
 from ppo.distributed import (
@@ -164,12 +164,14 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
                     )
             if run.ref is not None:
                 with timer("ref"):
-                    batch.ref_logprobs = score_logprobs(
-                        cfg, run.ref, batch, cfg.ref.log_prob_micro_batch_size_per_gpu, run.sp
-                    )
+                    with lora.adapters_disabled(run.ref):  # a no-op for a separately loaded reference
+                        batch.ref_logprobs = score_logprobs(
+                            cfg, run.ref, batch, cfg.ref.log_prob_micro_batch_size_per_gpu, run.sp
+                        )
                     if cfg.algorithm.use_kl_in_reward and cfg.algorithm.kl_penalty == "full":
                         batch.full_kl = score_full_kl(cfg, run.actor, run.ref, batch, run.sp)
-                    sharding.release(run.ref)
+                    if run.ref is not run.actor:  # the actor's root stays gathered for its next forward
+                        sharding.release(run.ref)
                 if batch.old_logprobs is not None:
                     metrics["actor/ref_kl"] = ref_kl(
                         batch.old_logprobs, batch.ref_logprobs, batch.response_mask
@@ -235,7 +237,13 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
             break
 
     if cfg.trainer.save_hf_on_end:
-        models.save_hf(run.actor, run.tokenizer, run.out_dir / "hf", is_main=info.is_main)
+        lora.save_hf(
+            run.actor,
+            run.tokenizer,
+            run.out_dir / "hf",
+            is_main=info.is_main,
+            merged=cfg.actor.lora.save_merged,
+        )
     run.metrics_logger.close()
 
 
@@ -278,16 +286,32 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
     # ---- models ----
     sp = ulysses.make_sp_groups(cfg.actor.ulysses_sequence_parallel_size)
     actor = runner.build_model(
-        models.load_causal_lm, cfg.model, cfg.actor.fsdp, info, sequence_parallel=sp.size
+        models.load_causal_lm,
+        cfg.model,
+        cfg.actor.fsdp,
+        info,
+        sequence_parallel=sp.size,
+        lora_cfg=cfg.actor.lora,
+        lora_key="actor.lora",
     )
     if cfg.actor.use_fused_kernels:
         models.check_fused_lm_head(actor)
     eos_ids = models.eos_token_ids(tokenizer, actor)
     ref = critic = reward_model = None
     if cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss or cfg.algorithm.rollback_kl > 0:
-        ref = runner.build_model(
-            models.load_causal_lm, cfg.model, cfg.ref.fsdp, info, trainable=False, sequence_parallel=sp.size
-        )
+        if lora.uses_lora(cfg.actor.lora) and cfg.ref.model_path is None:
+            ref = actor  # the actor with its adapters off: every reference forward is in adapters_disabled
+        else:
+            ref = runner.build_model(
+                models.load_causal_lm,
+                cfg.model,
+                cfg.ref.fsdp,
+                info,
+                path=cfg.ref.model_path or cfg.model.path,
+                path_key="ref.model_path" if cfg.ref.model_path else "model.path",
+                trainable=False,
+                sequence_parallel=sp.size,
+            )
     if cfg.use_critic:
         critic = runner.build_model(
             models.load_critic,
@@ -298,6 +322,9 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
             path_key="critic.model_path" if cfg.critic.model_path else "model.path",
             sequence_parallel=sp.size,
             sp_key="critic.ulysses_sequence_parallel_size",
+            lora_cfg=cfg.critic.lora,
+            lora_key="critic.lora",
+            trainable_head="score",
         )
     if uses_reward_model(cfg):
         reward_model = runner.build_model(
@@ -606,7 +633,8 @@ def score_full_kl(
         packed = pack_rows(batch, sel)
         part = ulysses.slice_for_rank(packed, sp)  # the whole row without sequence parallelism
         logits = ulysses.local_logits(actor, part).float() / tau
-        ref_logits = ulysses.local_logits(ref, part).float() / tau
+        with lora.adapters_disabled(ref):  # the reference may be the actor itself (LoRA)
+            ref_logits = ulysses.local_logits(ref, part).float() / tau
         kl = algorithms.full_kl(logits[None], ref_logits[None], (part.labels != -100)[None])[0]
         out[sel] = unpack(part.gather(kl), packed)
     return out

@@ -49,6 +49,11 @@ TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True)
 """Checkpoints hold what trains: with LoRA the frozen base weights come from ``model.path`` again, so a
 checkpoint is the adapters (and value head) and their optimizer state."""
 
+TRAINABLE_ONLY_LOAD = StateDictOptions(ignore_frozen_params=True, strict=False)
+"""Loading them: ``load_state_dict(strict=True)`` would ask for the frozen weights a checkpoint does not
+hold. Nothing trainable can go missing: ``dcp.load`` has already failed for any requested tensor that the
+checkpoint lacks."""
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or resumed; the message says what to fix."""
@@ -217,7 +222,7 @@ def load_models(ckpt_dir: Path, models: dict[str, torch.nn.Module | None]) -> No
             f"checkpoint {ckpt_dir} does not fit the models (different shapes?): {_dcp_error(e)}"
         ) from None
     for name, model in _present(models).items():
-        set_model_state_dict(model, state[f"{name}.model"], options=TRAINABLE_ONLY)
+        set_model_state_dict(model, state[f"{name}.model"], options=TRAINABLE_ONLY_LOAD)
 
 
 def load(
@@ -255,7 +260,7 @@ def load(
             optimizers[name],
             model_state_dict=state[f"{name}.model"],
             optim_state_dict=state[f"{name}.optim"],
-            options=TRAINABLE_ONLY,
+            options=TRAINABLE_ONLY_LOAD,
         )
     local = torch.load(ckpt_dir / f"rank_{rank:05d}.pt", weights_only=False)
     for name, sched in _present(schedulers).items():

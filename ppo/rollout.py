@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 
-from ppo import sharding
+from ppo import lora, sharding
 
 
 @dataclass(kw_only=True)
@@ -98,7 +98,11 @@ def generate(
     chunks = []
     was_training = model.training
     model.eval()
-    with sharding.gathered_for_generation(model), _checkpoint_generation_config_hidden(model):
+    with (
+        sharding.gathered_for_generation(model),
+        lora.merged_for_generation(model),
+        _checkpoint_generation_config_hidden(model),
+    ):
         for start in range(0, len(prompts), micro_batch_size):
             batch = prompts[start : start + micro_batch_size]
             input_ids, attention_mask = left_pad(batch, config.pad_token_id, device)

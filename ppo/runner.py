@@ -41,11 +41,12 @@ import transformers
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ppo import attention, checkpoint, data, models, rewards, sharding, ulysses
+from ppo import attention, checkpoint, data, lora, models, rewards, sharding, ulysses
 from ppo.checkpoint import CheckpointError
 from ppo.config import (
     ConfigError,
     FSDPConfig,
+    LoRAConfig,
     ModelConfig,
     PPOConfig,
     RewardModelConfig,
@@ -207,6 +208,9 @@ def build_model(
     trainable: bool = True,
     sequence_parallel: int = 1,
     sp_key: str = "actor.ulysses_sequence_parallel_size",
+    lora_cfg: LoRAConfig | None = None,
+    lora_key: str = "",
+    trainable_head: str | None = None,
 ) -> nn.Module:
     """Load a model on the CPU with ``load`` (a ``models.load_*``), then shard it onto the device.
 
@@ -220,14 +224,24 @@ def build_model(
     attn = attention.resolve_attn_implementation(
         model_cfg.attn_implementation, info.device, sequence_parallel=sequence_parallel > 1
     )
+    path = path or model_cfg.path
+    lora_cfg = lora_cfg or LoRAConfig()  # rank 0: no adapters (a saved adapter folder is still merged)
     with main_rank_logs(info):  # e.g. "fresh score head" once, not once per rank
         model = load(
-            path or model_cfg.path,
-            dtype=model_cfg.dtype,
+            lora.base_model_path(path, config_key=path_key),
+            dtype=lora.load_dtype(lora_cfg, model_cfg.dtype),
             attn_implementation=attn,
             trust_remote_code=model_cfg.trust_remote_code,
             device="cpu",
             config_key=path_key,
+        )
+        model = lora.apply_lora(
+            model,
+            lora_cfg,
+            model_dtype=model_cfg.dtype,
+            trainable_head=trainable_head,
+            config_key=lora_key,
+            init_from=path,
         )
     logger.info("%s (%s): attention %s", path or model_cfg.path, type(model).__name__, attn)
     if sequence_parallel > 1:

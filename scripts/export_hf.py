@@ -1,12 +1,20 @@
 """Export a trained actor (and optionally the critic) from a sharded checkpoint to a Hugging Face folder.
 
     python scripts/export_hf.py outputs/run/checkpoints/step_00000040 outputs/run/hf [--critic]
+    python scripts/export_hf.py outputs/run outputs/run/hf_adapter --adapter     # LoRA: adapters only
     torchrun --nproc_per_node=8 scripts/export_hf.py CKPT_DIR OUT_DIR   # large models: shard the load
 
 Reads the run's resolved ``config.yaml`` from the checkpoint, builds the models from ``model.path`` (and
-``critic.model_path``), loads the checkpoint's weights (any world size: DCP reshards) and writes
-``save_pretrained`` folders with the tokenizer: the actor to ``OUT_DIR``, the critic to
-``OUT_DIR/critic``. Load them back with ``AutoModelForCausalLM.from_pretrained(OUT_DIR)``.
+``critic.model_path``) as the trainer did (with their LoRA adapters, if any), loads the checkpoint's
+weights (any world size: DCP reshards) and writes folders with the tokenizer: the actor to ``OUT_DIR``, the
+critic to ``OUT_DIR/critic``.
+
+A model trained with LoRA is written either merged (``W + (alpha / r) B A`` in every adapted layer: a plain
+``save_pretrained`` folder, loaded with ``AutoModelForCausalLM.from_pretrained(OUT_DIR)``) or as its
+adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``, loaded with
+``PeftModel.from_pretrained(base, OUT_DIR)``). The default is the run's ``actor.lora.save_merged`` (and
+``critic.lora.save_merged``); ``--merged`` / ``--adapter`` override it for both. A model without LoRA is
+always written whole.
 """
 
 from __future__ import annotations
@@ -16,37 +24,76 @@ import logging
 import sys
 from pathlib import Path
 
-from ppo import checkpoint, models, sharding
-from ppo.config import PPOConfig, load_config
-from ppo.distributed import destroy_distributed, init_distributed, make_mesh, setup_logging
+from torch import nn
+
+from ppo import checkpoint, lora, models, sharding
+from ppo.config import ConfigError, PPOConfig, load_config
+from ppo.distributed import DistInfo, destroy_distributed, init_distributed, make_mesh, setup_logging
 
 logger = logging.getLogger("ppo")
 
 
-def export(ckpt_dir: Path, out_dir: Path, *, with_critic: bool = False) -> None:
-    """Write the checkpoint's actor (and critic) as ``save_pretrained`` folders (collective)."""
+def export(ckpt_dir: Path, out_dir: Path, *, with_critic: bool = False, merged: bool | None = None) -> None:
+    """Write the checkpoint's actor (and critic) as Hugging Face folders (collective).
+
+    ``merged``: for LoRA models, the merged model (True) or the adapter folder (False); ``None`` follows
+    each role's ``lora.save_merged`` in the checkpoint's config.
+    """
     if not (ckpt_dir / "config.yaml").is_file():
         raise checkpoint.CheckpointError(
             f"{ckpt_dir} has no config.yaml: is it a checkpoint folder (step_N)?"
         )
     cfg = load_config(ckpt_dir / "config.yaml", [], PPOConfig)
+    roles = [("actor", cfg.actor.lora)] + ([("critic", cfg.critic.lora)] if with_critic else [])
+    for role, lora_cfg in roles:
+        if merged is False and not lora.uses_lora(lora_cfg):
+            raise ConfigError(
+                f"--adapter: the checkpoint's {role} has no LoRA adapters ({role}.lora.rank=0); export it "
+                "without --adapter"
+            )
     info = init_distributed("cpu" if cfg.trainer.device == "cpu" else "auto", cfg.trainer.dist_timeout_s)
-    kw = dict(
-        dtype=cfg.model.dtype, attn_implementation="eager", trust_remote_code=cfg.model.trust_remote_code
-    )
     tokenizer = models.load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
-    actor = sharding.shard_model(
-        models.load_causal_lm(cfg.model.path, **kw), make_mesh(info), cfg.actor.fsdp, device=info.device
-    )
+    actor = build(cfg, info, "actor")
     to_load = {"actor": actor}
     if with_critic:
-        critic = models.load_critic(cfg.critic.model_path or cfg.model.path, **kw)
-        to_load["critic"] = sharding.shard_model(critic, make_mesh(info), cfg.critic.fsdp, device=info.device)
+        to_load["critic"] = build(cfg, info, "critic")
     checkpoint.load_models(ckpt_dir, to_load)
-    models.save_hf(actor, tokenizer, out_dir, is_main=info.is_main)
-    if with_critic:
-        models.save_hf(to_load["critic"], tokenizer, out_dir / "critic", is_main=info.is_main)
-    logger.info("exported %s to %s", ckpt_dir, out_dir)
+    for role, lora_cfg in roles:
+        folder = out_dir if role == "actor" else out_dir / "critic"
+        as_merged = lora_cfg.save_merged if merged is None else merged
+        lora.save_hf(to_load[role], tokenizer, folder, is_main=info.is_main, merged=as_merged)
+        what = "model" if not lora.uses_lora(lora_cfg) else "merged model" if as_merged else "adapter folder"
+        logger.info("exported the %s of %s as a %s to %s", role, ckpt_dir, what, folder)
+
+
+def build(cfg: PPOConfig, info: DistInfo, role: str) -> nn.Module:
+    """The actor or critic as the trainer builds it (base weights, LoRA adapters, sharding)."""
+    if role == "actor":
+        path, key, lora_cfg, fsdp = cfg.model.path, "model.path", cfg.actor.lora, cfg.actor.fsdp
+        load, head = models.load_causal_lm, None
+    else:
+        path, key = (
+            (cfg.critic.model_path, "critic.model_path")
+            if cfg.critic.model_path
+            else (cfg.model.path, "model.path")
+        )
+        lora_cfg, fsdp, load, head = cfg.critic.lora, cfg.critic.fsdp, models.load_critic, "score"
+    model = load(
+        lora.base_model_path(path, config_key=key),
+        dtype=lora.load_dtype(lora_cfg, cfg.model.dtype),
+        attn_implementation="eager",
+        trust_remote_code=cfg.model.trust_remote_code,
+        config_key=key,
+    )
+    model = lora.apply_lora(
+        model,
+        lora_cfg,
+        model_dtype=cfg.model.dtype,
+        trainable_head=head,
+        config_key=f"{role}.lora",
+        init_from=path,
+    )
+    return sharding.shard_model(model, make_mesh(info), fsdp, device=info.device)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,14 +105,29 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("out_dir", type=Path, help="where the Hugging Face folder goes")
     parser.add_argument("--critic", action="store_true", help="also export the critic to OUT_DIR/critic")
+    form = parser.add_mutually_exclusive_group()
+    form.add_argument(
+        "--merged",
+        dest="merged",
+        action="store_const",
+        const=True,
+        help="LoRA: write the merged model (default: the run's lora.save_merged)",
+    )
+    form.add_argument(
+        "--adapter",
+        dest="merged",
+        action="store_const",
+        const=False,
+        help="LoRA: write the adapter folder (loads with peft on top of the base model)",
+    )
     args = parser.parse_args(argv)
     setup_logging(True)
     ckpt_dir = args.ckpt_dir
     if not checkpoint.is_complete(ckpt_dir):  # a run folder: take its latest complete checkpoint
         ckpt_dir = checkpoint.find_resume_dir(ckpt_dir, "auto") or ckpt_dir
     try:
-        export(ckpt_dir, args.out_dir, with_critic=args.critic)
-    except (checkpoint.CheckpointError, FileNotFoundError) as e:
+        export(ckpt_dir, args.out_dir, with_critic=args.critic, merged=args.merged)
+    except (checkpoint.CheckpointError, ConfigError, FileNotFoundError) as e:
         logger.error("%s", e)
         return 2
     finally:
