@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import logging
 import resource
-import signal
 import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +24,7 @@ import torch
 
 import kernels
 from ppo import algorithms, checkpoint, data, lora, models, rewards, runner, sharding, ulysses
-from ppo.checkpoint import Checkpointer, TrainerState
+from ppo.checkpointer import Checkpointer, TrainerState, roll_back
 from ppo.config import ActorConfig, CriticConfig, PPOConfig, to_yaml
 from ppo.distributed import (
     DistInfo,
@@ -138,10 +136,10 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
         val_metrics = validate(cfg, info, run)
         state.best_val = val_metrics.get("val/score")
         run.metrics_logger.log(0, val_metrics)
-    stop_requested = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop_requested.set())
+    stop = runner.StopRequest()
     on_policy = cfg.actor.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
     while state.step < run.total_steps:
+        start = step_start(run)
         state.step += 1
         step = state.step
         timer = Timer()
@@ -155,6 +153,9 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
                 rollout, records = gather_group(rollout, records, run.sp, run.tokenizer.pad_token_id)
             group_ids = torch.arange(len(records), device=info.device) // cfg.rollout.n
             batch = Batch(rollout=rollout, records=records, group_ids=group_ids)
+            if stop.requested():  # nothing updated yet: undo the step, save the last complete one
+                abandon_step(cfg, run, start, stop.name)
+                break
 
             # 2. score: old and reference log-probs, values, rewards (all without gradients)
             if needs_old_logprobs(cfg, on_policy):
@@ -181,7 +182,7 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
                     cfg.algorithm.rollback_kl
                 ):
                     reason = f"KL to the reference above algorithm.rollback_kl={cfg.algorithm.rollback_kl}"
-                    roll_back(cfg, run, reason)
+                    rollback_and_log(cfg, run, reason)
                     continue
             if run.critic is not None:
                 with timer("values"):
@@ -193,6 +194,9 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
                 skip_step(cfg, run)
                 continue
             state.consecutive_skipped_steps = 0
+            if stop.requested():
+                abandon_step(cfg, run, start, stop.name)
+                break
 
             # 3. advantages: KL in the reward, then GAE or a group baseline
             with timer("adv"):
@@ -223,8 +227,8 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
         run.metrics_logger.log(step, metrics)
 
         # 6. checkpoint: sharded, atomic, resumable; also when asked to stop (SIGTERM from Slurm or
-        # torchrun), so that a preempted job resumes from this step. Ranks agree on the signal first.
-        stopping = all_reduce_scalar(float(stop_requested.is_set()), "max") > 0
+        # torchrun, Ctrl-C), so that a preempted job resumes from this step.
+        stopping = stop.requested()
         if (
             cfg.trainer.save_freq > 0
             and step % cfg.trainer.save_freq == 0
@@ -233,7 +237,9 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
         ):
             save(cfg, run)
         if stopping:
-            logger.warning("stopping after step %d on SIGTERM; resume with trainer.resume_mode=auto", step)
+            logger.warning(
+                "stopping: saved step %d (%s); resume with trainer.resume_mode=auto", step, stop.name
+            )
             break
 
     if cfg.trainer.save_hf_on_end:
@@ -255,7 +261,7 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
 def build(cfg: PPOConfig, info: DistInfo) -> Run:
     """Load the data and the models, build the optimizers and controllers, resume if there is a
     checkpoint. Everything that can fail on the user's input fails here, before step 1."""
-    out_dir = runner.prepare_run(cfg, info)
+    out_dir = runner.prepare_run(cfg, info, writes=run_paths(cfg))
     tokenizer = runner.load_tokenizer(cfg.model)
     scorer = rewards.make_rule_scorer(cfg.reward.custom_function, cfg.reward.format_score)
 
@@ -346,19 +352,20 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
 
     # ---- resume ----
     state = TrainerState()
+    monitor = HealthMonitor(cfg=cfg)
     checkpointer = Checkpointer(
         out_dir=out_dir,
         info=info,
         config_yaml=to_yaml(cfg),
         keep=cfg.trainer.max_ckpt_to_keep,
+        seed=cfg.trainer.seed,
         models={"actor": actor, "critic": critic},
         optimizers={"actor": actor_opt, "critic": critic_opt},
         schedulers={"actor": actor_sched, "critic": critic_sched},
-        stateful={"trainer": state, "loader": loader, "kl_ctrl": kl_ctrl},
+        stateful={"trainer": state, "loader": loader, "kl_ctrl": kl_ctrl, "monitor": monitor},
     )
-    resume_dir = checkpoint.find_resume_dir(out_dir, cfg.trainer.resume_mode)
+    resume_dir = checkpointer.restore_newest(cfg.trainer.resume_mode)
     if resume_dir is not None:
-        checkpointer.restore(resume_dir)
         logger.info("resumed from %s at step %d", resume_dir, state.step)
     else:
         # Sampling differs per rank from here on; checkpoints restore these streams exactly.
@@ -403,10 +410,21 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
             console=True,
             resume_step=state.step if resume_dir is not None else None,
         ),
-        monitor=HealthMonitor(cfg=cfg),
+        monitor=monitor,
         num_params=num_params,
         sp=sp,
     )
+
+
+def run_paths(cfg: PPOConfig) -> dict[Path, str]:
+    """Every path in the run folder the run will write, and whether it is a folder or a file."""
+    out = Path(cfg.trainer.output_dir)
+    paths = {out / "checkpoints": "dir", out / "metrics.jsonl": "file", out / "tensorboard": "dir"}
+    if cfg.trainer.save_hf_on_end:
+        paths[out / "hf"] = "dir"
+    if cfg.trainer.profile_steps:
+        paths[out / "profile"] = "dir"
+    return paths
 
 
 def uses_reward_model(cfg: PPOConfig) -> bool:
@@ -450,6 +468,25 @@ def needs_old_logprobs(cfg: PPOConfig, on_policy: bool) -> bool:
     return not on_policy or cfg.algorithm.use_kl_in_reward or cfg.algorithm.rollback_kl > 0
 
 
+def step_start(run: Run) -> dict[str, object]:
+    """What a step changes before its first update: the data position and this rank's RNG streams."""
+    return {"loader": run.loader.state_dict(), "rng": checkpoint.rng_state()}
+
+
+def abandon_step(cfg: PPOConfig, run: Run, start: dict[str, object], reason: str) -> None:
+    """Stop inside a step before anything was updated: undo the step (data position and RNG back to its
+    start) and checkpoint the last complete one, so a resumed run redoes this step exactly."""
+    run.loader.load_state_dict(start["loader"])
+    checkpoint.set_rng_state(start["rng"])
+    run.state.step -= 1
+    latest = checkpoint.checkpoints_dir(run.out_dir) / "latest"
+    if not (latest.is_file() and latest.read_text() == f"step_{run.state.step:08d}"):
+        save(cfg, run)
+    logger.warning(
+        "stopping: saved step %d (%s); resume with trainer.resume_mode=auto", run.state.step, reason
+    )
+
+
 def save(cfg: PPOConfig, run: Run) -> None:
     """Checkpoint the step just done. Reaching a new checkpoint is progress: the rollbacks "in a row"
     counted against ``algorithm.max_rollbacks`` start again from 0."""
@@ -457,11 +494,11 @@ def save(cfg: PPOConfig, run: Run) -> None:
     run.checkpointer.save(run.state.step)
 
 
-def roll_back(cfg: PPOConfig, run: Run, reason: str) -> None:
-    """Restore the last checkpoint with smaller learning rates (``checkpoint.roll_back``) and log it."""
+def rollback_and_log(cfg: PPOConfig, run: Run, reason: str) -> None:
+    """Restore the last checkpoint with smaller learning rates (``checkpointer.roll_back``) and log it."""
     a = cfg.algorithm
     step = run.state.step
-    checkpoint.roll_back(
+    roll_back(
         run.checkpointer, run.state, reason, lr_factor=a.rollback_lr_factor, max_rollbacks=a.max_rollbacks
     )
     run.metrics_logger.log(
@@ -497,7 +534,7 @@ def validation_dropped(cfg: PPOConfig, run: Run, metrics: dict[str, float]) -> b
         return False
     if drop > 0 and best is not None and score < best * (1 - drop):
         run.metrics_logger.log(run.state.step, metrics)
-        roll_back(
+        rollback_and_log(
             cfg, run, f"validation score {score:.4f} fell more than {drop:.0%} below the best {best:.4f}"
         )
         return True

@@ -206,7 +206,8 @@ def load_critic(
     """Critic: ``AutoModelForTokenClassification.from_pretrained(path, num_labels=1)``, one value per token.
 
     From a causal-LM checkpoint this is the backbone (the LM head is dropped) plus a fresh ``score``
-    head, which is set to zero (weight and bias): the critic then predicts 0 for every token, so the
+    head, which is set to zero (weight and bias; from a reward model only the bias it lacks): the critic
+    then predicts 0 for every token, so the
     first advantages are the rewards themselves and not noise from a random projection of hidden
     states whose norm grows like sqrt(hidden). The head's own dropout (``classifier_dropout``) is off.
     A saved critic loads its trained head as it is.
@@ -222,13 +223,20 @@ def load_critic(
         num_labels=1,
         classifier_dropout=0.0,
     )
-    head = _score_head(model)
-    fresh = [k for k in info["missing_keys"] if k.startswith("score.")]
+    fresh = _fresh_head_params(model, info)
     if fresh:
         with torch.no_grad():
-            for param in head.parameters():
+            for param in fresh.values():
                 param.zero_()
-        logger.info("critic from %s: fresh value head %s, initialized to zero", path, fresh)
+        kept = sorted(
+            f"score.{n}" for n, _ in _score_head(model).named_parameters() if f"score.{n}" not in fresh
+        )
+        logger.info(
+            "critic from %s: initialized %s to zero (not in the checkpoint)%s",
+            path,
+            ", ".join(sorted(fresh)),
+            f"; kept the trained {', '.join(kept)}" if kept else "",
+        )
     return model
 
 
@@ -258,16 +266,30 @@ def load_reward_model(
         config_key=config_key,
         num_labels=1,
     )
-    head = _score_head(model)
-    fresh = [k for k in info["missing_keys"] if k.startswith("score.")]
+    fresh = _fresh_head_params(model, info)
     if fresh:
         std = getattr(model.config.get_text_config(), "initializer_range", 0.02)
         generator = torch.Generator().manual_seed(0)
         with torch.no_grad():
-            for param in head.parameters():
+            for _, param in sorted(fresh.items()):
                 param.copy_(torch.randn(param.shape, generator=generator) * std if param.dim() > 1 else 0.0)
-        logger.warning("reward model %s has no trained score head (%s); its scores are random", path, fresh)
+        logger.warning(
+            "reward model %s has no trained score head (%s initialized); its scores are random",
+            path,
+            ", ".join(sorted(fresh)),
+        )
     return model
+
+
+def _fresh_head_params(model: nn.Module, info: dict[str, Any]) -> dict[str, nn.Parameter]:
+    """The ``score`` head's parameters that the checkpoint did not hold (transformers initialized them
+    at random), by their names in the checkpoint (``score.weight``)."""
+    missing = set(info["missing_keys"])
+    return {
+        f"score.{name}": param
+        for name, param in _score_head(model).named_parameters()
+        if f"score.{name}" in missing
+    }
 
 
 def _score_head(model: nn.Module) -> nn.Module:

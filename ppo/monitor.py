@@ -54,6 +54,19 @@ class HealthMonitor:
                 self.active.discard(name)
         return fired
 
+    def state_dict(self) -> dict[str, object]:
+        """What the warnings remember between steps (checkpointed, so a resumed run warns alike)."""
+        return {
+            "active": sorted(self.active),
+            "kl_steps_above": self.kl_steps_above,
+            "last_score": self.last_score,
+        }
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.active = set(state["active"])
+        self.kl_steps_above = int(state["kl_steps_above"])
+        self.last_score = state["last_score"]
+
     def _kl_above_target(self, metrics: dict[str, float]) -> bool:
         kl = metrics.get("actor/reward_kl_penalty")
         if kl is None or self.cfg.algorithm.kl_ctrl.type != "adaptive":

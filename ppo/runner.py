@@ -28,7 +28,10 @@ import json
 import logging
 import math
 import os
+import shutil
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -168,16 +171,37 @@ def quiet_other_ranks(info: DistInfo) -> None:
         transformers.utils.logging.set_verbosity_error()
 
 
-def prepare_run(cfg: PPOConfig | SFTConfig | RewardModelConfig, info: DistInfo) -> Path:
-    """Create the run folder, write the resolved config into it (rank 0), seed every rank alike.
+RUN_FILES = ("metrics.jsonl", "checkpoints", "tensorboard", "hf", "profile")
+"""What a run that has started training leaves in ``trainer.output_dir`` (``trainer.overwrite`` replaces
+them; a ``config.yaml`` alone is what a run that failed at start-up left)."""
 
-    Raises CheckpointError on every rank when rank 0 cannot write the folder.
+
+def prepare_run(
+    cfg: PPOConfig | SFTConfig | RewardModelConfig,
+    info: DistInfo,
+    *,
+    writes: dict[Path, str] | None = None,
+) -> Path:
+    """Check the run folder and every path the run will write, refuse to overwrite another run, write
+    the resolved config (rank 0), and seed every rank alike.
+
+    ``writes`` maps the paths the run will create to ``"dir"`` or ``"file"``; one that exists as the
+    other kind is an error now, not at the first save after hours of training. A fresh run
+    (``trainer.resume_mode=disable``) into a folder that holds a run stops, unless
+    ``trainer.overwrite=true``, which deletes that run's files first. Raises CheckpointError on every
+    rank when rank 0 finds a problem.
     """
     out_dir = Path(cfg.trainer.output_dir)
     error = None
     if info.is_main:
         try:
+            _claim_output_dir(cfg, out_dir)
             checkpoint.ensure_writable(out_dir)
+            for path, kind in (writes or {}).items():
+                if kind == "dir" and path.exists() and not path.is_dir():
+                    raise CheckpointError(f"{path} is a file: the run writes a folder there; move it away")
+                if kind == "file" and path.is_dir():
+                    raise CheckpointError(f"{path} is a folder: the run writes a file there; move it away")
             (out_dir / "config.yaml").write_text(to_yaml(cfg))
         except (CheckpointError, OSError) as e:
             error = one_line(e)
@@ -187,6 +211,28 @@ def prepare_run(cfg: PPOConfig | SFTConfig | RewardModelConfig, info: DistInfo) 
         raise CheckpointError(error)
     checkpoint.seed_everything(cfg.trainer.seed)  # the same on every rank while models are built
     return out_dir
+
+
+def _claim_output_dir(cfg: PPOConfig | SFTConfig | RewardModelConfig, out_dir: Path) -> None:
+    """A fresh run never writes over another one: stop, or with ``trainer.overwrite`` delete it."""
+    t = cfg.trainer
+    found = [name for name in RUN_FILES if (out_dir / name).exists()]
+    if not found:
+        return
+    if t.overwrite:
+        for name in found:
+            path = out_dir / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        logger.warning(
+            "trainer.overwrite=true: deleted the earlier run's %s in %s", ", ".join(found), out_dir
+        )
+        return
+    if t.resume_mode == "disable":
+        raise CheckpointError(
+            f"trainer.output_dir={out_dir} already holds a run ({', '.join(found)}) and "
+            f"trainer.resume_mode=disable starts a fresh one: choose another trainer.output_dir, or set "
+            f"trainer.overwrite=true to replace it (trainer.resume_mode=auto continues it)"
+        )
 
 
 def load_tokenizer(model_cfg: ModelConfig) -> PreTrainedTokenizerBase:
@@ -327,6 +373,31 @@ def optimizer_step(
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, skipped
+
+
+class StopRequest:
+    """SIGTERM (Slurm preemption, torchrun's shutdown) and SIGINT (Ctrl-C) ask the run to stop.
+
+    The loop asks ``requested()`` at its phase boundaries (all ranks agree: one all-reduce), and saves
+    the last complete step before it exits, within the seconds torchrun and Slurm grant between SIGTERM
+    and SIGKILL (30 s by default). A second Ctrl-C stops at once.
+    """
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._handle)
+            signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        if signum == signal.SIGINT and self.name is not None:
+            raise KeyboardInterrupt
+        self.name = signal.Signals(signum).name
+        logger.warning("%s received: stopping at the next phase boundary, after a checkpoint", self.name)
+
+    def requested(self) -> bool:
+        """Whether any rank received a stop signal (collective)."""
+        return all_reduce_scalar(float(self.name is not None), "max") > 0
 
 
 def out_of_time(start: float, max_time_s: float) -> bool:

@@ -36,3 +36,20 @@ def returns_text(
 ) -> str:
     """A scorer that returns a string instead of a number."""
     return "high"
+
+
+_calls = {"n": 0}
+
+
+def slow_after(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None
+) -> float:
+    """``digit_score``, but the call after the first ``$PPO_TEST_FAST_CALLS`` of this process sleeps
+    ``$PPO_TEST_SLOW_S`` seconds: a step made slow from a known point on (signal tests)."""
+    import os
+    import time
+
+    _calls["n"] += 1
+    if _calls["n"] == int(os.environ.get("PPO_TEST_FAST_CALLS", "0")) + 1:
+        time.sleep(float(os.environ.get("PPO_TEST_SLOW_S", "0")))
+    return digit_score(data_source, solution_str, ground_truth, extra_info)

@@ -175,19 +175,6 @@ def test_incompatible_checkpoint_fails_clearly(
     assert "does not fit this run's models" in caplog.text
 
 
-def test_world_size_change_fails_at_start(tiny_assets: Path, tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    assert (
-        train_ppo.main(
-            base_args(tiny_assets, out, steps=1) + ["trainer.save_freq=1", "trainer.val_before_train=false"]
-        )
-        == 0
-    )
-    ckpt = checkpoint.find_resume_dir(out, "auto")
-    with pytest.raises(checkpoint.CheckpointError, match="written by 1 ranks and this run has 2"):
-        checkpoint.load(ckpt, models={}, optimizers={}, schedulers={}, rank=0, world_size=2)
-
-
 def test_unwritable_output_and_vanished_data(
     tiny_assets: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -226,7 +213,7 @@ def test_sigterm_checkpoints_the_current_step_and_exits(tiny_assets: Path, tmp_p
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
-    assert "stopping after step" in stderr
+    assert "stopping: saved step" in stderr
     step = read_metrics(out)[-1]["step"]
     assert 1 <= step < 50
     assert (out / "checkpoints" / "latest").read_text() == f"step_{step:08d}"

@@ -1,0 +1,215 @@
+"""What a run checkpoints and how it gets back to it: the loop's counters (``TrainerState``), everything
+saved together (``Checkpointer``: models, optimizers, schedulers, the data loader, controllers, RNG), the
+resume that falls back past a damaged checkpoint, and the rollback policy.
+
+    checkpointer = Checkpointer(out_dir=..., models={"actor": actor}, stateful={"trainer": state, ...})
+    checkpointer.restore_newest(cfg.trainer.resume_mode)       # resume, if there is something to resume
+    checkpointer.save(state.step)
+    roll_back(checkpointer, state, "KL exploded", lr_factor=0.5, max_rollbacks=3)
+
+The file format (and reading untrusted files safely) is ``ppo.checkpoint``'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ppo.checkpoint import (
+    CheckpointError,
+    find_resume_dir,
+    load,
+    resume_candidates,
+    save,
+    seed_everything,
+)
+from ppo.distributed import DistInfo, agree_on_failure
+
+logger = logging.getLogger("ppo")
+
+
+@dataclass(kw_only=True)
+class TrainerState:
+    """The loop's counters: saved in every checkpoint, restored on resume and (partly) on rollback."""
+
+    step: int = 0
+    """Steps completed."""
+    skipped_steps: int = 0
+    """Steps skipped for a non-finite reward, in all."""
+    consecutive_skipped_steps: int = 0
+    """Of those, in a row up to now (``trainer.max_skipped_steps`` stops the run)."""
+    best_val: float | None = None
+    """Best validation score so far (``trainer.rollback_val_drop``)."""
+    rollbacks: int = 0
+    """Rollbacks so far."""
+    consecutive_rollbacks: int = 0
+    """Rollbacks since the last new checkpoint (``algorithm.max_rollbacks`` stops the run)."""
+    lr_scale: float = 1.0
+    """Learning-rate multiplier from rollbacks (``algorithm.rollback_lr_factor`` each)."""
+
+    ROLLBACK_FIELDS = ("rollbacks", "consecutive_rollbacks", "lr_scale")
+    """What a rollback keeps from before it (the rest comes from the checkpoint)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any], *, keep: tuple[str, ...] = ()) -> None:
+        """Set every field from ``state`` except those in ``keep``; unknown keys are an error."""
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = set(state) - names
+        if unknown:
+            raise CheckpointError(f"trainer state has unknown fields {sorted(unknown)}")
+        for name in names - set(keep):
+            if name in state:
+                setattr(self, name, state[name])
+
+
+@dataclass(kw_only=True)
+class Checkpointer:
+    """Everything a run checkpoints, saved and restored in one place (resume and rollback).
+
+    ``stateful`` holds the other objects with ``state_dict``/``load_state_dict`` (the data loader, the
+    KL controller, the ``TrainerState``); their states go to ``trainer.json`` under their names.
+    """
+
+    out_dir: Path
+    info: DistInfo
+    config_yaml: str
+    keep: int
+    seed: int
+    """``trainer.seed``: new sampling streams derive from it when resuming on another world size."""
+    models: dict[str, torch.nn.Module | None]
+    optimizers: dict[str, torch.optim.Optimizer | None]
+    schedulers: dict[str, Any]
+    stateful: dict[str, Any]
+
+    def save(self, step: int) -> Path:
+        """Write checkpoint ``step`` (collective: every rank calls it)."""
+        return save(
+            self.out_dir,
+            step,
+            models=self.models,
+            optimizers=self.optimizers,
+            schedulers=self.schedulers,
+            extra={name: obj.state_dict() for name, obj in self.stateful.items()},
+            config_yaml=self.config_yaml,
+            rank=self.info.rank,
+            world_size=self.info.world_size,
+            keep=self.keep,
+        )
+
+    def restore(self, ckpt_dir: Path, *, keep: dict[str, tuple[str, ...]] | None = None) -> None:
+        """Load ``ckpt_dir`` into every model, optimizer, scheduler, stateful object and this rank's RNG.
+
+        ``keep`` maps a stateful name to fields of it that keep their current values.
+        """
+        extra = load(
+            ckpt_dir,
+            models=self.models,
+            optimizers=self.optimizers,
+            schedulers=self.schedulers,
+            rank=self.info.rank,
+            world_size=self.info.world_size,
+        )
+        for name, obj in self.stateful.items():
+            if name not in extra:
+                raise CheckpointError(
+                    f"checkpoint {ckpt_dir} has no {name!r} state (written by another trainer?)"
+                )
+            try:
+                if keep and name in keep:
+                    obj.load_state_dict(extra[name], keep=keep[name])
+                else:
+                    obj.load_state_dict(extra[name])
+            except (KeyError, TypeError, ValueError) as e:
+                raise CheckpointError(
+                    f"{ckpt_dir / 'trainer.json'}: its {name!r} state is damaged ({e})"
+                ) from None
+        if extra.get("world_size") != self.info.world_size:
+            step = int(extra.get("trainer", {}).get("step", 0))
+            seed_everything(self.seed * 1000 + self.info.rank + 1_000_003 * step)
+            logger.warning(
+                "resumed a checkpoint of %s ranks on %d ranks: models, optimizers and the data order continue "
+                "exactly; the sampling RNG streams start anew from trainer.seed and the step",
+                extra.get("world_size"),
+                self.info.world_size,
+            )
+
+    def restore_newest(self, resume_mode: str) -> Path | None:
+        """Restore the newest checkpoint that loads (``resume_candidates``); with ``auto`` a damaged one
+        is skipped with a warning naming it and why. Every rank agrees on each attempt. None when there
+        is nothing to resume."""
+        candidates = resume_candidates(self.out_dir, resume_mode)
+        for i, ckpt_dir in enumerate(candidates):
+            try:
+                agree_on_failure(lambda d=ckpt_dir: self.restore(d), CheckpointError)
+                return ckpt_dir
+            except CheckpointError as e:
+                if i + 1 == len(candidates):
+                    raise
+                logger.warning("cannot resume from %s (%s); trying the next older checkpoint", ckpt_dir, e)
+        return None
+
+    def scale_learning_rates(self, factor: float) -> None:
+        """Multiply every optimizer's learning rate, now and for the rest of its schedule."""
+        for sched in self.schedulers.values():
+            if sched is not None:
+                sched.base_lrs = [lr * factor for lr in sched.base_lrs]
+                for group in sched.optimizer.param_groups:
+                    group["lr"] *= factor
+
+
+def roll_back(
+    checkpointer: Checkpointer,
+    state: TrainerState,
+    reason: str,
+    *,
+    lr_factor: float,
+    max_rollbacks: int,
+) -> None:
+    """Restore the last checkpoint with the learning rates times ``lr_factor``.
+
+    The restored checkpoint's optimizers carry the lr scale they were saved with; the rollback
+    counters and the new scale are kept from before. Raises ``RollbackExhausted`` after
+    ``max_rollbacks`` rollbacks without reaching a new checkpoint, or when there is none to go to.
+    """
+    state.rollbacks += 1
+    state.consecutive_rollbacks += 1
+    if state.consecutive_rollbacks > max_rollbacks:
+        raise RollbackExhausted(
+            f"step {state.step}: {reason}, after {max_rollbacks} rollbacks in a row "
+            f"(algorithm.max_rollbacks). Lower actor.optim.lr, raise the KL coefficient or "
+            f"algorithm.rollback_kl, then resume."
+        )
+    ckpt_dir = find_resume_dir(checkpointer.out_dir, "auto")
+    if ckpt_dir is None:
+        raise RollbackExhausted(f"step {state.step}: {reason}, and there is no checkpoint to roll back to")
+    state.lr_scale *= lr_factor
+    failed_step, scale = state.step, state.lr_scale
+    checkpointer.restore(ckpt_dir, keep={"trainer": TrainerState.ROLLBACK_FIELDS})
+    saved_scale = _saved_lr_scale(ckpt_dir)
+    checkpointer.scale_learning_rates(scale / saved_scale)
+    logger.warning(
+        "step %d: %s; rolled back to %s (step %d) with learning rates x%.3g (rollback %d in a row)",
+        failed_step,
+        reason,
+        ckpt_dir.name,
+        state.step,
+        scale,
+        state.consecutive_rollbacks,
+    )
+
+
+def _saved_lr_scale(ckpt_dir: Path) -> float:
+    return float(json.loads((ckpt_dir / "trainer.json").read_text())["trainer"]["lr_scale"])
+
+
+class RollbackExhausted(CheckpointError):
+    """KL or validation went wrong again after ``algorithm.max_rollbacks`` rollbacks, or with nothing
+    to roll back to."""
