@@ -8,6 +8,7 @@ config layer in seconds; the end-to-end ones use the tiny model.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import shutil
@@ -313,6 +314,7 @@ def test_critic_from_a_reward_model_keeps_its_trained_head(
 
     from ppo import models
 
+    caplog.set_level(logging.INFO, logger="ppo")
     trained = load_file(tiny_assets / "base_rm" / "model.safetensors")["score.weight"]
     assert trained.abs().sum() > 0
     critic = models.load_critic(str(tiny_assets / "base_rm"))
