@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 import kernels
-from ppo import algorithms, checkpoint, data, lora, models, rewards, runner, sharding, ulysses
+from ppo import algorithms, checkpoint, data, lora, models, offline, rewards, runner, sharding, ulysses
 from ppo.checkpointer import Checkpointer, TrainerState, roll_back
 from ppo.config import ActorConfig, CriticConfig, PPOConfig, to_yaml
 from ppo.distributed import (
@@ -47,11 +47,8 @@ from ppo.metrics import (
 from ppo.monitor import HealthMonitor
 from ppo.optim import build_optimizer
 from ppo.packing import (
-    DUMMY_SEQUENCE,
     Packed,
     pack,
-    pack_sequences,
-    plan_eval_micro_batches,
     plan_micro_batches,
     unpack,
 )
@@ -71,6 +68,10 @@ class Batch:
     """The prompt record of each sequence (repeated ``n`` times)."""
     group_ids: torch.Tensor
     """[B] index of the prompt a sequence answers (groups never straddle ranks)."""
+    data_ranks: torch.Tensor | None = None
+    """[B] the offline data set's rank of each response (0 = best), -1 for sampled ones."""
+    data_scores: torch.Tensor | None = None
+    """[B] the offline data set's score of each response (``reward.style=dataset``), NaN for sampled ones."""
     old_logprobs: torch.Tensor | None = None
     """[B, R] log-probs under the policy that sampled (None with the on-policy shortcut)."""
     ref_logprobs: torch.Tensor | None = None
@@ -100,6 +101,7 @@ class Run:
     """Everything ``build`` makes once, before step 1."""
 
     out_dir: Path
+    device: torch.device
     tokenizer: object
     eos_ids: list[int]
     """Every token id that ends a response (tokenizer and generation config)."""
@@ -145,14 +147,11 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
         timer = Timer()
         metrics: dict[str, float] = {}
         with profiled(cfg.trainer.profile_steps, step, run.out_dir), timer("step"):
-            # 1. rollout: n samples per prompt, all ranks sampling their own prompts
-            records = [r for r in next(run.loader) for _ in range(cfg.rollout.n)]
-            with timer("gen"):
-                rollout = sample(cfg, run, records, do_sample=cfg.rollout.do_sample)
+            # 1. rollout: n responses per prompt, sampled by each rank for its own prompts, or read from
+            # the offline data set (rollout.source, rollout.offline_fraction)
+            batch = collect(cfg, run, next(run.loader), timer)
             if run.sp.size > 1:  # the ranks of a sequence-parallel group score and train the same batch
-                rollout, records = gather_group(rollout, records, run.sp, run.tokenizer.pad_token_id)
-            group_ids = torch.arange(len(records), device=info.device) // cfg.rollout.n
-            batch = Batch(rollout=rollout, records=records, group_ids=group_ids)
+                batch = gather_group(batch, run.sp, run.tokenizer.pad_token_id, cfg.rollout.n)
             if stop.requested():  # nothing updated yet: undo the step, save the last complete one
                 abandon_step(cfg, run, start, stop.name)
                 break
@@ -272,9 +271,21 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
         apply_chat_template=cfg.data.apply_chat_template,
     )
     with runner.main_rank_logs(info):
-        train_records = data.load_prompts(
-            cfg.data.train_files, tokenizer, require_ground_truth=needs_ground_truth(cfg), **load
-        )
+        if cfg.rollout.offline_fraction > 0:  # prompt groups with their responses (offline RLHF)
+            items = offline.load_offline_groups(
+                cfg.data.train_files,
+                tokenizer,
+                group_size=cfg.rollout.n,
+                max_response_length=cfg.data.max_response_length,
+                require_ground_truth=needs_ground_truth(cfg),
+                require_scores=cfg.reward.style == "dataset",
+                **load,
+            )
+            train_records = [g.record for g in items]
+        else:
+            items = train_records = data.load_prompts(
+                cfg.data.train_files, tokenizer, require_ground_truth=needs_ground_truth(cfg), **load
+            )
         val_records = (
             data.load_prompts(cfg.data.val_files, tokenizer, require_ground_truth=False, **load)
             if cfg.data.val_files
@@ -282,11 +293,11 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
         )
     if cfg.data.max_val_samples > 0:
         val_records = val_records[: cfg.data.max_val_samples]
-    if uses_rule(cfg):
+    if needs_rule_scores(cfg):
         check_rule_coverage(cfg, train_records)
         first = train_records[0]
         rewards.check_scorer(scorer, first.data_source, first.ground_truth, first.extra_info)
-    loader = runner.make_loader(train_records, cfg, info)
+    loader = runner.make_loader(items, cfg, info)
     total_steps = runner.total_steps(cfg, loader)
 
     # ---- models ----
@@ -303,6 +314,8 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
     if cfg.actor.use_fused_kernels:
         models.check_fused_lm_head(actor)
     eos_ids = models.eos_token_ids(tokenizer, actor)
+    if cfg.rollout.offline_fraction > 0:
+        offline.check_eos(items, eos_ids)  # the model's generation config may add EOS ids
     ref = critic = reward_model = None
     if cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss or cfg.algorithm.rollback_kl > 0:
         if lora.uses_lora(cfg.actor.lora) and cfg.ref.model_path is None:
@@ -385,6 +398,7 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
     )
     return Run(
         out_dir=out_dir,
+        device=info.device,
         tokenizer=tokenizer,
         eos_ids=eos_ids,
         loader=loader,
@@ -431,14 +445,17 @@ def uses_reward_model(cfg: PPOConfig) -> bool:
     return cfg.reward.style == "model" or (cfg.reward.style == "ranking" and cfg.reward.ranking_by == "model")
 
 
-def uses_rule(cfg: PPOConfig) -> bool:
-    return not uses_reward_model(cfg)
+def needs_rule_scores(cfg: PPOConfig) -> bool:
+    """Whether training responses are scored by the rule: not with a reward model, and not when every
+    group comes from the data set with its own ranks or scores."""
+    from_data = cfg.rollout.offline_fraction == 1.0 and cfg.reward.style in ("ranking", "dataset")
+    return not uses_reward_model(cfg) and not from_data
 
 
 def needs_ground_truth(cfg: PPOConfig) -> bool:
     """The built-in rule scorers compare with a ground truth; a reward model or a custom function
     (which gets None) does not need one."""
-    return uses_rule(cfg) and cfg.reward.custom_function is None
+    return needs_rule_scores(cfg) and cfg.reward.custom_function is None
 
 
 def check_rule_coverage(cfg: PPOConfig, records: list[data.PromptRecord]) -> None:
@@ -578,12 +595,59 @@ def sample(
     )
 
 
-def gather_group(
-    rollout: Rollout, records: list[data.PromptRecord], sp: ulysses.SPGroup, pad_token_id: int
-) -> tuple[Rollout, list[data.PromptRecord]]:
-    """The rollouts of every rank of a sequence-parallel group, in group order: the group scores and
+def collect(cfg: PPOConfig, run: Run, items: list, timer: Timer) -> Batch:
+    """This rank's step batch: ``n`` responses to each of its prompts, sampled (``items`` are prompt
+    records) or, for ``rollout.offline_fraction`` of the groups, the offline data set's responses
+    (``items`` are ``offline.OfflineGroup``), exactly as ``generate`` would have returned them. Groups
+    are rows ``[g*n, (g+1)*n)``: offline groups first."""
+    n = cfg.rollout.n
+    fraction = cfg.rollout.offline_fraction
+    if fraction == 0:
+        records = [r for r in items for _ in range(n)]
+        with timer("gen"):
+            rollout = sample(cfg, run, records, do_sample=cfg.rollout.do_sample)
+        return Batch(rollout=rollout, records=records, group_ids=group_index(len(records), n, run.device))
+    given = items[: offline.num_offline_groups(len(items), fraction)]
+    parts = [
+        offline.offline_rollout(
+            given,
+            max_response_length=cfg.data.max_response_length,
+            pad_token_id=run.tokenizer.pad_token_id,
+            eos_token_ids=run.eos_ids,
+            device=run.device,
+        )
+    ]
+    if fraction < 1:  # every rank has the same number of sampled groups: all join the generation
+        with timer("gen"):
+            prompts = [g.record for g in items[len(given) :] for _ in range(n)]
+            parts.append(sample(cfg, run, prompts, do_sample=cfg.rollout.do_sample))
+    else:
+        timer.times["timing_s/gen"] = 0.0  # nothing sampled in the loop
+    records = [g.record for g in items for _ in range(n)]
+    sampled = len(records) - len(given) * n
+    ranks = offline.dataset_ranks(given, run.device) if given else torch.zeros(0, dtype=torch.long)
+    data_scores = torch.full((len(records),), float("nan"), device=run.device)
+    if cfg.reward.style == "dataset":
+        data_scores[: len(given) * n] = offline.dataset_scores(given, run.device)
+    return Batch(
+        rollout=offline.concat_rollouts(parts),
+        records=records,
+        group_ids=group_index(len(records), n, run.device),
+        data_ranks=torch.cat([ranks.to(run.device), torch.full((sampled,), -1, device=run.device)]),
+        data_scores=data_scores,
+    )
+
+
+def group_index(num_rows: int, n: int, device: torch.device) -> torch.Tensor:
+    """``[B]`` the group (prompt) of each row: rows ``[g*n, (g+1)*n)`` answer prompt ``g``."""
+    return torch.arange(num_rows, device=device) // n
+
+
+def gather_group(batch: Batch, sp: ulysses.SPGroup, pad_token_id: int, n: int) -> Batch:
+    """The batches of every rank of a sequence-parallel group, in group order: the group scores and
     trains them together, each rank on its slice of every micro-batch's tokens."""
-    parts = ulysses.all_gather_object(([p.tolist() for p in rollout.prompts], records), sp)
+    rollout = batch.rollout
+    parts = ulysses.all_gather_object(([p.tolist() for p in rollout.prompts], batch.records), sp)
     device = rollout.responses.device
     gathered = Rollout(
         prompts=[torch.tensor(p, dtype=torch.long) for part in parts for p in part[0]],
@@ -591,7 +655,12 @@ def gather_group(
         response_mask=ulysses.all_gather_rows(rollout.response_mask, sp, False),
         truncated=ulysses.all_gather_rows(rollout.truncated.to(device), sp, False),
     )
-    return gathered, [r for part in parts for r in part[1]]
+    records = [r for part in parts for r in part[1]]
+    out = Batch(rollout=gathered, records=records, group_ids=group_index(len(records), n, device))
+    if batch.data_ranks is not None:
+        out.data_ranks = ulysses.all_gather_rows(batch.data_ranks, sp)
+        out.data_scores = ulysses.all_gather_rows(batch.data_scores, sp)
+    return out
 
 
 def decode_responses(tokenizer, rollout: Rollout) -> list[str]:
@@ -693,57 +762,59 @@ def ref_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tenso
 
 
 def compute_scores(cfg: PPOConfig, run: Run, batch: Batch) -> torch.Tensor:
-    """Per-sequence scores ``[B]``: the rule, the reward model, or the ranking of each prompt's ``n``
-    responses by one of them. A reward function that fails on any rank stops every rank."""
-    if uses_reward_model(cfg):
-        raw = reward_model_scores(cfg, run.reward_model, batch.rollout)
-    else:
-        texts = decode_responses(run.tokenizer, batch.rollout)
-
-        def rule_scores() -> torch.Tensor:
-            return torch.tensor(
-                [
-                    run.scorer(r.data_source, t, r.ground_truth, r.extra_info)
-                    for r, t in zip(batch.records, texts, strict=True)
-                ],
-                dtype=torch.float32,
+    """Per-sequence scores ``[B]``: the rule or the reward model; with ``reward.style=ranking`` scores
+    from each group's ranks (the data set's for offline groups, by the rule or the reward model for
+    sampled ones); with ``reward.style=dataset`` the data set's scores. A reward function that fails on
+    any rank stops every rank."""
+    style = cfg.reward.style
+    if style == "dataset":
+        return batch.data_scores
+    offline_rows = batch.data_ranks >= 0 if batch.data_ranks is not None else None
+    data_only = style == "ranking" and offline_rows is not None and bool(offline_rows.all())
+    scores = torch.zeros(len(batch.records)) if data_only else raw_scores(cfg, run, batch)
+    if style == "ranking":
+        group_ids = batch.group_ids.cpu()
+        scores = rewards.rank_scores(scores, group_ids, cfg.reward.rank_scores)
+        if offline_rows is not None and bool(offline_rows.any()):
+            rows = offline_rows.cpu()
+            scores[rows] = rewards.scores_from_ranks(
+                batch.data_ranks[offline_rows].cpu(), cfg.rollout.n, cfg.reward.rank_scores
             )
-
-        raw = agree_on_failure(rule_scores, rewards.RewardError)
-    if cfg.reward.style == "ranking":
-        raw = rewards.rank_scores(raw, batch.group_ids.cpu())
-    return raw.to(batch.response_mask.device)
+    return scores.to(batch.response_mask.device)
 
 
-@torch.no_grad()
+def raw_scores(cfg: PPOConfig, run: Run, batch: Batch) -> torch.Tensor:
+    """``[B]`` (CPU) scores of the responses by the reward model or the rule."""
+    if uses_reward_model(cfg):
+        return reward_model_scores(cfg, run.reward_model, batch.rollout)
+    texts = decode_responses(run.tokenizer, batch.rollout)
+
+    def rule_scores() -> torch.Tensor:
+        return torch.tensor(
+            [
+                run.scorer(r.data_source, t, r.ground_truth, r.extra_info)
+                for r, t in zip(batch.records, texts, strict=True)
+            ],
+            dtype=torch.float32,
+        )
+
+    return agree_on_failure(rule_scores, rewards.RewardError)
+
+
 def reward_model_scores(cfg: PPOConfig, reward_model: torch.nn.Module, rollout: Rollout) -> torch.Tensor:
-    """The reward model's score of each sequence ``[B]`` (CPU), read at its last token.
-
-    Ranks may hold different numbers of sequences (validation), so the micro-batch count is agreed and a
-    rank out of sequences forwards a dummy one: each forward of a sharded model is a collective.
-    """
-    mask = rollout.response_mask
+    """The reward model's score of each sequence ``[B]`` (CPU), read at its last token."""
+    lengths = rollout.response_mask.sum(-1).tolist()
     seqs = [
         p.tolist() + r[: int(n)]
-        for p, r, n in zip(rollout.prompts, rollout.responses.tolist(), mask.sum(-1).tolist(), strict=True)
+        for p, r, n in zip(rollout.prompts, rollout.responses.tolist(), lengths, strict=True)
     ]
-    out = torch.zeros(len(seqs))
-    device = mask.device
-    groups = plan_eval_micro_batches(
-        [len(s) for s in seqs],
-        use_dynamic_bsz=False,
-        max_tokens=0,
-        micro_batch_size=cfg.reward.micro_batch_size_per_gpu,
-    )
-    for group in groups:
-        packed = pack_sequences([seqs[i] for i in group] or [DUMMY_SEQUENCE], device)
-        scores = models.reward_scores(
-            reward_model, packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.offsets
+    with torch.no_grad():
+        return rewards.reward_model_scores(
+            reward_model,
+            seqs,
+            micro_batch_size=cfg.reward.micro_batch_size_per_gpu,
+            device=rollout.responses.device,
         )
-        if group:
-            out[torch.tensor(group)] = scores.float().cpu()
-    sharding.release(reward_model)
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -423,12 +423,10 @@ class RolloutConfig:
     """Decode with a static KV cache and a compiled decoding step (CUDA graphs): ``auto`` on CUDA."""
 
     def __post_init__(self) -> None:
-        if self.offline_fraction is None:
-            self.offline_fraction = 1.0 if self.source == "dataset" else 0.0
         _require(self, "[0, 1]", "offline_fraction")
-        if self.source == "dataset" and self.offline_fraction != 1.0:
+        if self.source == "dataset" and self.offline_fraction not in (None, 1.0):
             raise FieldError(
-                f"rollout.source=dataset reads every group from the data set, but rollout.offline_fraction="
+                f"source=dataset reads every group from the data set, but rollout.offline_fraction="
                 f"{self.offline_fraction}: to mix sampled and offline groups use rollout.source=generate "
                 f"with rollout.offline_fraction in (0, 1)",
                 "offline_fraction",
@@ -620,6 +618,8 @@ class PPOConfig:
                 "reward.model_path",
                 "reward.style",
             )
+        if self.rollout.offline_fraction is None:  # resolved here: an override of source alone must see it
+            self.rollout.offline_fraction = 1.0 if self.rollout.source == "dataset" else 0.0
         if self.reward.style == "dataset" and self.rollout.offline_fraction < 1.0:
             raise FieldError(
                 "reward.style=dataset reads the offline data's scores, which sampled responses do not have: "

@@ -7,9 +7,13 @@ A scorer has verl's signature ``(data_source, solution_str, ground_truth, extra_
 
 The built-in scorer handles GSM8K-style answers (``#### <number>`` at the end), which the synthetic
 task of ``scripts/make_tiny_assets.py`` (``data_source="synthetic/arith"``) also uses. A user's scorer
-is given as ``reward.custom_function=module.path:function`` or ``path/to/file.py:function``. Learned
-reward models (``reward.style=model``) and ranking live elsewhere; they produce the same per-sequence
-``scores``.
+is given as ``reward.custom_function=module.path:function`` or ``path/to/file.py:function``.
+
+Learned reward models (``reward.style=model``) are scored by ``reward_model_scores``; ranking
+(``reward.style=ranking``) turns the rule's or the model's scores of a group into competition ranks
+(``competition_ranks``: 0 = best, ties share the better rank) and ranks into scores (``rank_scores``
+for sampled groups, ``scores_from_ranks`` for the ranks of offline data). All give the same
+per-sequence ``scores [B]``.
 """
 
 from __future__ import annotations
@@ -22,12 +26,15 @@ import logging
 import math
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from numbers import Real
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
+
+from ppo import models, sharding
+from ppo.packing import DUMMY_SEQUENCE, pack_sequences, plan_eval_micro_batches
 
 logger = logging.getLogger("ppo")
 
@@ -218,13 +225,110 @@ def check_scorer(scorer: RuleScorer, data_source: str, ground_truth: str | None,
         logger.warning("the rule reward returned %s for an empty response; such steps are skipped", value)
 
 
-def rank_scores(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """Ranking reward: within each group (the ``n`` responses to one prompt) the best gets 1, the rest 0.
+RankScoreMode = Literal["best", "linear"]
+RANK_SCORE_MODES: tuple[str, ...] = ("best", "linear")
+"""How ranks become scores (``reward.rank_scores``): ``best`` 1 for rank 0 and 0 for the rest, ``linear``
+``1 - rank / (k - 1)`` in a group of ``k``."""
 
-    Ties: every response tied for the group's best score gets 1 (so a group whose responses all score
-    the same gets all ones, and a group-baseline advantage of zero). ``scores``, ``group_ids``: ``[B]``.
+
+def competition_ranks(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Rank of each sequence within its group, 0 = best (highest score), ties sharing the better rank.
+
+    Competition ("1224") ranking: ``rank_i = #{j in the group of i : scores_j > scores_i}``, so scores
+    ``[5, 9, 9, 1]`` rank ``[2, 0, 0, 3]``. ``scores``, ``group_ids``: ``[B]``; returns ``[B]`` long.
+    A non-finite score gets some rank (``rank_scores`` makes its whole group NaN).
     """
-    num_groups = int(group_ids.max()) + 1 if group_ids.numel() else 0
-    best = torch.full((num_groups,), -math.inf, dtype=scores.dtype, device=scores.device)
-    best = best.scatter_reduce(0, group_ids, scores, reduce="amax", include_self=True)
-    return (scores == best[group_ids]).to(scores.dtype)
+    num = scores.numel()
+    pos = torch.arange(num, device=scores.device)
+    if num == 0:
+        return pos
+    # Order by group, then by descending score: two stable sorts, the second on the primary key.
+    order = torch.sort(scores, descending=True, stable=True).indices
+    order = order[torch.sort(group_ids[order], stable=True).indices]
+    s, g = scores[order], group_ids[order]
+    new_group = torch.ones(num, dtype=torch.bool, device=scores.device)
+    new_group[1:] = g[1:] != g[:-1]
+    new_value = new_group.clone()
+    new_value[1:] |= s[1:] != s[:-1]
+    # A sequence's rank is where its run of equal scores starts, counted from its group's start.
+    group_start = torch.cummax(torch.where(new_group, pos, 0), 0).values
+    value_start = torch.cummax(torch.where(new_value, pos, 0), 0).values
+    ranks = torch.empty_like(pos)
+    ranks[order] = value_start - group_start
+    return ranks
+
+
+def _scores_of_ranks(ranks: torch.Tensor, group_sizes: torch.Tensor, mode: str) -> torch.Tensor:
+    """``best``: ``rank == 0``; ``linear``: ``1 - rank / (k - 1)`` (1 in a group of one). Float32 ``[B]``."""
+    if mode == "best":
+        return (ranks == 0).float()
+    if mode == "linear":
+        return 1.0 - ranks.float() / (group_sizes - 1).clamp(min=1).float()
+    raise ValueError(f"unknown rank score mode {mode!r}; known: {', '.join(RANK_SCORE_MODES)}")
+
+
+def rank_scores(scores: torch.Tensor, group_ids: torch.Tensor, mode: RankScoreMode = "best") -> torch.Tensor:
+    """Ranking reward of sampled groups (the ``n`` responses to one prompt), from their scores.
+
+    The scores are ranked within each group (``competition_ranks``: higher is better, ties share the
+    better rank) and the ranks turned into scores by ``mode`` (``scores_from_ranks``), with ``k`` the
+    group's size. ``best``: every response tied for the group's best gets 1, the others 0 (a group whose
+    responses all score the same gets all ones, and a group-baseline advantage of zero). ``linear``:
+    ``1 - rank / (k - 1)``, e.g. scores ``[3, 1, 3, 0]`` rank ``[0, 2, 0, 3]`` and score
+    ``[1, 1/3, 1, 0]``. A group with a NaN or infinite score gets NaN throughout, so the trainer skips
+    the step as it does for a non-finite rule or model score. ``scores``, ``group_ids``: ``[B]``.
+    """
+    if scores.numel() == 0:
+        return scores.clone()
+    ranks = competition_ranks(scores, group_ids)
+    counts = torch.bincount(group_ids)
+    out = _scores_of_ranks(ranks, counts[group_ids], mode).to(scores.dtype)
+    bad = ~torch.isfinite(scores)
+    if bool(bad.any()):
+        bad_group = torch.zeros(counts.numel(), dtype=torch.bool, device=scores.device)
+        bad_group[group_ids[bad]] = True
+        out[bad_group[group_ids]] = math.nan
+    return out
+
+
+def scores_from_ranks(ranks: torch.Tensor, group_size: int, mode: RankScoreMode) -> torch.Tensor:
+    """Scores ``[B]`` (float32) of given ranks (0 = best) in groups of ``group_size`` (offline data).
+
+    ``best``: 1 for rank 0, else 0; ``linear``: ``1 - rank / (group_size - 1)``, so ranks ``[0, 0, 2, 3]``
+    of a group of 4 score ``[1, 1, 1/3, 0]``. Raises ValueError for a rank outside ``[0, group_size)``.
+    """
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if ranks.numel() and bool(((ranks < 0) | (ranks >= group_size)).any()):
+        raise ValueError(f"ranks must lie in [0, {group_size}); got {ranks.tolist()}")
+    return _scores_of_ranks(ranks, torch.full_like(ranks, group_size), mode)
+
+
+@torch.no_grad()
+def reward_model_scores(
+    reward_model: torch.nn.Module,
+    seqs: Sequence[Sequence[int]],
+    *,
+    micro_batch_size: int,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """The reward model's score of each whole sequence (prompt + response tokens), ``[B]`` float32 on CPU.
+
+    Sequences are packed ``micro_batch_size`` at a time and scored at their last token
+    (``models.reward_scores``). Every rank must call it: ranks may hold different numbers of sequences,
+    so the micro-batch count is agreed and a rank out of sequences forwards a dummy one (each forward of
+    a sharded model is a collective). The gathered parameters are released afterwards.
+    """
+    out = torch.zeros(len(seqs))
+    groups = plan_eval_micro_batches(
+        [len(s) for s in seqs], use_dynamic_bsz=False, max_tokens=0, micro_batch_size=micro_batch_size
+    )
+    for group in groups:
+        packed = pack_sequences([seqs[i] for i in group] or [DUMMY_SEQUENCE], device)
+        scores = models.reward_scores(
+            reward_model, packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.offsets
+        )
+        if group:
+            out[torch.tensor(group)] = scores.float().cpu()
+    sharding.release(reward_model)
+    return out

@@ -12,6 +12,10 @@ Deterministic in the seed, no downloads, a few seconds. Writes::
     assets/data/sft_train.parquet, sft_val.parquet    prompt + answer demonstrations
     assets/data/pref_train.parquet, pref_val.parquet  prompt, chosen, rejected, mistake
 
+``make assets`` then trains ``assets/sft`` and ``assets/rm`` on these files, and samples the offline
+groups of ``configs/demo_cpu_offline.yaml`` from the SFT model (``assets/offline/train.parquet``,
+``scripts/make_offline_data.py``).
+
 The task (see shared/notes/demo.md): two-digit addition, prompt ``[{"role": "user", "content": "23 +
 48"}]``, answer in GSM8K form ``23 + 48 = 71\\n#### 71``. In the SFT training data 60% of the additions
 that need a carry show the carry forgotten (the answer 10 too small), a systematic flaw that RL with the

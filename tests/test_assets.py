@@ -21,6 +21,7 @@ from transformers import (
     AutoTokenizer,
 )
 
+from ppo.config import load_config
 from ppo.data import load_prompts
 from ppo.rewards import RULE_DATA_SOURCES, default_compute_score, gsm8k_score
 from ppo.stage_data import load_preference_pairs, load_sft_examples
@@ -212,3 +213,23 @@ def test_preference_mistakes_even_and_scored_as_labelled(
                 )
             elif r["mistake"] == "far_off":
                 assert abs(int(worked.rpartition("= ")[2]) - int(truth)) > 10
+
+
+def test_make_assets_writes_the_offline_data_the_offline_demo_reads() -> None:
+    """The ``assets`` target samples the groups configs/demo_cpu_offline.yaml trains on, with its group
+    size and length limits (a longer response in the file would drop its whole group)."""
+    root = Path(__file__).resolve().parents[1]
+    recipe = root.joinpath("Makefile").read_text().split("\nassets:")[1].split("\n\n")[0]
+    command = recipe.split("scripts/make_offline_data.py")[1].replace("\\\n", " ").split()
+    options = dict(zip(command[::2], command[1::2], strict=True))
+    cfg = load_config(root / "configs" / "demo_cpu_offline.yaml")
+    assert "rm -rf assets/runs assets/metrics.json assets/offline" in recipe  # no stale shards resumed
+    assert options["--out"] in cfg.data.train_files and options["--model"] == cfg.model.path
+    assert (cfg.rollout.source, cfg.rollout.offline_fraction, int(options["--k"])) == (
+        "dataset",
+        1.0,
+        cfg.rollout.n,
+    )
+    assert int(options["--max-prompt-length"]) == cfg.data.max_prompt_length
+    assert int(options["--max-response-length"]) == cfg.data.max_response_length
+    assert options["--data"] == "assets/data/train.parquet" and "--reward-model" not in options  # the rule

@@ -2,7 +2,8 @@
 
 The rows must parse as JSON and hold the expected columns; the padded baseline of bench_step must give
 the same log-probs and values as the trainer's packed forwards (else its timings compare different
-work), and so must the packed forwards with transformers' dense-mask sdpa (``packed_dense``).
+work), and so must the packed forwards with transformers' dense-mask sdpa (``packed_dense``). The
+overhead mode (issue 12) runs the real trainer for a few steps, without TRL.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def test_bench_rollout_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_bench_step_json(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--json", "--num-seqs", "8", "--prompt-len", "8", "--min-response", "1", "--max-response", "12"]
-    assert bench_step.main([*argv, "--micro-batch", "2"]) == 0
+    assert bench_step.main([*argv, "--micro-batch", "2", "--repeat", "1"]) == 0
     rows = json_rows(capsys.readouterr().out)
     assert [r["path"] for r in rows] == list(bench_step.PATHS)
     for row in rows:
@@ -108,10 +109,9 @@ def test_bench_step_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_padded_forwards_match_packed() -> None:
-    """The padded baseline and the dense-mask packed path compute what the trainer's packed path does."""
-    import train_ppo
+    """The padded baseline and the dense-mask packed path compute what the trainer's packed path does,
+    so their timings compare the same work."""
     from ppo.distributed import destroy_distributed, init_distributed
-    from ppo.attention import PACKED_ATTENTION
 
     args = bench_step.parse_args(
         ["--num-seqs", "4", "--prompt-len", "10", "--max-response", "8", "--micro-batch", "2"]
@@ -119,30 +119,59 @@ def test_padded_forwards_match_packed() -> None:
     bench_rollout.set_threads(args.threads)
     info = init_distributed("cpu")
     try:
-        nets = bench_step.build_models(args, info)
-        batch, _ = bench_step.make_batch(args, info, nets["actor"], vocab=4096)
-        assert len(set(batch.seq_lens)) > 1  # lengths differ, so there is padding to get wrong
-        cfg = bench_step.make_config(args, "packed", world_size=1)
-        # The trainer's models compute packed rows per sequence (auto on CPU).
-        assert {net.config._attn_implementation for net in nets.values()} == {PACKED_ATTENTION}
+        args.clock = "cpu"
         results = {}
-        for path in ("padded", "packed", "packed_dense"):
-            counter = bench_step.TokenCounter()
-            dense = path == "packed_dense"
-            with (
-                bench_step.layout(path, counter, varlen_attention=not dense),
-                bench_step.attention(nets, "sdpa" if dense else None),
-            ):
-                logprobs, _ = train_ppo.score_logprobs(cfg, nets["actor"], batch)
-                values = train_ppo.score_values(cfg, nets["critic"], batch)
+        batch = None
+        for path in ("packed", "padded", "packed_dense"):
+            layout, attn, plan = bench_step.path_setup(args, path, info.device)
+            nets = bench_step.build_models(args, info, attn)
+            # Each path loads its models with its own attention (a parameter, nothing patched).
+            assert {net.config._attn_implementation for net in nets.values()} == {attn}
+            if batch is None:
+                batch, _ = bench_step.make_batch(args, info, nets["actor"])
+                assert len(set(batch.seq_lens)) > 1  # lengths differ, so there is padding to get wrong
+            work = bench_step.Work()
+            logprobs = bench_step.score(layout, nets["actor"], batch, plan, work)
+            values = bench_step.score(layout, nets["critic"], batch, plan, work, critic=True)
+            assert work.real == 2 * sum(batch.seq_lens)
+            assert (work.computed > work.real) == (path == "padded")
             results[path] = (logprobs, values)
-            assert counter.real == 2 * sum(batch.seq_lens)
         mask = batch.response_mask
         for path in ("padded", "packed_dense"):
             for got, want in zip(results[path], results["packed"], strict=True):
                 torch.testing.assert_close(got[mask], want[mask], atol=2e-5, rtol=1e-5)
-        # The attention implementation was restored after packed_dense.
-        assert {net.config._attn_implementation for net in nets.values()} == {PACKED_ATTENTION}
-        assert train_ppo.pack_rows is not None and train_ppo.pack_rows.__name__ == "pack_rows"
+        assert results["packed"][0][mask].abs().sum() > 0 and (results["packed"][0][~mask] == 0).all()
     finally:
         destroy_distributed()
+
+
+def test_step_clock_counts_step_lines_only() -> None:
+    """The overhead mode's step clock reads the trainer's progress lines, not warnings about a step."""
+    import logging
+
+    clock = bench_step.StepClock()
+    for message in (
+        "[##--] step 1/4 0s",
+        "step 2: the mean score moved",
+        "[###-] step 2/4 1s",
+        "[####] step 3/4",
+    ):
+        clock.emit(logging.LogRecord("ppo", logging.INFO, __file__, 0, message, None, None))
+    assert [m[0] for m in clock.marks] == [1, 2, 3]
+    cpu, wall = clock.step_times(skip=2)
+    assert len(cpu) == len(wall) == 1 and cpu[0] >= 0 and wall[0] >= 0  # step 3 only
+
+
+def test_bench_step_overhead_json(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 12's mode runs the real trainer (train_ppo.main) and reads its metrics; TRL left out."""
+    argv = ["--mode", "overhead", "--json", "--trl", "no", "--num-prompts", "4", "--response-len", "4"]
+    assert bench_step.main([*argv, "--steps", "4", "--rounds", "1"]) == 0
+    rows = json_rows(capsys.readouterr().out)
+    assert [r["trainer"] for r in rows] == ["ours"]
+    row = rows[0]
+    assert row["steps"] == 2  # steps 3 and 4
+    assert 0 < row["step_cpu_min_s"] <= row["step_cpu_s"] <= row["step_cpu_max_s"]
+    for phase in bench_step.OUR_PHASES:
+        assert row[f"{phase}_s"] is not None and row[f"{phase}_s"] >= 0, phase
+    # Updates ran: 2 epochs x 2 mini-batches for critic and actor, timed inside the step.
+    assert 0 < row["update_actor_s"] < row["step_wall_s"] and row["vs_trl"] is None

@@ -1,4 +1,5 @@
-"""Tests of ppo.rewards: the GSM8K rule, dispatch by data_source and user-defined scorers."""
+"""Tests of ppo.rewards: the GSM8K rule, dispatch by data_source, user-defined scorers, ranking and the
+reward model's packed scoring."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ from ppo.rewards import (
     GSM8K_CLIP_CHARS,
     RULE_DATA_SOURCES,
     RewardError,
+    competition_ranks,
     default_compute_score,
     extract_gsm8k_answer,
     gsm8k_score,
     load_custom_function,
     make_rule_scorer,
     rank_scores,
+    reward_model_scores,
+    scores_from_ranks,
 )
 
 FMT = 0.1  # a format score distinct from 0 and 1, so each case shows which branch it took
@@ -146,7 +150,9 @@ def test_custom_function_missing_dependency_is_not_hidden(tmp_path: Path) -> Non
     path = tmp_path / "needs_dep.py"
     path.write_text("import not_installed_dependency_xyz\n\ndef score(*args):\n    return 1.0\n")
     # The module's own missing import is named (not reported as a missing reward module), as one line.
-    with pytest.raises(RewardError, match="importing .*needs_dep.py raised ModuleNotFoundError: .*not_installed_dep"):
+    with pytest.raises(
+        RewardError, match="importing .*needs_dep.py raised ModuleNotFoundError: .*not_installed_dep"
+    ):
         load_custom_function(f"{path}:score")
 
 
@@ -166,3 +172,76 @@ def test_rank_scores_best_of_each_group_gets_one() -> None:
     groups = torch.tensor([0, 0, 0, 1, 1, 1, 2])
     # group 0: best 0.9 -> [0, 1, 0]; group 1: 1.0 twice, both tied for best -> [1, 1, 0]; group of one -> 1
     assert rank_scores(scores, groups).tolist() == [0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0]
+
+
+def test_rank_scores_best_is_the_default_and_explicit() -> None:
+    scores = torch.tensor([0.2, 0.9, 0.5, 1.0, 1.0, 0.0, 3.0])
+    groups = torch.tensor([0, 0, 0, 1, 1, 1, 2])
+    assert torch.equal(rank_scores(scores, groups, "best"), rank_scores(scores, groups))
+
+
+def test_competition_ranks_share_the_better_rank() -> None:
+    # group 0: [5, 9, 9, 1] -> 9 and 9 tie for best (0), 5 has two better (2), 1 has three (3);
+    # group 1: [2, 2] -> both best; group 2: one response -> 0
+    scores = torch.tensor([5.0, 9.0, 9.0, 1.0, 2.0, 2.0, 7.0])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 2])
+    assert competition_ranks(scores, groups).tolist() == [2, 0, 0, 3, 0, 0, 0]
+    # groups need not be contiguous: group 0 = [5, 5] (rows 1, 3), group 1 = [1, 3] (rows 0, 2)
+    interleaved = competition_ranks(torch.tensor([1.0, 5.0, 3.0, 5.0]), torch.tensor([1, 0, 1, 0]))
+    assert interleaved.tolist() == [1, 0, 0, 0]
+    assert competition_ranks(torch.tensor([]), torch.tensor([], dtype=torch.long)).tolist() == []
+
+
+def test_rank_scores_linear() -> None:
+    scores = torch.tensor([3.0, 1.0, 3.0, 0.0, 0.5, 0.2, 4.0])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 2])
+    # group 0 (k=4): ranks [0, 2, 0, 3] -> 1 - r/3 = [1, 1/3, 1, 0]; group 1 (k=2): ranks [0, 1] -> [1, 0];
+    # a group of one: rank 0 -> 1
+    expected = torch.tensor([1.0, 1 / 3, 1.0, 0.0, 1.0, 0.0, 1.0])
+    torch.testing.assert_close(rank_scores(scores, groups, "linear"), expected)
+    with pytest.raises(ValueError, match="unknown rank score mode 'top'; known: best, linear"):
+        rank_scores(scores, groups, "top")
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_rank_scores_non_finite_poisons_its_group(bad: float) -> None:
+    # Ranking must not hide a broken score: the trainer skips a step with a non-finite score.
+    scores = torch.tensor([1.0, bad, 0.0, 2.0, 1.0])
+    groups = torch.tensor([0, 0, 0, 1, 1])
+    for mode in ("best", "linear"):
+        out = rank_scores(scores, groups, mode)
+        assert torch.isnan(out[:3]).all() and out[3:].tolist() == [1.0, 0.0], mode
+
+
+def test_scores_from_ranks() -> None:
+    ranks = torch.tensor([0, 0, 2, 3, 1, 0, 3, 2])
+    # best: 1 for rank 0 only; linear (k=4): 1 - r/3
+    assert scores_from_ranks(ranks, 4, "best").tolist() == [1, 1, 0, 0, 0, 1, 0, 0]
+    expected = torch.tensor([1.0, 1.0, 1 / 3, 0.0, 2 / 3, 1.0, 0.0, 1 / 3])
+    torch.testing.assert_close(scores_from_ranks(ranks, 4, "linear"), expected)
+    assert scores_from_ranks(torch.tensor([0, 1]), 2, "linear").tolist() == [1.0, 0.0]  # a preference pair
+    with pytest.raises(ValueError, match=r"ranks must lie in \[0, 4\); got \[0, 4\]"):
+        scores_from_ranks(torch.tensor([0, 4]), 4, "best")
+
+
+def test_ranking_sampled_and_offline_groups_agree() -> None:
+    # The ranks of the data and the ranks the rule gives sampled groups score alike.
+    scores = torch.tensor([0.0, 1.0, 1.0, 0.5, 0.0, 0.0, 0.0, 1.0])
+    groups = torch.arange(8) // 4
+    ranks = competition_ranks(scores, groups)
+    assert ranks.tolist() == [3, 0, 0, 2, 1, 1, 1, 0]
+    for mode in ("best", "linear"):
+        assert torch.equal(rank_scores(scores, groups, mode), scores_from_ranks(ranks, 4, mode))
+
+
+def test_reward_model_scores_equal_one_sequence_at_a_time(tiny_assets: Path) -> None:
+    from ppo import models
+
+    rm = models.load_reward_model(str(tiny_assets / "base_rm"))
+    seqs = [[1, 5, 20, 21, 6, 30, 2], [1, 5, 22, 6, 2], [1, 5, 23, 24, 25, 6, 31, 32, 2]]
+    scores = reward_model_scores(rm, seqs, micro_batch_size=2, device="cpu")  # packs [0, 1], then [2]
+    with torch.no_grad():
+        alone = [rm(input_ids=torch.tensor([s])).logits[0, 0].item() for s in seqs]  # HF pools the last token
+    assert scores.dtype == torch.float32 and scores.shape == (3,)
+    torch.testing.assert_close(scores, torch.tensor(alone), atol=1e-5, rtol=1e-5)
+    assert len(set(scores.tolist())) == 3
