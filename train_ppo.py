@@ -13,118 +13,23 @@ everything the loop needs once; ``train`` is the loop; the step functions follow
 from __future__ import annotations
 
 import logging
-import resource
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
 import torch
 
 import kernels
-from ppo import algorithms, checkpoint, data, lora, models, offline, rewards, runner, sharding, ulysses
-from ppo.checkpointer import Checkpointer, TrainerState, roll_back
-from ppo.config import ActorConfig, CriticConfig, PPOConfig, to_yaml
-from ppo.distributed import (
-    DistInfo,
-    agree_on_failure,
-    all_gather_object,
-    all_reduce_scalar,
-    all_reduce_scalars,
-    all_reduce_sum,
-    all_reduce_tensors,
-    reduce_metrics,
-)
-from ppo.metrics import (
-    MetricsLogger,
-    Timer,
-    global_stats,
-    model_flops_utilization,
-    peak_flops,
-    profiled,
-)
-from ppo.monitor import HealthMonitor
-from ppo.optim import build_optimizer
-from ppo.packing import (
-    Packed,
-    pack,
-    plan_micro_batches,
-    unpack,
-)
-from ppo.rollout import Rollout, generate, generation_config
+from ppo import algorithms, checkpoint, lora, offline, rewards, runner, sharding, ulysses
+from ppo.build import KLController, Run, build, uses_reward_model
+from ppo.checkpointer import roll_back
+from ppo.config import PPOConfig
+from ppo.distributed import DistInfo, agree_on_failure, all_reduce_scalar, all_reduce_sum, reduce_metrics
+from ppo.metrics import Timer, batch_metrics, perf_metrics, profiled
+from ppo.packing import all_rows, micro_batches, pack_rows, unpack
+from ppo.rollout import Batch, decode_responses, gather_group, group_index, sample
+from ppo.update import optimize
+from ppo.validation import validate
 
 logger = logging.getLogger("ppo")
-
-KLController = algorithms.FixedKLController | algorithms.AdaptiveKLController
-
-
-@dataclass(kw_only=True)
-class Batch:
-    """One step's sequences on this rank. Token tensors are ``[B, R]`` over response tokens."""
-
-    rollout: Rollout
-    records: list[data.PromptRecord]
-    """The prompt record of each sequence (repeated ``n`` times)."""
-    group_ids: torch.Tensor
-    """[B] index of the prompt a sequence answers (groups never straddle ranks)."""
-    data_ranks: torch.Tensor | None = None
-    """[B] the offline data set's rank of each response (0 = best), -1 for sampled ones."""
-    data_scores: torch.Tensor | None = None
-    """[B] the offline data set's score of each response (``reward.style=dataset``), NaN for sampled ones."""
-    old_logprobs: torch.Tensor | None = None
-    """[B, R] log-probs under the policy that sampled (None with the on-policy shortcut)."""
-    ref_logprobs: torch.Tensor | None = None
-    full_kl: torch.Tensor | None = None
-    """[B, R] exact KL over the vocabulary (only with ``algorithm.kl_penalty=full``)."""
-    values: torch.Tensor | None = None
-    scores: torch.Tensor | None = None
-    """[B] the reward of each sequence."""
-    token_rewards: torch.Tensor | None = None
-    """[B, R] the score on the last response token minus the in-reward KL penalty."""
-    advantages: torch.Tensor | None = None
-    returns: torch.Tensor | None = None
-
-    @property
-    def response_mask(self) -> torch.Tensor:
-        return self.rollout.response_mask
-
-    @property
-    def seq_lens(self) -> list[int]:
-        """Packed length (prompt + valid response tokens) of each sequence."""
-        resp = self.response_mask.sum(-1).tolist()
-        return [p.numel() + int(r) for p, r in zip(self.rollout.prompts, resp, strict=True)]
-
-
-@dataclass(kw_only=True)
-class Run:
-    """Everything ``build`` makes once, before step 1."""
-
-    out_dir: Path
-    device: torch.device
-    tokenizer: object
-    eos_ids: list[int]
-    """Every token id that ends a response (tokenizer and generation config)."""
-    loader: data.ShardedLoader
-    val_records: list[data.PromptRecord]
-    actor: torch.nn.Module
-    ref: torch.nn.Module | None
-    critic: torch.nn.Module | None
-    reward_model: torch.nn.Module | None
-    scorer: rewards.RuleScorer
-    actor_opt: torch.optim.Optimizer
-    actor_sched: torch.optim.lr_scheduler.LRScheduler
-    critic_opt: torch.optim.Optimizer | None
-    critic_sched: torch.optim.lr_scheduler.LRScheduler | None
-    kl_ctrl: KLController
-    checkpointer: Checkpointer
-    state: TrainerState
-    total_steps: int
-    metrics_logger: MetricsLogger
-    monitor: HealthMonitor
-    num_params: int
-    sp: ulysses.SPGroup
-    """This rank's Ulysses sequence-parallel group (``ulysses.NO_SP`` without sequence parallelism)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,12 +133,7 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
         # 6. checkpoint: sharded, atomic, resumable; also when asked to stop (SIGTERM from Slurm or
         # torchrun, Ctrl-C), so that a preempted job resumes from this step.
         stopping = stop.requested()
-        if (
-            cfg.trainer.save_freq > 0
-            and step % cfg.trainer.save_freq == 0
-            or step == run.total_steps
-            or stopping
-        ):
+        if save_due(cfg, run) or stopping:
             save(cfg, run)
         if stopping:
             logger.warning(
@@ -253,229 +153,8 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Set-up: data, models, optimizers, resume
+# Steps that do not run to the end: shortcut, stop, rollback, skip
 # ----------------------------------------------------------------------------------------------------
-
-
-def build(cfg: PPOConfig, info: DistInfo) -> Run:
-    """Load the data and the models, build the optimizers and controllers, resume if there is a
-    checkpoint. Everything that can fail on the user's input fails here, before step 1."""
-    out_dir = runner.prepare_run(cfg, info, writes=run_paths(cfg))
-    tokenizer = runner.load_tokenizer(cfg.model)
-    scorer = rewards.make_rule_scorer(cfg.reward.custom_function, cfg.reward.format_score)
-
-    # ---- data ----
-    load = dict(
-        prompt_key=cfg.data.prompt_key,
-        max_prompt_length=cfg.data.max_prompt_length,
-        apply_chat_template=cfg.data.apply_chat_template,
-    )
-    with runner.main_rank_logs(info):
-        if cfg.rollout.offline_fraction > 0:  # prompt groups with their responses (offline RLHF)
-            items = offline.load_offline_groups(
-                cfg.data.train_files,
-                tokenizer,
-                group_size=cfg.rollout.n,
-                max_response_length=cfg.data.max_response_length,
-                require_ground_truth=needs_ground_truth(cfg),
-                require_scores=cfg.reward.style == "dataset",
-                **load,
-            )
-            train_records = [g.record for g in items]
-        else:
-            items = train_records = data.load_prompts(
-                cfg.data.train_files, tokenizer, require_ground_truth=needs_ground_truth(cfg), **load
-            )
-        val_records = (
-            data.load_prompts(cfg.data.val_files, tokenizer, require_ground_truth=False, **load)
-            if cfg.data.val_files
-            else []
-        )
-    if cfg.data.max_val_samples > 0:
-        val_records = val_records[: cfg.data.max_val_samples]
-    if needs_rule_scores(cfg):
-        check_rule_coverage(cfg, train_records)
-        first = train_records[0]
-        rewards.check_scorer(scorer, first.data_source, first.ground_truth, first.extra_info)
-    loader = runner.make_loader(items, cfg, info)
-    total_steps = runner.total_steps(cfg, loader)
-
-    # ---- models ----
-    sp = ulysses.make_sp_groups(cfg.actor.ulysses_sequence_parallel_size)
-    actor = runner.build_model(
-        models.load_causal_lm,
-        cfg.model,
-        cfg.actor.fsdp,
-        info,
-        sequence_parallel=sp.size,
-        lora_cfg=cfg.actor.lora,
-        lora_key="actor.lora",
-    )
-    if cfg.actor.use_fused_kernels:
-        models.check_fused_lm_head(actor)
-    eos_ids = models.eos_token_ids(tokenizer, actor)
-    if cfg.rollout.offline_fraction > 0:
-        offline.check_eos(items, eos_ids)  # the model's generation config may add EOS ids
-    ref = critic = reward_model = None
-    if cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss or cfg.algorithm.rollback_kl > 0:
-        if lora.uses_lora(cfg.actor.lora) and cfg.ref.model_path is None:
-            ref = actor  # the actor with its adapters off: every reference forward is in adapters_disabled
-        else:
-            ref = runner.build_model(
-                models.load_causal_lm,
-                cfg.model,
-                cfg.ref.fsdp,
-                info,
-                path=cfg.ref.model_path or cfg.model.path,
-                path_key="ref.model_path" if cfg.ref.model_path else "model.path",
-                trainable=False,
-                sequence_parallel=sp.size,
-            )
-    if cfg.use_critic:
-        critic = runner.build_model(
-            models.load_critic,
-            cfg.model,
-            cfg.critic.fsdp,
-            info,
-            path=cfg.critic.model_path or cfg.model.path,
-            path_key="critic.model_path" if cfg.critic.model_path else "model.path",
-            sequence_parallel=sp.size,
-            sp_key="critic.ulysses_sequence_parallel_size",
-            lora_cfg=cfg.critic.lora,
-            lora_key="critic.lora",
-            trainable_head="score",
-        )
-    if uses_reward_model(cfg):
-        reward_model = runner.build_model(
-            models.load_reward_model,
-            cfg.model,
-            cfg.reward.fsdp,
-            info,
-            path=cfg.reward.model_path,
-            path_key="reward.model_path",
-            trainable=False,
-        )
-
-    # ---- optimizers: one learning-rate step per training step, as verl ----
-    actor_opt, actor_sched = build_optimizer(actor, cfg.actor.optim, total_steps)
-    critic_opt = critic_sched = None
-    if critic is not None:
-        critic_opt, critic_sched = build_optimizer(critic, cfg.critic.optim, total_steps)
-    kl_ctrl = make_kl_controller(cfg)
-
-    # ---- resume ----
-    state = TrainerState()
-    monitor = HealthMonitor(cfg=cfg)
-    checkpointer = Checkpointer(
-        out_dir=out_dir,
-        info=info,
-        config_yaml=to_yaml(cfg),
-        keep=cfg.trainer.max_ckpt_to_keep,
-        seed=cfg.trainer.seed,
-        models={"actor": actor, "critic": critic},
-        optimizers={"actor": actor_opt, "critic": critic_opt},
-        schedulers={"actor": actor_sched, "critic": critic_sched},
-        stateful={"trainer": state, "loader": loader, "kl_ctrl": kl_ctrl, "monitor": monitor},
-    )
-    resume_dir = checkpointer.restore_newest(cfg.trainer.resume_mode)
-    if resume_dir is not None:
-        logger.info("resumed from %s at step %d", resume_dir, state.step)
-    else:
-        # Sampling differs per rank from here on; checkpoints restore these streams exactly.
-        checkpoint.seed_everything(cfg.trainer.seed * 1000 + info.rank)
-        if cfg.algorithm.rollback_kl > 0 or cfg.trainer.rollback_val_drop > 0:
-            checkpointer.save(0)  # something to roll back to before the first good step
-
-    num_params = models.count_parameters(actor)
-    logger.info(
-        "world size %d on %s; %d train prompts (%d steps), %d val prompts; actor %.2fM parameters",
-        info.world_size,
-        info.device,
-        len(train_records),
-        total_steps,
-        len(val_records),
-        num_params / 1e6,
-    )
-    return Run(
-        out_dir=out_dir,
-        device=info.device,
-        tokenizer=tokenizer,
-        eos_ids=eos_ids,
-        loader=loader,
-        val_records=val_records,
-        actor=actor,
-        ref=ref,
-        critic=critic,
-        reward_model=reward_model,
-        scorer=scorer,
-        actor_opt=actor_opt,
-        actor_sched=actor_sched,
-        critic_opt=critic_opt,
-        critic_sched=critic_sched,
-        kl_ctrl=kl_ctrl,
-        checkpointer=checkpointer,
-        state=state,
-        total_steps=total_steps,
-        metrics_logger=runner.make_metrics_logger(
-            cfg,
-            info,
-            out_dir,
-            total_steps,
-            console=True,
-            resume_step=state.step if resume_dir is not None else None,
-        ),
-        monitor=monitor,
-        num_params=num_params,
-        sp=sp,
-    )
-
-
-def run_paths(cfg: PPOConfig) -> dict[Path, str]:
-    """Every path in the run folder the run will write, and whether it is a folder or a file."""
-    out = Path(cfg.trainer.output_dir)
-    paths = {out / "checkpoints": "dir", out / "metrics.jsonl": "file", out / "tensorboard": "dir"}
-    if cfg.trainer.save_hf_on_end:
-        paths[out / "hf"] = "dir"
-    if cfg.trainer.profile_steps:
-        paths[out / "profile"] = "dir"
-    return paths
-
-
-def uses_reward_model(cfg: PPOConfig) -> bool:
-    return cfg.reward.style == "model" or (cfg.reward.style == "ranking" and cfg.reward.ranking_by == "model")
-
-
-def needs_rule_scores(cfg: PPOConfig) -> bool:
-    """Whether training responses are scored by the rule: not with a reward model, and not when every
-    group comes from the data set with its own ranks or scores."""
-    from_data = cfg.rollout.offline_fraction == 1.0 and cfg.reward.style in ("ranking", "dataset")
-    return not uses_reward_model(cfg) and not from_data
-
-
-def needs_ground_truth(cfg: PPOConfig) -> bool:
-    """The built-in rule scorers compare with a ground truth; a reward model or a custom function
-    (which gets None) does not need one."""
-    return needs_rule_scores(cfg) and cfg.reward.custom_function is None
-
-
-def check_rule_coverage(cfg: PPOConfig, records: list[data.PromptRecord]) -> None:
-    """Every training prompt's ``data_source`` has a rule scorer (found now, not at the first step)."""
-    unknown = sorted(
-        {r.data_source for r in records if not rewards.has_rule(r.data_source, cfg.reward.custom_function)}
-    )
-    if unknown:
-        raise rewards.RewardError(
-            f"no rule reward for data_source {', '.join(map(repr, unknown))} in data.train_files; known: "
-            f"{', '.join(rewards.RULE_DATA_SOURCES)}. Set reward.custom_function=module:function or "
-            f"file.py:function, or use a reward model (reward.style=model)"
-        )
-
-
-def make_kl_controller(cfg: PPOConfig) -> KLController:
-    k = cfg.algorithm.kl_ctrl
-    if k.type == "fixed":
-        return algorithms.FixedKLController(k.kl_coef)
-    return algorithms.AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon)
 
 
 def needs_old_logprobs(cfg: PPOConfig, on_policy: bool) -> bool:
@@ -502,6 +181,13 @@ def abandon_step(cfg: PPOConfig, run: Run, start: dict[str, object], reason: str
     logger.warning(
         "stopping: saved step %d (%s); resume with trainer.resume_mode=auto", run.state.step, reason
     )
+
+
+def save_due(cfg: PPOConfig, run: Run) -> bool:
+    """A periodic checkpoint is due: every ``trainer.save_freq`` steps and after the last (verl's rule;
+    ``save_freq <= 0`` saves only when asked to stop)."""
+    step = run.state.step
+    return cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or step == run.total_steps)
 
 
 def save(cfg: PPOConfig, run: Run) -> None:
@@ -533,7 +219,7 @@ def skip_step(cfg: PPOConfig, run: Run) -> None:
         "step %d: non-finite reward; the step is skipped (%d so far)", state.step, state.skipped_steps
     )
     run.metrics_logger.log(state.step, {"trainer/skipped_steps": float(state.skipped_steps)})
-    if cfg.trainer.save_freq > 0 and state.step % cfg.trainer.save_freq == 0 or state.step == run.total_steps:
+    if save_due(cfg, run):
         save(cfg, run)
     if state.consecutive_skipped_steps >= cfg.trainer.max_skipped_steps:
         raise runner.TrainingError(
@@ -563,36 +249,6 @@ def validation_dropped(cfg: PPOConfig, run: Run, metrics: dict[str, float]) -> b
 # ----------------------------------------------------------------------------------------------------
 # 1. rollout
 # ----------------------------------------------------------------------------------------------------
-
-
-def sample(
-    cfg: PPOConfig,
-    run: Run,
-    records: list[data.PromptRecord],
-    *,
-    do_sample: bool,
-    micro_batch_size: int | None = None,
-    ignore_eos: bool | None = None,
-) -> Rollout:
-    """One response per record with the rollout settings (temperature, top-p/k, lengths, EOS ids)."""
-    ignore_eos = cfg.rollout.ignore_eos if ignore_eos is None else ignore_eos
-    config = generation_config(
-        max_new_tokens=cfg.data.max_response_length,
-        do_sample=do_sample,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k,
-        eos_token_ids=run.eos_ids,
-        pad_token_id=run.tokenizer.pad_token_id,
-        ignore_eos=ignore_eos,
-    )
-    return generate(
-        run.actor,
-        [torch.tensor(r.input_ids, dtype=torch.long) for r in records],
-        config,
-        micro_batch_size=micro_batch_size or cfg.rollout.micro_batch_size_per_gpu,
-        ignore_eos=ignore_eos,
-    )
 
 
 def collect(cfg: PPOConfig, run: Run, items: list, timer: Timer) -> Batch:
@@ -638,72 +294,9 @@ def collect(cfg: PPOConfig, run: Run, items: list, timer: Timer) -> Batch:
     )
 
 
-def group_index(num_rows: int, n: int, device: torch.device) -> torch.Tensor:
-    """``[B]`` the group (prompt) of each row: rows ``[g*n, (g+1)*n)`` answer prompt ``g``."""
-    return torch.arange(num_rows, device=device) // n
-
-
-def gather_group(batch: Batch, sp: ulysses.SPGroup, pad_token_id: int, n: int) -> Batch:
-    """The batches of every rank of a sequence-parallel group, in group order: the group scores and
-    trains them together, each rank on its slice of every micro-batch's tokens."""
-    rollout = batch.rollout
-    parts = ulysses.all_gather_object(([p.tolist() for p in rollout.prompts], batch.records), sp)
-    device = rollout.responses.device
-    gathered = Rollout(
-        prompts=[torch.tensor(p, dtype=torch.long) for part in parts for p in part[0]],
-        responses=ulysses.all_gather_rows(rollout.responses, sp, pad_token_id),
-        response_mask=ulysses.all_gather_rows(rollout.response_mask, sp, False),
-        truncated=ulysses.all_gather_rows(rollout.truncated.to(device), sp, False),
-    )
-    records = [r for part in parts for r in part[1]]
-    out = Batch(rollout=gathered, records=records, group_ids=group_index(len(records), n, device))
-    if batch.data_ranks is not None:
-        out.data_ranks = ulysses.all_gather_rows(batch.data_ranks, sp)
-        out.data_scores = ulysses.all_gather_rows(batch.data_scores, sp)
-    return out
-
-
-def decode_responses(tokenizer, rollout: Rollout) -> list[str]:
-    """Response texts up to (not including) their EOS."""
-    texts = []
-    for tokens, mask in zip(rollout.responses.tolist(), rollout.response_mask.tolist(), strict=True):
-        texts.append(
-            tokenizer.decode([t for t, m in zip(tokens, mask, strict=True) if m], skip_special_tokens=True)
-        )
-    return texts
-
-
 # ----------------------------------------------------------------------------------------------------
 # 2. score
 # ----------------------------------------------------------------------------------------------------
-
-
-def micro_batches(
-    batch: Batch, idx: torch.Tensor, role: ActorConfig | CriticConfig, micro_batch_size: int | None = None
-) -> list[torch.Tensor]:
-    """Micro-batches (index tensors into the batch) of the sequences ``idx``, agreed across ranks: the
-    role's token budget with dynamic batch size, else ``micro_batch_size`` (default the role's)."""
-    lens = batch.seq_lens
-    groups = plan_micro_batches(
-        [lens[i] for i in idx.tolist()],
-        use_dynamic_bsz=role.use_dynamic_bsz,
-        # A sequence-parallel group splits each micro-batch over its ranks: its budget is theirs together.
-        max_tokens=role.ppo_max_token_len_per_gpu * role.ulysses_sequence_parallel_size,
-        micro_batch_size=micro_batch_size or role.ppo_micro_batch_size_per_gpu,
-    )
-    return [idx[torch.tensor(g, dtype=torch.long, device=idx.device)] for g in groups]
-
-
-def pack_rows(batch: Batch, sel: torch.Tensor) -> Packed:
-    return pack(
-        [batch.rollout.prompts[i] for i in sel.tolist()],
-        batch.rollout.responses[sel],
-        batch.response_mask[sel],
-    )
-
-
-def all_rows(batch: Batch) -> torch.Tensor:
-    return torch.arange(len(batch.records), device=batch.response_mask.device)
 
 
 @torch.no_grad()
@@ -786,7 +379,9 @@ def compute_scores(cfg: PPOConfig, run: Run, batch: Batch) -> torch.Tensor:
 def raw_scores(cfg: PPOConfig, run: Run, batch: Batch) -> torch.Tensor:
     """``[B]`` (CPU) scores of the responses by the reward model or the rule."""
     if uses_reward_model(cfg):
-        return reward_model_scores(cfg, run.reward_model, batch.rollout)
+        return rewards.rollout_reward_model_scores(
+            run.reward_model, batch.rollout, micro_batch_size=cfg.reward.micro_batch_size_per_gpu
+        )
     texts = decode_responses(run.tokenizer, batch.rollout)
 
     def rule_scores() -> torch.Tensor:
@@ -799,22 +394,6 @@ def raw_scores(cfg: PPOConfig, run: Run, batch: Batch) -> torch.Tensor:
         )
 
     return agree_on_failure(rule_scores, rewards.RewardError)
-
-
-def reward_model_scores(cfg: PPOConfig, reward_model: torch.nn.Module, rollout: Rollout) -> torch.Tensor:
-    """The reward model's score of each sequence ``[B]`` (CPU), read at its last token."""
-    lengths = rollout.response_mask.sum(-1).tolist()
-    seqs = [
-        p.tolist() + r[: int(n)]
-        for p, r, n in zip(rollout.prompts, rollout.responses.tolist(), lengths, strict=True)
-    ]
-    with torch.no_grad():
-        return rewards.reward_model_scores(
-            reward_model,
-            seqs,
-            micro_batch_size=cfg.reward.micro_batch_size_per_gpu,
-            device=rollout.responses.device,
-        )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -887,89 +466,6 @@ def compute_advantages(cfg: PPOConfig, batch: Batch, kl_ctrl: KLController, step
 # ----------------------------------------------------------------------------------------------------
 # 4. update
 # ----------------------------------------------------------------------------------------------------
-
-LossFn = Callable[[torch.Tensor, dict[str, float]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-"""``(micro-batch row indices, global counts) -> (loss, metric contributions)``: the loss is this
-micro-batch's share of the mini-batch's global loss; each metric is its share of the mini-batch value."""
-
-
-def mini_batches(num_seqs: int, num_mini: int, shuffle: bool, sp: ulysses.SPGroup) -> list[torch.Tensor]:
-    """Split this rank's sequences into ``num_mini`` equal mini-batches, shuffled by the rank's RNG
-    (seeded per rank and restored by checkpoints, so runs and resumes repeat); the ranks of a
-    sequence-parallel group take their first rank's order."""
-    order = torch.randperm(num_seqs) if shuffle else torch.arange(num_seqs)
-    if shuffle and sp.size > 1:
-        device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
-        order = ulysses.broadcast(order.to(device), sp).cpu()
-    return list(order.chunk(num_mini))
-
-
-def global_counts(mask: torch.Tensor) -> dict[str, float]:
-    """Valid tokens and non-empty sequences of a mini-batch summed over ranks (exact normalization)."""
-    tokens, seqs = all_reduce_scalars([float(mask.sum()), float((mask.sum(-1) > 0).sum())], "sum")
-    return {"num_tokens": max(tokens, 1.0), "num_seqs": max(seqs, 1.0)}
-
-
-def optimize(
-    role: ActorConfig | CriticConfig,
-    prefix: str,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: Batch,
-    loss_fn: LossFn,
-    *,
-    num_mini: int,
-    shuffle: bool,
-    sp: ulysses.SPGroup,
-    early_stop_kl: float = 0.0,
-) -> dict[str, float]:
-    """``role.ppo_epochs`` passes over the batch in ``num_mini`` mini-batches; per mini-batch, gradient
-    accumulation over token-budget micro-batches, then one optimizer step.
-
-    Each rank's loss is its share of the mini-batch's global loss (normalized by counts over all ranks)
-    and ``shard_model`` makes FSDP sum gradients over ranks, so the reduced gradient is exactly the
-    global mini-batch's. The metrics of a mini-batch are reduced once, so the early-stop decision (on
-    ``<prefix>/ppo_kl``) is the same on every rank. A non-finite gradient norm skips that update.
-    """
-    sums: dict[str, float] = {}
-    grad_norms: list[float] = []
-    updates = skipped = 0
-    early_stopped = False
-    for _ in range(role.ppo_epochs):
-        for idx in mini_batches(len(batch.records), num_mini, shuffle, sp):
-            idx = idx.to(batch.response_mask.device)
-            counts = global_counts(batch.response_mask[idx])
-            contributions: dict[str, torch.Tensor] = {}
-            for sel in micro_batches(batch, idx, role):
-                loss, parts = loss_fn(sel, counts)
-                loss.backward()
-                for key, value in parts.items():
-                    contributions[key] = contributions.get(key, 0.0) + value.detach()
-            reduced = all_reduce_tensors(contributions, "sum")
-            grad_norm, was_skipped = runner.optimizer_step(model, optimizer, role.grad_clip)
-            grad_norms.append(grad_norm)
-            updates += 1
-            skipped += was_skipped
-            for key, value in reduced.items():
-                sums[key] = sums.get(key, 0.0) + value
-            if early_stop_kl > 0 and reduced[f"{prefix}/ppo_kl"] > early_stop_kl:
-                early_stopped = True
-                logger.info(
-                    "%s: ppo_kl %.4f > early_stop_kl; the step's remaining updates are skipped",
-                    prefix,
-                    reduced[f"{prefix}/ppo_kl"],
-                )
-                break
-        if early_stopped:
-            break
-    # Every rank holds the same global values; the step's mean reduction over ranks keeps them.
-    out = {k: v / updates for k, v in sums.items()}
-    out[f"{prefix}/grad_norm"] = float(np.mean(grad_norms))
-    out[f"{prefix}/num_updates"] = float(updates)
-    out[f"{prefix}/skipped_updates"] = float(skipped)
-    if early_stop_kl > 0:
-        out[f"{prefix}/early_stopped"] = float(early_stopped)
-    return out
 
 
 def update_critic(cfg: PPOConfig, run: Run, batch: Batch) -> dict[str, float]:
@@ -1078,147 +574,6 @@ def update_actor(cfg: PPOConfig, run: Run, batch: Batch, on_policy: bool) -> dic
 # ----------------------------------------------------------------------------------------------------
 # 5. metrics and validation
 # ----------------------------------------------------------------------------------------------------
-
-
-def batch_metrics(cfg: PPOConfig, batch: Batch) -> dict[str, float]:
-    """verl's data metrics over the whole batch on all ranks (token-weighted where per token):
-    ``critic/{score,rewards,advantages,returns,values}/{mean,max,min}``, ``critic/vf_explained_var``
-    (``1 - Var(returns - values) / (Var(returns) + 1e-5)``, unbiased), ``response_length/*`` and
-    ``prompt_length/*`` with ``clip_ratio`` the share at the length limit."""
-    mask = batch.response_mask
-    resp_len = mask.sum(-1).float()
-    prompt_len = torch.tensor([float(p.numel()) for p in batch.rollout.prompts], device=mask.device)
-    values = {
-        "critic/score": batch.scores,
-        "critic/rewards": batch.token_rewards.sum(-1),
-        "critic/advantages": batch.advantages[mask],
-        "critic/returns": batch.returns[mask],
-        "response_length": resp_len,
-        "response_length/clip": (resp_len == cfg.data.max_response_length).float(),
-        "prompt_length": prompt_len,
-        "prompt_length/clip": (prompt_len == cfg.data.max_prompt_length).float(),
-    }
-    if batch.values is not None:
-        values["critic/values"] = batch.values[mask]
-        values["critic/return_error"] = (batch.returns - batch.values)[mask]
-    stats = global_stats(values, copies=cfg.actor.ulysses_sequence_parallel_size)
-    out: dict[str, float] = {}
-    for name in (
-        "critic/score",
-        "critic/rewards",
-        "critic/advantages",
-        "critic/returns",
-        "response_length",
-        "prompt_length",
-    ):
-        out.update({f"{name}/{k}": stats[name][k] for k in ("mean", "max", "min")})
-    out["response_length/clip_ratio"] = stats["response_length/clip"]["mean"]
-    out["prompt_length/clip_ratio"] = stats["prompt_length/clip"]["mean"]
-    if batch.values is not None:
-        out.update({f"critic/values/{k}": stats["critic/values"][k] for k in ("mean", "max", "min")})
-        out["critic/vf_explained_var"] = 1.0 - stats["critic/return_error"]["var"] / (
-            stats["critic/returns"]["var"] + 1e-5
-        )
-    return out
-
-
-def perf_metrics(
-    cfg: PPOConfig, run: Run, batch: Batch, metrics: dict[str, float], times: dict[str, float], info: DistInfo
-) -> dict[str, float]:
-    """Timings, tokens, throughput, memory and the actor's model FLOPs utilization (GPUs we know).
-
-    Rank-local values reduced here (tokens summed, memory maxed); the timings are rank 0's.
-    """
-    out = dict(times)
-    # The ranks of a sequence-parallel group hold the same sequences: each counts its share.
-    local_tokens = float(sum(batch.seq_lens)) / run.sp.size
-    num_tokens = all_reduce_scalar(local_tokens, "sum")
-    memory = all_reduce_scalar(max_memory_gib(info.device), "max")
-    out["perf/total_num_tokens"] = num_tokens
-    out["perf/throughput"] = num_tokens / info.world_size / times["timing_s/step"]  # per GPU, as verl
-    out["perf/max_memory_gib"] = memory
-    out["perf/max_memory_allocated_gb"] = memory  # verl's name
-    peak = peak_flops(info.device)
-    if "timing_s/update_actor" in times and peak is not None:
-        # Tokens this rank trained on: a mini-batch's share per update (all updates ran unless stopped).
-        num_mini = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
-        trained = local_tokens * metrics["actor/num_updates"] / num_mini
-        out["perf/mfu/actor"] = model_flops_utilization(
-            run.num_params, trained, times["timing_s/update_actor"], peak
-        )
-    return out
-
-
-def max_memory_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-
-
-def validate(cfg: PPOConfig, info: DistInfo, run: Run) -> dict[str, float]:
-    """Generate for every validation prompt (greedy unless ``rollout.val_do_sample``) and score it.
-
-    ``val/<data_source>/score``: the mean reward the run trains with (the reward model's score with
-    ``reward.style=model``, else the rule's), also logged under verl's name
-    ``val-core/<data_source>/reward/mean@1``; ``val/<data_source>/accuracy``: the share the rule scores
-    1.0, where a rule exists for the source and the data has a ground truth. ``val/score`` and
-    ``val/accuracy`` average over sources.
-    """
-    mine = run.val_records[info.rank :: info.world_size]
-    rollout = sample(
-        cfg,
-        run,
-        mine,
-        do_sample=cfg.rollout.val_do_sample,
-        micro_batch_size=max(1, cfg.data.val_batch_size // info.world_size),
-        ignore_eos=False,
-    )
-    texts = decode_responses(run.tokenizer, rollout)
-    model_scores = (
-        reward_model_scores(cfg, run.reward_model, rollout) if run.reward_model is not None else None
-    )
-
-    def rule_scores() -> list[float | None]:
-        return [
-            run.scorer(r.data_source, t, r.ground_truth, r.extra_info)
-            if rewards.has_rule(r.data_source, cfg.reward.custom_function)
-            and (r.ground_truth is not None or cfg.reward.custom_function is not None)
-            else None
-            for r, t in zip(mine, texts, strict=True)
-        ]
-
-    rule = agree_on_failure(rule_scores, rewards.RewardError)
-    sums: dict[str, list[float]] = {}  # source -> [score sum, count, right, rule count]
-    for i, r in enumerate(mine):
-        s = sums.setdefault(r.data_source, [0.0, 0.0, 0.0, 0.0])
-        if model_scores is not None:
-            s[0] += float(model_scores[i])
-        elif rule[i] is not None:
-            s[0] += rule[i]
-        s[1] += 1
-        if rule[i] is not None:
-            s[2] += float(rule[i] >= 1.0)
-            s[3] += 1
-    totals: dict[str, list[float]] = {}
-    for part in all_gather_object(sums):
-        for source, s in part.items():
-            t = totals.setdefault(source, [0.0, 0.0, 0.0, 0.0])
-            for i in range(4):
-                t[i] += s[i]
-    out: dict[str, float] = {}
-    scored = [s for s, t in totals.items() if model_scores is not None or t[3] > 0]
-    for source in sorted(scored):
-        score, count, right, ruled = totals[source]
-        out[f"val/{source}/score"] = score / count
-        out[f"val-core/{source}/reward/mean@1"] = score / count
-        if ruled:
-            out[f"val/{source}/accuracy"] = right / ruled
-    if scored:
-        out["val/score"] = float(np.mean([out[f"val/{s}/score"] for s in scored]))
-    accuracies = [out[f"val/{s}/accuracy"] for s in scored if f"val/{s}/accuracy" in out]
-    if accuracies:
-        out["val/accuracy"] = float(np.mean(accuracies))
-    return out
 
 
 if __name__ == "__main__":

@@ -11,14 +11,21 @@ from __future__ import annotations
 import json
 import logging
 import math
+import resource
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from ppo.distributed import all_reduce_tensors
+from ppo.config import PPOConfig
+from ppo.distributed import DistInfo, all_reduce_scalar, all_reduce_tensors
+
+if TYPE_CHECKING:
+    from ppo.build import Run
+    from ppo.rollout import Batch
 
 logger = logging.getLogger("ppo")
 
@@ -259,3 +266,83 @@ def _fmt(x: float) -> str:
     if math.isnan(x) or math.isinf(x):
         return str(x)
     return f"{x:.4g}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# A PPO step's data and performance metrics
+# ----------------------------------------------------------------------------------------------------
+
+
+def batch_metrics(cfg: PPOConfig, batch: Batch) -> dict[str, float]:
+    """verl's data metrics over the whole batch on all ranks (token-weighted where per token):
+    ``critic/{score,rewards,advantages,returns,values}/{mean,max,min}``, ``critic/vf_explained_var``
+    (``1 - Var(returns - values) / (Var(returns) + 1e-5)``, unbiased), ``response_length/*`` and
+    ``prompt_length/*`` with ``clip_ratio`` the share at the length limit."""
+    mask = batch.response_mask
+    resp_len = mask.sum(-1).float()
+    prompt_len = torch.tensor([float(p.numel()) for p in batch.rollout.prompts], device=mask.device)
+    values = {
+        "critic/score": batch.scores,
+        "critic/rewards": batch.token_rewards.sum(-1),
+        "critic/advantages": batch.advantages[mask],
+        "critic/returns": batch.returns[mask],
+        "response_length": resp_len,
+        "response_length/clip": (resp_len == cfg.data.max_response_length).float(),
+        "prompt_length": prompt_len,
+        "prompt_length/clip": (prompt_len == cfg.data.max_prompt_length).float(),
+    }
+    if batch.values is not None:
+        values["critic/values"] = batch.values[mask]
+        values["critic/return_error"] = (batch.returns - batch.values)[mask]
+    stats = global_stats(values, copies=cfg.actor.ulysses_sequence_parallel_size)
+    out: dict[str, float] = {}
+    for name in (
+        "critic/score",
+        "critic/rewards",
+        "critic/advantages",
+        "critic/returns",
+        "response_length",
+        "prompt_length",
+    ):
+        out.update({f"{name}/{k}": stats[name][k] for k in ("mean", "max", "min")})
+    out["response_length/clip_ratio"] = stats["response_length/clip"]["mean"]
+    out["prompt_length/clip_ratio"] = stats["prompt_length/clip"]["mean"]
+    if batch.values is not None:
+        out.update({f"critic/values/{k}": stats["critic/values"][k] for k in ("mean", "max", "min")})
+        out["critic/vf_explained_var"] = 1.0 - stats["critic/return_error"]["var"] / (
+            stats["critic/returns"]["var"] + 1e-5
+        )
+    return out
+
+
+def perf_metrics(
+    cfg: PPOConfig, run: Run, batch: Batch, metrics: dict[str, float], times: dict[str, float], info: DistInfo
+) -> dict[str, float]:
+    """Timings, tokens, throughput, memory and the actor's model FLOPs utilization (GPUs we know).
+
+    Rank-local values reduced here (tokens summed, memory maxed); the timings are rank 0's.
+    """
+    out = dict(times)
+    # The ranks of a sequence-parallel group hold the same sequences: each counts its share.
+    local_tokens = float(sum(batch.seq_lens)) / run.sp.size
+    num_tokens = all_reduce_scalar(local_tokens, "sum")
+    memory = all_reduce_scalar(max_memory_gib(info.device), "max")
+    out["perf/total_num_tokens"] = num_tokens
+    out["perf/throughput"] = num_tokens / info.world_size / times["timing_s/step"]  # per GPU, as verl
+    out["perf/max_memory_gib"] = memory
+    out["perf/max_memory_allocated_gb"] = memory  # verl's name
+    peak = peak_flops(info.device)
+    if "timing_s/update_actor" in times and peak is not None:
+        # Tokens this rank trained on: a mini-batch's share per update (all updates ran unless stopped).
+        num_mini = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
+        trained = local_tokens * metrics["actor/num_updates"] / num_mini
+        out["perf/mfu/actor"] = model_flops_utilization(
+            run.num_params, trained, times["timing_s/update_actor"], peak
+        )
+    return out
+
+
+def max_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux

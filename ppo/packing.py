@@ -22,13 +22,18 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 import kernels
 from ppo import models
+from ppo.config import ActorConfig, CriticConfig
 from ppo.distributed import all_reduce_scalar
+
+if TYPE_CHECKING:
+    from ppo.rollout import Batch
 
 
 @dataclass(kw_only=True)
@@ -240,3 +245,36 @@ def plan_eval_micro_batches(
 
 DUMMY_SEQUENCE = [0]
 """The one-token sequence a rank with an empty evaluation group forwards (and ignores)."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# A step batch's micro-batches
+# ----------------------------------------------------------------------------------------------------
+
+
+def micro_batches(
+    batch: Batch, idx: torch.Tensor, role: ActorConfig | CriticConfig, micro_batch_size: int | None = None
+) -> list[torch.Tensor]:
+    """Micro-batches (index tensors into the batch) of the sequences ``idx``, agreed across ranks: the
+    role's token budget with dynamic batch size, else ``micro_batch_size`` (default the role's)."""
+    lens = batch.seq_lens
+    groups = plan_micro_batches(
+        [lens[i] for i in idx.tolist()],
+        use_dynamic_bsz=role.use_dynamic_bsz,
+        # A sequence-parallel group splits each micro-batch over its ranks: its budget is theirs together.
+        max_tokens=role.ppo_max_token_len_per_gpu * role.ulysses_sequence_parallel_size,
+        micro_batch_size=micro_batch_size or role.ppo_micro_batch_size_per_gpu,
+    )
+    return [idx[torch.tensor(g, dtype=torch.long, device=idx.device)] for g in groups]
+
+
+def pack_rows(batch: Batch, sel: torch.Tensor) -> Packed:
+    return pack(
+        [batch.rollout.prompts[i] for i in sel.tolist()],
+        batch.rollout.responses[sel],
+        batch.response_mask[sel],
+    )
+
+
+def all_rows(batch: Batch) -> torch.Tensor:
+    return torch.arange(len(batch.records), device=batch.response_mask.device)

@@ -29,12 +29,15 @@ import sys
 from collections.abc import Callable, Sequence
 from numbers import Real
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from ppo import models, sharding
 from ppo.packing import DUMMY_SEQUENCE, pack_sequences, plan_eval_micro_batches
+
+if TYPE_CHECKING:
+    from ppo.rollout import Rollout
 
 logger = logging.getLogger("ppo")
 
@@ -332,3 +335,21 @@ def reward_model_scores(
             out[torch.tensor(group)] = scores.float().cpu()
     sharding.release(reward_model)
     return out
+
+
+def rollout_reward_model_scores(
+    reward_model: torch.nn.Module, rollout: Rollout, *, micro_batch_size: int
+) -> torch.Tensor:
+    """The reward model's score of each sequence ``[B]`` (CPU), read at its last token."""
+    lengths = rollout.response_mask.sum(-1).tolist()
+    seqs = [
+        p.tolist() + r[: int(n)]
+        for p, r, n in zip(rollout.prompts, rollout.responses.tolist(), lengths, strict=True)
+    ]
+    with torch.no_grad():
+        return reward_model_scores(
+            reward_model,
+            seqs,
+            micro_batch_size=micro_batch_size,
+            device=rollout.responses.device,
+        )

@@ -22,11 +22,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import GenerationConfig
 
-from ppo import lora, sharding
+from ppo import data, lora, sharding, ulysses
+from ppo.config import PPOConfig
+
+if TYPE_CHECKING:
+    from ppo.build import Run
 
 
 @dataclass(kw_only=True)
@@ -166,3 +171,110 @@ def response_mask_from_eos(
     eos_before = torch.cumsum(is_eos.long(), dim=-1) - is_eos.long()
     mask = eos_before == 0
     return mask, ~is_eos.any(dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The trainer's rollouts: a step's batch
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class Batch:
+    """One step's sequences on this rank. Token tensors are ``[B, R]`` over response tokens."""
+
+    rollout: Rollout
+    records: list[data.PromptRecord]
+    """The prompt record of each sequence (repeated ``n`` times)."""
+    group_ids: torch.Tensor
+    """[B] index of the prompt a sequence answers (groups never straddle ranks)."""
+    data_ranks: torch.Tensor | None = None
+    """[B] the offline data set's rank of each response (0 = best), -1 for sampled ones."""
+    data_scores: torch.Tensor | None = None
+    """[B] the offline data set's score of each response (``reward.style=dataset``), NaN for sampled ones."""
+    old_logprobs: torch.Tensor | None = None
+    """[B, R] log-probs under the policy that sampled (None with the on-policy shortcut)."""
+    ref_logprobs: torch.Tensor | None = None
+    full_kl: torch.Tensor | None = None
+    """[B, R] exact KL over the vocabulary (only with ``algorithm.kl_penalty=full``)."""
+    values: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+    """[B] the reward of each sequence."""
+    token_rewards: torch.Tensor | None = None
+    """[B, R] the score on the last response token minus the in-reward KL penalty."""
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+
+    @property
+    def response_mask(self) -> torch.Tensor:
+        return self.rollout.response_mask
+
+    @property
+    def seq_lens(self) -> list[int]:
+        """Packed length (prompt + valid response tokens) of each sequence."""
+        resp = self.response_mask.sum(-1).tolist()
+        return [p.numel() + int(r) for p, r in zip(self.rollout.prompts, resp, strict=True)]
+
+
+def sample(
+    cfg: PPOConfig,
+    run: Run,
+    records: list[data.PromptRecord],
+    *,
+    do_sample: bool,
+    micro_batch_size: int | None = None,
+    ignore_eos: bool | None = None,
+) -> Rollout:
+    """One response per record with the rollout settings (temperature, top-p/k, lengths, EOS ids)."""
+    ignore_eos = cfg.rollout.ignore_eos if ignore_eos is None else ignore_eos
+    config = generation_config(
+        max_new_tokens=cfg.data.max_response_length,
+        do_sample=do_sample,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        eos_token_ids=run.eos_ids,
+        pad_token_id=run.tokenizer.pad_token_id,
+        ignore_eos=ignore_eos,
+    )
+    return generate(
+        run.actor,
+        [torch.tensor(r.input_ids, dtype=torch.long) for r in records],
+        config,
+        micro_batch_size=micro_batch_size or cfg.rollout.micro_batch_size_per_gpu,
+        ignore_eos=ignore_eos,
+    )
+
+
+def group_index(num_rows: int, n: int, device: torch.device) -> torch.Tensor:
+    """``[B]`` the group (prompt) of each row: rows ``[g*n, (g+1)*n)`` answer prompt ``g``."""
+    return torch.arange(num_rows, device=device) // n
+
+
+def gather_group(batch: Batch, sp: ulysses.SPGroup, pad_token_id: int, n: int) -> Batch:
+    """The batches of every rank of a sequence-parallel group, in group order: the group scores and
+    trains them together, each rank on its slice of every micro-batch's tokens."""
+    rollout = batch.rollout
+    parts = ulysses.all_gather_object(([p.tolist() for p in rollout.prompts], batch.records), sp)
+    device = rollout.responses.device
+    gathered = Rollout(
+        prompts=[torch.tensor(p, dtype=torch.long) for part in parts for p in part[0]],
+        responses=ulysses.all_gather_rows(rollout.responses, sp, pad_token_id),
+        response_mask=ulysses.all_gather_rows(rollout.response_mask, sp, False),
+        truncated=ulysses.all_gather_rows(rollout.truncated.to(device), sp, False),
+    )
+    records = [r for part in parts for r in part[1]]
+    out = Batch(rollout=gathered, records=records, group_ids=group_index(len(records), n, device))
+    if batch.data_ranks is not None:
+        out.data_ranks = ulysses.all_gather_rows(batch.data_ranks, sp)
+        out.data_scores = ulysses.all_gather_rows(batch.data_scores, sp)
+    return out
+
+
+def decode_responses(tokenizer, rollout: Rollout) -> list[str]:
+    """Response texts up to (not including) their EOS."""
+    texts = []
+    for tokens, mask in zip(rollout.responses.tolist(), rollout.response_mask.tolist(), strict=True):
+        texts.append(
+            tokenizer.decode([t for t, m in zip(tokens, mask, strict=True) if m], skip_special_tokens=True)
+        )
+    return texts

@@ -299,7 +299,11 @@ def build_model(
     else:
         model.requires_grad_(False)
         model.eval()
-    if info.world_size == 1 and not fsdp.param_offload and fsdp.mixed_precision.param_dtype == model_cfg.dtype:
+    if (
+        info.world_size == 1
+        and not fsdp.param_offload
+        and fsdp.mixed_precision.param_dtype == model_cfg.dtype
+    ):
         # Nothing to shard, offload or cast: FSDP's hooks and its collectives on a world of one would
         # only cost time (a third of a tiny model's step on CPU, scripts/bench_step.py --mode overhead).
         return model.to(info.device)

@@ -68,7 +68,7 @@ PAD_ID, EOS_ID = 0, 2
 """Token ids of the random models: prompts draw from ids >= 3."""
 
 MODEL_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
-    # The CPU cost model of shared/notes/platform.md: hidden 256, 4 layers, vocab 4096.
+    # A model of the CPU cost measurements in docs/platform.md: hidden 256, 4 layers, vocab 4096.
     "tiny": lambda: LlamaConfig(
         hidden_size=256,
         intermediate_size=1024,

@@ -16,7 +16,7 @@ Deterministic in the seed, no downloads, a few seconds. Writes::
 groups of ``configs/demo_cpu_offline.yaml`` from the SFT model (``assets/offline/train.parquet``,
 ``scripts/make_offline_data.py``).
 
-The task (see shared/notes/demo.md): two-digit addition, prompt ``[{"role": "user", "content": "23 +
+The task (see docs/demo.md): two-digit addition, prompt ``[{"role": "user", "content": "23 +
 48"}]``, answer in GSM8K form ``23 + 48 = 71\\n#### 71``. In the SFT training data 60% of the additions
 that need a carry show the carry forgotten (the answer 10 too small), a systematic flaw that RL with the
 rule reward then corrects; validation answers are always right. Validation problems are disjoint from
@@ -76,7 +76,7 @@ MODEL_SHAPE = dict(
     num_key_value_heads=4,
     max_position_embeddings=256,
 )
-"""The tiny Llama of shared/notes/demo.md (813,696 parameters with the 103-token vocabulary)."""
+"""The tiny Llama of docs/demo.md (813,696 parameters with the 103-token vocabulary)."""
 
 
 # ----------------------------------------------------------------------------------------------------

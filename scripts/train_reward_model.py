@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -27,10 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ppo import models, runner, stage_data
+from ppo import models, runner, stage_data, stage_loop
 from ppo.config import RewardModelConfig
 from ppo.distributed import DistInfo, all_gather_object, all_reduce_scalars
-from ppo.metrics import Timer
 from ppo.optim import build_optimizer
 from ppo.packing import DUMMY_SEQUENCE, pack_sequences, plan_eval_micro_batches, plan_micro_batches
 
@@ -51,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(cfg: RewardModelConfig, info: DistInfo) -> None:
-    """The reward-model run: pairs, model, the loop, held-out accuracy, the saved model."""
-    out_dir = runner.prepare_run(cfg, info)
+    """The reward-model run: pairs, model, the loop (resumable), held-out accuracy, the saved model."""
+    out_dir = runner.prepare_run(cfg, info, writes=stage_loop.run_paths(cfg, save_path(cfg)))
     tokenizer = runner.load_tokenizer(cfg.model)
     load = dict(max_length=cfg.data.max_length, apply_chat_template=cfg.data.apply_chat_template)
     with runner.main_rank_logs(info):  # data warnings once, not once per rank
@@ -70,8 +68,6 @@ def train(cfg: RewardModelConfig, info: DistInfo) -> None:
     num_steps = runner.total_steps(cfg, loader)
     model = runner.build_model(models.load_reward_model, cfg.model, cfg.fsdp, info)
     optimizer, scheduler = build_optimizer(model, cfg.optim, num_steps)
-    metrics_logger = runner.make_metrics_logger(cfg, info, out_dir, num_steps, console=False)
-    progress = runner.Progress(num_steps, PROGRESS_KEYS, enabled="console" in cfg.trainer.logger)
     logger.info(
         "reward model: world size %d on %s; %d train pairs (%d rows skipped), %d val pairs (%d skipped); "
         "%d steps of %d pairs; %.2fM parameters",
@@ -86,82 +82,57 @@ def train(cfg: RewardModelConfig, info: DistInfo) -> None:
         models.count_parameters(model) / 1e6,
     )
 
-    start = time.perf_counter()
-    step = 0
-    val_metrics: dict[str, float] = {}
-    while step < num_steps and not runner.out_of_time(start, cfg.trainer.max_time_s):
-        step += 1
-        timer = Timer()
-        step_start = time.perf_counter()
-
-        # 1. batch: this rank's share of the global batch of pairs, in micro-batches agreed across ranks
-        pairs = next(loader)
+    def rm_step(pairs: list[stage_data.PreferencePair]) -> tuple[dict[str, float], float]:
+        """The pairwise loss averaged over every pair of the global batch (its gradient)."""
         groups = plan_micro_batches(
             [pair_length(p) for p in pairs],
             use_dynamic_bsz=cfg.data.use_dynamic_bsz,
             max_tokens=cfg.data.max_token_len_per_gpu,
             micro_batch_size=cfg.data.micro_batch_size_per_gpu,
         )
+        sums = [0.0, 0.0, 0.0, float(sum(pair_length(p) for p in pairs))]  # loss, right, margin, tokens
+        for group in groups:
+            chosen, rejected = pair_scores(model, [pairs[i] for i in group], info.device)
+            loss = bradley_terry_loss(chosen, rejected, cfg.loss.margin).sum()
+            (loss / cfg.data.train_batch_size).backward()
+            sums[0] += loss.item()
+            sums[1] += pair_accuracy(chosen, rejected).sum().item()
+            sums[2] += (chosen - rejected).sum().item()
+        loss_sum, correct, margin_sum, tokens = all_reduce_scalars(sums, "sum")
+        n = cfg.data.train_batch_size
+        return {
+            "train/loss": loss_sum / n,
+            "train/accuracy": correct / n,
+            "train/margin": margin_sum / n,
+        }, tokens
 
-        # 2. forward/backward: the pairwise loss averaged over every pair of the global batch
-        sums = {"loss": 0.0, "correct": 0.0, "margin": 0.0}
-        with timer("update"):
-            for group in groups:
-                chosen, rejected = pair_scores(model, [pairs[i] for i in group], info.device)
-                loss = bradley_terry_loss(chosen, rejected, cfg.loss.margin).sum()
-                (loss / cfg.data.train_batch_size).backward()
-                sums["loss"] += loss.item()
-                sums["correct"] += pair_accuracy(chosen, rejected).sum().item()
-                sums["margin"] += (chosen - rejected).sum().item()
+    result = stage_loop.train_stage(
+        cfg,
+        info,
+        out_dir,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loader=loader,
+        num_steps=num_steps,
+        step=rm_step,
+        validate=(lambda: evaluate(model, val_pairs, cfg, info)) if val_pairs else None,
+        progress_keys=PROGRESS_KEYS,
+    )
+    result.metrics_logger.close()
+    if result.stopped:
+        return
 
-        # 3. optimizer step: clip, skip a non-finite step on every rank, advance the schedule
-        lr = scheduler.get_last_lr()[0]
-        with timer("optimizer"):
-            grad_norm, skipped_step = runner.optimizer_step(model, optimizer, cfg.trainer.grad_clip)
-            scheduler.step()
-
-        # 4. validate: held-out accuracy, margin and loss, per kind of mistake where labelled
-        loss_sum, correct, margin_sum = all_reduce_scalars(
-            [sums["loss"], sums["correct"], sums["margin"]], "sum"
-        )
-        metrics = {
-            "train/loss": loss_sum / cfg.data.train_batch_size,
-            "train/accuracy": correct / cfg.data.train_batch_size,
-            "train/margin": margin_sum / cfg.data.train_batch_size,
-            "train/lr": lr,
-            "train/grad_norm": grad_norm,
-            "train/skipped_step": float(skipped_step),
-            "train/epoch": float(loader.epoch),
-        }
-        validate_now = cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0
-        if val_pairs and (validate_now or step == num_steps):
-            with timer("testing"):
-                val_metrics = evaluate(model, val_pairs, cfg, info)
-            metrics.update(val_metrics)
-
-        # 5. log: JSONL and TensorBoard, the progress line
-        timer.times["timing_s/step"] = time.perf_counter() - step_start
-        metrics.update(timer.times)
-        metrics_logger.log(step, metrics)
-        progress.update(step, metrics, force="rm/accuracy" in metrics)
-    train_time_s = time.perf_counter() - start
-    if step < num_steps:
-        logger.warning(
-            "trainer.max_time_s=%s reached after %d of %d steps", cfg.trainer.max_time_s, step, num_steps
-        )
-        if val_pairs:
-            val_metrics = evaluate(model, val_pairs, cfg, info)
-
-    # 6. save the model (PPO's reward.model_path) and its held-out numbers
+    # Save the model (PPO's reward.model_path) and its held-out numbers.
     saved = runner.save_model(model, tokenizer, save_path(cfg), info)
-    metrics_logger.close()
     final: dict[str, object] = {
-        "rm_steps": step,
-        "rm_train_time_s": round(train_time_s, 1),
+        "rm_steps": result.steps,
+        "rm_train_time_s": round(result.train_time_s, 1),
         "rm_train_rows_skipped": skipped["train"],
         "rm_val_rows_skipped": skipped["val"],
     }
-    if val_metrics:
+    val_metrics = result.metrics
+    if "rm/accuracy" in val_metrics:
         kinds = {
             k.removeprefix("rm/accuracy/"): v for k, v in val_metrics.items() if k.startswith("rm/accuracy/")
         }

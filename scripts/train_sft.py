@@ -6,7 +6,8 @@
 Reads Parquet rows with ``prompt`` + ``answer`` (or ``messages``), packs each rank's share of a global
 batch into padding-free micro-batches, and minimizes the token-mean cross-entropy of the answer tokens
 over the whole global batch. FSDP2, AdamW with warm-up and cosine decay, gradient clipping; periodic
-``val/loss``; metrics to ``metrics.jsonl`` and TensorBoard in ``trainer.output_dir``. At the end the
+``val/loss``; metrics to ``metrics.jsonl`` and TensorBoard in ``trainer.output_dir``; checkpoints every
+``trainer.save_freq`` steps and on SIGTERM/Ctrl-C, resumed with ``trainer.resume_mode=auto``. At the end the
 model is saved with ``save_pretrained`` (``trainer.save_path``, the PPO actor's ``model.path``) and,
 when ``data.eval_prompt_files`` is set, its greedy and sampled answers are scored by the rule reward:
 ``sft_val_accuracy`` and ``sft_sample_accuracy`` go to ``metrics.json`` beside the saved folder.
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,10 +24,9 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 import kernels
-from ppo import data, models, rewards, runner, stage_data
+from ppo import data, models, rewards, runner, stage_data, stage_loop
 from ppo.config import SFTConfig
 from ppo.distributed import DistInfo, all_gather_object, all_reduce_scalars
-from ppo.metrics import Timer
 from ppo.optim import build_optimizer
 from ppo.packing import (
     DUMMY_SEQUENCE,
@@ -53,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(cfg: SFTConfig, info: DistInfo) -> None:
-    """The SFT run: data, model, the loop, the saved model and its final evaluation."""
-    out_dir = runner.prepare_run(cfg, info)
+    """The SFT run: data, model, the loop (resumable), the saved model and its final evaluation."""
+    out_dir = runner.prepare_run(cfg, info, writes=stage_loop.run_paths(cfg, save_path(cfg)))
     tokenizer = runner.load_tokenizer(cfg.model)
     load = dict(max_length=cfg.data.max_length, apply_chat_template=cfg.data.apply_chat_template)
     with runner.main_rank_logs(info):  # data warnings once, not once per rank
@@ -66,8 +65,6 @@ def train(cfg: SFTConfig, info: DistInfo) -> None:
     num_steps = runner.total_steps(cfg, loader)
     model = runner.build_model(models.load_causal_lm, cfg.model, cfg.fsdp, info)
     optimizer, scheduler = build_optimizer(model, cfg.optim, num_steps)
-    metrics_logger = runner.make_metrics_logger(cfg, info, out_dir, num_steps, console=False)
-    progress = runner.Progress(num_steps, PROGRESS_KEYS, enabled="console" in cfg.trainer.logger)
     logger.info(
         "SFT: world size %d on %s; %d train examples (%d steps of %d), %d val examples; %.2fM parameters",
         info.world_size,
@@ -79,81 +76,56 @@ def train(cfg: SFTConfig, info: DistInfo) -> None:
         models.count_parameters(model) / 1e6,
     )
 
-    start = time.perf_counter()
-    step = 0
-    metrics: dict[str, float] = {}
-    while step < num_steps and not runner.out_of_time(start, cfg.trainer.max_time_s):
-        step += 1
-        timer = Timer()
-        step_start = time.perf_counter()
-
-        # 1. batch: this rank's share of the global batch, cut into micro-batches agreed across ranks
-        examples = next(loader)
+    def sft_step(examples: list[stage_data.SFTExample]) -> tuple[dict[str, float], float]:
+        """Token-mean cross-entropy of the answer tokens of the whole global batch (its gradient)."""
         groups = plan_micro_batches(
             [len(ex.input_ids) for ex in examples],
             use_dynamic_bsz=cfg.data.use_dynamic_bsz,
             max_tokens=cfg.data.max_token_len_per_gpu,
             micro_batch_size=cfg.data.micro_batch_size_per_gpu,
         )
-        global_answer_tokens, global_tokens = all_reduce_scalars(
+        answer_tokens, tokens = all_reduce_scalars(
             [
                 float(sum(sum(ex.loss_mask) for ex in examples)),
                 float(sum(len(ex.input_ids) for ex in examples)),
             ],
             "sum",
         )
-
-        # 2. forward/backward: token-mean over the answer tokens of the whole global batch
         loss_sum = 0.0
-        with timer("update"):
-            for group in groups:
-                nll = answer_nll_sum(model, [examples[i] for i in group], info.device)
-                (nll / global_answer_tokens).backward()
-                loss_sum += nll.item()
+        for group in groups:
+            nll = answer_nll_sum(model, [examples[i] for i in group], info.device)
+            (nll / answer_tokens).backward()
+            loss_sum += nll.item()
+        (loss_sum,) = all_reduce_scalars([loss_sum], "sum")
+        return {"train/loss": loss_sum / answer_tokens, "train/num_answer_tokens": answer_tokens}, tokens
 
-        # 3. optimizer step: clip, skip a non-finite step on every rank, advance the schedule
-        lr = scheduler.get_last_lr()[0]
-        with timer("optimizer"):
-            grad_norm, skipped = runner.optimizer_step(model, optimizer, cfg.trainer.grad_clip)
-            scheduler.step()
+    result = stage_loop.train_stage(
+        cfg,
+        info,
+        out_dir,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loader=loader,
+        num_steps=num_steps,
+        step=sft_step,
+        validate=(lambda: {"val/loss": validation_loss(model, val_examples, cfg, info)})
+        if val_examples
+        else None,
+        progress_keys=PROGRESS_KEYS,
+    )
+    if result.stopped:
+        result.metrics_logger.close()
+        return
 
-        # 4. validate: token-mean loss on the held-out demonstrations
-        (global_loss_sum,) = all_reduce_scalars([loss_sum], "sum")
-        metrics = {
-            "train/loss": global_loss_sum / global_answer_tokens,
-            "train/lr": lr,
-            "train/grad_norm": grad_norm,
-            "train/skipped_step": float(skipped),
-            "train/num_answer_tokens": global_answer_tokens,
-            "train/epoch": float(loader.epoch),
-        }
-        validate_now = cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0
-        if val_examples and (validate_now or step == num_steps):
-            with timer("testing"):
-                metrics["val/loss"] = validation_loss(model, val_examples, cfg, info)
-
-        # 5. log: JSONL and TensorBoard, the progress line
-        timer.times["timing_s/step"] = time.perf_counter() - step_start
-        metrics.update(timer.times)
-        metrics["perf/throughput"] = global_tokens / timer.times["timing_s/step"]
-        metrics_logger.log(step, metrics)
-        progress.update(step, metrics, force="val/loss" in metrics)
-    train_time_s = time.perf_counter() - start
-    if step < num_steps:
-        logger.warning(
-            "trainer.max_time_s=%s reached after %d of %d steps", cfg.trainer.max_time_s, step, num_steps
-        )
-        if val_examples:
-            metrics["val/loss"] = validation_loss(model, val_examples, cfg, info)
-
-    # 6. save the model (the PPO actor's starting point), then score its answers
+    # Save the model (the PPO actor's starting point), then score its answers.
     saved = runner.save_model(model, tokenizer, save_path(cfg), info)
-    final = {"sft_steps": step, "sft_train_time_s": round(train_time_s, 1)}
-    if "val/loss" in metrics:
-        final["sft_val_loss"] = round(metrics["val/loss"], 4)
+    final = {"sft_steps": result.steps, "sft_train_time_s": round(result.train_time_s, 1)}
+    if "val/loss" in result.metrics:
+        final["sft_val_loss"] = round(result.metrics["val/loss"], 4)
     if cfg.data.eval_prompt_files:
         answers = evaluate_answers(model, tokenizer, cfg, info)
-        metrics_logger.log(step, answers)
+        result.metrics_logger.log(result.steps, answers)
         final.update(
             sft_val_accuracy=round(answers["val/accuracy"], 4),
             sft_sample_accuracy=round(answers["val/sample_accuracy"], 4),
@@ -161,7 +133,7 @@ def train(cfg: SFTConfig, info: DistInfo) -> None:
             sft_eval_prompts=int(answers["val/num_prompts"]),
             sft_eval_samples_per_prompt=NUM_EVAL_SAMPLES,
         )
-    metrics_logger.close()
+    result.metrics_logger.close()
     runner.write_final_metrics(saved.parent, info, final)
 
 

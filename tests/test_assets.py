@@ -1,5 +1,5 @@
 """Tests of scripts/make_tiny_assets.py: the assets load back with from_pretrained, are deterministic in the
-seed, and the synthetic task has the flaw and the splits that shared/notes/demo.md asks for."""
+seed, and the synthetic task has the flaw and the splits that docs/demo.md describes."""
 
 from __future__ import annotations
 

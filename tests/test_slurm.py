@@ -135,8 +135,8 @@ def test_sbatch_headers(script: Path) -> None:
     assert "--output=logs/%x-%j.out" in headers
     assert "--gpus-per-node=8" in headers and "--ntasks-per-node=1" in headers
     assert "--requeue" in headers
-    # Only PPO resumes from a checkpoint, so only it requeues itself before the time limit.
-    assert any(h.startswith("--signal=B:USR1@") for h in headers) == (script.name == "ppo.sbatch")
+    # Every entry resumes from its checkpoints, so every job requeues itself before the time limit.
+    assert any(h.startswith("--signal=B:USR1@") for h in headers)
 
 
 @pytest.mark.parametrize("nnodes", [1, 4])
@@ -186,9 +186,9 @@ def test_stage_commands(fakes: Path, script: str, entry: str) -> None:
     _, torchrun, args = parse_torchrun(srun, entry)
     assert torchrun["nnodes"] == "4" and torchrun["nproc_per_node"] == "8"
     assert torchrun["rdzv_endpoint"] == "gpu-007:31337"
-    assert torchrun["max-restarts"] == "0"  # the stages do not resume: a restart would start over
-    # The stage configs have no trainer.nnodes / resume_mode keys: only the user's overrides pass.
-    assert args == ["--config", STAGE_CONFIG, "trainer.seed=3"]
+    assert torchrun["max-restarts"] == "3"  # the stages checkpoint and resume like PPO
+    # resume_mode=auto before the user's overrides; the stage configs have no trainer.nnodes keys.
+    assert args == ["--config", STAGE_CONFIG, "trainer.resume_mode=auto", "trainer.seed=3"]
 
 
 def test_gpus_per_node_with_a_type(fakes: Path) -> None:

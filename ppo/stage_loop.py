@@ -1,0 +1,152 @@
+"""The training loop of the stages before PPO (SFT and the reward model): one batch, one optimizer step.
+
+Both stages differ only in how a batch becomes a loss (``step``) and in what validation measures
+(``validate``); the loop around them is this one: resume from the newest checkpoint, the per-step
+optimizer step and schedule, validation every ``trainer.test_freq`` steps, metrics, progress,
+checkpoints every ``trainer.save_freq`` steps and on a stop signal, the time cap. A stage run killed or
+preempted resumes exactly, like a PPO run::
+
+    result = train_stage(cfg, info, out_dir, model=model, optimizer=optimizer, scheduler=scheduler,
+                         loader=loader, num_steps=num_steps, step=sft_step, validate=val_loss,
+                         progress_keys={"train/loss": "loss"})
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ppo import runner
+from ppo.checkpointer import Checkpointer, TrainerState
+from ppo.config import RewardModelConfig, SFTConfig, to_yaml
+from ppo.data import ShardedLoader
+from ppo.distributed import DistInfo
+from ppo.metrics import MetricsLogger, Timer
+
+logger = logging.getLogger("ppo")
+
+StepFn = Callable[[list[Any]], tuple[dict[str, float], float]]
+"""``(this rank's examples of the step) -> (metrics, tokens over all ranks)``: runs the forward and
+backward passes of the step (the gradient of the global batch's loss); the loop steps the optimizer."""
+
+
+@dataclass(kw_only=True)
+class StageResult:
+    steps: int
+    """Steps done (all of them unless stopped or out of time)."""
+    train_time_s: float
+    """Seconds spent in the loop by this process (a resumed run counts its own part)."""
+    metrics: dict[str, float]
+    """The last step's metrics (with its validation, if it had one)."""
+    stopped: bool
+    """A stop signal ended the run early (it saved a checkpoint; the model is not final)."""
+    metrics_logger: MetricsLogger
+    """The run's sinks, still open for the stage's final numbers."""
+
+
+def run_paths(cfg: SFTConfig | RewardModelConfig, save_path: Path) -> dict[Path, str]:
+    """Every path a stage run writes (``runner.prepare_run`` checks them before any work)."""
+    out = Path(cfg.trainer.output_dir)
+    return {
+        out / "checkpoints": "dir",
+        out / "metrics.jsonl": "file",
+        out / "tensorboard": "dir",
+        save_path: "dir",
+        save_path.parent / runner.METRICS_FILE: "file",
+    }
+
+
+def train_stage(
+    cfg: SFTConfig | RewardModelConfig,
+    info: DistInfo,
+    out_dir: Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    loader: ShardedLoader,
+    num_steps: int,
+    step: StepFn,
+    validate: Callable[[], dict[str, float]] | None,
+    progress_keys: dict[str, str],
+) -> StageResult:
+    """Run (or resume) the stage's steps; see the module docstring."""
+    t = cfg.trainer
+    state = TrainerState()
+    checkpointer = Checkpointer(
+        out_dir=out_dir,
+        info=info,
+        config_yaml=to_yaml(cfg),
+        keep=t.max_ckpt_to_keep,
+        seed=t.seed,
+        models={"model": model},
+        optimizers={"model": optimizer},
+        schedulers={"model": scheduler},
+        stateful={"trainer": state, "loader": loader},
+    )
+    resumed = checkpointer.restore_newest(t.resume_mode)
+    if resumed is not None:
+        logger.info("resumed from %s at step %d", resumed, state.step)
+    metrics_logger = runner.make_metrics_logger(
+        cfg, info, out_dir, num_steps, console=False, resume_step=state.step if resumed else None
+    )
+    progress = runner.Progress(num_steps, progress_keys, enabled="console" in t.logger, first_step=state.step)
+    stop = runner.StopRequest()
+    start = time.perf_counter()
+    metrics: dict[str, float] = {}
+    stopped = False
+    while state.step < num_steps and not runner.out_of_time(start, t.max_time_s):
+        state.step += 1
+        timer = Timer()
+        with timer("step"):
+            with timer("update"):
+                metrics, tokens = step(next(loader))
+            lr = optimizer.param_groups[0]["lr"]
+            with timer("optimizer"):
+                grad_norm, skipped = runner.optimizer_step(model, optimizer, t.grad_clip)
+                scheduler.step()
+            metrics.update(
+                {
+                    "train/lr": lr,
+                    "train/grad_norm": grad_norm,
+                    "train/skipped_step": float(skipped),
+                    "train/epoch": float(loader.epoch),
+                }
+            )
+            due = t.test_freq > 0 and state.step % t.test_freq == 0
+            if validate is not None and (due or state.step == num_steps):
+                with timer("testing"):
+                    metrics.update(validate())
+        metrics.update(timer.times)
+        metrics["perf/throughput"] = tokens / info.world_size / timer.times["timing_s/step"]
+        metrics_logger.log(state.step, metrics)
+        progress.update(state.step, metrics, force=any(k.startswith(("val/", "rm/")) for k in metrics))
+        stopped = stop.requested()
+        periodic = t.save_freq > 0 and (state.step % t.save_freq == 0 or state.step == num_steps)
+        if periodic or stopped:
+            checkpointer.save(state.step)
+        if stopped:
+            logger.warning(
+                "stopping: saved step %d (%s); resume with trainer.resume_mode=auto", state.step, stop.name
+            )
+            break
+    if state.step < num_steps and not stopped:
+        logger.warning(
+            "trainer.max_time_s=%s reached after %d of %d steps", t.max_time_s, state.step, num_steps
+        )
+        if validate is not None:
+            metrics.update(validate())
+    return StageResult(
+        steps=state.step,
+        train_time_s=time.perf_counter() - start,
+        metrics=metrics,
+        stopped=stopped,
+        metrics_logger=metrics_logger,
+    )
