@@ -25,6 +25,7 @@ DCP's own metadata classes, and its non-tensor entries (optimizer hyper-paramete
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -32,6 +33,7 @@ import os
 import pickle
 import random
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -184,65 +186,55 @@ def save(
     A failure (a full disk, a lost mount) raises CheckpointError naming the folder; the previous
     checkpoint and ``latest`` are untouched.
     """
-    try:
-        return _save(
-            out_dir, step, models, optimizers, schedulers, extra, config_yaml, rank, world_size, keep
+    with _failures_named(out_dir, step):
+        root = checkpoints_dir(out_dir)
+        final = root / f"step_{step:08d}"
+        tmp = root / f"step_{step:08d}.tmp"
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        barrier()
+        state = {}
+        for name, model in _present(models).items():
+            model_sd, optim_sd = get_state_dict(model, optimizers[name], options=TRAINABLE_ONLY)
+            state[f"{name}.model"] = model_sd
+            state[f"{name}.optim"] = optim_sd
+        dcp.save(state, checkpoint_id=str(tmp / "dcp"))
+        torch.save(
+            {
+                "rng": rng_state(),
+                "schedulers": {k: v.state_dict() for k, v in _present(schedulers).items()},
+                "world_size": world_size,
+            },
+            tmp / f"rank_{rank:05d}.pt",
         )
+        barrier()
+        if rank == 0:
+            (tmp / "trainer.json").write_text(json.dumps({**extra, "world_size": world_size}, indent=1))
+            (tmp / "config.yaml").write_text(config_yaml)
+            (tmp / COMPLETE).write_text(str(step))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            latest_tmp = root / "latest.tmp"
+            latest_tmp.write_text(final.name)
+            os.replace(latest_tmp, root / "latest")
+            _prune(root, keep)
+            logger.info("saved checkpoint %s", final)
+        barrier()
+        return final
+
+
+@contextlib.contextmanager
+def _failures_named(out_dir: Path, step: int) -> Iterator[None]:
+    """A failed save as one CheckpointError naming the folder (the previous checkpoint is intact)."""
+    try:
+        yield
     except (OSError, CheckpointException) as e:
         raise CheckpointError(
             f"saving checkpoint step {step} in {checkpoints_dir(out_dir)} failed ({_dcp_error(e)}); the "
             f"previous checkpoint is intact: free space or fix the folder, then resume"
         ) from None
-
-
-def _save(
-    out_dir: Path,
-    step: int,
-    models: dict[str, torch.nn.Module | None],
-    optimizers: dict[str, torch.optim.Optimizer | None],
-    schedulers: dict[str, Any],
-    extra: dict[str, Any],
-    config_yaml: str,
-    rank: int,
-    world_size: int,
-    keep: int,
-) -> Path:
-    root = checkpoints_dir(out_dir)
-    final = root / f"step_{step:08d}"
-    tmp = root / f"step_{step:08d}.tmp"
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    barrier()
-    state = {}
-    for name, model in _present(models).items():
-        model_sd, optim_sd = get_state_dict(model, optimizers[name], options=TRAINABLE_ONLY)
-        state[f"{name}.model"] = model_sd
-        state[f"{name}.optim"] = optim_sd
-    dcp.save(state, checkpoint_id=str(tmp / "dcp"))
-    torch.save(
-        {
-            "rng": rng_state(),
-            "schedulers": {k: v.state_dict() for k, v in _present(schedulers).items()},
-            "world_size": world_size,
-        },
-        tmp / f"rank_{rank:05d}.pt",
-    )
-    barrier()
-    if rank == 0:
-        (tmp / "trainer.json").write_text(json.dumps({**extra, "world_size": world_size}, indent=1))
-        (tmp / "config.yaml").write_text(config_yaml)
-        (tmp / COMPLETE).write_text(str(step))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        latest_tmp = root / "latest.tmp"
-        latest_tmp.write_text(final.name)
-        os.replace(latest_tmp, root / "latest")
-        _prune(root, keep)
-        logger.info("saved checkpoint %s", final)
-    barrier()
-    return final
 
 
 def _prune(root: Path, keep: int) -> None:

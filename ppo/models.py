@@ -145,10 +145,10 @@ def _from_pretrained(
     auto_cls: type,
     path: str,
     *,
-    dtype: str,
-    attn_implementation: str,
-    trust_remote_code: bool,
-    device: torch.device | str,
+    dtype: str = "float32",
+    attn_implementation: str = "auto",
+    trust_remote_code: bool = False,
+    device: torch.device | str = "cpu",
     config_key: str,
     **config_overrides: Any,
 ) -> tuple[PreTrainedModel, dict[str, Any]]:
@@ -168,41 +168,19 @@ def _from_pretrained(
     return model.to(device), info
 
 
-def load_causal_lm(
-    path: str,
-    *,
-    dtype: str = "float32",
-    attn_implementation: str = "auto",
-    trust_remote_code: bool = False,
-    device: torch.device | str = "cpu",
-    config_key: str = "model.path",
-) -> PreTrainedModel:
+def load_causal_lm(path: str, *, config_key: str = "model.path", **load: Any) -> PreTrainedModel:
     """Actor or reference: ``AutoModelForCausalLM.from_pretrained(path)`` in ``dtype``, dropout off.
 
-    ``device``: where the weights go. To shard, load on CPU and let ``shard_model`` move each rank's
-    shard to the accelerator (a full copy per accelerator would not fit for large models).
+    ``load``: ``dtype`` (default float32), ``attn_implementation`` (default auto),
+    ``trust_remote_code``, ``device`` (where the weights go; default the CPU: to shard, load on the CPU
+    and let ``shard_model`` move each rank's shard to the accelerator, since a full copy per accelerator
+    would not fit large models). ``config_key`` names the config key in error messages.
     """
-    model, _ = _from_pretrained(
-        AutoModelForCausalLM,
-        path,
-        dtype=dtype,
-        attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code,
-        device=device,
-        config_key=config_key,
-    )
+    model, _ = _from_pretrained(AutoModelForCausalLM, path, config_key=config_key, **load)
     return model
 
 
-def load_critic(
-    path: str,
-    *,
-    dtype: str = "float32",
-    attn_implementation: str = "auto",
-    trust_remote_code: bool = False,
-    device: torch.device | str = "cpu",
-    config_key: str = "critic.model_path",
-) -> PreTrainedModel:
+def load_critic(path: str, *, config_key: str = "critic.model_path", **load: Any) -> PreTrainedModel:
     """Critic: ``AutoModelForTokenClassification.from_pretrained(path, num_labels=1)``, one value per token.
 
     From a causal-LM checkpoint this is the backbone (the LM head is dropped) plus a fresh ``score``
@@ -215,13 +193,10 @@ def load_critic(
     model, info = _from_pretrained(
         AutoModelForTokenClassification,
         path,
-        dtype=dtype,
-        attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code,
-        device=device,
         config_key=config_key,
         num_labels=1,
         classifier_dropout=0.0,
+        **load,
     )
     fresh = _fresh_head_params(model, info)
     if fresh:
@@ -240,15 +215,7 @@ def load_critic(
     return model
 
 
-def load_reward_model(
-    path: str,
-    *,
-    dtype: str = "float32",
-    attn_implementation: str = "auto",
-    trust_remote_code: bool = False,
-    device: torch.device | str = "cpu",
-    config_key: str = "reward.model_path",
-) -> PreTrainedModel:
+def load_reward_model(path: str, *, config_key: str = "reward.model_path", **load: Any) -> PreTrainedModel:
     """Reward model: ``AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)``.
 
     A checkpoint without a ``score`` head (a plain causal LM) gets a fresh one, drawn from a fixed
@@ -257,14 +224,7 @@ def load_reward_model(
     init differs per process. Scores are then meaningless until trained, so it logs a warning.
     """
     model, info = _from_pretrained(
-        AutoModelForSequenceClassification,
-        path,
-        dtype=dtype,
-        attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code,
-        device=device,
-        config_key=config_key,
-        num_labels=1,
+        AutoModelForSequenceClassification, path, config_key=config_key, num_labels=1, **load
     )
     fresh = _fresh_head_params(model, info)
     if fresh:
