@@ -44,7 +44,7 @@ assets: install
 
 # PPO on the SFT model with the true reward (GAE, adaptive KL in the reward), then its curves.
 demo: assets
-	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) train_ppo.py --config configs/demo_cpu.yaml
+	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) train_ppo.py --config configs/demo_cpu.yaml trainer.overwrite=true
 	$(PY) scripts/plot_run.py outputs/demo_cpu
 
 test: install

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from ppo import algorithms, data, lora, models, offline, rewards, runner, ulysses
+from ppo import algorithms, data, lora, models, offline, rewards, rollout, runner, sharding, ulysses
 from ppo.checkpoint import seed_everything
 from ppo.checkpointer import Checkpointer, TrainerState
-from ppo.config import PPOConfig, to_yaml
+from ppo.config import ConfigError, PPOConfig, to_yaml
 from ppo.distributed import DistInfo
 from ppo.metrics import MetricsLogger
 from ppo.monitor import HealthMonitor
@@ -55,6 +55,8 @@ class Run:
     metrics_logger: MetricsLogger
     monitor: HealthMonitor
     num_params: int
+    engine: torch.nn.Module | None
+    """The compiled rollout's decoding copy of the actor (``rollout.compile``), or None."""
     sp: ulysses.SPGroup
     """This rank's Ulysses sequence-parallel group (``ulysses.NO_SP`` without sequence parallelism)."""
 
@@ -228,8 +230,28 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
         ),
         monitor=monitor,
         num_params=num_params,
+        engine=make_engine(cfg, actor, info),
         sp=sp,
     )
+
+
+def make_engine(cfg: PPOConfig, actor: torch.nn.Module, info: DistInfo) -> torch.nn.Module | None:
+    """The compiled rollout (``rollout.compile``, ``auto``: on CUDA): a persistent unsharded copy of the
+    actor in its compute dtype that decodes with a static KV cache and a compiled step
+    (``rollout.generate``). Not with LoRA adapters (the copy has the base architecture)."""
+    wanted = cfg.rollout.compile
+    use_lora = lora.uses_lora(cfg.actor.lora)
+    if wanted == "auto":
+        wanted = info.device.type == "cuda" and not use_lora
+    if not wanted:
+        return None
+    if use_lora:
+        raise ConfigError(
+            "rollout.compile=true cannot run with actor.lora (the compiled copy has no adapters)"
+        )
+    dtype = sharding.torch_dtype(cfg.actor.fsdp.mixed_precision.param_dtype)
+    logger.info("rollout: a %s copy of the actor decodes with a static cache and a compiled step", dtype)
+    return rollout.make_engine(actor, dtype, info.device)
 
 
 def run_paths(cfg: PPOConfig) -> dict[Path, str]:

@@ -16,12 +16,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ppo.config import PPOConfig
-from ppo.distributed import DistInfo, all_reduce_scalar, all_reduce_tensors
+from ppo.distributed import DistInfo, all_reduce_scalar, all_reduce_scalars, all_reduce_tensors
 
 if TYPE_CHECKING:
     from ppo.build import Run
@@ -137,6 +137,25 @@ def model_flops_utilization(
     if peak is None or seconds <= 0:
         return None
     return 6.0 * num_params * num_tokens / (seconds * peak)
+
+
+def verl_training_flops(config: Any, seq_lens_sum: float, seq_lens_sq_sum: float) -> float:
+    """FLOPs of a forward + backward pass over sequences, as verl's flops counter estimates them for
+    Llama/Qwen2-style models: ``6 * N_dense * tokens + 6 * sum(l_i^2) * head_dim * heads * layers``, with
+    ``N_dense = layers * (3 * hidden * intermediate + hidden * (q + k + v + o)) + 2 * vocab * hidden``
+    (embeddings counted as a matmul, attention scores and values by the squared lengths).
+
+    ``config``: the model's (text) config; ``seq_lens_sum``, ``seq_lens_sq_sum``: ``sum(l_i)`` and
+    ``sum(l_i^2)`` over the sequences.
+    """
+    c = config.get_text_config()
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q = c.num_attention_heads * head_dim
+    kv = c.num_key_value_heads * head_dim
+    per_layer = 3 * c.hidden_size * c.intermediate_size + c.hidden_size * (2 * q + 2 * kv)
+    dense = c.num_hidden_layers * per_layer + 2 * c.vocab_size * c.hidden_size
+    attention = 6 * seq_lens_sq_sum * head_dim * c.num_attention_heads * c.num_hidden_layers
+    return 6 * dense * seq_lens_sum + attention
 
 
 class Timer:
@@ -335,10 +354,15 @@ def perf_metrics(
     if "timing_s/update_actor" in times and peak is not None:
         # Tokens this rank trained on: a mini-batch's share per update (all updates ran unless stopped).
         num_mini = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
-        trained = local_tokens * metrics["actor/num_updates"] / num_mini
-        out["perf/mfu/actor"] = model_flops_utilization(
-            run.num_params, trained, times["timing_s/update_actor"], peak
-        )
+        passes = metrics["actor/num_updates"] / num_mini
+        seconds = times["timing_s/update_actor"]
+        out["perf/mfu/actor"] = model_flops_utilization(run.num_params, local_tokens * passes, seconds, peak)
+        # verl's figure: its flops counter (attention included) over the global batch, per GPU.
+        lens = torch.tensor(batch.seq_lens, dtype=torch.float64)
+        total, squares = all_reduce_scalars([float(lens.sum()), float(lens.square().sum())])
+        copies = run.sp.size  # a sequence-parallel group's ranks hold the same sequences
+        flops = verl_training_flops(run.actor.config, total / copies, squares / copies) * passes
+        out["perf/mfu/actor_verl"] = flops / (seconds * peak * info.world_size)
     return out
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import GenerationConfig
+from transformers import AutoModelForCausalLM, CompileConfig, GenerationConfig
 
 from ppo import data, lora, sharding, ulysses
 from ppo.config import PPOConfig
@@ -58,12 +58,14 @@ def generation_config(
     eos_token_ids: list[int],
     pad_token_id: int,
     ignore_eos: bool = False,
+    compile: bool = False,
 ) -> GenerationConfig:
     """The whole sampler configuration: softmax(logits / temperature), then top-k (0: off) and top-p
     (1: off) when sampling; argmax otherwise. Nothing else: transformers' defaults for every other
     field are neutral (no repetition penalty, no n-gram blocking, no min-p, typical-p or epsilon
     cutoffs, no forced or suppressed tokens), and the model's own generation config is not consulted
-    (see ``generate``). ``ignore_eos`` forces exactly ``max_new_tokens`` tokens (benchmarks).
+    (see ``generate``). ``ignore_eos`` forces exactly ``max_new_tokens`` tokens (benchmarks);
+    ``compile`` decodes with a static KV cache and a compiled step (use it with ``generate(engine=...)``).
     """
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
@@ -80,6 +82,10 @@ def generation_config(
         config.top_k = top_k  # 0 disables top-k (transformers' own default would be 50)
     else:
         config.top_k = None
+    if compile:  # a static KV cache whose decoding step transformers compiles (CUDA graphs on GPU)
+        config.cache_implementation = "static"
+        config.compile_config = CompileConfig(fullgraph=False, dynamic=False)
+        config.compile_config._compile_all_devices = True  # also where transformers would not (CPU tests)
     return config
 
 
@@ -91,11 +97,18 @@ def generate(
     *,
     micro_batch_size: int = 64,
     ignore_eos: bool = False,
+    engine: torch.nn.Module | None = None,
 ) -> Rollout:
     """Sample one response per prompt (repeat prompts for ``n`` samples) in generation micro-batches.
 
     Every rank must call it, also with no prompts: gathering the shards is a collective. Sampling draws
     from torch's global RNG (seeded per rank by the trainer, restored by checkpoints).
+
+    ``engine`` (``make_engine``): decode with this persistent unsharded copy of ``model`` instead, its
+    weights refreshed in place from ``model``'s gathered ones first; with a static-cache ``config``
+    (``generation_config(compile=True)``) its decoding step is compiled once and replayed (CUDA graphs),
+    on micro-batches padded to fixed shapes (``micro_batch_size`` rows, prompts to a multiple of
+    ``PROMPT_BUCKET``) so that it does not recompile from step to step.
     """
     device = next(model.parameters()).device
     max_new_tokens = int(config.max_new_tokens)
@@ -103,16 +116,26 @@ def generate(
     chunks = []
     was_training = model.training
     model.eval()
-    with (
-        sharding.gathered_for_generation(model),
-        lora.merged_for_generation(model),
-        _checkpoint_generation_config_hidden(model),
-    ):
+    if engine is not None:
+        with sharding.gathered_for_generation(model), lora.merged_for_generation(model):
+            refresh_engine(engine, model)
+    decoder = engine if engine is not None else model
+    with contextlib.ExitStack() as stack:
+        if engine is None:
+            stack.enter_context(sharding.gathered_for_generation(model))
+            stack.enter_context(lora.merged_for_generation(model))
+        stack.enter_context(_checkpoint_generation_config_hidden(decoder))
         for start in range(0, len(prompts), micro_batch_size):
             batch = prompts[start : start + micro_batch_size]
-            input_ids, attention_mask = left_pad(batch, config.pad_token_id, device)
-            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
-            resp = out[:, input_ids.shape[1] :]
+            rows = len(batch)
+            if engine is not None:  # fixed shapes: one compiled graph for every step
+                batch = batch + [batch[-1]] * (micro_batch_size - rows)
+            bucket = PROMPT_BUCKET if engine is not None else 1
+            input_ids, attention_mask = left_pad(batch, config.pad_token_id, device, multiple_of=bucket)
+            out = decoder.generate(
+                input_ids=input_ids, attention_mask=attention_mask, generation_config=config
+            )
+            resp = out[:rows, input_ids.shape[1] :]
             chunks.append(
                 torch.nn.functional.pad(resp, (0, max_new_tokens - resp.shape[1]), value=config.pad_token_id)
             )
@@ -125,6 +148,36 @@ def generate(
     return Rollout(
         prompts=list(prompts), responses=responses, response_mask=response_mask, truncated=truncated
     )
+
+
+PROMPT_BUCKET = 64
+"""With the compiled rollout, prompts are left-padded to a multiple of this many tokens, so a handful of
+static-cache shapes serve every step."""
+
+
+def make_engine(model: torch.nn.Module, dtype: torch.dtype, device: torch.device | str) -> torch.nn.Module:
+    """An empty unsharded copy of ``model``'s architecture in ``dtype`` on ``device``, for
+    ``generate(engine=...)``: built on the meta device (no weights materialized on the host), its
+    parameters and buffers filled by ``refresh_engine`` before each rollout. Memory: one copy of the
+    weights in ``dtype`` per rank (the price of decoding with fixed buffers and CUDA graphs)."""
+    with torch.device("meta"):
+        engine = AutoModelForCausalLM.from_config(model.config, attn_implementation="sdpa", dtype=dtype)
+    engine = engine.to_empty(device=device).eval().requires_grad_(False)
+    engine.generation_config = model.generation_config
+    return engine
+
+
+@torch.no_grad()
+def refresh_engine(engine: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Copy ``model``'s gathered parameters and buffers into ``engine`` in place (same names, cast to the
+    engine's dtype), so compiled graphs keep their buffers."""
+    mine = dict(engine.named_parameters()) | dict(engine.named_buffers())
+    theirs = dict(model.named_parameters()) | dict(model.named_buffers())
+    missing = sorted(set(mine) - set(theirs))
+    if missing:
+        raise RuntimeError(f"the rollout engine has tensors the actor lacks: {missing[:5]}")
+    for name, tensor in mine.items():
+        tensor.copy_(theirs[name].detach())
 
 
 @contextlib.contextmanager
@@ -144,10 +197,11 @@ def _checkpoint_generation_config_hidden(model: torch.nn.Module) -> Iterator[Non
 
 
 def left_pad(
-    seqs: list[torch.Tensor], pad_token_id: int, device: torch.device
+    seqs: list[torch.Tensor], pad_token_id: int, device: torch.device, *, multiple_of: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token tensors to ``[B, max_len]`` with the matching attention mask."""
-    width = max(s.numel() for s in seqs)
+    """Left-pad token tensors to ``[B, width]`` with the matching attention mask; ``width`` is the
+    longest rounded up to a multiple of ``multiple_of``."""
+    width = -(-max(s.numel() for s in seqs) // multiple_of) * multiple_of
     ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long, device=device)
     mask = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
     for i, s in enumerate(seqs):
@@ -235,6 +289,7 @@ def sample(
         eos_token_ids=run.eos_ids,
         pad_token_id=run.tokenizer.pad_token_id,
         ignore_eos=ignore_eos,
+        compile=run.engine is not None,
     )
     return generate(
         run.actor,
@@ -242,6 +297,7 @@ def sample(
         config,
         micro_batch_size=micro_batch_size or cfg.rollout.micro_batch_size_per_gpu,
         ignore_eos=ignore_eos,
+        engine=run.engine,
     )
 
 

@@ -55,6 +55,7 @@ from ppo.distributed import (
     agree_on_failure,
     all_gather_object,
     all_reduce_scalar,
+    barrier,
     broadcast_object,
     destroy_distributed,
     init_distributed,
@@ -268,6 +269,8 @@ def make_groups(args: argparse.Namespace, info: DistInfo) -> None:
         final = concatenate_shards(shard_dir, num_shards, args.out, len(records), time.perf_counter() - start)
         if args.metrics is not None:
             runner.merge_metrics(args.metrics, final)
+    # The other ranks wait: one leaving the process group while rank 0 still writes aborts it (gloo).
+    barrier()
 
 
 def sample_groups(

@@ -477,3 +477,23 @@ def test_a_fatal_error_is_reported_once_on_two_ranks(tiny_assets: Path, tmp_path
     assert proc.returncode != 0
     assert proc.stderr.count("missing.parquet: no such data file") == 1, proc.stderr[-3000:]
     assert 'train_ppo.py", line' not in proc.stderr  # no traceback through the trainer (torchrun has its own)
+
+
+def test_verl_flops_formula_by_hand() -> None:
+    """Qwen2.5-0.5B's shapes: hidden 896, 24 layers, 14 heads (64 dims), 2 KV heads, intermediate 4864,
+    vocab 151936. Per layer 3*896*4864 + 896*(2*896 + 2*128) = 14,909,440; dense N = 24 layers of that
+    + 2*151936*896 = 630,095,872. Two sequences of 100 and 300 tokens: 6*N*400 + 6*(100^2 + 300^2)*64*14*24."""
+    from transformers import Qwen2Config
+
+    from ppo.metrics import verl_training_flops
+
+    config = Qwen2Config(
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+    )
+    expected = 6 * 630_095_872 * 400 + 6 * 100_000 * 64 * 14 * 24
+    assert verl_training_flops(config, 400.0, 100_000.0) == expected

@@ -1,0 +1,56 @@
+"""The compiled rollout (``rollout.compile``): a persistent copy of the actor with a static KV cache and a
+compiled decoding step gives the greedy tokens of the plain path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_ppo
+from ppo import rollout
+from ppo.config import load_config
+from ppo.distributed import destroy_distributed, init_distributed
+from tests.test_train_ppo import base_args
+
+
+@pytest.fixture
+def one_rank():
+    info = init_distributed("cpu")
+    yield info
+    destroy_distributed()
+
+
+def test_left_pad_to_a_bucket() -> None:
+    ids, mask = rollout.left_pad(
+        [torch.tensor([5, 6, 7]), torch.tensor([8])], 0, torch.device("cpu"), multiple_of=4
+    )
+    assert ids.tolist() == [[0, 5, 6, 7], [0, 0, 0, 8]]
+    assert mask.tolist() == [[0, 1, 1, 1], [0, 0, 0, 1]]
+
+
+@pytest.mark.slow
+def test_compiled_rollout_gives_the_plain_greedy_tokens(tiny_assets: Path, tmp_path: Path, one_rank) -> None:
+    args = base_args(tiny_assets, tmp_path / "plain") + ["data.max_response_length=16"]
+    plain_cfg = load_config(None, args)
+    compiled_cfg = load_config(
+        None, [*args, f"trainer.output_dir={tmp_path / 'compiled'}", "rollout.compile=true"]
+    )
+    plain = train_ppo.build(plain_cfg, one_rank)
+    compiled = train_ppo.build(compiled_cfg, one_rank)
+    assert plain.engine is None and compiled.engine is not None
+    records = plain.loader.records[:6]  # one micro-batch, padded to 64 rows by the engine
+    expected = train_ppo.sample(plain_cfg, plain, records, do_sample=False)
+    for _ in range(2):  # the second call reuses the compiled step and the refreshed weights
+        got = train_ppo.sample(compiled_cfg, compiled, records, do_sample=False)
+        assert torch.equal(got.responses, expected.responses)
+        assert torch.equal(got.response_mask, expected.response_mask)
+    # The engine decodes with the actor's current weights: change them and the tokens follow.
+    with torch.no_grad():
+        for p_plain, p_compiled in zip(plain.actor.parameters(), compiled.actor.parameters(), strict=True):
+            p_plain.mul_(1.5)
+            p_compiled.mul_(1.5)
+    expected = train_ppo.sample(plain_cfg, plain, records, do_sample=False)
+    got = train_ppo.sample(compiled_cfg, compiled, records, do_sample=False)
+    assert torch.equal(got.responses, expected.responses)
