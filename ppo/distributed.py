@@ -225,13 +225,14 @@ def _collective_device() -> torch.device:
 
 
 def setup_logging(is_main: bool) -> None:
-    """The ``ppo`` logger: INFO on rank 0, warnings only elsewhere, one console handler.
+    """The ``ppo`` logger: INFO on rank 0, errors only elsewhere, one console handler.
 
     Configures only this project's logger (not the root), so embedding programs and test harnesses keep
     their own handlers; calling it again replaces the handler instead of adding a second one.
     """
     log = logging.getLogger("ppo")
-    log.setLevel(logging.INFO if is_main else logging.WARNING)
+    # Other ranks would repeat rank 0's warnings (they see the same, reduced, numbers): errors only.
+    log.setLevel(logging.INFO if is_main else logging.ERROR)
     for handler in [h for h in log.handlers if getattr(h, "_ppo", False)]:
         log.removeHandler(handler)
     handler = logging.StreamHandler()

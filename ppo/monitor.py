@@ -6,8 +6,9 @@ holds), in the log and as a ``warn/<name>`` metric equal to 1 on that step:
 - ``warn/low_entropy``: ``actor/entropy`` below ``trainer.warn_entropy_below`` (mode collapse);
 - ``warn/kl_above_target``: the in-reward KL above the adaptive controller's target for
   ``KL_PATIENCE`` steps in a row (the coefficient cannot hold the policy);
-- ``warn/reward_swing``: ``critic/score/mean`` moved more than 10% (relative) from the previous step
-  (a sign of reward hacking or instability);
+- ``warn/reward_swing``: ``critic/score/mean`` more than 25% (relative) away from its recent average
+  (a sign of reward hacking or instability; one batch's noise against the previous batch fired too
+  often on small batches);
 - ``warn/length_pinned``: the mean response length at the maximum (responses never end).
 """
 
@@ -22,8 +23,12 @@ logger = logging.getLogger("ppo")
 
 KL_PATIENCE = 5
 """Steps in a row above target before ``warn/kl_above_target`` fires."""
-REWARD_SWING = 0.10
-"""Relative step-to-step change of the mean score that counts as a swing."""
+REWARD_SWING = 0.25
+"""Relative distance of the mean score from its recent average that counts as a swing."""
+SWING_MEMORY = 0.7
+"""The recent average: ``avg <- SWING_MEMORY * avg + (1 - SWING_MEMORY) * score`` (about 3 steps)."""
+SWING_WARMUP = 5
+"""Steps of history before the swing warning can fire (a single batch's score is noisy)."""
 
 
 @dataclass(kw_only=True)
@@ -33,7 +38,8 @@ class HealthMonitor:
     cfg: PPOConfig
     active: set[str] = field(default_factory=set)
     kl_steps_above: int = 0
-    last_score: float | None = None
+    score_avg: float | None = None
+    score_steps: int = 0
 
     def check(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         conditions = {
@@ -59,13 +65,15 @@ class HealthMonitor:
         return {
             "active": sorted(self.active),
             "kl_steps_above": self.kl_steps_above,
-            "last_score": self.last_score,
+            "score_avg": self.score_avg,
+            "score_steps": self.score_steps,
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         self.active = set(state["active"])
         self.kl_steps_above = int(state["kl_steps_above"])
-        self.last_score = state["last_score"]
+        self.score_avg = state["score_avg"]
+        self.score_steps = int(state["score_steps"])
 
     def _kl_above_target(self, metrics: dict[str, float]) -> bool:
         kl = metrics.get("actor/reward_kl_penalty")
@@ -78,15 +86,23 @@ class HealthMonitor:
         score = metrics.get("critic/score/mean")
         if score is None:
             return False
-        last, self.last_score = self.last_score, score
-        return last is not None and abs(last) > 1e-8 and abs(score - last) > REWARD_SWING * abs(last)
+        avg = self.score_avg
+        swing = (
+            self.score_steps >= SWING_WARMUP
+            and avg is not None
+            and abs(avg) > 1e-8
+            and abs(score - avg) > REWARD_SWING * abs(avg)
+        )
+        self.score_avg = score if avg is None else SWING_MEMORY * avg + (1 - SWING_MEMORY) * score
+        self.score_steps += 1
+        return swing
 
 
 _MESSAGES = {
     "low_entropy": "policy entropy fell below trainer.warn_entropy_below: the policy may be collapsing",
     "kl_above_target": f"the in-reward KL stayed above algorithm.kl_ctrl.target_kl for {KL_PATIENCE} steps: "
     "raise kl_coef or lower the learning rate",
-    "reward_swing": f"the mean score moved more than {REWARD_SWING:.0%} from the previous step: check for "
-    "reward hacking or instability",
+    "reward_swing": f"the mean score is more than {REWARD_SWING:.0%} away from its recent average: check "
+    "for reward hacking or instability",
     "length_pinned": "the mean response length is at data.max_response_length: responses do not end",
 }

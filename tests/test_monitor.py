@@ -40,9 +40,17 @@ def test_kl_swing_and_length_warnings() -> None:
     fired = [mon.check(s, base) for s in range(1, KL_PATIENCE + 2)]
     # The KL stays above target: the warning fires on the KL_PATIENCE-th step, once.
     assert [("warn/kl_above_target" in f) for f in fired] == [False] * (KL_PATIENCE - 1) + [True, False]
-    # 0.50 -> 0.56 is a 12% swing (> 10%); 0.56 -> 0.58 is 3.6%.
-    assert "warn/reward_swing" in mon.check(10, {**base, "critic/score/mean": 0.56})
-    assert "warn/reward_swing" not in mon.check(11, {**base, "critic/score/mean": 0.58})
+    # Six steps at 0.50: the average is 0.50. 0.60 is 20% away (no swing), 0.70 after it is 0.70 vs
+    # 0.7 * 0.50 + 0.3 * 0.60 = 0.53, 32% away (> 25%): a swing.
+    assert "warn/reward_swing" not in mon.check(10, {**base, "critic/score/mean": 0.60})
+    assert "warn/reward_swing" in mon.check(11, {**base, "critic/score/mean": 0.70})
     assert mon.check(12, {**base, "critic/score/mean": 0.58, "response_length/mean": 20.0}) == {
         "warn/length_pinned": 1.0
     }
+
+
+def test_one_noisy_batch_does_not_swing() -> None:
+    """Before SWING_WARMUP steps of history nothing fires, however the first scores jump."""
+    mon = HealthMonitor(cfg=load_config(None, []))
+    fired = [mon.check(s, {"critic/score/mean": v}) for s, v in enumerate([0.2, 0.6, 0.3, 0.5, 0.4], 1)]
+    assert fired == [{}] * 5
