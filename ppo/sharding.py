@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -63,6 +64,19 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     )
 
 
+def _silence_view_output_warning() -> None:
+    """torch >= 2.13 warns at every forward of an FSDP root whose output is a view of another tensor (an
+    in-place op on it would skip the pre-backward all-gather). transformers' heads return views (a
+    Linear's output reshaped: the critic's and reward model's ``[1, T, 1]`` logits), and nothing in this
+    project modifies a model's output in place (outputs are indexed, cast and combined out of place; the
+    sharded gradient tests compare with unsharded models), so it would be noise on every critic step.
+    Installed when a model is sharded (a filter added at import would not survive pytest's per-test
+    warning state); adding the same filter again replaces it."""
+    warnings.filterwarnings(
+        "ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning
+    )
+
+
 def shard_model(
     model: nn.Module, mesh: DeviceMesh | None, fsdp: FSDPConfig, *, device: torch.device | str
 ) -> nn.Module:
@@ -88,6 +102,7 @@ def shard_model(
     if mesh is None:
         logger.info("no device mesh: %s stays unsharded", type(model).__name__)
         return model
+    _silence_view_output_warning()
     device = torch.device(device)
     if mesh.device_type != device.type:
         raise ValueError(f"mesh is on {mesh.device_type} but the device is {device}")

@@ -504,6 +504,7 @@ def test_save_hf_roundtrip_without_process_group(tiny_dir: Path, tmp_path: Path)
 DIST_CHECKS = [
     "sharded_logits",
     "sharded_values_and_scores",
+    "sharded_critic_quiet",
     "step_grads_logits",
     "step_grads_fused_head",
     "step_params",
@@ -688,6 +689,13 @@ def _worker(root: Path, out: Path, checks: list[str]) -> None:
                 ),
             )
         within("sharded_values_and_scores", diff, 1e-5)
+        # torch >= 2.13 warns on every forward of a root whose output is a view (heads reshape a Linear's
+        # output); nothing here modifies outputs in place, so sharding silences it (ppo.sharding).
+        with warnings.catch_warnings(record=True) as caught:
+            critic_values(critic, all_ids, all_pos).sum().backward()  # with gradients, as in an update
+        critic.zero_grad(set_to_none=True)
+        noise = [str(w.message)[:120] for w in caught if "view tensor" in str(w.message)]
+        record("sharded_critic_quiet", not noise, noise or "no view-tensor warning")
 
         # 3. One training step: each rank its half, the loss divided by the global target count.
         global_loss(ref, False, (all_ids, all_pos, all_cu)).backward()
