@@ -16,13 +16,14 @@ Memory is the peak of what the call allocates on top of what existed before it (
 
 - CUDA: `torch.cuda.max_memory_allocated()` after `reset_peak_memory_stats()`, minus the bytes
   allocated before the call.
-- CPU: `torch.profiler` with `profile_memory=True` records every allocation and free that goes through
-  torch's CPU allocator (all tensors: outputs, temporaries, autograd's saved tensors, backward
-  buffers); the peak of their running sum is the call's peak extra memory. It does not see memory
-  outside torch's allocator (BLAS workspaces, Python objects), which is small next to [T, V] tensors.
-  tracemalloc cannot see torch tensors, and RSS deltas depend on when the allocator hands pages back
-  to the OS. The allocation events are read from the profiler's event tree (the same data torch's
-  own memory profiler uses), a private but stable-in-practice API.
+- CPU (torch's CPU allocator keeps no statistics): every tensor an operation returns is counted from
+  then until its storage is freed (a `TorchDispatchMode` that sees each op's outputs, and a weak
+  reference on each storage), whichever thread frees it: outputs, temporaries between ops, autograd's
+  saved tensors, gradients. The peak of the running sum is the call's peak extra memory. It does not
+  see scratch memory inside a single operation (BLAS workspaces) or outside torch, which is small next
+  to [T, V] tensors. (torch's profiler with `profile_memory` records only the profiled thread's frees,
+  so it misses tensors released by a collective's worker thread; tracemalloc cannot see torch tensors,
+  and RSS deltas depend on when the allocator hands pages back to the OS.)
 
 Time is the median of --repeat runs after a warm-up (CUDA events on GPU, perf_counter on CPU). On GPU
 the table adds the roofline floor, FLOPs / peak tensor-core FLOP/s, with FLOPs = 2·T·H·V forward,
@@ -50,10 +51,14 @@ import json
 import statistics
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -159,24 +164,46 @@ def make_run(
     return run
 
 
-def cpu_peak_bytes(run: Callable[[], None]) -> int:
-    """Peak of the running sum of torch CPU allocations minus frees during run() (see module doc)."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
+class _StorageTracker(TorchDispatchMode):
+    """Bytes of tensor storage allocated while active, current and peak: each op's outputs count once
+    per storage until the storage is freed (a ``weakref.finalize`` on it); outputs that share an
+    input's storage (views, in-place results) are not allocations."""
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # An output on an input's storage (a view, an in-place result) allocated nothing.
+        inputs = {id(t.untyped_storage()) for t in _plain_tensors((args, kwargs))}
+        for t in _plain_tensors(out):
+            storage = t.untyped_storage()
+            key = id(storage)  # one Python object per live storage
+            if key not in self.live and key not in inputs:
+                self.live[key] = storage.nbytes()
+                self.current += self.live[key]
+                self.peak = max(self.peak, self.current)
+                weakref.finalize(storage, self._free, key)
+        return out
+
+
+def _plain_tensors(tree: Any) -> list[torch.Tensor]:
+    """The plain tensors in a pytree; a subclass (DTensor) wraps plain tensors, which are counted."""
+    return [t for t in tree_flatten(tree)[0] if type(t) is torch.Tensor and not t.is_meta]
+
+
+def cpu_peak_bytes(run: Callable[[], None]) -> int:
+    """Peak bytes of tensor storage allocated during run() and alive at once (see module doc)."""
+    with _StorageTracker() as tracker:
         run()
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
-            events.append((node.start_time_ns, node.extra_fields.alloc_size))
-        stack.extend(node.children)
-    running = peak = 0
-    for _, size in sorted(events):
-        running += size
-        peak = max(peak, running)
-    return peak
+    return tracker.peak
 
 
 def cuda_peak_bytes(run: Callable[[], None]) -> int:

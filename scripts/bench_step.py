@@ -52,6 +52,18 @@ from other processes hits all alike; medians over all counted steps, with min an
 ``step_cpu_s`` (median), ``step_cpu_min_s``, ``step_cpu_max_s``, ``step_wall_s``, the phases (ours, wall
 seconds) and ``vs_trl`` (``trl_gc_frozen``'s step_cpu_s / this one's: the target is >= 1.5).
 
+``--sp N`` (``--mode sp``): the memory Ulysses sequence parallelism saves on one long sequence
+(``--seq-len`` tokens, 16384 by default, random tokens after a ``--prompt-len`` prompt) with the
+trainer's functions (``ppo.ulysses.packed_logprobs`` / ``packed_values``): per phase, ``actor``
+(log-probs and entropy, a PPO-like loss, backward), ``critic`` (values, squared error, backward) and
+``ref`` (log-probs without gradients), once with groups of 1 (every rank the whole sequence) and once
+with groups of ``N`` (each rank ``1/N`` of its tokens). Columns: ``peak_mib`` (the phase's peak
+allocation beyond what existed before it, largest over ranks: activations, gradients and temporaries,
+FSDP's gathered parameters included; measured as bench_kernels.py does), ``time_s``, ``vs_sp1``
+(``peak_mib`` over the SP=1 row's; the target for ``--sp 2`` is <= 0.6) and ``max_abs_diff`` (the
+outputs against SP=1's: the same numbers, split differently). ``--fused-kernels`` takes the fused LM
+head (no ``[T, vocab]`` logits). Run it on ``N`` ranks or a multiple.
+
 Each rank uses one CPU thread (``--threads``) and the CPU clock (``--clock``) by default, for the reasons
 given in bench_rollout.py; sizes are per rank unless said otherwise.
 
@@ -63,6 +75,7 @@ Run:
         --num-seqs 64 --prompt-len 256 --max-response 1024 --micro-batch 8
     pip install --no-deps --target /tmp/trl trl==1.12.0              # TRL beside, not into, the venv
     .venv/bin/python scripts/bench_step.py --mode overhead --trl-path /tmp/trl
+    .venv/bin/torchrun --standalone --nproc_per_node=2 scripts/bench_step.py --sp 2 --seq-len 16384
 """
 
 from __future__ import annotations
@@ -70,6 +83,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import itertools
 import json
@@ -96,6 +110,7 @@ from transformers import (
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_kernels import cpu_peak_bytes, cuda_peak_bytes  # noqa: E402
 from bench_rollout import (  # noqa: E402
     EOS_ID,
     PAD_ID,
@@ -108,7 +123,7 @@ from bench_rollout import (  # noqa: E402
 )
 
 import kernels  # noqa: E402
-from ppo import algorithms, models, runner, sharding  # noqa: E402
+from ppo import algorithms, models, runner, sharding, ulysses  # noqa: E402
 from ppo.attention import PACKED_ATTENTION, VARLEN_FLASH  # noqa: E402
 from ppo.config import OptimConfig  # noqa: E402
 from ppo.distributed import (  # noqa: E402
@@ -617,6 +632,116 @@ def run_layouts(args: argparse.Namespace, info: DistInfo) -> list[Row]:
 
 
 # ----------------------------------------------------------------------------------------------------
+# --sp N: peak memory per rank of one long sequence with Ulysses sequence parallelism
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class SPRow:
+    """One phase on one sequence, with or without sequence parallelism."""
+
+    sp: int
+    phase: str
+    """``actor`` (log-probs + entropy, PPO-like loss, backward), ``critic`` (values, squared error,
+    backward) or ``ref`` (log-probs without gradients)."""
+    seq_len: int
+    """Tokens of the sequence (each rank of a group holds ``seq_len / sp`` of them)."""
+    peak_mib: float
+    """Peak memory the phase allocates beyond what existed before it, largest over ranks: activations,
+    gradients and temporaries, FSDP's gathered parameters included (``bench_kernels.cpu_peak_bytes``:
+    torch's CPU allocations and frees, or ``cuda_peak_bytes``: CUDA's allocator statistics)."""
+    time_s: float
+    """The phase without the memory tracking, slowest rank."""
+    vs_sp1: float | None = None
+    """peak_mib / the SP=1 row's (the target for ``--sp 2``: <= 0.6)."""
+    max_abs_diff: float | None = None
+    """Largest difference of this row's outputs (log-probs, values) to SP=1's on the same sequence."""
+
+
+def sp_phase(
+    phase: str, nets: dict[str, torch.nn.Module], packed: Any, sp: Any, args: argparse.Namespace
+) -> torch.Tensor:
+    """One phase on the packed sequence; returns its detached ``[1, R]`` output."""
+    if phase == "critic":
+        values = ulysses.packed_values(nets["critic"], packed, sp)
+        ((values - 1.0).square().mean()).backward()
+        return values.detach()
+    grad = phase == "actor"
+    with torch.set_grad_enabled(grad):
+        logprobs, entropy = ulysses.packed_logprobs(
+            nets[phase],
+            packed,
+            sp,
+            temperature=TEMPERATURE,
+            compute_entropy=grad,
+            fused=args.fused_kernels,
+        )
+    if grad:
+        # The clipped PPO loss on fresh log-probs is -A * ratio; an entropy bonus besides.
+        (-(logprobs.exp() * 0.5).mean() - 0.01 * entropy.mean()).backward()
+    return logprobs.detach()
+
+
+def run_sp(args: argparse.Namespace, info: DistInfo) -> list[SPRow]:
+    """Per SP size (1, then ``--sp``) and phase: the peak memory of one pass over one sequence of
+    ``--seq-len`` tokens (the same on every rank), then its time without tracking."""
+    if info.world_size % args.sp:
+        raise SystemExit(f"--sp {args.sp} must divide the world size {info.world_size}")
+    args.clock = resolve_clock(args.clock, info.device)
+    attn = models.resolve_attn_implementation("auto", info.device, sequence_parallel=True)
+    nets = build_models(args, info, attn)
+    for name, net in nets.items():
+        ulysses.check_heads(net.config, args.sp, f"--sp ({name})")
+    vocab = nets["actor"].config.get_text_config().vocab_size
+    gen = torch.Generator().manual_seed(args.seed)
+    prompt_len = min(args.prompt_len, args.seq_len - 1)
+
+    def sequence(length: int) -> Any:
+        tokens = torch.randint(3, vocab, (length,), generator=gen).to(info.device)
+        response = tokens[None, prompt_len:]
+        return pack([tokens[:prompt_len]], response, torch.ones_like(response, dtype=torch.bool))
+
+    packed, warm = sequence(args.seq_len), sequence(min(args.seq_len, 4 * prompt_len))
+    rows: list[SPRow] = []
+    outputs: dict[tuple[int, str], torch.Tensor] = {}
+    for sp_size in (1, args.sp):
+        sp = ulysses.make_sp_groups(sp_size)
+        for phase in ("actor", "critic", "ref"):
+            sp_phase(phase, nets, warm, sp, args)  # lazy initialization, allocator warm-up
+            for net in nets.values():
+                net.zero_grad(set_to_none=True)
+            gc.collect()
+            barrier()
+
+            def tracked(phase: str = phase, sp: Any = sp) -> None:
+                outputs[sp.size, phase] = sp_phase(phase, nets, packed, sp, args)
+
+            peak = cuda_peak_bytes(tracked) if info.device.type == "cuda" else cpu_peak_bytes(tracked)
+            for net in nets.values():
+                net.zero_grad(set_to_none=True)
+            time_s, _ = timed(functools.partial(sp_phase, phase, nets, packed, sp, args), info, args.clock)
+            for net in nets.values():
+                net.zero_grad(set_to_none=True)
+            rows.append(
+                SPRow(
+                    sp=sp_size,
+                    phase=phase,
+                    seq_len=args.seq_len,
+                    peak_mib=all_reduce_scalar(peak / 2**20, "max"),
+                    time_s=time_s,
+                )
+            )
+        if sp_size == args.sp:
+            break  # --sp 1: the baseline alone
+    base_rows = {r.phase: r for r in rows if r.sp == 1}
+    for r in rows:
+        r.vs_sp1 = r.peak_mib / base_rows[r.phase].peak_mib
+        diff = (outputs[r.sp, r.phase] - outputs[1, r.phase]).abs().max().item()
+        r.max_abs_diff = all_reduce_scalar(diff, "max")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------
 # --mode overhead: issue 12's configuration through train_ppo, and TRL's PPOTrainer beside it
 # ----------------------------------------------------------------------------------------------------
 
@@ -897,7 +1022,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--mode", default="layout", choices=["layout", "overhead"])
+    parser.add_argument("--mode", default="layout", choices=["layout", "overhead", "sp"])
     layout = parser.add_argument_group("--mode layout")
     layout.add_argument("--model-config", default="tiny", help="tiny or 0.5b (random weights)")
     layout.add_argument("--model-path", default=None, help="a save_pretrained folder instead")
@@ -919,12 +1044,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     overhead.add_argument("--rounds", type=int, default=2, help="alternating runs of each trainer")
     overhead.add_argument("--trl", default="auto", choices=["auto", "yes", "no"], help="run TRL beside ours")
     overhead.add_argument("--trl-path", default=None, help="a folder holding TRL (pip install --target)")
+    sp = parser.add_argument_group("--mode sp (implied by --sp): memory of one long sequence")
+    sp.add_argument("--sp", type=int, default=None, help="sequence-parallel size to compare with 1")
+    sp.add_argument("--seq-len", type=int, default=16384, help="tokens of the sequence")
+    sp.add_argument("--fused-kernels", action="store_true", help="log-probs without [T, vocab] logits")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--clock", default="auto", choices=["auto", "wall", "cpu"])
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank (0: default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="one JSON object per row instead of a table")
     args = parser.parse_args(argv)
+    if args.sp is not None:
+        args.mode = "sp"
+    elif args.mode == "sp":
+        args.sp = 2
+    if args.mode == "sp" and (args.sp < 1 or args.seq_len < 2):
+        parser.error("need --sp >= 1 and --seq-len >= 2")
     if args.num_seqs % (2 * NUM_MINI_BATCHES) or args.num_seqs < 2 * NUM_MINI_BATCHES:
         parser.error(f"--num-seqs must be a positive multiple of {2 * NUM_MINI_BATCHES}")
     if not 1 <= args.min_response <= args.max_response:
@@ -967,9 +1102,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     info = init_distributed(args.device, timeout_s=600)
     try:
-        rows = run_layouts(args, info)
+        rows = run_sp(args, info) if args.mode == "sp" else run_layouts(args, info)
     finally:
         destroy_distributed()
+    if info.is_main and args.mode == "sp":
+        print_rows(rows, args.json)
+        if not args.json:
+            for r in rows:
+                if r.sp > 1:
+                    print(
+                        f"{r.phase}: SP={r.sp} peaks at {r.vs_sp1:.2f}x SP=1's memory per rank "
+                        f"({r.peak_mib:.0f} vs {r.peak_mib / r.vs_sp1:.0f} MiB) on {r.seq_len} tokens"
+                    )
+        return 0
     if info.is_main:
         print_rows(rows, args.json)
         padded = next((r for r in rows if r.path == "padded"), None)

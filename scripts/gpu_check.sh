@@ -1,59 +1,105 @@
 #!/usr/bin/env bash
-# GPU check: the kernel tests with real Triton on CUDA (fp32, fp16 and bf16), the kernel benchmark
-# (table + JSON lines), then 3 PPO steps of the Qwen2.5-0.5B preset on a model with its shapes built from
-# its config (random weights, the tiny character tokenizer and the synthetic task: nothing downloaded),
-# printing the actor update's MFU and tokens/s per GPU. About 4-5 minutes on one H100/H200.
+# GPU check of issue 12 (throughput) and issue 14 (LoRA): one prepared run that measures everything the
+# README's GPU tables hold and ends with one JSON line (scripts/gpu_summary.py). Nothing is downloaded:
+# models have the Qwen2.5 shapes and random weights (scripts/make_shaped_model.py), data and tokenizer
+# are the synthetic task's (scripts/make_tiny_assets.py). Every stage has its own time limit; a stage that
+# fails or runs out of time leaves nulls in the summary and the others still run.
 #
-#   bash scripts/gpu_check.sh                  # uses .venv/bin/python, or $PYTHON
-#   OUT=/tmp/gpu_check bash scripts/gpu_check.sh
+# Stages (default: the first four, about 6 minutes on one H200; GPU_CHECK_EXTRA=1 adds the rest):
+#   kernels   CUDA kernel tests (real Triton), then bench_kernels.py in bf16 at T x H x V = 4096 x 4096 x
+#             152064, 16384 x 4096 x 152064 and 16384 x 896 x 152064 (from_logits, fused; liger where it
+#             imports): fused fwd+bwd ms and peak extra GiB, forward-only against logits + log-prob
+#   rollout   bench_rollout.py on the 0.5B shape, 256 prompts x 128 new tokens, bf16: plain HF generate,
+#             our sharded rollout and the compiled rollout (static cache + compiled step): ms per
+#             decoding step and greedy token equality
+#   ppo_0.5b  4 PPO steps of configs/qwen2_5_0_5b_gsm8k.yaml (GAE, 256 prompts x 512 response tokens)
+#   summary   the JSON line (also $OUT/summary.json)
+#   extra:    ppo_1.5b (the same on the 1.5B shape), ppo_lora_7b (3 GRPO steps of a 7B-shaped actor
+#             with rank-64 LoRA on all linear layers, bf16 base, gradient checkpointing) and
+#             ppo_full_7b (the same run without LoRA, where it fits)
 #
-# Writes $OUT/pytest.txt, $OUT/bench.txt and $OUT/bench.jsonl (default OUT: ./outputs/gpu_check).
-set -euo pipefail
+#   PYTHON=python3 PYTHONPATH=. bash scripts/gpu_check.sh        # the device machine (no install)
+#   GPU_CHECK_EXTRA=1 OUT=/tmp/gpu bash scripts/gpu_check.sh     # all stages
+#
+# $OUT (default outputs/gpu_check) receives at most 8 files: log.txt, summary.json,
+# bench_kernels.jsonl, rollout.jsonl and each PPO run's metrics as ppo_<name>.jsonl. Scratch (models,
+# run folders) goes to $RUNS (default /tmp/gpu_check_runs).
+set -uo pipefail
 
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
 OUT=${OUT:-outputs/gpu_check}
-mkdir -p "$OUT"
+RUNS=${RUNS:-/tmp/gpu_check_runs}
+EXTRA=${GPU_CHECK_EXTRA:-0}
+mkdir -p "$OUT" "$RUNS"
+exec > >(tee "$OUT/log.txt") 2>&1
+export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET  # real Triton on CUDA (the tests turn the interpreter on only without a GPU)
 
-# Real Triton on CUDA: the interpreter must be off (the tests only turn it on when there is no GPU).
-unset TRITON_INTERPRET
+stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, report, never stop the script
+    local name=$1 limit=$2 start=$SECONDS
+    shift 2
+    echo "== $name (limit ${limit}s) =="
+    timeout --kill-after=10 "$limit" "$@"
+    local rc=$?
+    echo "== $name: exit $rc after $((SECONDS - start))s =="
+    return 0
+}
 
-"$PYTHON" - <<'EOF'
-import torch, triton
-assert torch.cuda.is_available(), "no CUDA device: run tests/test_kernels.py on CPU instead"
-print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
+"$PYTHON" - > "$RUNS/device.txt" <<'EOF' || { echo "no CUDA device: run the CPU tests instead"; exit 1; }
+import torch, transformers, triton
+assert torch.cuda.is_available()
+print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}, triton {triton.__version__}")
 EOF
+cat "$RUNS/device.txt"
 
-echo "== kernel tests (CUDA) =="
-timeout 180 "$PYTHON" -m pytest tests/test_kernels.py -q -rs 2>&1 | tee "$OUT/pytest.txt"
+# -- kernels ----------------------------------------------------------------------------------------
+stage kernel_tests 150 bash -c "'$PYTHON' -m pytest tests/test_kernels.py -q -rs -p no:cacheprovider \
+    | tee '$RUNS/pytest.txt'"
+PATHS="from_logits fused"
+"$PYTHON" -c "import liger_kernel" 2>/dev/null && PATHS="$PATHS liger"
+# shellcheck disable=SC2086  # PATHS is a word list
+stage bench_kernels 150 bash -c "'$PYTHON' scripts/bench_kernels.py --device cuda --dtype bfloat16 --repeat 5 \
+    --json --paths $PATHS --shapes 4096x4096x152064 16384x4096x152064 16384x896x152064 \
+    > '$RUNS/bench_kernels.jsonl'"
+cat "$RUNS/bench_kernels.jsonl" 2>/dev/null
 
-echo "== benchmark (bf16) =="
-# 16k tokens x 152k vocab is the case the fused path exists for; the naive path needs ~50 GB there.
-timeout 150 "$PYTHON" scripts/bench_kernels.py --dtype bfloat16 --repeat 5 \
-    --shapes 4096x4096x152064 16384x4096x152064 | tee "$OUT/bench.txt"
-timeout 60 "$PYTHON" scripts/bench_kernels.py --dtype bfloat16 --repeat 3 --json \
-    --shapes 4096x4096x152064 --paths from_logits fused > "$OUT/bench.jsonl"
-echo "== PPO steps of configs/qwen2_5_0_5b_gsm8k.yaml (0.5B shapes, random weights) =="
-"$PYTHON" scripts/make_tiny_assets.py --out "$OUT/assets" --seed 0 > /dev/null
-"$PYTHON" - "$OUT" <<'EOF'
-import sys
-from pathlib import Path
-from transformers import AutoModelForCausalLM, AutoTokenizer
-sys.path.insert(0, "scripts")
-from bench_rollout import model_config  # Qwen2.5-0.5B's shapes with the tiny tokenizer's special ids
-out = Path(sys.argv[1])
-AutoModelForCausalLM.from_config(model_config("0.5b")).save_pretrained(out / "qwen05b")
-AutoTokenizer.from_pretrained(out / "assets" / "tokenizer").save_pretrained(out / "qwen05b")
-EOF
-timeout 420 "$PYTHON" train_ppo.py --config configs/qwen2_5_0_5b_gsm8k.yaml \
-    model.path="$OUT/qwen05b" data.train_files="$OUT/assets/data/train.parquet" \
-    data.val_files="$OUT/assets/data/val.parquet" trainer.val_before_train=false trainer.test_freq=-1 \
-    trainer.save_freq=-1 trainer.total_training_steps=3 trainer.resume_mode=disable \
-    trainer.output_dir="$OUT/ppo_0.5b" 2>&1 | tail -n 5
-"$PYTHON" - "$OUT/ppo_0.5b/metrics.jsonl" <<'EOF'
-import json, sys
-last = [json.loads(line) for line in open(sys.argv[1])][-1]
-for key in ("perf/mfu/actor", "perf/throughput", "timing_s/update_actor", "timing_s/gen", "timing_s/step", "perf/max_memory_gib"):
-    print(f"{key:24s} {last.get(key, float('nan')):.4g}")
-EOF
-echo "wrote $OUT/pytest.txt $OUT/bench.txt $OUT/bench.jsonl $OUT/ppo_0.5b"
+# -- rollout ----------------------------------------------------------------------------------------
+stage rollout 150 bash -c "'$PYTHON' scripts/bench_rollout.py --device cuda --model-config 0.5b \
+    --dtype bfloat16 --num-prompts 256 --prompt-len 128 --new-tokens 128 --micro-batch 256 --repeat 2 \
+    --compiled --json > '$RUNS/rollout.jsonl'"
+cat "$RUNS/rollout.jsonl" 2>/dev/null
+
+# -- PPO steps --------------------------------------------------------------------------------------
+"$PYTHON" scripts/make_tiny_assets.py --out "$RUNS/assets" --seed 0 > /dev/null
+DATA=(data.train_files="[$RUNS/assets/data/train.parquet]" data.val_files=[]
+      trainer.val_before_train=false trainer.test_freq=-1 trainer.save_freq=-1 trainer.resume_mode=disable
+      trainer.overwrite=true trainer.logger=[console,jsonl] rollout.ignore_eos=true)
+
+ppo() {  # ppo NAME SHAPE SECONDS CONFIG OVERRIDES...
+    local name=$1 shape=$2 limit=$3 config=$4
+    shift 4
+    [ -d "$RUNS/model_$shape" ] || "$PYTHON" scripts/make_shaped_model.py --shape "$shape" \
+        --tokenizer "$RUNS/assets/tokenizer" --out "$RUNS/model_$shape" --device cuda --dtype bfloat16
+    stage "$name" "$limit" "$PYTHON" train_ppo.py --config "$config" model.path="$RUNS/model_$shape" \
+        "${DATA[@]}" trainer.output_dir="$RUNS/$name" "$@"
+    [ -f "$RUNS/$name/metrics.jsonl" ] && cp "$RUNS/$name/metrics.jsonl" "$OUT/$name.jsonl"
+    return 0
+}
+
+ppo ppo_0.5b 0.5b 240 configs/qwen2_5_0_5b_gsm8k.yaml trainer.total_training_steps=4
+
+if [ "$EXTRA" = 1 ]; then
+    ppo ppo_1.5b 1.5b 300 configs/qwen2_5_0_5b_gsm8k.yaml trainer.total_training_steps=4
+    SEVEN_B=(trainer.total_training_steps=3 data.train_batch_size=64 actor.ppo_mini_batch_size=64
+             data.max_response_length=512 rollout.micro_batch_size_per_gpu=320 trainer.n_gpus_per_node=1
+             trainer.save_hf_on_end=false)
+    ppo ppo_lora_7b 7b 420 configs/qwen2_5_7b_gsm8k_grpo.yaml "${SEVEN_B[@]}" actor.lora.rank=64 \
+        actor.lora.alpha=128 actor.lora.base_dtype=bfloat16 actor.optim.lr=1e-5
+    ppo ppo_full_7b 7b 420 configs/qwen2_5_7b_gsm8k_grpo.yaml "${SEVEN_B[@]}"
+fi
+
+# -- summary ----------------------------------------------------------------------------------------
+cp "$RUNS/bench_kernels.jsonl" "$RUNS/rollout.jsonl" "$OUT/" 2>/dev/null
+echo "== summary =="
+"$PYTHON" scripts/gpu_summary.py "$RUNS" | tee "$OUT/summary.json"

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,11 +23,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # Imported by name (not by path): bench_step imports bench_rollout, and the dataclasses of both need
 # their modules in sys.modules.
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
 import bench_rollout  # noqa: E402
 import bench_step  # noqa: E402
 
 ROLLOUT_COLUMNS = {
     "path",
+    "decode_ms",
     "world_size",
     "num_prompts",
     "new_tokens",
@@ -175,3 +179,108 @@ def test_bench_step_overhead_json(capsys: pytest.CaptureFixture[str]) -> None:
         assert row[f"{phase}_s"] is not None and row[f"{phase}_s"] >= 0, phase
     # Updates ran: 2 epochs x 2 mini-batches for critic and actor, timed inside the step.
     assert 0 < row["update_actor_s"] < row["step_wall_s"] and row["vs_trl"] is None
+
+
+def test_cpu_peak_bytes_counts_allocations_once_and_frees_on_any_thread() -> None:
+    """The benchmarks' CPU memory measure: a view or an in-place result allocates nothing, a tensor
+    freed on another thread (as gloo's workers release a collective's buffers) stops counting."""
+    import threading
+
+    import bench_kernels
+
+    mib = 2**20
+    weight = torch.ones(mib // 4)  # exists before: never counted, nor are its views
+    held: list[torch.Tensor] = []
+
+    def run() -> None:
+        _ = weight.t(), weight[:10], weight.view(-1, 4)
+        a = weight * 2  # 1 MiB
+        a.mul_(3)  # in place: nothing new
+        held.append(a)
+        del a
+        worker = threading.Thread(target=held.clear)  # the last reference drops on another thread
+        worker.start()
+        worker.join()
+        b = torch.ones(mib // 2)  # 2 MiB, after the first was freed
+        del b
+
+    assert bench_kernels.cpu_peak_bytes(run) == 2 * mib
+
+
+@pytest.mark.slow
+def test_bench_step_sequence_parallel_two_ranks(tmp_path: Path) -> None:
+    """``--sp 2`` on 2 gloo ranks: the same outputs as one rank per sequence, at a fraction of the memory."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [str(ROOT / "scripts" / "bench_step.py"), "--sp", "2", "--seq-len", "1024", "--json"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json_rows(proc.stdout)
+    assert [(r["sp"], r["phase"]) for r in rows] == [
+        (s, p) for s in (1, 2) for p in ("actor", "critic", "ref")
+    ]
+    for row in rows:
+        if row["sp"] == 1:
+            assert row["vs_sp1"] == 1.0 and row["max_abs_diff"] == 0.0
+            continue
+        # Log-probs and values of the whole sequence equal one rank's (the same kernels per token).
+        assert row["max_abs_diff"] <= 1e-5, row
+        # Activations are split over 2 ranks; FSDP's gathered parameters and the gathered outputs are not.
+        assert row["vs_sp1"] <= (0.6 if row["phase"] == "actor" else 0.7), row
+
+
+def test_gpu_check_pieces_on_cpu(
+    tiny_assets: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What scripts/gpu_check.sh chains, at tiny sizes: a shaped model with random weights that the
+    trainer loads like a checkpoint, a PPO run on it, the kernel benchmark's JSON, and the summary line
+    that reads them (medians over the steps after the first)."""
+    import gpu_summary
+    import make_shaped_model
+
+    import train_ppo
+    from ppo import models
+
+    model_dir = make_shaped_model.make_shaped_model(
+        "tiny", tiny_assets / "tokenizer", tmp_path / "model_tiny", dtype="float32", device="cpu", seed=0
+    )
+    loaded = models.load_causal_lm(str(model_dir))
+    assert loaded.config.hidden_size == 256 and loaded.config.num_hidden_layers == 4
+    assert loaded.config.eos_token_id == 2 and (model_dir / "tokenizer.json").is_file()
+
+    runs = tmp_path / "runs"
+    argv = [
+        f"model.path={model_dir}",
+        f"data.train_files=[{tiny_assets / 'data' / 'train.parquet'}]",
+        "data.val_files=[]",
+        "data.train_batch_size=4",
+        "actor.ppo_mini_batch_size=2",
+        "data.max_response_length=6",
+        "rollout.n=2",
+        "rollout.ignore_eos=true",
+        "algorithm.use_kl_in_reward=true",  # a reference model too: every phase of the summary
+        "trainer.total_training_steps=3",
+        "trainer.val_before_train=false",
+        "trainer.logger=[jsonl]",
+        f"trainer.output_dir={runs / 'ppo_tiny'}",
+    ]
+    assert train_ppo.main(argv) == 0
+    assert bench_rollout.main(["--json", "--num-prompts", "2", "--new-tokens", "2", "--repeat", "1"]) == 0
+    (runs / "rollout.jsonl").write_text(capsys.readouterr().out)
+    (runs / "pytest.txt").write_text("....s\n4 passed, 1 skipped in 3.2s\n")
+
+    summary = gpu_summary.summarize(runs)
+    assert summary["kernel_tests"] == {"passed": 4, "failed": 0, "skipped": 1, "errors": 0}
+    assert summary["kernels"] == {}  # bench_kernels did not run: no rows, no error
+    assert summary["rollout"]["hf_decode_ms"] > 0 and summary["rollout"]["compiled_decode_ms"] is None
+    steps = [json.loads(line) for line in (runs / "ppo_tiny" / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if "timing_s/step" in s]
+    assert len(steps) == 3
+    ppo = summary["ppo_tiny"]
+    assert ppo["steps"] == 2  # the first step (compilation, warm-up) is left out
+    for name, key in gpu_summary.PPO_KEYS.items():
+        if key.startswith("perf/mfu"):  # needs a GPU's peak FLOP/s
+            assert ppo[name] is None
+        else:
+            assert ppo[name] == pytest.approx((steps[1][key] + steps[2][key]) / 2), name
+    assert ppo["response_length"] == 6  # ignore_eos: every response is full

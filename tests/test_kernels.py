@@ -573,7 +573,7 @@ def test_memory_plan_keeps_chunks_within_budget(backend: str) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_fused_memory_measured_within_plan(dtype: torch.dtype) -> None:
-    """The torch path's extra peak memory, fwd+bwd, measured like the benchmark (profiler, CPU), stays
+    """The torch path's extra peak memory, fwd+bwd, measured like the benchmark (its CPU storage tracker), stays
     within fused_memory_plan and far below the naive path's."""
     from conftest import load_script
 
