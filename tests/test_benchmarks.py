@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +24,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 import bench_rollout  # noqa: E402
 import bench_step  # noqa: E402
+
+from tests.conftest import torchrun  # noqa: E402
 
 ROLLOUT_COLUMNS = {
     "path",
@@ -208,12 +208,11 @@ def test_cpu_peak_bytes_counts_allocations_once_and_frees_on_any_thread() -> Non
 
 
 @pytest.mark.slow
-def test_bench_step_sequence_parallel_two_ranks(tmp_path: Path) -> None:
+def test_bench_step_sequence_parallel_two_ranks() -> None:
     """``--sp 2`` on 2 gloo ranks: the same outputs as one rank per sequence, at a fraction of the memory."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += [str(ROOT / "scripts" / "bench_step.py"), "--sp", "2", "--seq-len", "1024", "--json"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    proc = torchrun(
+        ROOT / "scripts" / "bench_step.py", "--sp", "2", "--seq-len", "1024", "--json", timeout=240
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = json_rows(proc.stdout)
     assert [(r["sp"], r["phase"]) for r in rows] == [

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from ppo.distributed import destroy_distributed, init_distributed, reduce_metrics
+from tests.conftest import torchrun
 
 WORKER = textwrap.dedent(
     """
@@ -50,18 +48,7 @@ def test_two_gloo_ranks(tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     out = tmp_path / "out"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "--master_port=0",
-        str(script),
-        str(out),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    proc = torchrun(script, out, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
     for res in results:

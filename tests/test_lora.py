@@ -13,7 +13,6 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 import traceback
 from collections.abc import Iterator
@@ -32,7 +31,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 from ppo import lora
 from ppo.config import ConfigError, LoRAConfig
 from ppo.models import causal_lm_logits, critic_values, load_causal_lm, load_critic
-from tests.conftest import load_script
+from tests.conftest import assert_check, full_tensor, load_script, max_diff, worker_results
 
 # peft 0.21 asks transformers 5 for the deprecated is_gradient_checkpointing when it wraps a model.
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
@@ -320,16 +319,7 @@ def two_rank_results(tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory
     """``_worker`` on 2 gloo ranks under torchrun, with a 60 s process-group timeout."""
     root = tmp_path_factory.mktemp("lora_two_ranks")
     out = root / "results.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += [__file__, str(tiny_assets), str(root), str(out)]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-        log = proc.stdout[-4000:] + proc.stderr[-8000:]
-    except subprocess.TimeoutExpired as err:
-        log = f"worker timed out: {err}"
-    results = json.loads(out.read_text()) if out.is_file() else {}
-    results["_log"] = log
+    results = worker_results(__file__, tiny_assets, root, out, out=out)
     results["_root"] = str(root)
     return results
 
@@ -337,10 +327,7 @@ def two_rank_results(tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory
 @pytest.mark.slow
 @pytest.mark.parametrize("check", DIST_CHECKS)
 def test_two_ranks(two_rank_results: dict[str, Any], check: str) -> None:
-    if check not in two_rank_results:
-        error = two_rank_results.get("_error", {}).get("detail", "")
-        pytest.fail(f"worker did not reach {check}:\n{error}\n{two_rank_results['_log']}")
-    assert two_rank_results[check]["ok"], f"{check}: {two_rank_results[check]['detail']}"
+    assert_check(two_rank_results, check)
 
 
 @pytest.mark.slow
@@ -368,16 +355,6 @@ def test_export_script_from_two_rank_checkpoint(
         torch.testing.assert_close(merged(ids).logits, expected, atol=0, rtol=0)
         torch.testing.assert_close(adapter(ids).logits, expected, atol=1e-5, rtol=0)
     assert export_hf.main([str(ckpt), str(tmp_path / "x"), "--critic", "--adapter"]) == 2  # no critic LoRA
-
-
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item()
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _worker(assets: Path, root: Path, out: Path) -> None:
@@ -436,7 +413,7 @@ def _worker(assets: Path, root: Path, out: Path) -> None:
 
     def params_diff(sharded: nn.Module, ref: nn.Module) -> float:
         ref_params = dict(ref.named_parameters())
-        return max(_max_diff(_full(p), ref_params[n]) for n, p in sharded.named_parameters())
+        return max(max_diff(full_tensor(p), ref_params[n]) for n, p in sharded.named_parameters())
 
     def sharded_actor(fsdp: FSDPConfig | None = None, **overrides: Any) -> nn.Module:
         model = lora_actor(base_path, **overrides)
@@ -447,14 +424,18 @@ def _worker(assets: Path, root: Path, out: Path) -> None:
         # 1. One LoRA update: sharded (fused head, gradient checkpointing, prefetch) = unsharded.
         model = sharded_actor(FSDPConfig(forward_prefetch=True))
         ref = lora_actor(base_path).train()
-        frozen_before = {n: _full(p).clone() for n, p in model.named_parameters() if not p.requires_grad}
+        frozen_before = {
+            n: full_tensor(p).clone() for n, p in model.named_parameters() if not p.requires_grad
+        }
         for m, part, fused in ((model, mine, True), (ref, everything, False)):
             actor_loss(m, part, fused).backward()
             adamw(m).step()
         diff = params_diff(model, ref)
         record("actor_step_equals_unsharded", diff <= 1e-6, f"max |param diff| = {diff:.3g}")
         untouched = all(
-            torch.equal(_full(p), frozen_before[n]) for n, p in model.named_parameters() if n in frozen_before
+            torch.equal(full_tensor(p), frozen_before[n])
+            for n, p in model.named_parameters()
+            if n in frozen_before
         )
         grads = {n for n, p in model.named_parameters() if p.grad is not None}
         record(
@@ -483,7 +464,7 @@ def _worker(assets: Path, root: Path, out: Path) -> None:
             critic_loss(m, part).backward()
             adamw(m).step()
         diff = params_diff(critic, critic_ref)
-        head_moved = _full(critic.score.weight).abs().max().item() > 0
+        head_moved = full_tensor(critic.score.weight).abs().max().item() > 0
         record("critic_step_equals_unsharded", diff <= 1e-6 and head_moved, f"{diff=:.3g} {head_moved=}")
         # Exports of the critic: merged (loads with load_critic) and adapters + head (loads with peft).
         ids, pos, _ = everything
@@ -493,11 +474,11 @@ def _worker(assets: Path, root: Path, out: Path) -> None:
         lora.save_hf(critic, None, root / "critic_adapter", is_main=info.is_main, merged=False)
         base_critic = AutoModelForTokenClassification.from_pretrained(base_path, num_labels=1)
         with torch.no_grad():
-            merged_diff = _max_diff(
+            merged_diff = max_diff(
                 critic_values(load_critic(str(root / "critic_merged")), ids, pos), expected
             )
             peft_critic = PeftModel.from_pretrained(base_critic, root / "critic_adapter")
-            adapter_diff = _max_diff(critic_values(peft_critic, ids, pos), expected)
+            adapter_diff = max_diff(critic_values(peft_critic, ids, pos), expected)
         record(
             "export_critic", max(merged_diff, adapter_diff) <= 1e-5, f"{merged_diff=:.3g} {adapter_diff=:.3g}"
         )
@@ -510,8 +491,8 @@ def _worker(assets: Path, root: Path, out: Path) -> None:
             expected = causal_lm_logits(base, ids, pos)
             with lora.adapters_disabled(model):
                 reference = causal_lm_logits(model, ids, pos)
-            moved = _max_diff(causal_lm_logits(model, ids, pos), expected)
-        diff = _max_diff(reference, expected)
+            moved = max_diff(causal_lm_logits(model, ids, pos), expected)
+        diff = max_diff(reference, expected)
         record(
             "reference_equals_base_model", diff <= 1e-5 and moved > 1e-3, f"{diff=:.3g}, adapted {moved=:.3g}"
         )
@@ -542,7 +523,7 @@ def _worker(assets: Path, root: Path, out: Path) -> None:
             pad_token_id=0,
             attention_mask=torch.ones_like(prompts),
         )
-        params_before = {n: _full(p).clone() for n, p in model.named_parameters()}
+        params_before = {n: full_tensor(p).clone() for n, p in model.named_parameters()}
         with torch.no_grad():
             with sharding.gathered_for_generation(model), lora.merged_for_generation(model):
                 merged_inside = all(m.merged for _, m in lora.lora_layers(model))
@@ -557,7 +538,7 @@ def _worker(assets: Path, root: Path, out: Path) -> None:
             and torch.equal(active_tokens, expected_tokens),
             f"{merged_inside=} {merged_tokens.tolist()} {active_tokens.tolist()} {expected_tokens.tolist()}",
         )
-        unchanged = all(torch.equal(_full(p), params_before[n]) for n, p in model.named_parameters())
+        unchanged = all(torch.equal(full_tensor(p), params_before[n]) for n, p in model.named_parameters())
         merged_after = any(m.merged for _, m in lora.lora_layers(model))
         record(
             "generate_leaves_shards_unchanged",
@@ -634,7 +615,7 @@ def _worker(assets: Path, root: Path, out: Path) -> None:
             AutoModelForCausalLM.from_pretrained(base_path), root / "export_adapter"
         )
         with torch.no_grad():
-            diff = _max_diff(causal_lm_logits(loaded, ids, pos), trained_logits)
+            diff = max_diff(causal_lm_logits(loaded, ids, pos), trained_logits)
         size = (root / "export_adapter" / "adapter_model.safetensors").stat().st_size
         record(
             "export_adapter_loads_with_peft",
@@ -648,7 +629,7 @@ def _worker(assets: Path, root: Path, out: Path) -> None:
         def next_step(m: nn.Module, o: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
             actor_loss(m, mine, True).backward()
             o.step()
-            return {n: _full(p).clone() for n, p in m.named_parameters() if p.requires_grad}
+            return {n: full_tensor(p).clone() for n, p in m.named_parameters() if p.requires_grad}
 
         straight = next_step(model, opt)
         resumed_model = sharded_actor()

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import subprocess
 import sys
 import traceback
 import warnings
@@ -30,7 +28,6 @@ from transformers import (
     AutoModelForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
-    LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
@@ -63,27 +60,19 @@ from ppo.sharding import (
     gathered_for_generation,
     shard_model,
 )
+from tests.conftest import (
+    GRAD_RTOL,
+    VOCAB,
+    assert_check,
+    full_tensor,
+    grad_rel_diff,
+    max_diff,
+    rel_diff,
+    tiny_config,
+    worker_results,
+)
 
-VOCAB = 128
-EOS = 2
-
-
-def tiny_config(**overrides: Any) -> LlamaConfig:
-    """A 2-layer Llama small enough for CPU tests (GQA: 4 query heads over 2 key/value heads)."""
-    kwargs = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=128,
-        bos_token_id=1,
-        eos_token_id=EOS,
-        pad_token_id=None,
-    )
-    kwargs.update(overrides)
-    return LlamaConfig(**kwargs)
+EOS = 2  # tiny_config's eos id
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
@@ -373,7 +362,7 @@ def test_packed_attention_gradients_equal_padded(tiny_dir: Path) -> None:
     padded_grads = dict(padded_model.named_parameters())
     for name, param in packed_model.named_parameters():
         assert param.grad is not None and param.grad.abs().max() > 0, name
-        assert _rel_diff(param.grad, padded_grads[name].grad) <= GRAD_RTOL, name
+        assert rel_diff(param.grad, padded_grads[name].grad) <= GRAD_RTOL, name
 
 
 def test_packed_attention_generate_equals_sdpa(tiny_dir: Path) -> None:
@@ -470,7 +459,7 @@ def test_gradient_checkpointing_same_gradients_no_warning(tiny_dir: Path) -> Non
         assert sum(calls) == (2 if checkpointing else 1) * len(calls)
         grads.append({n: p.grad for n, p in model.named_parameters()})
     for name, grad in grads[0].items():
-        assert _rel_diff(grads[1][name], grad) <= GRAD_RTOL, name
+        assert rel_diff(grads[1][name], grad) <= GRAD_RTOL, name
 
 
 def _count_calls(modules: list[nn.Module]) -> list[int]:
@@ -532,30 +521,13 @@ def save_worker_models(root: Path) -> None:
     save_tiny(root / "tied", seed=1, tie_word_embeddings=True)
 
 
-def assert_check(results: dict[str, Any], check: str) -> None:
-    if check not in results:
-        error = results.get("_error", {}).get("detail", "")
-        pytest.fail(f"worker did not reach {check}:\n{error}\n{results['_log']}")
-    assert results[check]["ok"], f"{check}: {results[check]['detail']}"
-
-
 @pytest.fixture(scope="module")
 def two_rank_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """``_worker`` on 2 gloo ranks under torchrun, with a 60 s process-group timeout."""
     root = tmp_path_factory.mktemp("two_ranks")
     save_worker_models(root)
     out = root / "results.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += [__file__, str(root), str(out), ",".join(DIST_CHECKS)]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-        log = proc.stdout[-4000:] + proc.stderr[-8000:]
-    except subprocess.TimeoutExpired as err:
-        log = f"worker timed out: {err}"
-    results = json.loads(out.read_text()) if out.is_file() else {}
-    results["_log"] = log
-    return results
+    return worker_results(__file__, root, out, ",".join(DIST_CHECKS), out=out)
 
 
 @pytest.fixture(scope="module")
@@ -590,27 +562,6 @@ def test_two_ranks(two_rank_results: dict[str, Any], check: str) -> None:
 @pytest.mark.parametrize("check", ONE_RANK_CHECKS)
 def test_one_rank_mesh(one_rank_results: dict[str, Any], check: str) -> None:
     assert_check(one_rank_results, check)
-
-
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item()
-
-
-# Gradients are ~1e-7 to 1e-2 here, so an absolute 1e-6 would pass a gradient off by 2x. Compare the
-# error with the parameter's largest gradient instead (fp32 summation-order noise is ~1e-6 of it).
-GRAD_RTOL = 1e-5
-
-
-def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``max|a - b| / max|b|``."""
-    return _max_diff(a, b) / max(b.abs().max().item(), 1e-30)
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """A sharded (DTensor) parameter or gradient gathered whole; plain tensors as they are."""
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _worker(root: Path, out: Path, checks: list[str]) -> None:
@@ -653,12 +604,6 @@ def _worker(root: Path, out: Path, checks: list[str]) -> None:
             logits = causal_lm_logits(model, input_ids, position_ids)
         return packed_nll_sum(logits, input_ids, cu_seqlens) / num_targets
 
-    def grad_diff(sharded: nn.Module, ref: nn.Module) -> float:
-        """Largest gradient error relative to the largest gradient of the same parameter."""
-        ref_grads = dict(ref.named_parameters())
-        # full_tensor is a collective: both ranks walk the parameters in the same order.
-        return max(_rel_diff(_full(p.grad), ref_grads[n].grad) for n, p in sharded.named_parameters())
-
     try:
         # 1. Forward: sharded logits equal the unsharded model's.
         ref = load_causal_lm(path).train()
@@ -666,7 +611,7 @@ def _worker(root: Path, out: Path, checks: list[str]) -> None:
         with torch.no_grad():
             within(
                 "sharded_logits",
-                _max_diff(causal_lm_logits(model, all_ids, all_pos), causal_lm_logits(ref, all_ids, all_pos)),
+                max_diff(causal_lm_logits(model, all_ids, all_pos), causal_lm_logits(ref, all_ids, all_pos)),
                 1e-5,
             )
 
@@ -680,10 +625,10 @@ def _worker(root: Path, out: Path, checks: list[str]) -> None:
         reward = shard_model(load_reward_model(path), mesh, fsdp, device="cpu")
         with torch.no_grad():
             diff = max(
-                _max_diff(
+                max_diff(
                     critic_values(critic, all_ids, all_pos), critic_values(critic_ref, all_ids, all_pos)
                 ),
-                _max_diff(
+                max_diff(
                     reward_scores(reward, all_ids, all_pos, all_cu),
                     reward_scores(reward_ref, all_ids, all_pos, all_cu),
                 ),
@@ -700,11 +645,11 @@ def _worker(root: Path, out: Path, checks: list[str]) -> None:
         # 3. One training step: each rank its half, the loss divided by the global target count.
         global_loss(ref, False, (all_ids, all_pos, all_cu)).backward()
         global_loss(model, False, (ids, pos, cu)).backward()
-        within("step_grads_logits", grad_diff(model, ref), GRAD_RTOL)
+        within("step_grads_logits", grad_rel_diff(model, ref), GRAD_RTOL)
         model.zero_grad(set_to_none=True)
         # Fused-head path: hidden states and the head weight, used outside the head's own forward.
         global_loss(model, True, (ids, pos, cu)).backward()
-        within("step_grads_fused_head", grad_diff(model, ref), GRAD_RTOL)
+        within("step_grads_fused_head", grad_rel_diff(model, ref), GRAD_RTOL)
         for m in (model, ref):
             # eps well above the rounding noise of gradients (~1e-9 here, from the summation order):
             # AdamW divides a gradient by its own magnitude, so with the default eps=1e-8 an element
@@ -713,7 +658,9 @@ def _worker(root: Path, out: Path, checks: list[str]) -> None:
             opt.step()
         ref_params = dict(ref.named_parameters())
         within(
-            "step_params", max(_max_diff(_full(p), ref_params[n]) for n, p in model.named_parameters()), 1e-6
+            "step_params",
+            max(max_diff(full_tensor(p), ref_params[n]) for n, p in model.named_parameters()),
+            1e-6,
         )
 
         # 4. Hybrid sharding (replicate 2 x shard 1): gradients still sum over all ranks.
@@ -721,7 +668,7 @@ def _worker(root: Path, out: Path, checks: list[str]) -> None:
         ref2 = load_causal_lm(path).train()
         global_loss(hsdp, False, (ids, pos, cu)).backward()
         global_loss(ref2, False, (all_ids, all_pos, all_cu)).backward()
-        within("hsdp_grads", grad_diff(hsdp, ref2), GRAD_RTOL)
+        within("hsdp_grads", grad_rel_diff(hsdp, ref2), GRAD_RTOL)
         del hsdp, ref2
 
         # 5. Generation with the parameters gathered once.
@@ -785,11 +732,11 @@ def _worker(root: Path, out: Path, checks: list[str]) -> None:
         fresh_ref.train()
         global_loss(fresh, False, (ids, pos, cu)).backward()
         global_loss(fresh_ref, False, (all_ids, all_pos, all_cu)).backward()
-        diff = grad_diff(fresh, fresh_ref)
+        diff = grad_rel_diff(fresh, fresh_ref)
         for m in (fresh, fresh_ref):
             torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-4, weight_decay=0.1).step()  # eps: see 3.
         ref_params = dict(fresh_ref.named_parameters())
-        param_diff = max(_max_diff(_full(p), ref_params[n]) for n, p in fresh.named_parameters())
+        param_diff = max(max_diff(full_tensor(p), ref_params[n]) for n, p in fresh.named_parameters())
         record(
             "generate_first_then_step",
             torch.equal(tokens, expected)
@@ -815,7 +762,7 @@ def _worker(root: Path, out: Path, checks: list[str]) -> None:
         with torch.no_grad():
             reloaded_logits = causal_lm_logits(reloaded, all_ids, all_pos)
         architectures = reloaded.config.architectures
-        diff = _max_diff(reloaded_logits, sharded_logits)
+        diff = max_diff(reloaded_logits, sharded_logits)
         record(
             "save_hf_reload",
             diff <= 1e-5 and architectures == ["LlamaForCausalLM"],
@@ -824,7 +771,7 @@ def _worker(root: Path, out: Path, checks: list[str]) -> None:
 
         save_hf(critic, None, str(root / "critic"), is_main=info.is_main)
         with torch.no_grad():
-            diff = _max_diff(
+            diff = max_diff(
                 critic_values(load_critic(str(root / "critic")), all_ids, all_pos),
                 critic_values(critic_ref, all_ids, all_pos),
             )
@@ -839,7 +786,7 @@ def _worker(root: Path, out: Path, checks: list[str]) -> None:
         calls = _count_calls([layer.mlp for layer in decoder_layers(model)])
         global_loss(model, False, (ids, pos, cu)).backward()
         global_loss(ref, False, (all_ids, all_pos, all_cu)).backward()
-        diff = grad_diff(model, ref)
+        diff = grad_rel_diff(model, ref)
         record(
             "checkpointing_grads", diff <= GRAD_RTOL and calls == [2, 2], f"{diff=:.3g}, layer calls {calls}"
         )
@@ -851,11 +798,11 @@ def _worker(root: Path, out: Path, checks: list[str]) -> None:
         model = shard_model(load_causal_lm(tied_path), mesh, fsdp, device="cpu").train()
         global_loss(model, True, (ids, pos, cu)).backward()
         global_loss(ref, False, (all_ids, all_pos, all_cu)).backward()
-        diff = grad_diff(model, ref)
+        diff = grad_rel_diff(model, ref)
         save_hf(model, None, str(root / "tied_export"), is_main=info.is_main)
         reloaded = load_causal_lm(str(root / "tied_export"))
         with torch.no_grad():
-            save_diff = _max_diff(
+            save_diff = max_diff(
                 causal_lm_logits(reloaded, all_ids, all_pos), causal_lm_logits(ref, all_ids, all_pos)
             )
         tied = reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
@@ -871,7 +818,7 @@ def _worker(root: Path, out: Path, checks: list[str]) -> None:
         ref = load_causal_lm(path)
         logits = causal_lm_logits(model, ids, pos)
         with torch.no_grad():
-            rel = _rel_diff(logits, causal_lm_logits(ref, ids, pos))
+            rel = rel_diff(logits, causal_lm_logits(ref, ids, pos))
         global_loss(model, False, (ids, pos, cu)).backward()
         grads_ok = all(
             p.grad.dtype == torch.float32 and bool(p.grad.isfinite().all()) for p in model.parameters()

@@ -14,11 +14,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +44,7 @@ from ppo.offline import (
 )
 from ppo.rewards import scores_from_ranks
 from ppo.rollout import generate, generation_config, response_mask_from_eos
-from tests.conftest import ROOT, load_script
+from tests.conftest import ROOT, load_script, torchrun
 from tests.reward_fns import digit_score
 
 make_offline_data = load_script("make_offline_data")
@@ -636,10 +633,9 @@ def test_script_converts_preference_pairs(tiny_assets: Path, tok: Any, tmp_path:
 @pytest.mark.slow
 def test_script_on_two_ranks(policy: Path, prompts: Path, tok: Any, tmp_path: Path) -> None:
     out = tmp_path / "two.parquet"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "scripts" / "make_offline_data.py"), *script_args(policy, prompts, out)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    proc = torchrun(
+        ROOT / "scripts" / "make_offline_data.py", *script_args(policy, prompts, out), timeout=240
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     check_groups(out, prompts, tok)
     assert (

@@ -7,9 +7,6 @@ scored. The model is the untrained tiny Llama; what is checked is the plumbing, 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -20,6 +17,7 @@ from safetensors.torch import load_file
 
 import train_ppo
 from ppo import models, offline
+from tests.conftest import torchrun
 from tests.reward_fns import digit_score
 from tests.test_train_ppo import base_args, read_metrics, run
 
@@ -134,16 +132,7 @@ def test_offline_two_ranks_equal_one_rank(tiny_assets: Path, groups_file: Path, 
     one, two = tmp_path / "one", tmp_path / "two"
     common = ["actor.optim.eps=1e-3", "actor.ppo_mini_batch_size=2"]
     assert run(offline_args(tiny_assets, groups_file, one) + common) == 0
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        + [str(ROOT / "train_ppo.py")]
-        + offline_args(tiny_assets, groups_file, two)
-        + common,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = torchrun(ROOT / "train_ppo.py", *offline_args(tiny_assets, groups_file, two), *common)
     assert proc.returncode == 0, proc.stderr[-3000:]
     a = load_file(one / "hf" / "model.safetensors")
     b = load_file(two / "hf" / "model.safetensors")

@@ -23,6 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ppo import checkpoint
+from tests.conftest import torchrun
 from tests.test_train_ppo import REWARD_FNS, base_args, read_metrics, run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,14 +153,7 @@ def test_resume_on_another_world_size_continues_the_data_order(tiny_assets: Path
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert run(base_args(tiny_assets, straight, steps=4) + common) == 0
     assert run(base_args(tiny_assets, resumed, steps=2) + common) == 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = subprocess.run(
-        cmd + [str(ROOT / "train_ppo.py")] + base_args(tiny_assets, resumed, steps=4) + common,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = torchrun(ROOT / "train_ppo.py", *base_args(tiny_assets, resumed, steps=4), *common)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed a checkpoint of 1 ranks on 2 ranks" in proc.stderr
     a, b = read_metrics(straight), read_metrics(resumed)

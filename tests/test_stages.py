@@ -14,8 +14,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -31,6 +29,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from ppo import data, models, rewards, runner, stage_data
 from ppo.distributed import DistInfo
 from ppo.packing import pack_sequences, plan_eval_micro_batches
+from tests.conftest import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -347,20 +346,6 @@ def test_no_usable_rows_fails_with_one_clear_message(
 # ----------------------------------------------------------------------------------------------------
 
 
-def torchrun(script: str, args: list[str], nproc: int) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(ROOT / "scripts" / script),
-        *args,
-    ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("fsdp_size", [-1, 1], ids=["sharded", "replicated"])
 def test_two_ranks_train_the_same_model_as_one(tiny: Path, tmp_path: Path, fsdp_size: int) -> None:
@@ -370,7 +355,7 @@ def test_two_ranks_train_the_same_model_as_one(tiny: Path, tmp_path: Path, fsdp_
     extra = ("trainer.total_training_steps=4", "trainer.dist_timeout_s=120", f"fsdp.fsdp_size={fsdp_size}")
     one = sft.main(sft_args(tiny, tmp_path / "one", *extra))
     assert one == 0
-    two = torchrun("train_sft.py", sft_args(tiny, tmp_path / "two", *extra), nproc=2)
+    two = torchrun(ROOT / "scripts" / "train_sft.py", *sft_args(tiny, tmp_path / "two", *extra), timeout=240)
     assert two.returncode == 0, two.stderr[-3000:]
     a = load_file(tmp_path / "one" / "model" / "model.safetensors")
     b = load_file(tmp_path / "two" / "model" / "model.safetensors")

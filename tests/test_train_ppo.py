@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import train_ppo
+from tests.conftest import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 REWARD_FNS = ROOT / "tests" / "reward_fns.py"
@@ -290,26 +288,13 @@ def test_two_ranks_equal_one_rank(tiny_assets: Path, tmp_path: Path) -> None:
     ]
     one, two, hybrid, sp = tmp_path / "one", tmp_path / "two", tmp_path / "hybrid", tmp_path / "sp"
     assert run(base_args(tiny_assets, one) + common) == 0
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(ROOT / "train_ppo.py"),
-    ]
     # 1 x 2 (shard over both ranks), 2 x 1 (hybrid: replicate across 2 groups of 1 rank each), and
     # Ulysses sequence parallelism over both ranks (one data-parallel group whose micro-batches are split
     # along the tokens; greedy rollouts, so the group's batch is the one-rank batch, in the same order).
     hsdp = ["actor.fsdp.fsdp_size=1", "critic.fsdp.fsdp_size=1", "ref.fsdp.fsdp_size=1"]
     for out, extra in ((two, []), (hybrid, hsdp), (sp, ["actor.ulysses_sequence_parallel_size=2"])):
-        proc = subprocess.run(
-            cmd + base_args(tiny_assets, out) + common + extra + ["trainer.dist_timeout_s=120"],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env=env,
+        proc = torchrun(
+            ROOT / "train_ppo.py", *base_args(tiny_assets, out), *common, *extra, "trainer.dist_timeout_s=120"
         )
         assert proc.returncode == 0, proc.stderr[-4000:]
     a = load_file(one / "hf" / "model.safetensors")
@@ -355,17 +340,12 @@ def test_sequence_parallel_grpo_equals_one_rank(tiny_assets: Path, tmp_path: Pat
     ]
     one, sp = tmp_path / "one", tmp_path / "sp"
     assert run(base_args(tiny_assets, one) + common + ["actor.ppo_max_token_len_per_gpu=48"]) == 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = subprocess.run(
-        cmd
-        + [str(ROOT / "train_ppo.py")]
-        + base_args(tiny_assets, sp)
-        + common
-        + ["actor.ulysses_sequence_parallel_size=2", "trainer.dist_timeout_s=120"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    proc = torchrun(
+        ROOT / "train_ppo.py",
+        *base_args(tiny_assets, sp),
+        *common,
+        "actor.ulysses_sequence_parallel_size=2",
+        "trainer.dist_timeout_s=120",
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     a = load_file(one / "hf" / "model.safetensors")

@@ -10,8 +10,6 @@ whole packed row on an unsharded copy of the model::
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,31 +17,20 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from ppo import packing, ulysses
 from ppo.attention import PACKED_ATTENTION, ULYSSES, packed_kwargs, resolve_attn_implementation
 from ppo.packing import Packed
-
-VOCAB = 128
-
-
-def tiny_config(**overrides: Any) -> LlamaConfig:
-    """A 2-layer Llama: 4 query heads over 2 key/value heads (both divisible by SP = 2)."""
-    kwargs = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=128,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=None,
-    )
-    kwargs.update(overrides)
-    return LlamaConfig(**kwargs)
+from tests.conftest import (
+    GRAD_RTOL,
+    VOCAB,
+    assert_check,
+    grad_rel_diff,
+    max_diff,
+    tiny_config,
+    worker_results,
+)
 
 
 def make_packed(prompt_lens: list[int], response_lens: list[int], seed: int) -> Packed:
@@ -190,38 +177,13 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         torch.manual_seed(0)
         LlamaForCausalLM(tiny_config(num_key_value_heads=kv_heads)).save_pretrained(root / name)
     out = root / "results.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += [__file__, str(root), str(out)]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-        log = proc.stdout[-4000:] + proc.stderr[-8000:]
-    except subprocess.TimeoutExpired as err:
-        log = f"worker timed out: {err}"
-    found = json.loads(out.read_text()) if out.is_file() else {}
-    found["_log"] = log
-    return found
+    return worker_results(__file__, root, out, out=out)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("check", DIST_CHECKS)
 def test_two_ranks(results: dict[str, Any], check: str) -> None:
-    if check not in results:
-        pytest.fail(f"worker did not reach {check}:\n{results['_log']}")
-    assert results[check]["ok"], f"{check}: {results[check]['detail']}"
-
-
-# Gradients span orders of magnitude across parameters: compare each parameter's error with its own
-# largest gradient (fp32 summation-order noise is ~1e-6 of it).
-GRAD_RTOL = 1e-5
-
-
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item()
-
-
-def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return _max_diff(a, b) / max(b.abs().max().item(), 1e-30)
+    assert_check(results, check)
 
 
 class _Causal(nn.Module):
@@ -232,7 +194,6 @@ def _worker(root: Path, out: Path) -> None:
     """SP = 2 over both ranks; each result against one process running the whole row. Both ranks
     record every check (their verdicts combined with a min), rank 0 writes them."""
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
 
     from ppo.attention import varlen_sdpa_attention
     from ppo.config import FSDPConfig
@@ -253,14 +214,6 @@ def _worker(root: Path, out: Path) -> None:
     def within(name: str, diff: float, atol: float) -> None:
         record(name, diff <= atol, f"max |diff| = {diff:.3g} (atol {atol})")
 
-    def full(t: torch.Tensor) -> torch.Tensor:
-        return t.full_tensor() if isinstance(t, DTensor) else t
-
-    def grad_diff(sharded: nn.Module, ref: nn.Module) -> float:
-        ref_grads = dict(ref.named_parameters())
-        # full_tensor is a collective: both ranks walk the parameters in the same order.
-        return max(_rel_diff(full(p.grad), ref_grads[n].grad) for n, p in sharded.named_parameters())
-
     sp = ulysses.make_sp_groups(2)
     assert sp.size == 2 and sp.rank == rank and ulysses.make_sp_groups(2) is sp  # cached
     gen = torch.Generator().manual_seed(0)  # the same global tensors on both ranks
@@ -277,9 +230,9 @@ def _worker(root: Path, out: Path) -> None:
         within(
             "all_to_all_forward",
             max(
-                _max_diff(q_heads, expected_q),
-                _max_diff(k_heads, expected_k),
-                _max_diff(back, q_local.transpose(1, 2)),
+                max_diff(q_heads, expected_q),
+                max_diff(k_heads, expected_k),
+                max_diff(back, q_local.transpose(1, 2)),
             ),
             0.0,
         )
@@ -294,7 +247,7 @@ def _worker(root: Path, out: Path) -> None:
         expected_gq = gq[:, :, mine] + gb[:, mine].transpose(1, 2)
         within(
             "all_to_all_backward",
-            max(_max_diff(q_local.grad, expected_gq), _max_diff(k_local.grad, gk[:, :, mine])),
+            max(max_diff(q_local.grad, expected_gq), max_diff(k_local.grad, gk[:, :, mine])),
             1e-6,
         )
 
@@ -304,7 +257,7 @@ def _worker(root: Path, out: Path) -> None:
         x_local = x[mine].clone().requires_grad_()
         gathered = ulysses.gather_tokens(x_local, sp)
         (gathered * g[rank]).sum().backward()
-        diff = max(_max_diff(gathered, x), _max_diff(x_local.grad, g.sum(0)[mine]))
+        diff = max(max_diff(gathered, x), max_diff(x_local.grad, g.sum(0)[mine]))
         within("gather_tokens_forward_backward", diff, 1e-6)
 
         # 3. Data helpers: rows padded to the group's widest, objects, a broadcast from rank 0.
@@ -335,8 +288,8 @@ def _worker(root: Path, out: Path) -> None:
             out_local, _ = varlen_sdpa_attention(_Causal(), *local, None, **{ULYSSES: context})
             (out_local * g[:, mine]).sum().backward()
             diff = max(
-                _max_diff(out_local, ref_out[:, mine]),
-                *(_max_diff(a.grad, b.grad[:, :, mine]) for a, b in zip(local, leaves, strict=True)),
+                max_diff(out_local, ref_out[:, mine]),
+                *(max_diff(a.grad, b.grad[:, :, mine]) for a, b in zip(local, leaves, strict=True)),
             )
             within(name, diff, 1e-5)
 
@@ -357,7 +310,7 @@ def _worker(root: Path, out: Path) -> None:
                         model, packed, sp, temperature=tau, compute_entropy=True, fused=fused
                     )
                     name = f"{'fused_' if fused else ''}logprobs_{row}"
-                    within(name, max(_max_diff(lp, lp_ref), _max_diff(ent, ent_ref)), 1e-5)
+                    within(name, max(max_diff(lp, lp_ref), max_diff(ent, ent_ref)), 1e-5)
 
         # 6. Gradients. The trainer's loss on each rank of the group: the gathered [B, R] quantities,
         # normalized by token counts summed over all ranks, which hold the group's sequences twice:
@@ -384,7 +337,7 @@ def _worker(root: Path, out: Path) -> None:
                 model, packed, sp, temperature=tau, compute_entropy=True, fused=fused
             )
             ppo_like_loss(packed, lp, ent, sp.size * count).backward()  # count summed over both ranks
-            within(name, grad_diff(model, ref), GRAD_RTOL)
+            within(name, grad_rel_diff(model, ref), GRAD_RTOL)
 
         # The other way: a loss on this rank's own tokens only, by the true count (each token once).
         packed = rows["row_a"]
@@ -399,7 +352,7 @@ def _worker(root: Path, out: Path) -> None:
         ent, _ = sl.unpack_local(ent_local, packed)
         local_packed = Packed(**{**vars(packed), "response_mask": owned})
         ppo_like_loss(local_packed, lp, ent, count).backward()
-        within("grads_local_loss_row_a", grad_diff(model, ref), GRAD_RTOL)
+        within("grads_local_loss_row_a", grad_rel_diff(model, ref), GRAD_RTOL)
 
         # Activation checkpointing (what long responses run with): the backward recomputes each layer's
         # forward, all-to-alls included, in the same order on both ranks.
@@ -412,7 +365,7 @@ def _worker(root: Path, out: Path) -> None:
         ppo_like_loss(packed, lp, ent, count).backward()
         lp, ent = ulysses.packed_logprobs(model, packed, sp, temperature=tau, compute_entropy=True)
         ppo_like_loss(packed, lp, ent, sp.size * count).backward()
-        within("grads_checkpointed_row_b", grad_diff(model, ref), GRAD_RTOL)
+        within("grads_checkpointed_row_b", grad_rel_diff(model, ref), GRAD_RTOL)
 
         # 7. Critic values, an unsharded replica on each rank: gradients all-reduced by hand.
         critic_ref = load_critic(path).train()
@@ -423,7 +376,7 @@ def _worker(root: Path, out: Path) -> None:
         packed = rows["row_b"]
         values_ref = packing.packed_values(critic_ref, packed)
         values = ulysses.packed_values(critic, packed, sp)
-        within("values_row_b", _max_diff(values, values_ref), 1e-5)
+        within("values_row_b", max_diff(values, values_ref), 1e-5)
         returns = torch.linspace(0.0, 1.0, values.numel()).reshape(values.shape)
         count = float(packed.response_mask.sum())
 
@@ -434,7 +387,7 @@ def _worker(root: Path, out: Path) -> None:
         value_loss(values, sp.size * count).backward()
         for p in critic.parameters():
             dist.all_reduce(p.grad)
-        within("value_grads_row_b", grad_diff(critic, critic_ref), GRAD_RTOL)
+        within("value_grads_row_b", grad_rel_diff(critic, critic_ref), GRAD_RTOL)
 
         # 8. One key/value head for two ranks: repeated before the exchange, through the whole model.
         mqa_ref = load_causal_lm(str(root / "mqa"))
@@ -442,7 +395,7 @@ def _worker(root: Path, out: Path) -> None:
         with torch.no_grad():
             lp_ref, _ = packing.packed_logprobs(mqa_ref, rows["row_a"], temperature=1.0)
             lp, _ = ulysses.packed_logprobs(mqa, rows["row_a"], sp, temperature=1.0)
-        within("kv_repeat_model_logprobs", _max_diff(lp, lp_ref), 1e-5)
+        within("kv_repeat_model_logprobs", max_diff(lp, lp_ref), 1e-5)
     finally:
         destroy_distributed()
 

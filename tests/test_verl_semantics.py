@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -28,6 +26,7 @@ from ppo import algorithms, models, rollout
 from ppo.config import load_config
 from ppo.distributed import destroy_distributed, init_distributed
 from ppo.rollout import Rollout
+from tests.conftest import torchrun
 from tests.test_train_ppo import REWARD_FNS, base_args, read_metrics, run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -459,21 +458,7 @@ def test_bad_model_path_names_model_path(
 @pytest.mark.slow
 def test_a_fatal_error_is_reported_once_on_two_ranks(tiny_assets: Path, tmp_path: Path) -> None:
     args = base_args(tiny_assets, tmp_path / "run") + [f"data.train_files={tmp_path / 'missing.parquet'}"]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(ROOT / "train_ppo.py"),
-            *args,
-            "trainer.dist_timeout_s=60",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = torchrun(ROOT / "train_ppo.py", *args, "trainer.dist_timeout_s=60", timeout=300)
     assert proc.returncode != 0
     assert proc.stderr.count("missing.parquet: no such data file") == 1, proc.stderr[-3000:]
     assert 'train_ppo.py", line' not in proc.stderr  # no traceback through the trainer (torchrun has its own)
