@@ -1,0 +1,60 @@
+"""PPO math: KL penalties and controllers, advantage estimators, losses and their aggregation.
+
+Pure torch, no distributed calls, no model code: every function maps tensors to tensors and can be
+tested on CPU by hand. Names and modes follow verl's ``core_algos`` so that a user switching from verl
+gets the same numbers for the same inputs; where verl leaves a corner undefined (empty masks, groups of
+one) the behaviour chosen here is written in the docstring.
+
+Shapes are over response tokens: ``[B, T]`` with ``response_mask [B, T]`` (bool or 0/1, True = the
+token is trained). Losses aggregate with :func:`agg_loss`, whose optional global counts (``num_tokens``,
+``num_seqs``) make gradient accumulation and data parallelism exact: summing the per-micro-batch losses
+of a mini-batch (over all micro-batches and ranks) gives the loss of the whole mini-batch at once.
+
+Typical use in the PPO loop::
+
+    kl = kl_penalty(old_logprobs, ref_logprobs, "kl")
+    token_rewards = token_scores - kl_ctrl.value * kl
+    advantages, returns = compute_gae(token_rewards, values, response_mask, gamma=1.0, lam=0.95)
+    loss, metrics = policy_loss(logprobs, old_logprobs, advantages, response_mask, 0.2, 0.28, 3.0,
+                                "token-mean", num_tokens=num_tokens_in_mini_batch)
+
+The package's modules, each pure torch: ``stats`` (masked mean and whitening), ``kl`` (KL estimators,
+exact KL, controllers), ``advantages`` (GAE, GRPO, RLOO), ``losses`` (aggregation, policy and value
+losses). Users import every name from ``ppo.algorithms`` itself.
+"""
+
+from ppo.algorithms.advantages import (
+    ADV_ESTIMATORS,
+    compute_gae,
+    compute_grpo_advantages,
+    compute_rloo_advantages,
+)
+from ppo.algorithms.kl import (
+    KL_KINDS,
+    AdaptiveKLController,
+    FixedKLController,
+    entropy_from_logits,
+    full_kl,
+    kl_penalty,
+)
+from ppo.algorithms.losses import LOSS_AGG_MODES, agg_loss, policy_loss, value_loss
+from ppo.algorithms.stats import masked_mean, masked_whiten
+
+__all__ = [
+    "ADV_ESTIMATORS",
+    "KL_KINDS",
+    "LOSS_AGG_MODES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "agg_loss",
+    "compute_gae",
+    "compute_grpo_advantages",
+    "compute_rloo_advantages",
+    "entropy_from_logits",
+    "full_kl",
+    "kl_penalty",
+    "masked_mean",
+    "masked_whiten",
+    "policy_loss",
+    "value_loss",
+]
