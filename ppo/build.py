@@ -3,6 +3,9 @@ the models (actor, reference, critic, reward model), optimizers and schedules, t
 checkpointer, and the resume. Everything that can fail on the user's input fails here.
 
     run = build(cfg, info)      # then train_ppo.train runs the steps
+
+``Run`` is the top of the library: only ``train_ppo.py`` and ``ppo.validation`` take it; every function
+below takes what it uses as arguments.
 """
 
 from __future__ import annotations
@@ -10,17 +13,30 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from ppo import algorithms, data, lora, models, offline, rewards, rollout, runner, sharding, ulysses
+from ppo import (
+    algorithms,
+    checkpointer,
+    data,
+    lora,
+    models,
+    offline,
+    rewards,
+    rollout,
+    runner,
+    sharding,
+    ulysses,
+)
 from ppo.checkpoint import seed_everything
 from ppo.checkpointer import Checkpointer, TrainerState
-from ppo.config import ConfigError, PPOConfig, to_yaml
+from ppo.config import ConfigError, PPOConfig
 from ppo.distributed import DistInfo
 from ppo.metrics import MetricsLogger
 from ppo.monitor import HealthMonitor
-from ppo.optim import build_optimizer
+from ppo.optim import Trained, with_optimizer
 
 logger = logging.getLogger("ppo")
 
@@ -34,29 +50,24 @@ class Run:
 
     out_dir: Path
     device: torch.device
-    tokenizer: object
-    eos_ids: list[int]
-    """Every token id that ends a response (tokenizer and generation config)."""
+    tokenizer: Any
+    sampler: rollout.Sampler
+    """The actor, its compiled decoding copy (``rollout.compile``), the rollout settings and EOS ids."""
     loader: data.ShardedLoader
+    """This rank's prompts (or offline groups) of each step."""
     val_records: list[data.PromptRecord]
-    actor: torch.nn.Module
+    actor: Trained
+    critic: Trained | None
     ref: torch.nn.Module | None
-    critic: torch.nn.Module | None
+    """The reference policy; the actor's own module under LoRA (adapters off); None without KL terms."""
     reward_model: torch.nn.Module | None
     scorer: rewards.RuleScorer
-    actor_opt: torch.optim.Optimizer
-    actor_sched: torch.optim.lr_scheduler.LRScheduler
-    critic_opt: torch.optim.Optimizer | None
-    critic_sched: torch.optim.lr_scheduler.LRScheduler | None
     kl_ctrl: KLController
     checkpointer: Checkpointer
     state: TrainerState
     total_steps: int
     metrics_logger: MetricsLogger
     monitor: HealthMonitor
-    num_params: int
-    engine: torch.nn.Module | None
-    """The compiled rollout's decoding copy of the actor (``rollout.compile``), or None."""
     sp: ulysses.SPGroup
     """This rank's Ulysses sequence-parallel group (``ulysses.NO_SP`` without sequence parallelism)."""
 
@@ -64,16 +75,83 @@ class Run:
 def build(cfg: PPOConfig, info: DistInfo) -> Run:
     """Load the data and the models, build the optimizers and controllers, resume if there is a
     checkpoint. Everything that can fail on the user's input fails here, before step 1."""
-    out_dir = runner.prepare_run(cfg, info, writes=run_paths(cfg))
+    out_dir = runner.prepare_run(cfg, info)
     tokenizer = runner.load_tokenizer(cfg.model)
     scorer = rewards.make_rule_scorer(cfg.reward.custom_function, cfg.reward.format_score)
+    items, val_records = load_data(cfg, info, tokenizer, scorer)
+    loader = runner.make_loader(items, cfg, info)
+    total_steps = runner.total_steps(cfg, loader)
+    sp = ulysses.make_sp_groups(cfg.actor.ulysses_sequence_parallel_size)
+    actor, ref, critic, reward_model = load_models(cfg, info, sp)
+    eos_ids = models.eos_token_ids(tokenizer, actor)
+    if cfg.rollout.offline_fraction > 0:
+        offline.check_eos(items, eos_ids)  # the model's generation config may add EOS ids
+    # One learning-rate step per training step, as verl.
+    trained_actor = with_optimizer(actor, cfg.actor.optim, total_steps)
+    trained_critic = with_optimizer(critic, cfg.critic.optim, total_steps) if critic is not None else None
+    kl_ctrl = make_kl_controller(cfg)
+    state, monitor = TrainerState(), HealthMonitor(cfg=cfg)
+    ckpt = checkpointer.make_checkpointer(
+        cfg,
+        info,
+        out_dir,
+        trained={"actor": trained_actor, "critic": trained_critic},
+        stateful={"trainer": state, "loader": loader, "kl_ctrl": kl_ctrl, "monitor": monitor},
+    )
+    resumed = resume(cfg, info, ckpt, state)
+    logger.info(
+        "world size %d on %s; %d train prompts (%d steps), %d val prompts; actor %.2fM parameters",
+        info.world_size,
+        info.device,
+        len(items),
+        total_steps,
+        len(val_records),
+        models.count_parameters(actor) / 1e6,
+    )
+    sampler = rollout.Sampler(
+        actor=actor,
+        engine=make_engine(cfg, actor, info),
+        settings=cfg.rollout,
+        max_response_length=cfg.data.max_response_length,
+        eos_ids=eos_ids,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    metrics_logger = runner.make_metrics_logger(
+        cfg, info, out_dir, total_steps, console=True, resume_step=state.step if resumed else None
+    )
+    return Run(
+        out_dir=out_dir,
+        device=info.device,
+        tokenizer=tokenizer,
+        sampler=sampler,
+        loader=loader,
+        val_records=val_records,
+        actor=trained_actor,
+        critic=trained_critic,
+        ref=ref,
+        reward_model=reward_model,
+        scorer=scorer,
+        kl_ctrl=kl_ctrl,
+        checkpointer=ckpt,
+        state=state,
+        total_steps=total_steps,
+        metrics_logger=metrics_logger,
+        monitor=monitor,
+        sp=sp,
+    )
 
-    # ---- data ----
+
+def load_data(
+    cfg: PPOConfig, info: DistInfo, tokenizer: Any, scorer: rewards.RuleScorer
+) -> tuple[list[data.PromptRecord] | list[offline.OfflineGroup], list[data.PromptRecord]]:
+    """The training items (prompt records, or offline groups with ``rollout.offline_fraction``) and the
+    validation prompts; the rule scorer checked against the training prompts' sources."""
     load = dict(
         prompt_key=cfg.data.prompt_key,
         max_prompt_length=cfg.data.max_prompt_length,
         apply_chat_template=cfg.data.apply_chat_template,
     )
+    require_ground_truth = rewards.needs_ground_truth(cfg.reward, cfg.rollout.offline_fraction)
     with runner.main_rank_logs(info):
         if cfg.rollout.offline_fraction > 0:  # prompt groups with their responses (offline RLHF)
             items = offline.load_offline_groups(
@@ -81,14 +159,14 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
                 tokenizer,
                 group_size=cfg.rollout.n,
                 max_response_length=cfg.data.max_response_length,
-                require_ground_truth=needs_ground_truth(cfg),
+                require_ground_truth=require_ground_truth,
                 require_scores=cfg.reward.style == "dataset",
                 **load,
             )
             train_records = [g.record for g in items]
         else:
             items = train_records = data.load_prompts(
-                cfg.data.train_files, tokenizer, require_ground_truth=needs_ground_truth(cfg), **load
+                cfg.data.train_files, tokenizer, require_ground_truth=require_ground_truth, **load
             )
         val_records = (
             data.load_prompts(cfg.data.val_files, tokenizer, require_ground_truth=False, **load)
@@ -97,15 +175,16 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
         )
     if cfg.data.max_val_samples > 0:
         val_records = val_records[: cfg.data.max_val_samples]
-    if needs_rule_scores(cfg):
-        check_rule_coverage(cfg, train_records)
-        first = train_records[0]
-        rewards.check_scorer(scorer, first.data_source, first.ground_truth, first.extra_info)
-    loader = runner.make_loader(items, cfg, info)
-    total_steps = runner.total_steps(cfg, loader)
+    if rewards.needs_rule_scores(cfg.reward, cfg.rollout.offline_fraction):
+        rewards.check_rule_coverage(scorer, train_records, cfg.reward.custom_function)
+    return items, val_records
 
-    # ---- models ----
-    sp = ulysses.make_sp_groups(cfg.actor.ulysses_sequence_parallel_size)
+
+def load_models(
+    cfg: PPOConfig, info: DistInfo, sp: ulysses.SPGroup
+) -> tuple[torch.nn.Module, torch.nn.Module | None, torch.nn.Module | None, torch.nn.Module | None]:
+    """``(actor, ref, critic, reward_model)``, each loaded and sharded; the ones a run does not use are
+    None. Under LoRA without ``ref.model_path`` the reference is the actor itself (adapters off)."""
     actor = runner.build_model(
         models.load_causal_lm,
         cfg.model,
@@ -117,13 +196,10 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
     )
     if cfg.actor.use_fused_kernels:
         models.check_fused_lm_head(actor)
-    eos_ids = models.eos_token_ids(tokenizer, actor)
-    if cfg.rollout.offline_fraction > 0:
-        offline.check_eos(items, eos_ids)  # the model's generation config may add EOS ids
     ref = critic = reward_model = None
-    if cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss or cfg.algorithm.rollback_kl > 0:
+    if cfg.needs_reference:
         if lora.uses_lora(cfg.actor.lora) and cfg.ref.model_path is None:
-            ref = actor  # the actor with its adapters off: every reference forward is in adapters_disabled
+            ref = actor  # every reference forward runs in lora.adapters_disabled
         else:
             ref = runner.build_model(
                 models.load_causal_lm,
@@ -149,7 +225,7 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
             lora_key="critic.lora",
             trainable_head="score",
         )
-    if uses_reward_model(cfg):
+    if rewards.uses_reward_model(cfg.reward):
         reward_model = runner.build_model(
             models.load_reward_model,
             cfg.model,
@@ -159,80 +235,21 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
             path_key="reward.model_path",
             trainable=False,
         )
+    return actor, ref, critic, reward_model
 
-    # ---- optimizers: one learning-rate step per training step, as verl ----
-    actor_opt, actor_sched = build_optimizer(actor, cfg.actor.optim, total_steps)
-    critic_opt = critic_sched = None
-    if critic is not None:
-        critic_opt, critic_sched = build_optimizer(critic, cfg.critic.optim, total_steps)
-    kl_ctrl = make_kl_controller(cfg)
 
-    # ---- resume ----
-    state = TrainerState()
-    monitor = HealthMonitor(cfg=cfg)
-    checkpointer = Checkpointer(
-        out_dir=out_dir,
-        info=info,
-        config_yaml=to_yaml(cfg),
-        keep=cfg.trainer.max_ckpt_to_keep,
-        seed=cfg.trainer.seed,
-        models={"actor": actor, "critic": critic},
-        optimizers={"actor": actor_opt, "critic": critic_opt},
-        schedulers={"actor": actor_sched, "critic": critic_sched},
-        stateful={"trainer": state, "loader": loader, "kl_ctrl": kl_ctrl, "monitor": monitor},
-    )
-    resume_dir = checkpointer.restore_newest(cfg.trainer.resume_mode)
+def resume(cfg: PPOConfig, info: DistInfo, ckpt: Checkpointer, state: TrainerState) -> bool:
+    """Restore the newest checkpoint (``trainer.resume_mode``); a fresh run seeds each rank's sampling
+    streams and, with rollback on, saves step 0 to have something to roll back to. True if resumed."""
+    resume_dir = ckpt.restore_newest(cfg.trainer.resume_mode)
     if resume_dir is not None:
         logger.info("resumed from %s at step %d", resume_dir, state.step)
-    else:
-        # Sampling differs per rank from here on; checkpoints restore these streams exactly.
-        seed_everything(cfg.trainer.seed * 1000 + info.rank)
-        if cfg.algorithm.rollback_kl > 0 or cfg.trainer.rollback_val_drop > 0:
-            checkpointer.save(0)  # something to roll back to before the first good step
-
-    num_params = models.count_parameters(actor)
-    logger.info(
-        "world size %d on %s; %d train prompts (%d steps), %d val prompts; actor %.2fM parameters",
-        info.world_size,
-        info.device,
-        len(train_records),
-        total_steps,
-        len(val_records),
-        num_params / 1e6,
-    )
-    return Run(
-        out_dir=out_dir,
-        device=info.device,
-        tokenizer=tokenizer,
-        eos_ids=eos_ids,
-        loader=loader,
-        val_records=val_records,
-        actor=actor,
-        ref=ref,
-        critic=critic,
-        reward_model=reward_model,
-        scorer=scorer,
-        actor_opt=actor_opt,
-        actor_sched=actor_sched,
-        critic_opt=critic_opt,
-        critic_sched=critic_sched,
-        kl_ctrl=kl_ctrl,
-        checkpointer=checkpointer,
-        state=state,
-        total_steps=total_steps,
-        metrics_logger=runner.make_metrics_logger(
-            cfg,
-            info,
-            out_dir,
-            total_steps,
-            console=True,
-            resume_step=state.step if resume_dir is not None else None,
-        ),
-        monitor=monitor,
-        num_params=num_params,
-        engine=make_engine(cfg, actor, info),
-        sp=sp,
-    )
+        return True
+    # Sampling differs per rank from here on; checkpoints restore these streams exactly.
+    seed_everything(cfg.trainer.seed * 1000 + info.rank)
+    if cfg.algorithm.rollback_kl > 0 or cfg.trainer.rollback_val_drop > 0:
+        ckpt.save(0)
+    return False
 
 
 def make_engine(cfg: PPOConfig, actor: torch.nn.Module, info: DistInfo) -> torch.nn.Module | None:
@@ -252,47 +269,6 @@ def make_engine(cfg: PPOConfig, actor: torch.nn.Module, info: DistInfo) -> torch
     dtype = sharding.torch_dtype(cfg.actor.fsdp.mixed_precision.param_dtype)
     logger.info("rollout: a %s copy of the actor decodes with a static cache and a compiled step", dtype)
     return rollout.make_engine(actor, dtype, info.device)
-
-
-def run_paths(cfg: PPOConfig) -> dict[Path, str]:
-    """Every path in the run folder the run will write, and whether it is a folder or a file."""
-    out = Path(cfg.trainer.output_dir)
-    paths = {out / "checkpoints": "dir", out / "metrics.jsonl": "file", out / "tensorboard": "dir"}
-    if cfg.trainer.save_hf_on_end:
-        paths[out / "hf"] = "dir"
-    if cfg.trainer.profile_steps:
-        paths[out / "profile"] = "dir"
-    return paths
-
-
-def uses_reward_model(cfg: PPOConfig) -> bool:
-    return cfg.reward.style == "model" or (cfg.reward.style == "ranking" and cfg.reward.ranking_by == "model")
-
-
-def needs_rule_scores(cfg: PPOConfig) -> bool:
-    """Whether training responses are scored by the rule: not with a reward model, and not when every
-    group comes from the data set with its own ranks or scores."""
-    from_data = cfg.rollout.offline_fraction == 1.0 and cfg.reward.style in ("ranking", "dataset")
-    return not uses_reward_model(cfg) and not from_data
-
-
-def needs_ground_truth(cfg: PPOConfig) -> bool:
-    """The built-in rule scorers compare with a ground truth; a reward model or a custom function
-    (which gets None) does not need one."""
-    return needs_rule_scores(cfg) and cfg.reward.custom_function is None
-
-
-def check_rule_coverage(cfg: PPOConfig, records: list[data.PromptRecord]) -> None:
-    """Every training prompt's ``data_source`` has a rule scorer (found now, not at the first step)."""
-    unknown = sorted(
-        {r.data_source for r in records if not rewards.has_rule(r.data_source, cfg.reward.custom_function)}
-    )
-    if unknown:
-        raise rewards.RewardError(
-            f"no rule reward for data_source {', '.join(map(repr, unknown))} in data.train_files; known: "
-            f"{', '.join(rewards.RULE_DATA_SOURCES)}. Set reward.custom_function=module:function or "
-            f"file.py:function, or use a reward model (reward.style=model)"
-        )
 
 
 def make_kl_controller(cfg: PPOConfig) -> KLController:

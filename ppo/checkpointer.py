@@ -2,10 +2,15 @@
 saved together (``Checkpointer``: models, optimizers, schedulers, the data loader, controllers, RNG), the
 resume that falls back past a damaged checkpoint, and the rollback policy.
 
-    checkpointer = Checkpointer(out_dir=..., models={"actor": actor}, stateful={"trainer": state, ...})
+    checkpointer = make_checkpointer(cfg, info, out_dir, trained={"actor": actor},
+                                     stateful={"trainer": state, "loader": loader})
     checkpointer.restore_newest(cfg.trainer.resume_mode)       # resume, if there is something to resume
-    checkpointer.save(state.step)
+    if save_due(state.step, total_steps, cfg.trainer.save_freq):
+        checkpointer.save(state.step)
     roll_back(checkpointer, state, "KL exploded", lr_factor=0.5, max_rollbacks=3)
+
+PPO (``ppo.build``) and the stages (``ppo.stage_loop``) checkpoint, schedule saves and stop alike through
+these functions.
 
 The file format (and reading untrusted files safely) is ``ppo.checkpoint``'s.
 """
@@ -29,7 +34,10 @@ from ppo.checkpoint import (
     save,
     seed_everything,
 )
+from ppo.config import PPOConfig, StageConfig
+from ppo.config_loader import to_yaml
 from ppo.distributed import DistInfo, agree_on_failure
+from ppo.optim import Trained
 
 logger = logging.getLogger("ppo")
 
@@ -163,6 +171,41 @@ class Checkpointer:
                 sched.base_lrs = [lr * factor for lr in sched.base_lrs]
                 for group in sched.optimizer.param_groups:
                     group["lr"] *= factor
+
+
+def make_checkpointer(
+    cfg: PPOConfig | StageConfig,
+    info: DistInfo,
+    out_dir: Path,
+    *,
+    trained: dict[str, Trained | None],
+    stateful: dict[str, Any],
+) -> Checkpointer:
+    """The run's checkpointer: the models of ``trained`` (None: the run has no such model) with their
+    optimizers and schedules under the same names, ``stateful`` objects, ``trainer.max_ckpt_to_keep``
+    and ``trainer.seed``."""
+    return Checkpointer(
+        out_dir=out_dir,
+        info=info,
+        config_yaml=to_yaml(cfg),
+        keep=cfg.trainer.max_ckpt_to_keep,
+        seed=cfg.trainer.seed,
+        models={name: t.model if t else None for name, t in trained.items()},
+        optimizers={name: t.optimizer if t else None for name, t in trained.items()},
+        schedulers={name: t.scheduler if t else None for name, t in trained.items()},
+        stateful=stateful,
+    )
+
+
+def save_due(step: int, total_steps: int, save_freq: int) -> bool:
+    """A periodic checkpoint is due: every ``trainer.save_freq`` steps and after the last (verl's rule;
+    ``save_freq <= 0`` saves only when asked to stop)."""
+    return save_freq > 0 and (step % save_freq == 0 or step == total_steps)
+
+
+def log_stopped(step: int, signal_name: str | None) -> None:
+    """The last line of a run that a stop signal ended (after its checkpoint)."""
+    logger.warning("stopping: saved step %d (%s); resume with trainer.resume_mode=auto", step, signal_name)
 
 
 def roll_back(

@@ -1,37 +1,23 @@
-"""Typed configuration for the PPO trainer and its stages.
+"""The configuration schema of the PPO trainer and its stages.
 
 One tree of ``@dataclass(kw_only=True)`` sections whose section and key names follow verl, so that a
-user of verl finds ``actor.ppo_mini_batch_size`` where they expect it. Precedence: the dataclass
-defaults (a runnable tiny CPU setup), then ``--config X.yaml``, then ``section.key=value`` overrides::
+user of verl finds ``actor.ppo_mini_batch_size`` where they expect it; the defaults are a runnable tiny
+CPU setup. ``ppo.config_loader`` builds a config from the defaults, a YAML preset and command-line
+overrides::
 
     cfg = load_config("configs/demo_cpu.yaml", ["actor.optim.lr=1e-5", "rollout.n=4"])
     cfg.validate(world_size=2)
 
-An override changes its key and nothing else: a section is built over the default its enclosing class
-gives it (SFT's ``optim`` keeps its cosine schedule when only ``optim.lr`` is set).
-
-Every error is one line naming the full dotted key and where the value came from (the YAML file, or
-the command line): unknown keys with the closest valid names, values that do not coerce to the field's
-type, values out of range (NaN and ±inf are rejected for every float), and, with file, line and column,
-duplicate YAML keys and malformed YAML. Checks of single values live in each section's ``__post_init__``, which raises a
-:class:`FieldError` naming the field within its section; the loader re-raises it with the full key and
-the source. Checks that need the world size live in ``validate``.
+Checks of single values live in each section's ``__post_init__``, which raises a :class:`FieldError`
+naming the field within its section; the loader re-raises it with the full key and where the value came
+from. Checks that need the world size live in ``validate`` (PPO) and ``validate_stage``.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import difflib
 import math
-import reprlib
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
-
-import yaml
 
 from ppo.algorithms import ADV_ESTIMATORS, KL_KINDS, LOSS_AGG_MODES
 
@@ -53,10 +39,6 @@ class FieldError(ConfigError):
 
 LOGGER_SINKS = ("console", "jsonl", "tensorboard", "wandb")
 """Metric sinks ``trainer.logger`` may name."""
-
-# repr for error messages, cut short so that a huge value (a YAML alias bomb) stays one short line.
-_show = reprlib.Repr()
-_show.maxstring = _show.maxother = 80
 
 
 def _satisfies(value: float, rule: str) -> bool:
@@ -95,24 +77,58 @@ def _require(section: Any, rule: str, *keys: str) -> None:
                 raise FieldError(f"{name} must be {within}{rule}, got {v!r}", name)
 
 
-def _check_run_keys(trainer: TrainerConfig | StageTrainerConfig) -> None:
-    """The checks PPO's and the stages' trainer sections share: logger sinks, resume mode, ranges."""
-    bad = [x for x in trainer.logger if x not in LOGGER_SINKS]
-    if bad:
-        raise FieldError(f"logger has unknown sinks {bad}; valid: {list(LOGGER_SINKS)}", "logger")
-    if not trainer.resume_mode.strip():
-        raise FieldError(
-            f"resume_mode={trainer.resume_mode!r} is empty: use auto, disable or a checkpoint path",
-            "resume_mode",
-        )
-    _require(trainer, "> 0", "dist_timeout_s", "total_epochs", "total_training_steps")
-    _require(trainer, ">= 0", "seed", "max_ckpt_to_keep")
-    _require(trainer, ">= -1", "save_freq", "test_freq")
-
-
 # ----------------------------------------------------------------------------------------------------
 # Sections shared by the stages
 # ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class RunTrainerConfig:
+    """The ``trainer`` keys every run has (PPO and the stages): where it writes, how it resumes, saves,
+    validates and logs."""
+
+    project_name: str = "ppo"
+    """Groups runs (used by wandb)."""
+    experiment_name: str = "run"
+    """Name of this run."""
+    output_dir: str = "outputs/run"
+    """Run folder: resolved config, metrics.jsonl, TensorBoard events, checkpoints."""
+    overwrite: bool = False
+    """A fresh run (trainer.resume_mode=disable) refuses an output_dir that already holds a run
+    (config.yaml, metrics.jsonl or checkpoints); true replaces it."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """``auto``: CUDA when available (nccl), else CPU (gloo)."""
+    dist_timeout_s: int = 1800
+    """Process-group timeout: how long a rank waits on a collective before failing."""
+    seed: int = 1
+    """Seed of data order, sampling and initialization."""
+    total_epochs: int = 1
+    """Passes over the training data."""
+    total_training_steps: int | None = None
+    """Stop after this many steps (default: ``total_epochs`` passes)."""
+    save_freq: int = -1
+    """Checkpoint every this many steps (0 or -1 disables periodic saves)."""
+    test_freq: int = -1
+    """Validate every this many steps (0 or -1 disables periodic validation)."""
+    resume_mode: str = "auto"
+    """``auto`` (latest checkpoint in ``output_dir``), ``disable``, or a checkpoint path."""
+    max_ckpt_to_keep: int = 2
+    """Keep this many newest checkpoints (0 keeps all)."""
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    """Metric sinks: console, jsonl, tensorboard, wandb."""
+
+    def __post_init__(self) -> None:
+        bad = [x for x in self.logger if x not in LOGGER_SINKS]
+        if bad:
+            raise FieldError(f"logger has unknown sinks {bad}; valid: {list(LOGGER_SINKS)}", "logger")
+        if not self.resume_mode.strip():
+            raise FieldError(
+                f"resume_mode={self.resume_mode!r} is empty: use auto, disable or a checkpoint path",
+                "resume_mode",
+            )
+        _require(self, "> 0", "dist_timeout_s", "total_epochs", "total_training_steps")
+        _require(self, ">= 0", "seed", "max_ckpt_to_keep")
+        _require(self, ">= -1", "save_freq", "test_freq")
 
 
 @dataclass(kw_only=True)
@@ -515,46 +531,19 @@ class AlgorithmConfig:
 
 
 @dataclass(kw_only=True)
-class TrainerConfig:
-    project_name: str = "ppo"
-    """Groups runs (used by wandb)."""
-    experiment_name: str = "run"
-    """Name of this run."""
-    output_dir: str = "outputs/run"
-    """Run folder: resolved config, metrics.jsonl, TensorBoard events, checkpoints."""
-    overwrite: bool = False
-    """A fresh run (trainer.resume_mode=disable) refuses an output_dir that already holds a run
-    (config.yaml, metrics.jsonl or checkpoints); true replaces it."""
+class TrainerConfig(RunTrainerConfig):
+    """PPO's ``trainer`` section: the keys every run has, and PPO's own."""
+
     n_gpus_per_node: int = 1
     """Ranks per node expected by the launcher (informational; the world size comes from torchrun)."""
     nnodes: int = 1
     """Nodes expected by the launcher (informational)."""
-    device: Literal["auto", "cuda", "cpu"] = "auto"
-    """``auto``: CUDA when available (nccl), else CPU (gloo)."""
-    dist_timeout_s: int = 1800
-    """Process-group timeout: how long a rank waits on a collective before failing."""
-    seed: int = 1
-    """Seed of data order, sampling and initialization."""
-    total_epochs: int = 1
-    """Passes over the training prompts."""
-    total_training_steps: int | None = None
-    """Stop after this many PPO steps (default: ``total_epochs`` passes)."""
     critic_warmup: int = 0
     """Steps at the start that train only the critic (the actor is frozen)."""
-    save_freq: int = -1
-    """Checkpoint every this many steps (0 or -1 disables periodic saves)."""
-    test_freq: int = -1
-    """Validate every this many steps (0 or -1 disables periodic validation)."""
     val_before_train: bool = True
     """Validate once before the first step."""
-    resume_mode: str = "auto"
-    """``auto`` (latest checkpoint in ``output_dir``), ``disable``, or a checkpoint path."""
-    max_ckpt_to_keep: int = 2
-    """Keep this many newest checkpoints (0 keeps all)."""
     save_hf_on_end: bool = False
     """Export the final actor with ``save_pretrained`` to ``output_dir/hf``."""
-    logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
-    """Metric sinks: console, jsonl, tensorboard, wandb."""
     profile_steps: list[int] = field(default_factory=list)
     """Steps to record with the torch profiler (counted from 1)."""
     warn_entropy_below: float = 0.0
@@ -565,7 +554,7 @@ class TrainerConfig:
     """Stop with an error after this many steps in a row skipped for a non-finite reward."""
 
     def __post_init__(self) -> None:
-        _check_run_keys(self)
+        super().__post_init__()
         _require(self, "> 0", "n_gpus_per_node", "nnodes", "profile_steps")
         _require(self, ">= 0", "critic_warmup", "warn_entropy_below")
         _require(self, "[0, 1)", "rollback_val_drop")
@@ -656,6 +645,16 @@ class PPOConfig:
     def use_critic(self) -> bool:
         """GAE needs a value function; the group estimators do not."""
         return self.algorithm.adv_estimator == "gae"
+
+    @property
+    def on_policy(self) -> bool:
+        """One update per rollout (one epoch, one mini-batch): the ratio is exactly 1 (verl's shortcut)."""
+        return self.actor.ppo_epochs == 1 and self.actor.ppo_mini_batch_size == self.data.train_batch_size
+
+    @property
+    def needs_reference(self) -> bool:
+        """A reference policy is scored when a KL term or the KL rollback uses it."""
+        return self.algorithm.use_kl_in_reward or self.actor.use_kl_loss or self.algorithm.rollback_kl > 0
 
     def validate(self, world_size: int) -> None:
         """Check every batch divisibility that ``world_size`` ranks need; say which numbers to change.
@@ -776,46 +775,25 @@ class StageDataConfig:
 
 
 @dataclass(kw_only=True)
-class StageTrainerConfig:
-    project_name: str = "ppo"
-    """Groups runs (used by wandb)."""
+class StageTrainerConfig(RunTrainerConfig):
+    """The ``trainer`` section of SFT, the reward model and DPO: the keys every run has, and theirs."""
+
     experiment_name: str = "stage"
     """Name of this run."""
     output_dir: str = "outputs/stage"
     """Run folder: resolved config, metrics.jsonl, TensorBoard events, checkpoints; the model is saved in
     ``hf/`` unless ``save_path`` is set."""
-    overwrite: bool = False
-    """A fresh run (trainer.resume_mode=disable) refuses an output_dir that already holds a run
-    (config.yaml, metrics.jsonl or checkpoints); true replaces it."""
-    save_path: str | None = None
-    """Where the final ``save_pretrained`` folder goes (default ``output_dir/hf``)."""
-    device: Literal["auto", "cuda", "cpu"] = "auto"
-    """``auto``: CUDA when available (nccl), else CPU (gloo)."""
-    dist_timeout_s: int = 1800
-    """Process-group timeout."""
-    seed: int = 1
-    """Seed of data order and initialization."""
-    total_epochs: int = 1
-    """Passes over the training data."""
-    total_training_steps: int | None = None
-    """Stop after this many optimizer steps (default: ``total_epochs`` passes)."""
-    max_time_s: float = 0.0
-    """Stop after this many seconds of training (0: no limit); the schedule still assumes the full run."""
     test_freq: int = 50
     """Validate every this many steps (and at the end; 0 or -1 validates only at the end)."""
-    save_freq: int = -1
-    """Checkpoint every this many steps (0 or -1 disables periodic saves)."""
-    resume_mode: str = "auto"
-    """``auto`` (latest checkpoint in ``output_dir``), ``disable``, or a checkpoint path."""
-    max_ckpt_to_keep: int = 2
-    """Keep this many newest checkpoints (0 keeps all)."""
+    save_path: str | None = None
+    """Where the final ``save_pretrained`` folder goes (default ``output_dir/hf``)."""
+    max_time_s: float = 0.0
+    """Stop after this many seconds of training (0: no limit); the schedule still assumes the full run."""
     grad_clip: float = 1.0
     """Clip the global gradient norm (0 disables)."""
-    logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
-    """Metric sinks: console, jsonl, tensorboard, wandb."""
 
     def __post_init__(self) -> None:
-        _check_run_keys(self)
+        super().__post_init__()
         _require(self, ">= 0", "max_time_s", "grad_clip")
 
 
@@ -867,7 +845,88 @@ class RewardModelConfig:
     """Run length, logging, output."""
 
 
-def validate_stage(cfg: SFTConfig | RewardModelConfig, world_size: int) -> None:
+@dataclass(kw_only=True)
+class PreferenceDataConfig(StageDataConfig):
+    """DPO's data: preference pairs, or the ranked groups the offline PPO path reads, expanded to pairs."""
+
+    train_files: list[str] = field(default_factory=lambda: ["assets/offline/train.parquet"])
+    """Parquet files of ``prompt``, ``chosen``, ``rejected`` (preference pairs) or of ranked groups
+    (``responses`` with ``ranks`` or ``scores``, as ``rollout.source=dataset`` reads them)."""
+    val_files: list[str] = field(default_factory=list)
+    """Held-out files in the same layout: the loss, reward margins and accuracies on them."""
+    pairs: Literal["best_vs_rest", "best_vs_worst"] = "best_vs_rest"
+    """How a ranked group becomes pairs: the best response against each strictly worse one, or against
+    the worst only. Groups whose responses all tie give no pair (skipped and counted)."""
+    max_prompt_length: int = 64
+    """Prompts longer than this many tokens are dropped and counted (as PPO's ``data.max_prompt_length``)."""
+    max_response_length: int = 64
+    """Responses longer than this many tokens (EOS included) drop their group (as PPO's)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(self, "> 0", "max_prompt_length", "max_response_length")
+
+
+PREFERENCE_LOSSES = ("dpo", "ipo", "simpo", "kto")
+"""The DPO-family losses of ``scripts/train_dpo.py`` (``loss.type``)."""
+
+
+@dataclass(kw_only=True)
+class PreferenceLossConfig:
+    type: Literal["dpo", "ipo", "simpo", "kto"] = "dpo"
+    """``dpo`` (Rafailov et al. 2023; with ``label_smoothing``: cDPO), ``ipo`` (Azar et al. 2023),
+    ``simpo`` (Meng et al. 2024: length-normalized, reference-free: no reference model is loaded) or
+    ``kto`` (Ethayarajh et al. 2024, on the pairs' chosen and rejected responses)."""
+    beta: float = 0.1
+    """Scale of the implicit reward ``beta * (log pi - log pi_ref)`` (SimPO: of the mean token log-prob)."""
+    gamma: float = 0.5
+    """SimPO's target reward margin."""
+    label_smoothing: float = 0.0
+    """cDPO: the assumed share of pairs whose labels are flipped, in [0, 0.5)."""
+    nll_coef: float = 0.0
+    """Weight of an SFT term, the chosen response's token-mean negative log-likelihood (0: off)."""
+
+    def __post_init__(self) -> None:
+        _require(self, "> 0", "beta")
+        _require(self, ">= 0", "gamma", "nll_coef")
+        _require(self, "[0, 0.5)", "label_smoothing")
+
+
+@dataclass(kw_only=True)
+class PreferenceRefConfig:
+    model_path: str | None = None
+    """The reference policy (default ``model.path``; under LoRA, the model with its adapters off)."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Sharding of the reference model."""
+
+
+@dataclass(kw_only=True)
+class DPOConfig:
+    """DPO-family preference optimization on pairs (or ranked groups) without sampling."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy to train (default: the demo's SFT model)."""
+    ref: PreferenceRefConfig = field(default_factory=PreferenceRefConfig)
+    """The frozen reference (not loaded for SimPO)."""
+    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    """Pairs or ranked groups, lengths, batch sizes (``train_batch_size`` counts pairs)."""
+    loss: PreferenceLossConfig = field(default_factory=PreferenceLossConfig)
+    """The preference loss and its parameters."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Adapters on the policy (rank 0: off); the reference is then the model with adapters off."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """AdamW with warm-up and decay."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Sharding of the policy."""
+    trainer: StageTrainerConfig = field(default_factory=lambda: StageTrainerConfig(output_dir="outputs/dpo"))
+    """Run length, logging, output."""
+
+
+StageConfig = SFTConfig | RewardModelConfig | DPOConfig
+"""The config of a stage run (``ppo.stage_loop``)."""
+
+
+def validate_stage(cfg: StageConfig, world_size: int) -> None:
     """The batch divisibility an SFT or reward-model run needs on ``world_size`` ranks."""
     _check_world_size(world_size)
     d = cfg.data
@@ -902,378 +961,3 @@ def check_kl_kind(kind: str, key: str) -> None:
         raise FieldError(
             f"{key}={kind!r} is not a KL estimator; valid: {', '.join(KL_KINDS)} (optionally with '+')", key
         )
-
-
-# ----------------------------------------------------------------------------------------------------
-# Loading: defaults, then YAML, then overrides
-# ----------------------------------------------------------------------------------------------------
-
-C = typing.TypeVar("C")
-COMMAND_LINE = "the command line"
-
-
-def load_config(path: str | Path | None, overrides: list[str] | None = None, cls: type[C] = PPOConfig) -> C:
-    """Build ``cls`` from its defaults, then the YAML file at ``path``, then ``a.b.c=value`` overrides.
-
-    Raises ConfigError, one line naming the dotted key and where it came from, for anything wrong in
-    the file or the overrides (unknown keys with the closest valid names, duplicate keys, malformed
-    YAML, wrong types, values out of range).
-    """
-    tree: dict[str, Any] = {}
-    sources: dict[str, str] = {}
-    if path is not None:
-        path = Path(path)
-        loaded = _read_yaml(path)
-        if loaded is None:
-            loaded = {}  # an empty file or only comments
-        if not isinstance(loaded, dict):
-            raise ConfigError(
-                f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}"
-            )
-        _merge(tree, loaded, sources, str(path), "", cls)
-    for item in overrides or []:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        parts = key.split(".")
-        if not sep or not all(parts):
-            raise ConfigError(f"command-line override {item!r} must look like section.key=value")
-        try:
-            value: Any = _parse_yaml(raw) if raw.strip() else ""
-        except _YAMLProblem as e:
-            col = f" at column {e.column}" if e.column else ""
-            raise ConfigError(f"{key}={raw!r} (from {COMMAND_LINE}) is not valid YAML{col}: {e}") from None
-        for part in reversed(parts):
-            value = {part: value}
-        _merge(tree, value, sources, COMMAND_LINE, "", cls)
-    return _build(cls, tree, sources, prefix="")
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.safe_load`` that fails on a key given twice in one mapping (PyYAML keeps the last)."""
-
-    def construct_document(self, node: yaml.Node) -> Any:
-        self._document = node  # where construct_mapping looks up the dotted key of a duplicate
-        return super().construct_document(node)
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        first_line: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue  # `<<: *anchor` merges may be overridden by the mapping's own keys
-            key = self.construct_object(key_node, deep=True)
-            try:
-                line = first_line.get(key)
-            except TypeError:
-                continue  # an unhashable key: the base class reports it
-            if line is not None:
-                path = _node_path(self._document, node)
-                dotted = f"{path}.{key}" if path else str(key)
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {dotted!r} (first set on line {line})", key_node.start_mark
-                )
-            first_line[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep)
-
-
-def _node_path(root: yaml.Node, target: yaml.Node) -> str:
-    """The dotted key of the mapping ``target`` within the composed YAML document ``root``."""
-    stack: list[tuple[yaml.Node, str]] = [(root, "")]
-    seen: set[int] = set()
-    while stack:
-        node, path = stack.pop()
-        if node is target:
-            return path
-        if id(node) in seen:
-            continue  # an alias of a node already walked
-        seen.add(id(node))
-        if isinstance(node, yaml.MappingNode):
-            stack.extend((v, f"{path}.{k.value}" if path else str(k.value)) for k, v in node.value)
-        elif isinstance(node, yaml.SequenceNode):
-            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node.value))
-    return ""
-
-
-def _read_yaml(path: Path) -> Any:
-    """The YAML document in the file at ``path``; any problem with it is a one-line ConfigError."""
-    if path.is_dir():
-        raise ConfigError(f"config file {path} is a directory, not a YAML file")
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from None
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise ConfigError(
-            f"{path}, line {line}: not UTF-8 text (byte {raw[e.start]:#04x}); save the file as UTF-8"
-        ) from None
-    try:
-        return _parse_yaml(text)
-    except _YAMLProblem as e:
-        at = f", line {e.line}" + (f", column {e.column}" if e.column else "") if e.line else ""
-        raise ConfigError(f"{path}{at}: {e}") from None
-
-
-class _YAMLProblem(Exception):
-    """Why a text is not valid YAML, and where (1-based line and column, or None)."""
-
-    def __init__(self, problem: str, line: int | None = None, column: int | None = None) -> None:
-        super().__init__(problem)
-        self.line, self.column = line, column
-
-
-def _parse_yaml(text: str) -> Any:
-    """``text`` parsed by :class:`_UniqueKeyLoader`; any problem (syntax, tabs, a duplicate key, a
-    character YAML forbids, nesting deep enough to exhaust the stack) is a :class:`_YAMLProblem`."""
-    try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        problem = e.problem or e.context or "invalid YAML"
-        if "'\\t'" in problem:
-            problem += " (indent with spaces, not tabs)"
-        elif e.context and e.problem:
-            problem = f"{e.problem} ({e.context})"
-        raise _YAMLProblem(problem, *((mark.line + 1, mark.column + 1) if mark else ())) from None
-    except yaml.reader.ReaderError as e:
-        line = text.count("\n", 0, e.position) + 1
-        raise _YAMLProblem(f"character #x{e.character:04x} is not allowed in YAML", line) from None
-    except yaml.YAMLError as e:
-        raise _YAMLProblem(" ".join(str(e).split())) from None
-    except RecursionError:
-        raise _YAMLProblem("nested too deeply") from None
-    except (ValueError, OverflowError) as e:  # a scalar the constructor rejects (an int of 5000 digits)
-        raise _YAMLProblem(" ".join(str(e).split())) from None
-
-
-def _merge(dst: dict, src: dict, sources: dict[str, str], source: str, prefix: str, cls: type) -> None:
-    """Merge ``src`` into ``dst`` key by key, recording each dotted key's source. Only the sections of
-    ``cls`` are descended into (and must be mappings); any other value, a leaf or an unknown key, is
-    taken whole for ``_build`` to check, so a self-referencing YAML anchor cannot recurse without end."""
-    hints = typing.get_type_hints(cls)
-    for key, value in src.items():
-        dotted = f"{prefix}{key}"
-        section = hints.get(key) if isinstance(key, str) else None
-        sources[dotted] = source
-        if not dataclasses.is_dataclass(section):
-            dst[key] = value
-            continue
-        if not isinstance(value, dict):
-            raise ConfigError(
-                f"{dotted} is a section; got {_show.repr(value)} (from {source}): set its keys, "
-                f"e.g. {dotted}.<key>=value"
-            )
-        _merge(dst.setdefault(key, {}), value, sources, source, dotted + ".", section)
-
-
-def _source(sources: dict[str, str], dotted: str) -> str:
-    dotted = dotted.partition("[")[0]  # betas[1] came from where betas came from
-    while dotted:
-        if dotted in sources:
-            return sources[dotted]
-        dotted = dotted.rpartition(".")[0]
-    return "the defaults"
-
-
-def _where(keys: list[str], sources: dict[str, str]) -> str:
-    """``from X`` when all ``keys`` came from one place, else ``a from X; b from Y``."""
-    found = {k: _source(sources, k) for k in keys}
-    if len(set(found.values())) == 1:
-        return f"from {found[keys[0]]}"
-    return "; ".join(f"{k} from {s}" for k, s in found.items())
-
-
-def all_keys(cls: type, prefix: str = "") -> list[str]:
-    """Every dotted key of a config class, sections included."""
-    keys = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        dotted = f"{prefix}{f.name}"
-        keys.append(dotted)
-        if dataclasses.is_dataclass(hints[f.name]):
-            keys.extend(all_keys(hints[f.name], dotted + "."))
-    return keys
-
-
-def _build(
-    cls: type[C],
-    tree: dict[str, Any],
-    sources: dict[str, str],
-    prefix: str,
-    base: Any = None,
-    root: type | None = None,
-) -> C:
-    """``cls`` with the values of ``tree`` set over ``base`` (its default where the enclosing class's
-    default gave one, e.g. SFT's cosine ``optim``; the root has none and starts from its own defaults).
-
-    A nested section's base is ``base``'s value for that field, or the enclosing class's field default:
-    never a built root, whose ``__post_init__`` has already resolved fallbacks from other keys.
-    """
-    root = root or cls
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for key in tree:
-        if key not in fields:
-            dotted = f"{prefix}{key}"
-            close = closest_keys(dotted, all_keys(root))
-            hint = f"; did you mean {' or '.join(close)}?" if close else ""
-            raise ConfigError(f"unknown config key {dotted!r} (from {_source(sources, dotted)}){hint}")
-    kwargs: dict[str, Any] = {}
-    for key, value in tree.items():
-        dotted = f"{prefix}{key}"
-        typ = hints[key]
-        if dataclasses.is_dataclass(typ):  # _merge made sure that value is a dict
-            inner = getattr(base, key) if base is not None else _field_default(fields[key])
-            kwargs[key] = _build(typ, value, sources, dotted + ".", inner, root)
-        elif isinstance(value, dict):
-            raise ConfigError(
-                f"{dotted} is not a section (it takes {_type_name(typ)}); got {_show.repr(value)} "
-                f"(from {_source(sources, dotted)})"
-            )
-        else:
-            kwargs[key] = _coerce(value, typ, dotted, sources)
-    try:
-        return cls(**kwargs) if base is None else dataclasses.replace(base, **kwargs)
-    except FieldError as e:
-        keys = [f"{prefix}{k}" for k in e.keys]
-        raise ConfigError(f"{prefix}{e} ({_where(keys, sources)})") from None
-
-
-def _field_default(f: dataclasses.Field) -> Any:
-    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-
-
-def closest_keys(dotted: str, keys: list[str], n: int = 3) -> list[str]:
-    """Valid keys closest to a wrong one: by the whole dotted name, then by its last part alone
-    (``actor.kl_coef`` finds ``actor.kl_loss_coef`` and ``algorithm.kl_ctrl.kl_coef``)."""
-    close = difflib.get_close_matches(dotted, keys, n=n, cutoff=0.6)
-    leaf = dotted.rpartition(".")[2]
-    by_leaf = {k.rpartition(".")[2]: [] for k in keys}
-    for k in keys:
-        by_leaf[k.rpartition(".")[2]].append(k)
-    for name in difflib.get_close_matches(leaf, list(by_leaf), n=n, cutoff=0.75):
-        close += [k for k in by_leaf[name] if k not in close]
-    return close[: n + 1]
-
-
-def _coerce(value: Any, typ: Any, dotted: str, sources: dict[str, str]) -> Any:
-    """Convert ``value`` to ``typ`` (bool, int, float, str, Literal, Optional, list) or fail clearly.
-    A float must be finite: NaN and ±inf are rejected for every float key."""
-
-    def fail() -> typing.NoReturn:
-        raise ConfigError(
-            f"{dotted}={_show.repr(value)} (from {_source(sources, dotted)}) is not a valid {_type_name(typ)}"
-        )
-
-    origin = typing.get_origin(typ)
-    args = typing.get_args(typ)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        rest = [a for a in args if a is not type(None)]
-        if len(rest) == 1:  # an optional: the error of its one type says more (e.g. "not finite")
-            return _coerce(value, rest[0], dotted, sources)
-        for a in rest:
-            try:
-                return _coerce(value, a, dotted, sources)
-            except ConfigError:
-                pass
-        fail()
-    if origin is Literal:
-        if value in args:
-            return value
-        raise ConfigError(
-            f"{dotted}={_show.repr(value)} (from {_source(sources, dotted)}) must be one of "
-            f"{', '.join(map(str, args))}"
-        )
-    if origin is list:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            value = [value]  # a single file or number where a list is expected
-        if not isinstance(value, list):
-            fail()
-        return [_coerce(v, args[0], f"{dotted}[{i}]", sources) for i, v in enumerate(value)]
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-            return value.lower() in ("true", "yes", "1")
-        fail()
-    if typ is int:
-        if isinstance(value, bool):
-            fail()
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                f = float(value)
-            except ValueError:
-                fail()
-            if f.is_integer():
-                return int(f)
-        fail()
-    if typ is float:
-        if isinstance(value, bool):
-            fail()
-        if not isinstance(value, (int, float, str)):
-            fail()
-        try:
-            number = float(value)  # YAML 1.1 reads 1e-5 (no dot) as a string
-        except (ValueError, OverflowError):  # not a number; an int beyond the float range
-            fail()
-        if not math.isfinite(number):
-            raise ConfigError(
-                f"{dotted}={_show.repr(value)} (from {_source(sources, dotted)}) must be a finite number"
-            )
-        return number
-    if typ is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        fail()
-    if typ is Any:
-        return value
-    fail()
-
-
-def _type_name(typ: Any) -> str:
-    origin = typing.get_origin(typ)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(typ))
-    if origin is list:
-        return f"list of {_type_name(typing.get_args(typ)[0])}"
-    if origin is Literal:
-        return "one of " + ", ".join(map(str, typing.get_args(typ)))
-    if typ is type(None):
-        return "null"
-    return getattr(typ, "__name__", str(typ))
-
-
-def to_dict(cfg: Any) -> dict[str, Any]:
-    """The config as plain nested dicts (for YAML and logging)."""
-    return dataclasses.asdict(cfg)
-
-
-def to_yaml(cfg: Any) -> str:
-    """The resolved config as YAML that ``load_config`` reads back to an equal config."""
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
-
-
-def parse_cli(
-    argv: list[str] | None, cls: type[C] = PPOConfig, description: str = ""
-) -> tuple[C, argparse.Namespace]:
-    """The command line every entry point shares: ``--config X.yaml``, ``key.sub=value`` overrides,
-    ``--print-config`` (print the resolved config and exit) and ``--world-size N`` (validate for a
-    world size other than the one running)."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--config", default=None, help="YAML preset over the defaults")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    parser.add_argument("--world-size", type=int, default=None, help="validate for this many ranks")
-    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    args = parser.parse_args(argv)
-    if args.world_size is not None and args.world_size < 1:
-        raise ConfigError(f"--world-size must be >= 1, got {args.world_size} (from {COMMAND_LINE})")
-    return load_config(args.config, args.overrides, cls), args

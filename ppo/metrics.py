@@ -16,16 +16,14 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from ppo import models
+from ppo.batch import Batch
 from ppo.config import PPOConfig
 from ppo.distributed import DistInfo, all_reduce_scalar, all_reduce_scalars, all_reduce_tensors
-
-if TYPE_CHECKING:
-    from ppo.build import Run
-    from ppo.rollout import Batch
 
 logger = logging.getLogger("ppo")
 
@@ -41,19 +39,6 @@ CONSOLE_KEYS = {
     "response_length/mean": "len",
     "timing_s/step": "s",
 }
-
-
-def tensor_stats(prefix: str, x: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, float]:
-    """``{prefix}/mean``, ``/max``, ``/min`` of ``x`` where ``mask`` (all of it when None)."""
-    values = x[mask.bool()] if mask is not None else x.reshape(-1)
-    values = values.detach().float()
-    if values.numel() == 0:
-        return {f"{prefix}/mean": 0.0, f"{prefix}/max": 0.0, f"{prefix}/min": 0.0}
-    return {
-        f"{prefix}/mean": values.mean().item(),
-        f"{prefix}/max": values.max().item(),
-        f"{prefix}/min": values.min().item(),
-    }
 
 
 def global_stats(values: dict[str, torch.Tensor], *, copies: int = 1) -> dict[str, dict[str, float]]:
@@ -335,7 +320,13 @@ def batch_metrics(cfg: PPOConfig, batch: Batch) -> dict[str, float]:
 
 
 def perf_metrics(
-    cfg: PPOConfig, run: Run, batch: Batch, metrics: dict[str, float], times: dict[str, float], info: DistInfo
+    cfg: PPOConfig,
+    batch: Batch,
+    metrics: dict[str, float],
+    times: dict[str, float],
+    info: DistInfo,
+    *,
+    actor: torch.nn.Module,
 ) -> dict[str, float]:
     """Timings, tokens, throughput, memory and the actor's model FLOPs utilization (GPUs we know).
 
@@ -343,7 +334,8 @@ def perf_metrics(
     """
     out = dict(times)
     # The ranks of a sequence-parallel group hold the same sequences: each counts its share.
-    local_tokens = float(sum(batch.seq_lens)) / run.sp.size
+    copies = cfg.actor.ulysses_sequence_parallel_size
+    local_tokens = float(sum(batch.seq_lens)) / copies
     num_tokens = all_reduce_scalar(local_tokens, "sum")
     memory = all_reduce_scalar(max_memory_gib(info.device), "max")
     out["perf/total_num_tokens"] = num_tokens
@@ -356,12 +348,12 @@ def perf_metrics(
         num_mini = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
         passes = metrics["actor/num_updates"] / num_mini
         seconds = times["timing_s/update_actor"]
-        out["perf/mfu/actor"] = model_flops_utilization(run.num_params, local_tokens * passes, seconds, peak)
+        num_params = models.count_parameters(actor)
+        out["perf/mfu/actor"] = model_flops_utilization(num_params, local_tokens * passes, seconds, peak)
         # verl's figure: its flops counter (attention included) over the global batch, per GPU.
         lens = torch.tensor(batch.seq_lens, dtype=torch.float64)
         total, squares = all_reduce_scalars([float(lens.sum()), float(lens.square().sum())])
-        copies = run.sp.size  # a sequence-parallel group's ranks hold the same sequences
-        flops = verl_training_flops(run.actor.config, total / copies, squares / copies) * passes
+        flops = verl_training_flops(actor.config, total / copies, squares / copies) * passes
         out["perf/mfu/actor_verl"] = flops / (seconds * peak * info.world_size)
     return out
 

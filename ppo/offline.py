@@ -46,9 +46,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ppo import data
+from ppo.batch import Batch, Rollout, concat_rollouts, group_index
 from ppo.data import DataError
 from ppo.rewards import competition_ranks
-from ppo.rollout import Rollout, response_mask_from_eos
+from ppo.rollout import response_mask_from_eos
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -401,18 +402,52 @@ def dataset_scores(groups: list[OfflineGroup], device: torch.device | str) -> to
     return torch.tensor([s for g in groups for s in g.scores], dtype=torch.float32, device=device)
 
 
-def concat_rollouts(parts: list[Rollout]) -> Rollout:
-    """One rollout of the sequences of ``parts`` in order (offline groups, then sampled ones, with
-    ``rollout.offline_fraction`` in (0, 1)). All parts share ``R``."""
-    return Rollout(
-        prompts=[p for part in parts for p in part.prompts],
-        responses=torch.cat([part.responses for part in parts]),
-        response_mask=torch.cat([part.response_mask for part in parts]),
-        truncated=torch.cat([part.truncated for part in parts]),
-    )
-
-
 def num_offline_groups(num_groups: int, offline_fraction: float) -> int:
     """How many of a rank's ``num_groups`` prompt groups of a step come from the data set:
     ``round(num_groups * offline_fraction)``, halves rounded up (the rest are sampled)."""
     return min(num_groups, math.floor(num_groups * offline_fraction + 0.5))
+
+
+def step_batch(
+    groups: list[OfflineGroup],
+    num_offline: int,
+    sampled: Rollout | None,
+    *,
+    group_size: int,
+    with_scores: bool,
+    max_response_length: int,
+    pad_token_id: int,
+    eos_token_ids: list[int],
+    device: torch.device | str,
+) -> Batch:
+    """This rank's step batch when offline groups take part (``rollout.offline_fraction > 0``): the
+    responses of the first ``num_offline`` groups from the data (``offline_rollout``), then ``sampled``,
+    the rollout of the other groups' prompts (each repeated ``group_size`` times; None when every group
+    is offline). Rows ``[g*k, (g+1)*k)`` are group ``g``'s, offline groups first; ``data_ranks`` holds the
+    data's ranks (-1 for sampled rows) and ``data_scores`` its scores where ``with_scores``
+    (``reward.style=dataset``), else NaN."""
+    given = groups[:num_offline]
+    parts = [
+        offline_rollout(
+            given,
+            max_response_length=max_response_length,
+            pad_token_id=pad_token_id,
+            eos_token_ids=eos_token_ids,
+            device=device,
+        )
+    ]
+    if sampled is not None:
+        parts.append(sampled)
+    records = [g.record for g in groups for _ in range(group_size)]
+    num_given = len(given) * group_size
+    ranks = dataset_ranks(given, device) if given else torch.zeros(0, dtype=torch.long, device=device)
+    data_scores = torch.full((len(records),), float("nan"), device=device)
+    if with_scores:
+        data_scores[:num_given] = dataset_scores(given, device)
+    return Batch(
+        rollout=concat_rollouts(parts),
+        records=records,
+        group_ids=group_index(len(records), group_size, device),
+        data_ranks=torch.cat([ranks, torch.full((len(records) - num_given,), -1, device=device)]),
+        data_scores=data_scores,
+    )

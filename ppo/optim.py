@@ -1,8 +1,13 @@
-"""AdamW with linear warm-up and constant or cosine decay: the one optimizer every stage uses."""
+"""AdamW with linear warm-up and constant or cosine decay: the one optimizer every stage uses, and the
+gradient clipping that precedes its step.
+
+    actor = with_optimizer(model, cfg.actor.optim, total_steps)    # .model, .optimizer, .scheduler
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -32,10 +37,18 @@ def lr_factor(step: int, *, warmup: int, total: int, schedule: str, min_lr_ratio
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(
-    model: torch.nn.Module, cfg: OptimConfig, total_steps: int
-) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """Fused AdamW over the trainable parameters and its schedule (``total_steps`` scheduler steps)."""
+@dataclass(kw_only=True)
+class Trained:
+    """A model that trains, with its optimizer and learning-rate schedule."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+
+def with_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int) -> Trained:
+    """``model`` with fused AdamW over its trainable parameters and the schedule (``total_steps``
+    scheduler steps)."""
     params = [p for p in model.parameters() if p.requires_grad]
     # The fused kernel updates every parameter in one pass (CPU and CUDA): 9x faster optimizer steps on
     # CPU, equal to the loop implementation to rounding.
@@ -49,7 +62,7 @@ def build_optimizer(
             step, warmup=warmup, total=total_steps, schedule=cfg.lr_scheduler, min_lr_ratio=cfg.min_lr_ratio
         ),
     )
-    return optimizer, scheduler
+    return Trained(model=model, optimizer=optimizer, scheduler=scheduler)
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:

@@ -5,8 +5,10 @@ concatenated into one row of ``T`` tokens, position ids restart at 0 for each se
 ``cu_seqlens [B+1]`` marks the boundaries, and the model runs with no attention mask and
 ``use_cache=False`` (with a cache, transformers silently ignores the packing; see
 ``docs/platform.md``). The packed attention kernels (``ppo.attention``) read the boundaries from the
-position ids; transformers' plain sdpa and eager attend through a dense block-diagonal mask. PPO's
-token quantities come back as ``[B, R]`` over response tokens, the layout of ``ppo.algorithms``.
+host-side offsets; transformers' plain sdpa and eager attend through a dense block-diagonal mask. PPO's
+token quantities come back as ``[B, R]`` over response tokens (``unpack``), the layout of
+``ppo.algorithms``; the forwards on packed rows are ``ppo.ulysses``'s (with or without sequence
+parallelism).
 
 Micro-batches are cut by a token budget and balanced by length (longest-first greedy partition, the
 classic LPT heuristic), with their count agreed across ranks so every rank makes the same number of
@@ -14,7 +16,7 @@ forward/backward calls.
 
     packed = pack_sequences([[1, 2, 3], [4, 5]], device)        # SFT / reward model
     packed = pack(prompts, responses, response_mask)            # PPO: prompt + response
-    logprobs, entropy = packed_logprobs(actor, packed, temperature=1.0)   # [B, R] each
+    logprobs, entropy = ulysses.packed_logprobs(actor, packed, ulysses.NO_SP, temperature=1.0)  # [B, R]
 """
 
 from __future__ import annotations
@@ -22,18 +24,13 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-import kernels
-from ppo import models
+from ppo.batch import Batch
 from ppo.config import ActorConfig, CriticConfig
 from ppo.distributed import all_reduce_scalar
-
-if TYPE_CHECKING:
-    from ppo.rollout import Batch
 
 
 @dataclass(kw_only=True)
@@ -118,46 +115,6 @@ def unpack(x: torch.Tensor, packed: Packed) -> torch.Tensor:
     """Gather a per-token quantity ``[T]`` into the response layout ``[B, R]`` (0 at padding)."""
     out = x[packed.response_index]
     return torch.where(packed.response_mask, out, torch.zeros_like(out))
-
-
-def packed_logprobs(
-    model: torch.nn.Module,
-    packed: Packed,
-    *,
-    temperature: float,
-    backend: str = "auto",
-    compute_entropy: bool = False,
-    fused: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropy) of the response tokens, ``[B, R]`` fp32 each.
-
-    ``fused`` computes them from the final hidden states and the LM head weight without building the
-    ``[T, V]`` logits; otherwise from the logits. Temperature divides after the fp32 upcast (inside the
-    kernels).
-    """
-    if fused:
-        hidden = models.causal_lm_hidden(model, packed.input_ids, packed.position_ids, packed.offsets)
-        weight = models.lm_head_weight(model)
-        lp, ent = kernels.fused_linear_logprobs(
-            hidden,
-            weight,
-            packed.labels,
-            temperature=temperature,
-            compute_entropy=compute_entropy,
-            backend=backend,
-        )
-    else:
-        logits = models.causal_lm_logits(model, packed.input_ids, packed.position_ids, packed.offsets)
-        lp, ent = kernels.logprobs_from_logits(
-            logits, packed.labels, temperature=temperature, compute_entropy=compute_entropy, backend=backend
-        )
-    return unpack(lp, packed), (unpack(ent, packed) if ent is not None else None)
-
-
-def packed_values(critic: torch.nn.Module, packed: Packed) -> torch.Tensor:
-    """The critic's value of the state before each response token, ``[B, R]`` fp32."""
-    values = models.critic_values(critic, packed.input_ids, packed.position_ids, packed.offsets)
-    return unpack(values, packed)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -274,7 +231,3 @@ def pack_rows(batch: Batch, sel: torch.Tensor) -> Packed:
         batch.rollout.responses[sel],
         batch.response_mask[sel],
     )
-
-
-def all_rows(batch: Batch) -> torch.Tensor:
-    return torch.arange(len(batch.records), device=batch.response_mask.device)

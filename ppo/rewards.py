@@ -29,15 +29,16 @@ import sys
 from collections.abc import Callable, Sequence
 from numbers import Real
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 
 from ppo import models, sharding
+from ppo.batch import Batch, Rollout, decode_responses
+from ppo.config import RewardConfig
+from ppo.data import PromptRecord
+from ppo.distributed import agree_on_failure
 from ppo.packing import DUMMY_SEQUENCE, pack_sequences, plan_eval_micro_batches
-
-if TYPE_CHECKING:
-    from ppo.rollout import Rollout
 
 logger = logging.getLogger("ppo")
 
@@ -353,3 +354,91 @@ def rollout_reward_model_scores(
             micro_batch_size=micro_batch_size,
             device=rollout.responses.device,
         )
+
+
+# ----------------------------------------------------------------------------------------------------
+# A run's reward: what it needs, and a step's scores
+# ----------------------------------------------------------------------------------------------------
+
+
+def uses_reward_model(reward: RewardConfig) -> bool:
+    """Whether a reward model scores the responses (``style=model``, or ranking by the model)."""
+    return reward.style == "model" or (reward.style == "ranking" and reward.ranking_by == "model")
+
+
+def needs_rule_scores(reward: RewardConfig, offline_fraction: float) -> bool:
+    """Whether training responses are scored by the rule: not with a reward model, and not when every
+    group comes from the data set with its own ranks or scores."""
+    from_data = offline_fraction == 1.0 and reward.style in ("ranking", "dataset")
+    return not uses_reward_model(reward) and not from_data
+
+
+def needs_ground_truth(reward: RewardConfig, offline_fraction: float) -> bool:
+    """The built-in rule scorers compare with a ground truth; a reward model or a custom function
+    (which gets None) does not need one."""
+    return needs_rule_scores(reward, offline_fraction) and reward.custom_function is None
+
+
+def check_rule_coverage(scorer: RuleScorer, records: list[PromptRecord], custom_function: str | None) -> None:
+    """Every training prompt's ``data_source`` has a rule scorer, and the scorer runs on the first one
+    (``check_scorer``): found now, not at the first step."""
+    unknown = sorted({r.data_source for r in records if not has_rule(r.data_source, custom_function)})
+    if unknown:
+        raise RewardError(
+            f"no rule reward for data_source {', '.join(map(repr, unknown))} in data.train_files; known: "
+            f"{', '.join(RULE_DATA_SOURCES)}. Set reward.custom_function=module:function or "
+            f"file.py:function, or use a reward model (reward.style=model)"
+        )
+    first = records[0]
+    check_scorer(scorer, first.data_source, first.ground_truth, first.extra_info)
+
+
+def batch_scores(
+    batch: Batch,
+    reward: RewardConfig,
+    *,
+    group_size: int,
+    scorer: RuleScorer,
+    tokenizer: Any,
+    reward_model: torch.nn.Module | None,
+) -> torch.Tensor:
+    """Per-sequence scores ``[B]`` of a step's batch, on its device: the rule or the reward model; with
+    ``reward.style=ranking`` scores from each group's ranks (the data set's for offline groups, by the
+    rule or the reward model for sampled ones); with ``reward.style=dataset`` the data set's scores. A
+    reward function that fails on any rank stops every rank."""
+    if reward.style == "dataset":
+        return batch.data_scores
+    offline_rows = batch.data_ranks >= 0 if batch.data_ranks is not None else None
+    data_only = reward.style == "ranking" and offline_rows is not None and bool(offline_rows.all())
+    if data_only:
+        scores = torch.zeros(len(batch.records))
+    elif uses_reward_model(reward):
+        scores = rollout_reward_model_scores(
+            reward_model, batch.rollout, micro_batch_size=reward.micro_batch_size_per_gpu
+        )
+    else:
+        scores = rule_scores(scorer, batch.records, decode_responses(tokenizer, batch.rollout))
+    if reward.style == "ranking":
+        scores = rank_scores(scores, batch.group_ids.cpu(), reward.rank_scores)
+        if offline_rows is not None and bool(offline_rows.any()):
+            rows = offline_rows.cpu()
+            scores[rows] = scores_from_ranks(
+                batch.data_ranks[offline_rows].cpu(), group_size, reward.rank_scores
+            )
+    return scores.to(batch.response_mask.device)
+
+
+def rule_scores(scorer: RuleScorer, records: list[PromptRecord], texts: list[str]) -> torch.Tensor:
+    """``[B]`` float32 (CPU): the rule's score of each response text against its record; a reward
+    function that fails on any rank stops every rank (``agree_on_failure``)."""
+
+    def score_all() -> torch.Tensor:
+        return torch.tensor(
+            [
+                scorer(r.data_source, t, r.ground_truth, r.extra_info)
+                for r, t in zip(records, texts, strict=True)
+            ],
+            dtype=torch.float32,
+        )
+
+    return agree_on_failure(score_all, RewardError)

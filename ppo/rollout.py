@@ -22,30 +22,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoModelForCausalLM, CompileConfig, GenerationConfig
 
-from ppo import data, lora, sharding, ulysses
-from ppo.config import PPOConfig
-
-if TYPE_CHECKING:
-    from ppo.build import Run
-
-
-@dataclass(kw_only=True)
-class Rollout:
-    """This rank's sampled sequences."""
-
-    prompts: list[torch.Tensor]
-    """``B`` prompt token tensors ``[P_i]`` (unpadded)."""
-    responses: torch.Tensor
-    """[B, R] response tokens, padded with the pad id after the end."""
-    response_mask: torch.Tensor
-    """[B, R] bool: True on generated tokens up to and including the first EOS."""
-    truncated: torch.Tensor
-    """[B] bool: the response hit ``max_new_tokens`` without an EOS."""
+from ppo import lora, sharding, ulysses
+from ppo.batch import Batch, Rollout, group_index
+from ppo.config import RolloutConfig
+from ppo.data import PromptRecord
 
 
 def generation_config(
@@ -228,82 +212,55 @@ def response_mask_from_eos(
 
 
 # ----------------------------------------------------------------------------------------------------
-# The trainer's rollouts: a step's batch
+# The trainer's sampler
 # ----------------------------------------------------------------------------------------------------
 
 
 @dataclass(kw_only=True)
-class Batch:
-    """One step's sequences on this rank. Token tensors are ``[B, R]`` over response tokens."""
+class Sampler:
+    """What a run samples with: the actor (and its compiled decoding copy), the rollout settings and
+    the ids that end and pad a response."""
 
-    rollout: Rollout
-    records: list[data.PromptRecord]
-    """The prompt record of each sequence (repeated ``n`` times)."""
-    group_ids: torch.Tensor
-    """[B] index of the prompt a sequence answers (groups never straddle ranks)."""
-    data_ranks: torch.Tensor | None = None
-    """[B] the offline data set's rank of each response (0 = best), -1 for sampled ones."""
-    data_scores: torch.Tensor | None = None
-    """[B] the offline data set's score of each response (``reward.style=dataset``), NaN for sampled ones."""
-    old_logprobs: torch.Tensor | None = None
-    """[B, R] log-probs under the policy that sampled (None with the on-policy shortcut)."""
-    ref_logprobs: torch.Tensor | None = None
-    full_kl: torch.Tensor | None = None
-    """[B, R] exact KL over the vocabulary (only with ``algorithm.kl_penalty=full``)."""
-    values: torch.Tensor | None = None
-    scores: torch.Tensor | None = None
-    """[B] the reward of each sequence."""
-    token_rewards: torch.Tensor | None = None
-    """[B, R] the score on the last response token minus the in-reward KL penalty."""
-    advantages: torch.Tensor | None = None
-    returns: torch.Tensor | None = None
-
-    @property
-    def response_mask(self) -> torch.Tensor:
-        return self.rollout.response_mask
-
-    @property
-    def seq_lens(self) -> list[int]:
-        """Packed length (prompt + valid response tokens) of each sequence."""
-        resp = self.response_mask.sum(-1).tolist()
-        return [p.numel() + int(r) for p, r in zip(self.rollout.prompts, resp, strict=True)]
+    actor: torch.nn.Module
+    engine: torch.nn.Module | None
+    """The compiled rollout's decoding copy of the actor (``rollout.compile``, ``make_engine``), or None."""
+    settings: RolloutConfig
+    max_response_length: int
+    eos_ids: list[int]
+    """Every token id that ends a response (tokenizer and generation config)."""
+    pad_token_id: int
 
 
 def sample(
-    cfg: PPOConfig,
-    run: Run,
-    records: list[data.PromptRecord],
+    sampler: Sampler,
+    records: list[PromptRecord],
     *,
     do_sample: bool,
     micro_batch_size: int | None = None,
     ignore_eos: bool | None = None,
 ) -> Rollout:
     """One response per record with the rollout settings (temperature, top-p/k, lengths, EOS ids)."""
-    ignore_eos = cfg.rollout.ignore_eos if ignore_eos is None else ignore_eos
+    r = sampler.settings
+    ignore_eos = r.ignore_eos if ignore_eos is None else ignore_eos
     config = generation_config(
-        max_new_tokens=cfg.data.max_response_length,
+        max_new_tokens=sampler.max_response_length,
         do_sample=do_sample,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k,
-        eos_token_ids=run.eos_ids,
-        pad_token_id=run.tokenizer.pad_token_id,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        eos_token_ids=sampler.eos_ids,
+        pad_token_id=sampler.pad_token_id,
         ignore_eos=ignore_eos,
-        compile=run.engine is not None,
+        compile=sampler.engine is not None,
     )
     return generate(
-        run.actor,
+        sampler.actor,
         [torch.tensor(r.input_ids, dtype=torch.long) for r in records],
         config,
-        micro_batch_size=micro_batch_size or cfg.rollout.micro_batch_size_per_gpu,
+        micro_batch_size=micro_batch_size or r.micro_batch_size_per_gpu,
         ignore_eos=ignore_eos,
-        engine=run.engine,
+        engine=sampler.engine,
     )
-
-
-def group_index(num_rows: int, n: int, device: torch.device) -> torch.Tensor:
-    """``[B]`` the group (prompt) of each row: rows ``[g*n, (g+1)*n)`` answer prompt ``g``."""
-    return torch.arange(num_rows, device=device) // n
 
 
 def gather_group(batch: Batch, sp: ulysses.SPGroup, pad_token_id: int, n: int) -> Batch:
@@ -324,13 +281,3 @@ def gather_group(batch: Batch, sp: ulysses.SPGroup, pad_token_id: int, n: int) -
         out.data_ranks = ulysses.all_gather_rows(batch.data_ranks, sp)
         out.data_scores = ulysses.all_gather_rows(batch.data_scores, sp)
     return out
-
-
-def decode_responses(tokenizer, rollout: Rollout) -> list[str]:
-    """Response texts up to (not including) their EOS."""
-    texts = []
-    for tokens, mask in zip(rollout.responses.tolist(), rollout.response_mask.tolist(), strict=True):
-        texts.append(
-            tokenizer.decode([t for t, m in zip(tokens, mask, strict=True) if m], skip_special_tokens=True)
-        )
-    return texts

@@ -1,6 +1,6 @@
 """The one run harness of the three trainers: PPO (``train_ppo.py``), SFT and the reward model.
 
-Every entry point is ``sys.exit(runner.run(argv, ConfigClass, train, __doc__))``; ``run`` parses the
+Every entry point is ``sys.exit(runner.main(argv, ConfigClass, train, __doc__))``; ``main`` parses the
 command line, joins the process group and calls ``train(cfg, info)`` inside the error boundary. The
 pieces every ``train`` shares live here too, so they are written once::
 
@@ -8,9 +8,9 @@ pieces every ``train`` shares live here too, so they are written once::
         out_dir = runner.prepare_run(cfg, info)
         tokenizer = runner.load_tokenizer(cfg.model)
         model = runner.build_model(models.load_causal_lm, cfg.model, cfg.fsdp, info, path_key="model.path")
-        optimizer, scheduler = build_optimizer(model, cfg.optim, num_steps)
+        trained = with_optimizer(model, cfg.optim, num_steps)
         ...
-        grad_norm, skipped = runner.optimizer_step(model, optimizer, cfg.trainer.grad_clip)
+        grad_norm, skipped = runner.optimizer_step(model, trained.optimizer, cfg.trainer.grad_clip)
 
 Error boundary: an expected failure (bad config, data, model path, checkpoint, reward function, an
 I/O error) ends as one line on rank 0 and exit code 2; an unexpected exception prints its traceback
@@ -48,17 +48,17 @@ from ppo import attention, checkpoint, data, lora, models, rewards, sharding, ul
 from ppo.checkpoint import CheckpointError
 from ppo.config import (
     ConfigError,
+    DPOConfig,
     FSDPConfig,
     LoRAConfig,
     ModelConfig,
     PPOConfig,
     RewardModelConfig,
     SFTConfig,
-    parse_cli,
-    to_dict,
-    to_yaml,
+    StageConfig,
     validate_stage,
 )
+from ppo.config_loader import parse_cli, to_dict, to_yaml
 from ppo.distributed import (
     DistInfo,
     all_reduce_scalar,
@@ -73,7 +73,8 @@ from ppo.optim import clip_grad_norm
 
 logger = logging.getLogger("ppo")
 
-AnyConfig = TypeVar("AnyConfig", PPOConfig, SFTConfig, RewardModelConfig)
+AnyConfig = TypeVar("AnyConfig", PPOConfig, SFTConfig, RewardModelConfig, DPOConfig)
+"""The config class of one of the entry points."""
 
 
 class TrainingError(RuntimeError):
@@ -102,7 +103,7 @@ METRICS_FILE = "metrics.json"
 # ----------------------------------------------------------------------------------------------------
 
 
-def run(
+def main(
     argv: list[str] | None,
     cls: type[AnyConfig],
     train: Callable[[AnyConfig, DistInfo], None],
@@ -141,7 +142,7 @@ def run(
     return 0
 
 
-def validate_config(cfg: PPOConfig | SFTConfig | RewardModelConfig, world_size: int) -> None:
+def validate_config(cfg: PPOConfig | StageConfig, world_size: int) -> None:
     """The world-size checks of the config (batch divisibility, shard groups)."""
     if isinstance(cfg, PPOConfig):
         cfg.validate(world_size)
@@ -171,22 +172,45 @@ def quiet_other_ranks(info: DistInfo) -> None:
         transformers.utils.logging.set_verbosity_error()
 
 
-RUN_FILES = ("metrics.jsonl", "checkpoints", "tensorboard", "hf", "profile")
-"""What a run that has started training leaves in ``trainer.output_dir`` (``trainer.overwrite`` replaces
-them; a ``config.yaml`` alone is what a run that failed at start-up left)."""
+RUN_FOLDER = {
+    "checkpoints": "dir",
+    "metrics.jsonl": "file",
+    "tensorboard": "dir",
+    "hf": "dir",
+    "profile": "dir",
+}
+"""What a run that has started training may leave in ``trainer.output_dir``, beside its ``config.yaml``
+(a ``config.yaml`` alone is what a run that failed at start-up left), and whether each is a folder or a
+file: checkpoints, metrics, TensorBoard events, the ``save_pretrained`` export (PPO's
+``trainer.save_hf_on_end``; a stage's model without ``trainer.save_path``) and profiler traces
+(``trainer.profile_steps``). ``trainer.overwrite`` replaces them."""
 
 
-def prepare_run(
-    cfg: PPOConfig | SFTConfig | RewardModelConfig,
-    info: DistInfo,
-    *,
-    writes: dict[Path, str] | None = None,
-) -> Path:
+def run_paths(cfg: PPOConfig | StageConfig) -> dict[Path, str]:
+    """Every path a run will write and its kind (``"dir"`` or ``"file"``): the parts of ``RUN_FOLDER``
+    it uses and, for a stage, its saved model and the ``metrics.json`` beside it."""
+    out = Path(cfg.trainer.output_dir)
+    names = ["checkpoints", "metrics.jsonl", "tensorboard"]
+    paths: dict[Path, str] = {}
+    if isinstance(cfg, PPOConfig):
+        names += ["hf"] * cfg.trainer.save_hf_on_end + ["profile"] * bool(cfg.trainer.profile_steps)
+    else:
+        saved = stage_save_path(cfg)
+        paths = {saved: "dir", saved.parent / METRICS_FILE: "file"}
+    return {out / name: RUN_FOLDER[name] for name in names} | paths
+
+
+def stage_save_path(cfg: StageConfig) -> Path:
+    """Where a stage saves its model: ``trainer.save_path``, or ``output_dir/hf``."""
+    return Path(cfg.trainer.save_path or Path(cfg.trainer.output_dir) / "hf")
+
+
+def prepare_run(cfg: PPOConfig | StageConfig, info: DistInfo) -> Path:
     """Check the run folder and every path the run will write, refuse to overwrite another run, write
     the resolved config (rank 0), and seed every rank alike.
 
-    ``writes`` maps the paths the run will create to ``"dir"`` or ``"file"``; one that exists as the
-    other kind is an error now, not at the first save after hours of training. A fresh run
+    A path the run will write (``run_paths``) that exists as the other kind (a file where a folder goes)
+    is an error now, not at the first save after hours of training. A fresh run
     (``trainer.resume_mode=disable``) into a folder that holds a run stops, unless
     ``trainer.overwrite=true``, which deletes that run's files first. Raises CheckpointError on every
     rank when rank 0 finds a problem.
@@ -197,7 +221,7 @@ def prepare_run(
         try:
             _claim_output_dir(cfg, out_dir)
             checkpoint.ensure_writable(out_dir)
-            for path, kind in (writes or {}).items():
+            for path, kind in run_paths(cfg).items():
                 if kind == "dir" and path.exists() and not path.is_dir():
                     raise CheckpointError(f"{path} is a file: the run writes a folder there; move it away")
                 if kind == "file" and path.is_dir():
@@ -213,10 +237,10 @@ def prepare_run(
     return out_dir
 
 
-def _claim_output_dir(cfg: PPOConfig | SFTConfig | RewardModelConfig, out_dir: Path) -> None:
+def _claim_output_dir(cfg: PPOConfig | StageConfig, out_dir: Path) -> None:
     """A fresh run never writes over another one: stop, or with ``trainer.overwrite`` delete it."""
     t = cfg.trainer
-    found = [name for name in RUN_FILES if (out_dir / name).exists()]
+    found = [name for name in RUN_FOLDER if (out_dir / name).exists()]
     if not found:
         return
     if t.overwrite:
@@ -305,14 +329,12 @@ def build_model(
         and fsdp.mixed_precision.param_dtype == model_cfg.dtype
     ):
         # Nothing to shard, offload or cast: FSDP's hooks and its collectives on a world of one would
-        # only cost time (a third of a tiny model's step on CPU, scripts/bench_step.py --mode overhead).
+        # only cost time (a third of a tiny model's step on CPU, scripts/bench_overhead.py).
         return model.to(info.device)
     return sharding.shard_model(model, make_mesh(info, fsdp.fsdp_size), fsdp, device=info.device)
 
 
-def make_loader(
-    records: Sequence[Any], cfg: PPOConfig | SFTConfig | RewardModelConfig, info: DistInfo
-) -> data.ShardedLoader:
+def make_loader(records: Sequence[Any], cfg: PPOConfig | StageConfig, info: DistInfo) -> data.ShardedLoader:
     """This rank's contiguous share of each global batch, from a permutation seeded by
     ``(trainer.seed, epoch)``."""
     return data.ShardedLoader(
@@ -325,13 +347,13 @@ def make_loader(
     )
 
 
-def total_steps(cfg: PPOConfig | SFTConfig | RewardModelConfig, loader: data.ShardedLoader) -> int:
+def total_steps(cfg: PPOConfig | StageConfig, loader: data.ShardedLoader) -> int:
     """``trainer.total_training_steps``, or ``total_epochs`` passes over the training data."""
     return cfg.trainer.total_training_steps or loader.steps_per_epoch * cfg.trainer.total_epochs
 
 
 def make_metrics_logger(
-    cfg: PPOConfig | SFTConfig | RewardModelConfig,
+    cfg: PPOConfig | StageConfig,
     info: DistInfo,
     out_dir: Path,
     num_steps: int,

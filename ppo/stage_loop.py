@@ -6,9 +6,8 @@ optimizer step and schedule, validation every ``trainer.test_freq`` steps, metri
 checkpoints every ``trainer.save_freq`` steps and on a stop signal, the time cap. A stage run killed or
 preempted resumes exactly, like a PPO run::
 
-    result = train_stage(cfg, info, out_dir, model=model, optimizer=optimizer, scheduler=scheduler,
-                         loader=loader, num_steps=num_steps, step=sft_step, validate=val_loss,
-                         progress_keys={"train/loss": "loss"})
+    result = train_stage(cfg, info, out_dir, trained=trained, loader=loader, num_steps=num_steps,
+                         step=sft_step, validate=val_loss, progress_keys={"train/loss": "loss"})
 """
 
 from __future__ import annotations
@@ -20,15 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-
 from ppo import runner
-from ppo.checkpointer import Checkpointer, TrainerState
-from ppo.config import RewardModelConfig, SFTConfig, to_yaml
+from ppo.checkpointer import TrainerState, log_stopped, make_checkpointer, save_due
+from ppo.config import StageConfig
 from ppo.data import ShardedLoader
 from ppo.distributed import DistInfo
 from ppo.metrics import MetricsLogger, Timer
+from ppo.optim import Trained
 
 logger = logging.getLogger("ppo")
 
@@ -51,26 +48,12 @@ class StageResult:
     """The run's sinks, still open for the stage's final numbers."""
 
 
-def run_paths(cfg: SFTConfig | RewardModelConfig, save_path: Path) -> dict[Path, str]:
-    """Every path a stage run writes (``runner.prepare_run`` checks them before any work)."""
-    out = Path(cfg.trainer.output_dir)
-    return {
-        out / "checkpoints": "dir",
-        out / "metrics.jsonl": "file",
-        out / "tensorboard": "dir",
-        save_path: "dir",
-        save_path.parent / runner.METRICS_FILE: "file",
-    }
-
-
 def train_stage(
-    cfg: SFTConfig | RewardModelConfig,
+    cfg: StageConfig,
     info: DistInfo,
     out_dir: Path,
     *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    trained: Trained,
     loader: ShardedLoader,
     num_steps: int,
     step: StepFn,
@@ -80,16 +63,8 @@ def train_stage(
     """Run (or resume) the stage's steps; see the module docstring."""
     t = cfg.trainer
     state = TrainerState()
-    checkpointer = Checkpointer(
-        out_dir=out_dir,
-        info=info,
-        config_yaml=to_yaml(cfg),
-        keep=t.max_ckpt_to_keep,
-        seed=t.seed,
-        models={"model": model},
-        optimizers={"model": optimizer},
-        schedulers={"model": scheduler},
-        stateful={"trainer": state, "loader": loader},
+    checkpointer = make_checkpointer(
+        cfg, info, out_dir, trained={"model": trained}, stateful={"trainer": state, "loader": loader}
     )
     resumed = checkpointer.restore_newest(t.resume_mode)
     if resumed is not None:
@@ -108,10 +83,10 @@ def train_stage(
         with timer("step"):
             with timer("update"):
                 metrics, tokens = step(next(loader))
-            lr = optimizer.param_groups[0]["lr"]
+            lr = trained.optimizer.param_groups[0]["lr"]
             with timer("optimizer"):
-                grad_norm, skipped = runner.optimizer_step(model, optimizer, t.grad_clip)
-                scheduler.step()
+                grad_norm, skipped = runner.optimizer_step(trained.model, trained.optimizer, t.grad_clip)
+                trained.scheduler.step()
             metrics.update(
                 {
                     "train/lr": lr,
@@ -129,13 +104,10 @@ def train_stage(
         metrics_logger.log(state.step, metrics)
         progress.update(state.step, metrics, force=any(k.startswith(("val/", "rm/")) for k in metrics))
         stopped = stop.requested()
-        periodic = t.save_freq > 0 and (state.step % t.save_freq == 0 or state.step == num_steps)
-        if periodic or stopped:
+        if save_due(state.step, num_steps, t.save_freq) or stopped:
             checkpointer.save(state.step)
         if stopped:
-            logger.warning(
-                "stopping: saved step %d (%s); resume with trainer.resume_mode=auto", state.step, stop.name
-            )
+            log_stopped(state.step, stop.name)
             break
     if state.step < num_steps and not stopped:
         logger.warning(

@@ -17,11 +17,12 @@ Attention needs whole sequences, so around it the layout switches from sequence-
 - Slicing: ``slice_for_rank`` pads the row to a multiple of ``sp`` (padding is a sequence of its own,
   label -100, counted nowhere) and takes this rank's slice; position ids stay global, so rotary
   embeddings are those of the whole row.
-- Forwards: ``packed_logprobs`` / ``packed_values`` take the same arguments as ``ppo.packing``'s plus
+- Forwards: ``packed_logprobs`` / ``packed_values`` take a packed micro-batch (``ppo.packing``) and
   the group and return the whole micro-batch's ``[B, R]`` on every rank of the group (``gather_tokens``,
-  differentiable); ``local_logprobs`` / ``local_values`` / ``local_logits`` return the slice's
-  ``[T/sp, ...]`` outputs, for a loss on local tokens (``SPSlice.unpack_local``) or other per-token
-  quantities (``SPSlice.gather`` assembles the row).
+  differentiable); they are the trainer's only forwards on packed rows, with ``NO_SP`` (the default)
+  when there is no sequence parallelism. ``local_logprobs`` / ``local_values`` / ``local_logits``
+  return the slice's ``[T/sp, ...]`` outputs, for other per-token quantities (``SPSlice.gather``
+  assembles the row).
 - Grouped-query attention: ``sp`` must divide the query heads ``H`` (``check_heads``); where it does
   not divide the key/value heads ``H_kv``, each key/value head is repeated
   ``r = sp / gcd(H_kv, sp)`` times before the exchange (``H_kv * r = lcm(H_kv, sp)`` divides ``H``, and
@@ -377,17 +378,6 @@ class SPSlice:
         differentiable (``gather_tokens``)."""
         return gather_tokens(x_local, self.sp)[: self.num_tokens]
 
-    def unpack_local(self, x_local: torch.Tensor, packed: Packed) -> tuple[torch.Tensor, torch.Tensor]:
-        """The slice's per-token ``x_local [T_local]`` in the response layout, and which entries this
-        rank holds: ``([B, R], owned [B, R] bool)``; 0 where not owned. Each valid response token is
-        owned by exactly one rank of the group, so summing a masked loss over ranks counts it once."""
-        owned = (
-            packed.response_mask & (packed.response_index >= self.start) & (packed.response_index < self.stop)
-        )
-        local_index = (packed.response_index - self.start).clamp(0, x_local.shape[0] - 1)
-        out = x_local[local_index]
-        return torch.where(owned, out, torch.zeros_like(out)), owned
-
 
 def slice_for_rank(packed: PackedSequences, sp: SPGroup) -> SPSlice:
     """Pad a packed row to a multiple of ``sp.size`` and take this rank's contiguous token slice.
@@ -472,7 +462,7 @@ def local_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of the slice's labels, ``[T_local]`` fp32 each (0 where label is -100).
 
-    The same kernels as ``packing.packed_logprobs``, on the slice: ``fused`` from the final hidden states
+    The kernels of ``packed_logprobs``, on the slice: ``fused`` from the final hidden states
     and the LM head weight, else from the ``[T_local, vocab]`` logits. Every rank of the group must call
     it (the attention layers exchange heads), and, with gradients, run the backward.
     """
@@ -501,43 +491,35 @@ def local_values(critic: nn.Module, sl: SPSlice) -> torch.Tensor:
 def packed_logprobs(
     model: nn.Module,
     packed: Packed,
-    sp: SPGroup,
+    sp: SPGroup = NO_SP,
     *,
     temperature: float,
     backend: str = "auto",
     compute_entropy: bool = False,
     fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``ppo.packing.packed_logprobs`` with sequence parallelism: ``[B, R]`` fp32 each, the whole
-    micro-batch on every rank of the group.
+    """Log-probs (and entropy) of the response tokens, ``[B, R]`` fp32 each, the whole micro-batch on
+    every rank of the group; temperature divides after the fp32 upcast (inside the kernels).
 
-    ``packed`` must be the same row on every rank of the group. Each rank computes its slice's
-    log-probs (``local_logprobs``); one differentiable ``gather_tokens`` assembles the row. With
-    ``sp.size == 1`` this is ``packing.packed_logprobs``, call for call.
+    ``fused`` computes them from the final hidden states and the LM head weight without building the
+    ``[T, V]`` logits; otherwise from the logits (``local_logprobs``). With sequence parallelism
+    ``packed`` must be the same row on every rank of the group: each rank computes its slice and one
+    differentiable ``gather_tokens`` assembles the row; without it (``NO_SP``) the slice is the row.
     """
-    if sp.size == 1:
-        return packing.packed_logprobs(
-            model,
-            packed,
-            temperature=temperature,
-            backend=backend,
-            compute_entropy=compute_entropy,
-            fused=fused,
-        )
     sl = slice_for_rank(packed, sp)
     lp, ent = local_logprobs(
         model, sl, temperature=temperature, backend=backend, compute_entropy=compute_entropy, fused=fused
     )
     if ent is None:
         return packing.unpack(sl.gather(lp), packed), None
-    both = sl.gather(torch.stack([lp, ent], dim=-1))  # one collective for both
-    return packing.unpack(both[:, 0], packed), packing.unpack(both[:, 1], packed)
+    if sp.size > 1:
+        both = sl.gather(torch.stack([lp, ent], dim=-1))  # one collective for both
+        lp, ent = both[:, 0], both[:, 1]
+    return packing.unpack(lp, packed), packing.unpack(ent, packed)
 
 
-def packed_values(critic: nn.Module, packed: Packed, sp: SPGroup) -> torch.Tensor:
-    """``ppo.packing.packed_values`` with sequence parallelism: ``[B, R]`` fp32 on every rank of the
-    group (``packed``: the same row on each)."""
-    if sp.size == 1:
-        return packing.packed_values(critic, packed)
+def packed_values(critic: nn.Module, packed: Packed, sp: SPGroup = NO_SP) -> torch.Tensor:
+    """The critic's value of the state before each response token, ``[B, R]`` fp32, on every rank of
+    the group (``packed``: the same row on each)."""
     sl = slice_for_rank(packed, sp)
     return packing.unpack(sl.gather(local_values(critic, sl)), packed)

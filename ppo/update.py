@@ -2,7 +2,7 @@
 share (they differ only in their loss closure).
 
     loss_fn = lambda sel, counts: (loss, {"actor/pg_loss": pg_loss, ...})   # a micro-batch's share
-    metrics = optimize(cfg.actor, "actor", actor, optimizer, batch, loss_fn,
+    metrics = optimize(cfg.actor, "actor", run.actor, batch, loss_fn,
                        num_mini=bsz // mini, shuffle=True, sp=sp, early_stop_kl=0.05)
 """
 
@@ -15,10 +15,11 @@ import numpy as np
 import torch
 
 from ppo import runner, ulysses
+from ppo.batch import Batch
 from ppo.config import ActorConfig, CriticConfig
 from ppo.distributed import all_reduce_scalars, all_reduce_tensors
+from ppo.optim import Trained
 from ppo.packing import micro_batches
-from ppo.rollout import Batch
 
 logger = logging.getLogger("ppo")
 
@@ -48,8 +49,7 @@ def global_counts(mask: torch.Tensor) -> dict[str, float]:
 def optimize(
     role: ActorConfig | CriticConfig,
     prefix: str,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    trained: Trained,
     batch: Batch,
     loss_fn: LossFn,
     *,
@@ -81,7 +81,7 @@ def optimize(
                 for key, value in parts.items():
                     contributions[key] = contributions.get(key, 0.0) + value.detach()
             reduced = all_reduce_tensors(contributions, "sum")
-            grad_norm, was_skipped = runner.optimizer_step(model, optimizer, role.grad_clip)
+            grad_norm, was_skipped = runner.optimizer_step(trained.model, trained.optimizer, role.grad_clip)
             grad_norms.append(grad_norm)
             updates += 1
             skipped += was_skipped

@@ -8,10 +8,11 @@ from __future__ import annotations
 import numpy as np
 
 from ppo import rewards
+from ppo.batch import decode_responses
 from ppo.build import Run
 from ppo.config import PPOConfig
 from ppo.distributed import DistInfo, agree_on_failure, all_gather_object
-from ppo.rollout import decode_responses, sample
+from ppo.rollout import sample
 
 
 def validate(cfg: PPOConfig, info: DistInfo, run: Run) -> dict[str, float]:
@@ -25,8 +26,7 @@ def validate(cfg: PPOConfig, info: DistInfo, run: Run) -> dict[str, float]:
     """
     mine = run.val_records[info.rank :: info.world_size]
     rollout = sample(
-        cfg,
-        run,
+        run.sampler,
         mine,
         do_sample=cfg.rollout.val_do_sample,
         micro_batch_size=max(1, cfg.data.val_batch_size // info.world_size),

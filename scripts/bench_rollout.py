@@ -139,7 +139,7 @@ class Row:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Shared with bench_step.py: models from a config, the device, prompts
+# Shared with the other benchmarks: models from a config, the device, prompts
 # ----------------------------------------------------------------------------------------------------
 
 

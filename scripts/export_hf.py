@@ -27,7 +27,8 @@ from pathlib import Path
 from torch import nn
 
 from ppo import checkpoint, lora, models, sharding
-from ppo.config import ConfigError, PPOConfig, load_config
+from ppo.config import ConfigError, PPOConfig
+from ppo.config_loader import load_config
 from ppo.distributed import DistInfo, destroy_distributed, init_distributed, make_mesh, setup_logging
 
 logger = logging.getLogger("ppo")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
@@ -29,7 +28,7 @@ from torch import nn
 from ppo import models, runner, stage_data, stage_loop
 from ppo.config import RewardModelConfig
 from ppo.distributed import DistInfo, all_gather_object, all_reduce_scalars
-from ppo.optim import build_optimizer
+from ppo.optim import with_optimizer
 from ppo.packing import DUMMY_SEQUENCE, pack_sequences, plan_eval_micro_batches, plan_micro_batches
 
 logger = logging.getLogger("ppo")
@@ -45,12 +44,12 @@ PROGRESS_KEYS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    return runner.run(argv, RewardModelConfig, train, __doc__)
+    return runner.main(argv, RewardModelConfig, train, __doc__)
 
 
 def train(cfg: RewardModelConfig, info: DistInfo) -> None:
     """The reward-model run: pairs, model, the loop (resumable), held-out accuracy, the saved model."""
-    out_dir = runner.prepare_run(cfg, info, writes=stage_loop.run_paths(cfg, save_path(cfg)))
+    out_dir = runner.prepare_run(cfg, info)
     tokenizer = runner.load_tokenizer(cfg.model)
     load = dict(max_length=cfg.data.max_length, apply_chat_template=cfg.data.apply_chat_template)
     with runner.main_rank_logs(info):  # data warnings once, not once per rank
@@ -67,7 +66,7 @@ def train(cfg: RewardModelConfig, info: DistInfo) -> None:
     loader = runner.make_loader(train_pairs, cfg, info)
     num_steps = runner.total_steps(cfg, loader)
     model = runner.build_model(models.load_reward_model, cfg.model, cfg.fsdp, info)
-    optimizer, scheduler = build_optimizer(model, cfg.optim, num_steps)
+    trained = with_optimizer(model, cfg.optim, num_steps)
     logger.info(
         "reward model: world size %d on %s; %d train pairs (%d rows skipped), %d val pairs (%d skipped); "
         "%d steps of %d pairs; %.2fM parameters",
@@ -110,9 +109,7 @@ def train(cfg: RewardModelConfig, info: DistInfo) -> None:
         cfg,
         info,
         out_dir,
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
+        trained=trained,
         loader=loader,
         num_steps=num_steps,
         step=rm_step,
@@ -124,7 +121,7 @@ def train(cfg: RewardModelConfig, info: DistInfo) -> None:
         return
 
     # Save the model (PPO's reward.model_path) and its held-out numbers.
-    saved = runner.save_model(model, tokenizer, save_path(cfg), info)
+    saved = runner.save_model(model, tokenizer, runner.stage_save_path(cfg), info)
     final: dict[str, object] = {
         "rm_steps": result.steps,
         "rm_train_time_s": round(result.train_time_s, 1),
@@ -142,11 +139,6 @@ def train(cfg: RewardModelConfig, info: DistInfo) -> None:
             rm_val_accuracy_by_mistake={k: round(v, 4) for k, v in sorted(kinds.items())},
         )
     runner.write_final_metrics(saved.parent, info, final)
-
-
-def save_path(cfg: RewardModelConfig) -> Path:
-    """Where the model goes: ``trainer.save_path`` or ``output_dir/hf``."""
-    return Path(cfg.trainer.save_path or Path(cfg.trainer.output_dir) / "hf")
 
 
 def bradley_terry_loss(

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -25,9 +24,10 @@ from transformers import PreTrainedTokenizerBase
 
 import kernels
 from ppo import data, models, rewards, runner, stage_data, stage_loop
+from ppo.batch import Rollout
 from ppo.config import SFTConfig
 from ppo.distributed import DistInfo, all_gather_object, all_reduce_scalars
-from ppo.optim import build_optimizer
+from ppo.optim import with_optimizer
 from ppo.packing import (
     DUMMY_SEQUENCE,
     PackedSequences,
@@ -35,7 +35,7 @@ from ppo.packing import (
     plan_eval_micro_batches,
     plan_micro_batches,
 )
-from ppo.rollout import Rollout, generate, generation_config
+from ppo.rollout import generate, generation_config
 
 logger = logging.getLogger("ppo")
 
@@ -48,12 +48,12 @@ PROGRESS_KEYS = {"train/loss": "loss", "val/loss": "val_loss", "train/lr": "lr",
 
 
 def main(argv: list[str] | None = None) -> int:
-    return runner.run(argv, SFTConfig, train, __doc__)
+    return runner.main(argv, SFTConfig, train, __doc__)
 
 
 def train(cfg: SFTConfig, info: DistInfo) -> None:
     """The SFT run: data, model, the loop (resumable), the saved model and its final evaluation."""
-    out_dir = runner.prepare_run(cfg, info, writes=stage_loop.run_paths(cfg, save_path(cfg)))
+    out_dir = runner.prepare_run(cfg, info)
     tokenizer = runner.load_tokenizer(cfg.model)
     load = dict(max_length=cfg.data.max_length, apply_chat_template=cfg.data.apply_chat_template)
     with runner.main_rank_logs(info):  # data warnings once, not once per rank
@@ -64,7 +64,7 @@ def train(cfg: SFTConfig, info: DistInfo) -> None:
     loader = runner.make_loader(train_examples, cfg, info)
     num_steps = runner.total_steps(cfg, loader)
     model = runner.build_model(models.load_causal_lm, cfg.model, cfg.fsdp, info)
-    optimizer, scheduler = build_optimizer(model, cfg.optim, num_steps)
+    trained = with_optimizer(model, cfg.optim, num_steps)
     logger.info(
         "SFT: world size %d on %s; %d train examples (%d steps of %d), %d val examples; %.2fM parameters",
         info.world_size,
@@ -103,9 +103,7 @@ def train(cfg: SFTConfig, info: DistInfo) -> None:
         cfg,
         info,
         out_dir,
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
+        trained=trained,
         loader=loader,
         num_steps=num_steps,
         step=sft_step,
@@ -119,7 +117,7 @@ def train(cfg: SFTConfig, info: DistInfo) -> None:
         return
 
     # Save the model (the PPO actor's starting point), then score its answers.
-    saved = runner.save_model(model, tokenizer, save_path(cfg), info)
+    saved = runner.save_model(model, tokenizer, runner.stage_save_path(cfg), info)
     final = {"sft_steps": result.steps, "sft_train_time_s": round(result.train_time_s, 1)}
     if "val/loss" in result.metrics:
         final["sft_val_loss"] = round(result.metrics["val/loss"], 4)
@@ -135,11 +133,6 @@ def train(cfg: SFTConfig, info: DistInfo) -> None:
         )
     result.metrics_logger.close()
     runner.write_final_metrics(saved.parent, info, final)
-
-
-def save_path(cfg: SFTConfig) -> Path:
-    """Where the model goes: ``trainer.save_path`` or ``output_dir/hf``."""
-    return Path(cfg.trainer.save_path or Path(cfg.trainer.output_dir) / "hf")
 
 
 def answer_labels(packed: PackedSequences, examples: list[stage_data.SFTExample]) -> torch.Tensor:

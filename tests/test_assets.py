@@ -21,7 +21,7 @@ from transformers import (
     AutoTokenizer,
 )
 
-from ppo.config import load_config
+from ppo.config_loader import load_config
 from ppo.data import load_prompts
 from ppo.rewards import RULE_DATA_SOURCES, default_compute_score, gsm8k_score
 from ppo.stage_data import load_preference_pairs, load_sft_examples

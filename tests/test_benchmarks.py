@@ -1,9 +1,10 @@
-"""Smoke tests of scripts/bench_rollout.py and scripts/bench_step.py at tiny sizes, in-process.
+"""Smoke tests of the benchmarks under scripts/ at tiny sizes, in-process (bench_sp.py on 2 ranks).
 
-The rows must parse as JSON and hold the expected columns; the padded baseline of bench_step must give
-the same log-probs and values as the trainer's packed forwards (else its timings compare different
-work), and so must the packed forwards with transformers' dense-mask sdpa (``packed_dense``). The
-overhead mode (issue 12) runs the real trainer for a few steps, without TRL.
+The rows must parse as JSON and hold the expected columns. bench_layout.py's packed paths run the
+trainer's own step functions, and its padded baseline must compute the same step: the same log-probs and
+values as the trainer's packed forwards, the same losses and gradient norms through ``optimize`` (else
+its timings compare different work); so must the packed forwards with transformers' dense-mask sdpa
+(``packed_dense``). bench_overhead.py runs the real trainer for a few steps, without TRL.
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-# Imported by name (not by path): bench_step imports bench_rollout, and the dataclasses of both need
-# their modules in sys.modules.
+# Imported by name (not by path): the benchmarks import bench_common and bench_rollout, and their
+# dataclasses need their modules in sys.modules.
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
+import bench_common  # noqa: E402
+import bench_layout  # noqa: E402
+import bench_overhead  # noqa: E402
 import bench_rollout  # noqa: E402
-import bench_step  # noqa: E402
 
+from ppo.ulysses import NO_SP  # noqa: E402
 from tests.conftest import torchrun  # noqa: E402
 
 ROLLOUT_COLUMNS = {
@@ -39,7 +43,7 @@ ROLLOUT_COLUMNS = {
     "match",
     "gather_s",
 }
-STEP_COLUMNS = {
+LAYOUT_COLUMNS = {
     "path",
     "pad_frac",
     "real_tokens",
@@ -54,6 +58,7 @@ STEP_COLUMNS = {
     "tokens_per_s",
     "speedup",
     "expected",
+    "attn_vs_padded",
 }
 
 
@@ -92,57 +97,71 @@ def test_bench_rollout_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "ppo_rollout / hf_generate =" in out
 
 
-def test_bench_step_json(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_layout_json(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every path at tiny size; the packed paths are the trainer's step (its functions, not copies), and
+    the padded baseline computes the same step: equal losses and gradient norms, less than rounding
+    apart. A padded loss closure that no longer matches ``train_ppo.actor_loss`` / ``critic_loss`` (a
+    term, a normalization, a clip added to the trainer) shows up as a gradient-norm difference here."""
+    import train_ppo
+
+    assert bench_layout.TRAINER.score_logprobs is train_ppo.score_logprobs
+    assert bench_layout.TRAINER.actor_loss is train_ppo.actor_loss
+    assert bench_layout.TRAINER.critic_loss is train_ppo.critic_loss
     argv = ["--json", "--num-seqs", "8", "--prompt-len", "8", "--min-response", "1", "--max-response", "12"]
-    assert bench_step.main([*argv, "--micro-batch", "2", "--repeat", "1"]) == 0
+    assert bench_layout.main([*argv, "--micro-batch", "2", "--repeat", "1"]) == 0
     rows = json_rows(capsys.readouterr().out)
-    assert [r["path"] for r in rows] == list(bench_step.PATHS)
+    assert [r["path"] for r in rows] == list(bench_layout.PATHS)
     for row in rows:
-        assert STEP_COLUMNS <= set(row), STEP_COLUMNS - set(row)
-        assert all(math.isfinite(row[k]) and row[k] >= 0 for k in STEP_COLUMNS - {"path"})
-    padded, packed = rows[0], rows[1]
+        assert LAYOUT_COLUMNS <= set(row), LAYOUT_COLUMNS - set(row)
+        assert all(math.isfinite(row[k]) and row[k] >= 0 for k in LAYOUT_COLUMNS - {"path"})
+    padded, packed, dynamic, dense = rows
     assert padded["pad_frac"] > 0 and packed["pad_frac"] == 0
     # Same sequences, same micro-batches: the packed path feeds exactly the real tokens.
     assert packed["computed_tokens"] == 5 * packed["real_tokens"]  # old, ref, values, critic, actor
     assert padded["computed_tokens"] > packed["computed_tokens"]
     assert padded["speedup"] == 1.0 and packed["expected"] > 1.0
     # Per-sequence attention (the trainer's) against transformers' dense T x T mask: sum(l_i^2) < T^2.
-    dense = rows[bench_step.PATHS.index("packed_dense")]
     assert packed["attn_entries"] < dense["attn_entries"]
-    assert dense["computed_tokens"] == packed["computed_tokens"]
+    assert dense["computed_tokens"] == packed["computed_tokens"] == dynamic["computed_tokens"]
+    # One step of every path from the same weights, batch and mini-batches: the same numbers, up to
+    # float32 summation order (measured ~3e-7 relative).
+    for row in (packed, dynamic, dense):
+        for key in ("pg_loss", "vf_loss", "actor_grad_norm", "critic_grad_norm"):
+            assert row[key] == pytest.approx(padded[key], rel=1e-5, abs=1e-6), (row["path"], key)
+    assert padded["actor_grad_norm"] > 0 and padded["critic_grad_norm"] > 0 and padded["vf_loss"] > 0
 
 
 def test_padded_forwards_match_packed() -> None:
-    """The padded baseline and the dense-mask packed path compute what the trainer's packed path does,
-    so their timings compare the same work."""
+    """The padded baseline's scoring and the dense-mask packed path compute what the trainer's scoring
+    functions do, so their timings compare the same work."""
     from ppo.distributed import destroy_distributed, init_distributed
 
-    args = bench_step.parse_args(
+    args = bench_layout.parse_args(
         ["--num-seqs", "4", "--prompt-len", "10", "--max-response", "8", "--micro-batch", "2"]
     )
     bench_rollout.set_threads(args.threads)
     info = init_distributed("cpu")
     try:
-        args.clock = "cpu"
         results = {}
         batch = None
-        for path in ("packed", "padded", "packed_dense"):
-            layout, attn, plan = bench_step.path_setup(args, path, info.device)
-            nets = bench_step.build_models(args, info, attn)
+        for name in ("packed", "padded", "packed_dense"):
+            path = bench_layout.make_path(args, name, info)
+            nets = bench_common.build_models(args, info, path.attn)
             # Each path loads its models with its own attention (a parameter, nothing patched).
-            assert {net.config._attn_implementation for net in nets.values()} == {attn}
+            assert {net.config._attn_implementation for net in nets.values()} == {path.attn}
             if batch is None:
-                batch, _ = bench_step.make_batch(args, info, nets["actor"])
+                batch, _ = bench_layout.make_batch(args, info, nets["actor"], "cpu")
                 assert len(set(batch.seq_lens)) > 1  # lengths differ, so there is padding to get wrong
-            work = bench_step.Work()
-            logprobs = bench_step.score(layout, nets["actor"], batch, plan, work)
-            values = bench_step.score(layout, nets["critic"], batch, plan, work, critic=True)
-            assert work.real == 2 * sum(batch.seq_lens)
-            assert (work.computed > work.real) == (path == "padded")
-            results[path] = (logprobs, values)
+            cfg, layout = path.cfg, path.layout
+            logprobs = layout.score_logprobs(cfg, nets["actor"], batch, 2, NO_SP)
+            values = layout.score_values(cfg, nets["critic"], batch, NO_SP)
+            work = bench_layout.count_work(path, batch, bench_layout.scoring_forwards(cfg, batch))
+            assert work.real == 3 * sum(batch.seq_lens)  # actor, reference, critic
+            assert (work.computed > work.real) == (name == "padded")
+            results[name] = (logprobs, values)
         mask = batch.response_mask
-        for path in ("padded", "packed_dense"):
-            for got, want in zip(results[path], results["packed"], strict=True):
+        for name in ("padded", "packed_dense"):
+            for got, want in zip(results[name], results["packed"], strict=True):
                 torch.testing.assert_close(got[mask], want[mask], atol=2e-5, rtol=1e-5)
         assert results["packed"][0][mask].abs().sum() > 0 and (results["packed"][0][~mask] == 0).all()
     finally:
@@ -150,10 +169,10 @@ def test_padded_forwards_match_packed() -> None:
 
 
 def test_step_clock_counts_step_lines_only() -> None:
-    """The overhead mode's step clock reads the trainer's progress lines, not warnings about a step."""
+    """bench_overhead's step clock reads the trainer's progress lines, not warnings about a step."""
     import logging
 
-    clock = bench_step.StepClock()
+    clock = bench_overhead.StepClock()
     for message in (
         "[##--] step 1/4 0s",
         "step 2: the mean score moved",
@@ -166,16 +185,16 @@ def test_step_clock_counts_step_lines_only() -> None:
     assert len(cpu) == len(wall) == 1 and cpu[0] >= 0 and wall[0] >= 0  # step 3 only
 
 
-def test_bench_step_overhead_json(capsys: pytest.CaptureFixture[str]) -> None:
-    """Issue 12's mode runs the real trainer (train_ppo.main) and reads its metrics; TRL left out."""
-    argv = ["--mode", "overhead", "--json", "--trl", "no", "--num-prompts", "4", "--response-len", "4"]
-    assert bench_step.main([*argv, "--steps", "4", "--rounds", "1"]) == 0
+def test_bench_overhead_json(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench_overhead runs the real trainer (train_ppo.main) and reads its metrics; TRL left out."""
+    argv = ["--json", "--trl", "no", "--num-prompts", "4", "--response-len", "4"]
+    assert bench_overhead.main([*argv, "--steps", "4", "--rounds", "1"]) == 0
     rows = json_rows(capsys.readouterr().out)
     assert [r["trainer"] for r in rows] == ["ours"]
     row = rows[0]
     assert row["steps"] == 2  # steps 3 and 4
     assert 0 < row["step_cpu_min_s"] <= row["step_cpu_s"] <= row["step_cpu_max_s"]
-    for phase in bench_step.OUR_PHASES:
+    for phase in bench_overhead.OUR_PHASES:
         assert row[f"{phase}_s"] is not None and row[f"{phase}_s"] >= 0, phase
     # Updates ran: 2 epochs x 2 mini-batches for critic and actor, timed inside the step.
     assert 0 < row["update_actor_s"] < row["step_wall_s"] and row["vs_trl"] is None
@@ -208,11 +227,9 @@ def test_cpu_peak_bytes_counts_allocations_once_and_frees_on_any_thread() -> Non
 
 
 @pytest.mark.slow
-def test_bench_step_sequence_parallel_two_ranks() -> None:
+def test_bench_sp_two_ranks() -> None:
     """``--sp 2`` on 2 gloo ranks: the same outputs as one rank per sequence, at a fraction of the memory."""
-    proc = torchrun(
-        ROOT / "scripts" / "bench_step.py", "--sp", "2", "--seq-len", "1024", "--json", timeout=240
-    )
+    proc = torchrun(ROOT / "scripts" / "bench_sp.py", "--sp", "2", "--seq-len", "1024", "--json", timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = json_rows(proc.stdout)
     assert [(r["sp"], r["phase"]) for r in rows] == [

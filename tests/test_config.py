@@ -36,14 +36,10 @@ from ppo.config import (
     SFTConfig,
     StageTrainerConfig,
     TrainerConfig,
-    all_keys,
     check_kl_kind,
-    load_config,
-    parse_cli,
-    to_dict,
-    to_yaml,
     validate_stage,
 )
+from ppo.config_loader import all_keys, load_config, parse_cli, to_dict, to_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -363,7 +363,8 @@ def _worker(assets: Path, root: Path, out: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     from ppo import checkpoint, sharding
-    from ppo.config import FSDPConfig, MixedPrecisionConfig, PPOConfig, to_yaml
+    from ppo.config import FSDPConfig, MixedPrecisionConfig, PPOConfig
+    from ppo.config_loader import to_yaml
     from ppo.distributed import destroy_distributed, init_distributed, make_mesh
     from ppo.models import causal_lm_hidden, enable_gradient_checkpointing, lm_head_weight, load_tokenizer
 

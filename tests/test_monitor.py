@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ppo.config import load_config
+from ppo.config_loader import load_config
 from ppo.monitor import KL_PATIENCE, HealthMonitor
 
 

@@ -68,14 +68,14 @@ def test_offline_is_the_online_step_fed_the_same_responses(
     )
     by_row = {g.index: g for g in groups}
 
-    def sample_from_file(cfg, run_, records, *, do_sample, **_):  # noqa: ANN001, ANN202
-        chosen = [by_row[r.index] for r in records[:: cfg.rollout.n]]
+    def sample_from_file(sampler, records, *, do_sample, **_):  # noqa: ANN001, ANN202
+        chosen = [by_row[r.index] for r in records[:: sampler.settings.n]]
         return offline.offline_rollout(
             chosen,
-            max_response_length=cfg.data.max_response_length,
-            pad_token_id=run_.tokenizer.pad_token_id,
-            eos_token_ids=run_.eos_ids,
-            device=run_.device,
+            max_response_length=sampler.max_response_length,
+            pad_token_id=sampler.pad_token_id,
+            eos_token_ids=sampler.eos_ids,
+            device="cpu",
         )
 
     monkeypatch.setattr(train_ppo, "sample", sample_from_file)

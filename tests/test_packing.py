@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from ppo import ulysses
 from ppo.packing import (
     balanced_partition,
     min_micro_batches,
     pack,
-    packed_logprobs,
     plan_micro_batches,
     unpack,
 )
@@ -49,7 +49,9 @@ def test_packed_logprobs_equal_padded() -> None:
     responses = torch.randint(3, 50, (3, 6))
     mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0]], dtype=torch.bool)
     with torch.no_grad():
-        packed, _ = packed_logprobs(model, pack(prompts, responses, mask), temperature=0.7, backend="torch")
+        packed, _ = ulysses.packed_logprobs(
+            model, pack(prompts, responses, mask), temperature=0.7, backend="torch"
+        )
         # Reference: each sequence alone, padded on the right, full log_softmax.
         for i, prompt in enumerate(prompts):
             n = int(mask[i].sum())

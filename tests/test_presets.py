@@ -18,7 +18,8 @@ import yaml
 from conftest import load_script
 
 import train_ppo
-from ppo.config import PPOConfig, RewardModelConfig, SFTConfig, load_config
+from ppo.config import PPOConfig, RewardModelConfig, SFTConfig
+from ppo.config_loader import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted((ROOT / "configs").glob("*.yaml"))

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import train_ppo
 from ppo import rollout
-from ppo.config import load_config
+from ppo.build import build
+from ppo.config_loader import load_config
 from ppo.distributed import destroy_distributed, init_distributed
 from tests.test_train_ppo import base_args
 
@@ -37,20 +37,22 @@ def test_compiled_rollout_gives_the_plain_greedy_tokens(tiny_assets: Path, tmp_p
     compiled_cfg = load_config(
         None, [*args, f"trainer.output_dir={tmp_path / 'compiled'}", "rollout.compile=true"]
     )
-    plain = train_ppo.build(plain_cfg, one_rank)
-    compiled = train_ppo.build(compiled_cfg, one_rank)
-    assert plain.engine is None and compiled.engine is not None
+    plain = build(plain_cfg, one_rank)
+    compiled = build(compiled_cfg, one_rank)
+    assert plain.sampler.engine is None and compiled.sampler.engine is not None
     records = plain.loader.records[:6]  # one micro-batch, padded to 64 rows by the engine
-    expected = train_ppo.sample(plain_cfg, plain, records, do_sample=False)
+    expected = rollout.sample(plain.sampler, records, do_sample=False)
     for _ in range(2):  # the second call reuses the compiled step and the refreshed weights
-        got = train_ppo.sample(compiled_cfg, compiled, records, do_sample=False)
+        got = rollout.sample(compiled.sampler, records, do_sample=False)
         assert torch.equal(got.responses, expected.responses)
         assert torch.equal(got.response_mask, expected.response_mask)
     # The engine decodes with the actor's current weights: change them and the tokens follow.
     with torch.no_grad():
-        for p_plain, p_compiled in zip(plain.actor.parameters(), compiled.actor.parameters(), strict=True):
+        for p_plain, p_compiled in zip(
+            plain.actor.model.parameters(), compiled.actor.model.parameters(), strict=True
+        ):
             p_plain.mul_(1.5)
             p_compiled.mul_(1.5)
-    expected = train_ppo.sample(plain_cfg, plain, records, do_sample=False)
-    got = train_ppo.sample(compiled_cfg, compiled, records, do_sample=False)
+    expected = rollout.sample(plain.sampler, records, do_sample=False)
+    got = rollout.sample(compiled.sampler, records, do_sample=False)
     assert torch.equal(got.responses, expected.responses)

@@ -80,13 +80,26 @@ def test_slice_for_rank_pads_and_keeps_positions_and_labels() -> None:
     assert slices[0].offsets == [0, 4, 13]
 
 
+def unpack_local(
+    sl: ulysses.SPSlice, x_local: torch.Tensor, packed: Packed
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A slice's per-token ``x_local [T_local]`` in the response layout, and which entries this rank
+    holds: ``([B, R], owned [B, R] bool)``, 0 where not owned. Each valid response token is owned by
+    exactly one rank of the group, so a masked loss summed over ranks counts it once (the trainer
+    gathers whole rows instead; a loss on local tokens is checked against it below)."""
+    owned = packed.response_mask & (packed.response_index >= sl.start) & (packed.response_index < sl.stop)
+    local_index = (packed.response_index - sl.start).clamp(0, x_local.shape[0] - 1)
+    out = x_local[local_index]
+    return torch.where(owned, out, torch.zeros_like(out)), owned
+
+
 def test_unpack_local_owned_masks_partition_the_response_tokens() -> None:
     packed = make_packed(**ROW_A)
     owned = []
     for r in range(2):
         sl = ulysses.slice_for_rank(packed, fake_group(2, r))
         x = torch.arange(sl.start, sl.stop, dtype=torch.float32)  # the packed position of each token
-        values, mask = sl.unpack_local(x, packed)
+        values, mask = unpack_local(sl, x, packed)
         # Where owned, the value is the packed position the response token is predicted at.
         assert torch.equal(values[mask], packed.response_index[mask].float())
         assert not values[~mask].any()
@@ -107,9 +120,16 @@ def test_sp_size_one_is_a_no_op() -> None:
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_config(attn_implementation=PACKED_ATTENTION))
     with torch.no_grad():
-        got, _ = ulysses.packed_logprobs(model, packed, ulysses.NO_SP, temperature=1.0)
-        expected, _ = packing.packed_logprobs(model, packed, temperature=1.0)
-    assert torch.equal(got, expected)
+        got, _ = ulysses.packed_logprobs(model, packed, ulysses.NO_SP, temperature=0.7)
+        # Each sequence alone through the plain model: the packed row without SP gives its log-probs.
+        expected = torch.zeros_like(got)
+        for b in range(len(packed.offsets) - 1):
+            start, stop = packed.offsets[b], packed.offsets[b + 1]
+            logits = model(packed.input_ids[None, start:stop]).logits[0].float() / 0.7
+            at = packed.response_index[b][packed.response_mask[b]] - start  # predicts response token j
+            labels = packed.labels[packed.response_index[b][packed.response_mask[b]]]
+            expected[b, : at.numel()] = logits.log_softmax(-1)[at, labels]
+    assert packed.response_mask.sum() == 8 and max_diff(got, expected) < 1e-5
 
 
 def test_check_heads_names_the_numbers() -> None:
@@ -303,7 +323,7 @@ def _worker(root: Path, out: Path) -> None:
         with torch.no_grad():
             for fused in (False, True):
                 for row, packed in rows.items():
-                    lp_ref, ent_ref = packing.packed_logprobs(
+                    lp_ref, ent_ref = ulysses.packed_logprobs(
                         ref, packed, temperature=tau, compute_entropy=True
                     )
                     lp, ent = ulysses.packed_logprobs(
@@ -331,7 +351,7 @@ def _worker(root: Path, out: Path) -> None:
             count = float(packed.response_mask.sum())
             ref.zero_grad(set_to_none=True)
             model.zero_grad(set_to_none=True)
-            lp, ent = packing.packed_logprobs(ref, packed, temperature=tau, compute_entropy=True)
+            lp, ent = ulysses.packed_logprobs(ref, packed, temperature=tau, compute_entropy=True)
             ppo_like_loss(packed, lp, ent, count).backward()
             lp, ent = ulysses.packed_logprobs(
                 model, packed, sp, temperature=tau, compute_entropy=True, fused=fused
@@ -344,12 +364,12 @@ def _worker(root: Path, out: Path) -> None:
         count = float(packed.response_mask.sum())
         ref.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
-        lp, ent = packing.packed_logprobs(ref, packed, temperature=tau, compute_entropy=True)
+        lp, ent = ulysses.packed_logprobs(ref, packed, temperature=tau, compute_entropy=True)
         ppo_like_loss(packed, lp, ent, count).backward()
         sl = ulysses.slice_for_rank(packed, sp)
         lp_local, ent_local = ulysses.local_logprobs(model, sl, temperature=tau, compute_entropy=True)
-        lp, owned = sl.unpack_local(lp_local, packed)
-        ent, _ = sl.unpack_local(ent_local, packed)
+        lp, owned = unpack_local(sl, lp_local, packed)
+        ent, _ = unpack_local(sl, ent_local, packed)
         local_packed = Packed(**{**vars(packed), "response_mask": owned})
         ppo_like_loss(local_packed, lp, ent, count).backward()
         within("grads_local_loss_row_a", grad_rel_diff(model, ref), GRAD_RTOL)
@@ -361,7 +381,7 @@ def _worker(root: Path, out: Path) -> None:
         count = float(packed.response_mask.sum())
         ref.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
-        lp, ent = packing.packed_logprobs(ref, packed, temperature=tau, compute_entropy=True)
+        lp, ent = ulysses.packed_logprobs(ref, packed, temperature=tau, compute_entropy=True)
         ppo_like_loss(packed, lp, ent, count).backward()
         lp, ent = ulysses.packed_logprobs(model, packed, sp, temperature=tau, compute_entropy=True)
         ppo_like_loss(packed, lp, ent, sp.size * count).backward()
@@ -374,7 +394,7 @@ def _worker(root: Path, out: Path) -> None:
         critic = load_critic(path).train()
         critic.load_state_dict(critic_ref.state_dict())
         packed = rows["row_b"]
-        values_ref = packing.packed_values(critic_ref, packed)
+        values_ref = ulysses.packed_values(critic_ref, packed)
         values = ulysses.packed_values(critic, packed, sp)
         within("values_row_b", max_diff(values, values_ref), 1e-5)
         returns = torch.linspace(0.0, 1.0, values.numel()).reshape(values.shape)
@@ -393,7 +413,7 @@ def _worker(root: Path, out: Path) -> None:
         mqa_ref = load_causal_lm(str(root / "mqa"))
         mqa = shard_model(load_causal_lm(str(root / "mqa")), mesh, FSDPConfig(), device="cpu")
         with torch.no_grad():
-            lp_ref, _ = packing.packed_logprobs(mqa_ref, rows["row_a"], temperature=1.0)
+            lp_ref, _ = ulysses.packed_logprobs(mqa_ref, rows["row_a"], temperature=1.0)
             lp, _ = ulysses.packed_logprobs(mqa, rows["row_a"], sp, temperature=1.0)
         within("kv_repeat_model_logprobs", max_diff(lp, lp_ref), 1e-5)
     finally:

@@ -23,9 +23,11 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 import kernels.chunked
 import train_ppo
 from ppo import algorithms, models, rollout
-from ppo.config import load_config
+from ppo.batch import Batch, Rollout
+from ppo.build import build
+from ppo.config_loader import load_config
 from ppo.distributed import destroy_distributed, init_distributed
-from ppo.rollout import Rollout
+from ppo.metrics import batch_metrics
 from tests.conftest import torchrun
 from tests.test_train_ppo import REWARD_FNS, base_args, read_metrics, run
 
@@ -40,9 +42,7 @@ def one_rank():
     destroy_distributed()
 
 
-def fake_batch(
-    mask: torch.Tensor, prompt_lens: list[int], max_response: int | None = None
-) -> train_ppo.Batch:
+def fake_batch(mask: torch.Tensor, prompt_lens: list[int], max_response: int | None = None) -> Batch:
     """A Batch of ``mask.shape[0]`` sequences with the given response masks and prompt lengths."""
     b, r = mask.shape
     out = Rollout(
@@ -51,7 +51,7 @@ def fake_batch(
         response_mask=mask.bool(),
         truncated=torch.zeros(b, dtype=torch.bool),
     )
-    return train_ppo.Batch(rollout=out, records=[None] * b, group_ids=torch.zeros(b, dtype=torch.long))
+    return Batch(rollout=out, records=[None] * b, group_ids=torch.zeros(b, dtype=torch.long))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -132,9 +132,9 @@ def test_rollout_ignores_the_checkpoint_generation_config_and_stops_at_every_eos
     base_cfg = load_config(
         None, base_args(tiny_assets, tmp_path / "plain") + ["trainer.val_before_train=false"]
     )
-    plain = train_ppo.build(base_cfg, one_rank)
+    plain = build(base_cfg, one_rank)
     records = plain.loader.records[:4]
-    greedy = train_ppo.sample(base_cfg, plain, records, do_sample=False)
+    greedy = rollout.sample(plain.sampler, records, do_sample=False)
     first = greedy.responses[0][greedy.response_mask[0]].tolist()
     # An extra EOS: the first token of the greedy answer that is neither its first token nor an EOS.
     position, extra = next((j, t) for j, t in enumerate(first) if j > 0 and t not in (first[0], 2))
@@ -167,11 +167,11 @@ def test_rollout_ignores_the_checkpoint_generation_config_and_stops_at_every_eos
             "rollout.top_k=5",
         ],
     )
-    run_ = train_ppo.build(cfg, one_rank)
-    assert run_.eos_ids == [2, extra]
-    train_ppo.sample(cfg, run_, records, do_sample=True)
+    run_ = build(cfg, one_rank)
+    assert run_.sampler.eos_ids == [2, extra]
+    rollout.sample(run_.sampler, records, do_sample=True)
     assert seen[-1] == ["TemperatureLogitsWarper", "TopKLogitsWarper"]
-    stopped = train_ppo.sample(cfg, run_, records, do_sample=False)
+    stopped = rollout.sample(run_.sampler, records, do_sample=False)
     assert seen[-1] == []  # greedy: no processor at all
     assert int(stopped.response_mask[0].sum()) == position + 1  # up to and including the extra EOS
     assert int(stopped.responses[0, position]) == extra
@@ -181,7 +181,7 @@ def test_rollout_logprobs_equal_scoring_logprobs(tiny_assets: Path, tmp_path: Pa
     """What the sampler drew from (left padding, KV cache, temperature) is what scoring computes on the
     packed sequences: softmax(logits / T) of the same tokens, to float rounding."""
     cfg = load_config(None, base_args(tiny_assets, tmp_path) + ["rollout.temperature=0.7"])
-    run_ = train_ppo.build(cfg, one_rank)
+    run_ = build(cfg, one_rank)
     records = run_.loader.records[:6]
     # Prompts of different lengths (cut from the front): left padding inside one generation batch.
     prompts = [torch.tensor(r.input_ids[i:]) for i, r in enumerate(records)]
@@ -190,12 +190,12 @@ def test_rollout_logprobs_equal_scoring_logprobs(tiny_assets: Path, tmp_path: Pa
         max_new_tokens=cfg.data.max_response_length,
         do_sample=True,
         temperature=0.7,
-        eos_token_ids=run_.eos_ids,
+        eos_token_ids=run_.sampler.eos_ids,
         pad_token_id=run_.tokenizer.pad_token_id,
     )
     ids, attention = rollout.left_pad(prompts, run_.tokenizer.pad_token_id, torch.device("cpu"))
     with torch.no_grad():
-        out = run_.actor.generate(
+        out = run_.actor.model.generate(
             input_ids=ids,
             attention_mask=attention,
             generation_config=config,
@@ -210,10 +210,10 @@ def test_rollout_logprobs_equal_scoring_logprobs(tiny_assets: Path, tmp_path: Pa
         ],
         dim=1,
     )
-    mask, truncated = rollout.response_mask_from_eos(responses, run_.eos_ids)
+    mask, truncated = rollout.response_mask_from_eos(responses, run_.sampler.eos_ids)
     width = cfg.data.max_response_length
     pad = width - responses.shape[1]
-    batch = train_ppo.Batch(
+    batch = Batch(
         rollout=Rollout(
             prompts=prompts,
             responses=torch.nn.functional.pad(responses, (0, pad)),
@@ -223,7 +223,9 @@ def test_rollout_logprobs_equal_scoring_logprobs(tiny_assets: Path, tmp_path: Pa
         records=records,
         group_ids=torch.arange(len(records)),
     )
-    scored = train_ppo.score_logprobs(cfg, run_.actor, batch, cfg.actor.ppo_micro_batch_size_per_gpu, run_.sp)
+    scored = train_ppo.score_logprobs(
+        cfg, run_.actor.model, batch, cfg.actor.ppo_micro_batch_size_per_gpu, run_.sp
+    )
     torch.testing.assert_close(
         scored[:, : responses.shape[1]][mask], sampled_logprobs[mask], atol=2e-5, rtol=0
     )
@@ -367,7 +369,7 @@ def test_metric_definitions_follow_verl() -> None:
     batch.returns = torch.tensor([[1.0, 2.0, 3.0], [5.0, 0.0, 0.0]])
     batch.values = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
     batch.advantages = torch.tensor([[1.0, 1.0, 1.0], [4.0, 0.0, 0.0]])
-    m = train_ppo.batch_metrics(cfg, batch)
+    m = batch_metrics(cfg, batch)
     r = torch.tensor([1.0, 2.0, 3.0, 5.0])
     d = torch.tensor([0.0, 1.0, 2.0, 4.0])
     assert m["critic/vf_explained_var"] == pytest.approx(1 - float(d.var()) / (float(r.var()) + 1e-5))

@@ -1,0 +1,409 @@
+"""Loading a config: the dataclass defaults, then ``--config X.yaml``, then ``section.key=value``
+overrides from the command line, into the schema of ``ppo.config``::
+
+    cfg = load_config("configs/demo_cpu.yaml", ["actor.optim.lr=1e-5", "rollout.n=4"])
+    cfg, args = parse_cli(sys.argv[1:], PPOConfig)          # what every entry point does
+    text = to_yaml(cfg)                                      # load_config reads it back to an equal config
+
+An override changes its key and nothing else: a section is built over the default its enclosing class
+gives it (SFT's ``optim`` keeps its cosine schedule when only ``optim.lr`` is set).
+
+Every error is one line naming the full dotted key and where the value came from (the YAML file, or
+the command line): unknown keys with the closest valid names, values that do not coerce to the field's
+type, values out of range (NaN and ±inf are rejected for every float), and, with file, line and column,
+duplicate YAML keys and malformed YAML.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import math
+import reprlib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from ppo.config import ConfigError, FieldError, PPOConfig
+
+# repr for error messages, cut short so that a huge value (a YAML alias bomb) stays one short line.
+_show = reprlib.Repr()
+_show.maxstring = _show.maxother = 80
+
+# ----------------------------------------------------------------------------------------------------
+# Loading: defaults, then YAML, then overrides
+# ----------------------------------------------------------------------------------------------------
+
+C = typing.TypeVar("C")
+COMMAND_LINE = "the command line"
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None, cls: type[C] = PPOConfig) -> C:
+    """Build ``cls`` from its defaults, then the YAML file at ``path``, then ``a.b.c=value`` overrides.
+
+    Raises ConfigError, one line naming the dotted key and where it came from, for anything wrong in
+    the file or the overrides (unknown keys with the closest valid names, duplicate keys, malformed
+    YAML, wrong types, values out of range).
+    """
+    tree: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if path is not None:
+        path = Path(path)
+        loaded = _read_yaml(path)
+        if loaded is None:
+            loaded = {}  # an empty file or only comments
+        if not isinstance(loaded, dict):
+            raise ConfigError(
+                f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}"
+            )
+        _merge(tree, loaded, sources, str(path), "", cls)
+    for item in overrides or []:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        parts = key.split(".")
+        if not sep or not all(parts):
+            raise ConfigError(f"command-line override {item!r} must look like section.key=value")
+        try:
+            value: Any = _parse_yaml(raw) if raw.strip() else ""
+        except _YAMLProblem as e:
+            col = f" at column {e.column}" if e.column else ""
+            raise ConfigError(f"{key}={raw!r} (from {COMMAND_LINE}) is not valid YAML{col}: {e}") from None
+        for part in reversed(parts):
+            value = {part: value}
+        _merge(tree, value, sources, COMMAND_LINE, "", cls)
+    return _build(cls, tree, sources, prefix="")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that fails on a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        self._document = node  # where construct_mapping looks up the dotted key of a duplicate
+        return super().construct_document(node)
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor` merges may be overridden by the mapping's own keys
+            key = self.construct_object(key_node, deep=True)
+            try:
+                line = first_line.get(key)
+            except TypeError:
+                continue  # an unhashable key: the base class reports it
+            if line is not None:
+                path = _node_path(self._document, node)
+                dotted = f"{path}.{key}" if path else str(key)
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {dotted!r} (first set on line {line})", key_node.start_mark
+                )
+            first_line[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+def _node_path(root: yaml.Node, target: yaml.Node) -> str:
+    """The dotted key of the mapping ``target`` within the composed YAML document ``root``."""
+    stack: list[tuple[yaml.Node, str]] = [(root, "")]
+    seen: set[int] = set()
+    while stack:
+        node, path = stack.pop()
+        if node is target:
+            return path
+        if id(node) in seen:
+            continue  # an alias of a node already walked
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            stack.extend((v, f"{path}.{k.value}" if path else str(k.value)) for k, v in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node.value))
+    return ""
+
+
+def _read_yaml(path: Path) -> Any:
+    """The YAML document in the file at ``path``; any problem with it is a one-line ConfigError."""
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory, not a YAML file")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(
+            f"{path}, line {line}: not UTF-8 text (byte {raw[e.start]:#04x}); save the file as UTF-8"
+        ) from None
+    try:
+        return _parse_yaml(text)
+    except _YAMLProblem as e:
+        at = f", line {e.line}" + (f", column {e.column}" if e.column else "") if e.line else ""
+        raise ConfigError(f"{path}{at}: {e}") from None
+
+
+class _YAMLProblem(Exception):
+    """Why a text is not valid YAML, and where (1-based line and column, or None)."""
+
+    def __init__(self, problem: str, line: int | None = None, column: int | None = None) -> None:
+        super().__init__(problem)
+        self.line, self.column = line, column
+
+
+def _parse_yaml(text: str) -> Any:
+    """``text`` parsed by :class:`_UniqueKeyLoader`; any problem (syntax, tabs, a duplicate key, a
+    character YAML forbids, nesting deep enough to exhaust the stack) is a :class:`_YAMLProblem`."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        problem = e.problem or e.context or "invalid YAML"
+        if "'\\t'" in problem:
+            problem += " (indent with spaces, not tabs)"
+        elif e.context and e.problem:
+            problem = f"{e.problem} ({e.context})"
+        raise _YAMLProblem(problem, *((mark.line + 1, mark.column + 1) if mark else ())) from None
+    except yaml.reader.ReaderError as e:
+        line = text.count("\n", 0, e.position) + 1
+        raise _YAMLProblem(f"character #x{e.character:04x} is not allowed in YAML", line) from None
+    except yaml.YAMLError as e:
+        raise _YAMLProblem(" ".join(str(e).split())) from None
+    except RecursionError:
+        raise _YAMLProblem("nested too deeply") from None
+    except (ValueError, OverflowError) as e:  # a scalar the constructor rejects (an int of 5000 digits)
+        raise _YAMLProblem(" ".join(str(e).split())) from None
+
+
+def _merge(dst: dict, src: dict, sources: dict[str, str], source: str, prefix: str, cls: type) -> None:
+    """Merge ``src`` into ``dst`` key by key, recording each dotted key's source. Only the sections of
+    ``cls`` are descended into (and must be mappings); any other value, a leaf or an unknown key, is
+    taken whole for ``_build`` to check, so a self-referencing YAML anchor cannot recurse without end."""
+    hints = typing.get_type_hints(cls)
+    for key, value in src.items():
+        dotted = f"{prefix}{key}"
+        section = hints.get(key) if isinstance(key, str) else None
+        sources[dotted] = source
+        if not dataclasses.is_dataclass(section):
+            dst[key] = value
+            continue
+        if not isinstance(value, dict):
+            raise ConfigError(
+                f"{dotted} is a section; got {_show.repr(value)} (from {source}): set its keys, "
+                f"e.g. {dotted}.<key>=value"
+            )
+        _merge(dst.setdefault(key, {}), value, sources, source, dotted + ".", section)
+
+
+def _source(sources: dict[str, str], dotted: str) -> str:
+    dotted = dotted.partition("[")[0]  # betas[1] came from where betas came from
+    while dotted:
+        if dotted in sources:
+            return sources[dotted]
+        dotted = dotted.rpartition(".")[0]
+    return "the defaults"
+
+
+def _where(keys: list[str], sources: dict[str, str]) -> str:
+    """``from X`` when all ``keys`` came from one place, else ``a from X; b from Y``."""
+    found = {k: _source(sources, k) for k in keys}
+    if len(set(found.values())) == 1:
+        return f"from {found[keys[0]]}"
+    return "; ".join(f"{k} from {s}" for k, s in found.items())
+
+
+def all_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key of a config class, sections included."""
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        dotted = f"{prefix}{f.name}"
+        keys.append(dotted)
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys.extend(all_keys(hints[f.name], dotted + "."))
+    return keys
+
+
+def _build(
+    cls: type[C],
+    tree: dict[str, Any],
+    sources: dict[str, str],
+    prefix: str,
+    base: Any = None,
+    root: type | None = None,
+) -> C:
+    """``cls`` with the values of ``tree`` set over ``base`` (its default where the enclosing class's
+    default gave one, e.g. SFT's cosine ``optim``; the root has none and starts from its own defaults).
+
+    A nested section's base is ``base``'s value for that field, or the enclosing class's field default:
+    never a built root, whose ``__post_init__`` has already resolved fallbacks from other keys.
+    """
+    root = root or cls
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in tree:
+        if key not in fields:
+            dotted = f"{prefix}{key}"
+            close = closest_keys(dotted, all_keys(root))
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            raise ConfigError(f"unknown config key {dotted!r} (from {_source(sources, dotted)}){hint}")
+    kwargs: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        typ = hints[key]
+        if dataclasses.is_dataclass(typ):  # _merge made sure that value is a dict
+            inner = getattr(base, key) if base is not None else _field_default(fields[key])
+            kwargs[key] = _build(typ, value, sources, dotted + ".", inner, root)
+        elif isinstance(value, dict):
+            raise ConfigError(
+                f"{dotted} is not a section (it takes {_type_name(typ)}); got {_show.repr(value)} "
+                f"(from {_source(sources, dotted)})"
+            )
+        else:
+            kwargs[key] = _coerce(value, typ, dotted, sources)
+    try:
+        return cls(**kwargs) if base is None else dataclasses.replace(base, **kwargs)
+    except FieldError as e:
+        keys = [f"{prefix}{k}" for k in e.keys]
+        raise ConfigError(f"{prefix}{e} ({_where(keys, sources)})") from None
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def closest_keys(dotted: str, keys: list[str], n: int = 3) -> list[str]:
+    """Valid keys closest to a wrong one: by the whole dotted name, then by its last part alone
+    (``actor.kl_coef`` finds ``actor.kl_loss_coef`` and ``algorithm.kl_ctrl.kl_coef``)."""
+    close = difflib.get_close_matches(dotted, keys, n=n, cutoff=0.6)
+    leaf = dotted.rpartition(".")[2]
+    by_leaf = {k.rpartition(".")[2]: [] for k in keys}
+    for k in keys:
+        by_leaf[k.rpartition(".")[2]].append(k)
+    for name in difflib.get_close_matches(leaf, list(by_leaf), n=n, cutoff=0.75):
+        close += [k for k in by_leaf[name] if k not in close]
+    return close[: n + 1]
+
+
+def _coerce(value: Any, typ: Any, dotted: str, sources: dict[str, str]) -> Any:
+    """Convert ``value`` to ``typ`` (bool, int, float, str, Literal, Optional, list) or fail clearly.
+    A float must be finite: NaN and ±inf are rejected for every float key."""
+
+    def fail() -> typing.NoReturn:
+        raise ConfigError(
+            f"{dotted}={_show.repr(value)} (from {_source(sources, dotted)}) is not a valid {_type_name(typ)}"
+        )
+
+    origin = typing.get_origin(typ)
+    args = typing.get_args(typ)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1:  # an optional: the error of its one type says more (e.g. "not finite")
+            return _coerce(value, rest[0], dotted, sources)
+        for a in rest:
+            try:
+                return _coerce(value, a, dotted, sources)
+            except ConfigError:
+                pass
+        fail()
+    if origin is Literal:
+        if value in args:
+            return value
+        raise ConfigError(
+            f"{dotted}={_show.repr(value)} (from {_source(sources, dotted)}) must be one of "
+            f"{', '.join(map(str, args))}"
+        )
+    if origin is list:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            value = [value]  # a single file or number where a list is expected
+        if not isinstance(value, list):
+            fail()
+        return [_coerce(v, args[0], f"{dotted}[{i}]", sources) for i, v in enumerate(value)]
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        fail()
+    if typ is int:
+        if isinstance(value, bool):
+            fail()
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                f = float(value)
+            except ValueError:
+                fail()
+            if f.is_integer():
+                return int(f)
+        fail()
+    if typ is float:
+        if isinstance(value, bool):
+            fail()
+        if not isinstance(value, (int, float, str)):
+            fail()
+        try:
+            number = float(value)  # YAML 1.1 reads 1e-5 (no dot) as a string
+        except (ValueError, OverflowError):  # not a number; an int beyond the float range
+            fail()
+        if not math.isfinite(number):
+            raise ConfigError(
+                f"{dotted}={_show.repr(value)} (from {_source(sources, dotted)}) must be a finite number"
+            )
+        return number
+    if typ is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        fail()
+    if typ is Any:
+        return value
+    fail()
+
+
+def _type_name(typ: Any) -> str:
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(typ))
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(typ)[0])}"
+    if origin is Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(typ)))
+    if typ is type(None):
+        return "null"
+    return getattr(typ, "__name__", str(typ))
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The config as plain nested dicts (for YAML and logging)."""
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Any) -> str:
+    """The resolved config as YAML that ``load_config`` reads back to an equal config."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+def parse_cli(
+    argv: list[str] | None, cls: type[C] = PPOConfig, description: str = ""
+) -> tuple[C, argparse.Namespace]:
+    """The command line every entry point shares: ``--config X.yaml``, ``key.sub=value`` overrides,
+    ``--print-config`` (print the resolved config and exit) and ``--world-size N`` (validate for a
+    world size other than the one running)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", default=None, help="YAML preset over the defaults")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--world-size", type=int, default=None, help="validate for this many ranks")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    args = parser.parse_args(argv)
+    if args.world_size is not None and args.world_size < 1:
+        raise ConfigError(f"--world-size must be >= 1, got {args.world_size} (from {COMMAND_LINE})")
+    return load_config(args.config, args.overrides, cls), args

@@ -1,0 +1,369 @@
+"""Benchmark the trainer's fixed per-step CPU cost on a tiny model against TRL's PPOTrainer.
+
+The real trainer runs in one process: a Llama of ``--layers`` x ``--hidden`` (2 x 128) on the tiny
+character tokenizer of make_tiny_assets.py, actor and critic from that backbone, a reward model;
+``--num-prompts`` (16) prompts x ``--response-len`` (32) tokens (``rollout.ignore_eos``, so every
+response has that length), GAE with KL in the reward, ``--epochs`` (2) epochs of 2 mini-batches. The
+models and a prompt Parquet are written to a temporary folder, then ``train_ppo.main`` runs ``--steps``
+steps; a step's time is the CPU time between the trainer's consecutive step log lines (read by a logging
+handler), its phases come from ``metrics.jsonl`` (``timing_s/*``, wall clock). Steps 1 and 2 are not
+counted.
+
+Where TRL is importable (``--trl-path`` adds a private install to ``sys.path``; nothing of TRL is in the
+project's dependencies), TRL's ``PPOTrainer`` runs the same shapes in the same process: ``trl`` as
+shipped, and ``trl_gc_frozen`` with ``gc.freeze()`` before training, which takes the per-step
+``gc.collect()`` of its loop out of the timing. The runs alternate ``--rounds`` times so that load from
+other processes hits all alike; medians over all counted steps, with min and max.
+
+Columns: ``trainer``, ``steps`` (counted), ``step_cpu_s`` (median), ``step_cpu_min_s``,
+``step_cpu_max_s``, ``step_wall_s``, the phases of our step (``gen_s``, ``old_log_prob_s``, ``ref_s``,
+``values_s``, ``reward_s``, ``adv_s``, ``update_critic_s``, ``update_actor_s``: median wall seconds) and
+``vs_trl`` (``trl_gc_frozen``'s step_cpu_s / this one's: the target is >= 1.5). Without TRL the summary
+line compares ours with a reference TRL step time (``TRL_REFERENCE_S``) instead.
+
+One process, one torch thread (``--threads``), the CPU clock: on a machine shared with other jobs wall
+time mostly measures the scheduler (see bench_rollout.py).
+
+Run:
+    .venv/bin/python scripts/bench_overhead.py                       # ours only (TRL not installed)
+    pip install --no-deps --target /tmp/trl trl==1.12.0              # TRL beside, not into, the venv
+    .venv/bin/python scripts/bench_overhead.py --trl-path /tmp/trl   # TRL side by side
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import logging
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_common import add_common_args, print_rows  # noqa: E402
+from bench_rollout import set_threads  # noqa: E402
+
+NUM_MINI_BATCHES = 2
+"""Optimizer steps per model per PPO epoch (mini-batches of the rollout)."""
+OUR_PHASES = ("gen", "old_log_prob", "ref", "values", "reward", "adv", "update_critic", "update_actor")
+TRL_REFERENCE_S = 0.21
+"""TRL 1.12's step on this configuration with its gc.collect frozen out, measured on another machine
+(docs/perf_notes_cpu_step.md): what ours is compared with where TRL cannot run beside it."""
+STEP_LINE = re.compile(r"\bstep (\d+)/(\d+)\b")
+"""The trainer's per-step console line (``MetricsLogger``'s progress prefix)."""
+
+
+@dataclasses.dataclass
+class OverheadRow:
+    """One trainer's per-step time."""
+
+    trainer: str
+    """``ours`` (train_ppo), ``trl`` (PPOTrainer as shipped), ``trl_gc_frozen`` (gc.freeze() first)."""
+    steps: int
+    """Steps counted (all rounds; the first two of each run are not)."""
+    step_cpu_s: float
+    """Median CPU seconds per step (one step's end to the next's)."""
+    step_cpu_min_s: float
+    step_cpu_max_s: float
+    step_wall_s: float
+    """Median wall seconds per step (on a shared machine, mostly the scheduler)."""
+    gen_s: float | None = None
+    """Phases of our step (median wall seconds, ``metrics.jsonl``'s ``timing_s/*``)."""
+    old_log_prob_s: float | None = None
+    ref_s: float | None = None
+    values_s: float | None = None
+    reward_s: float | None = None
+    adv_s: float | None = None
+    update_critic_s: float | None = None
+    update_actor_s: float | None = None
+    vs_trl: float | None = None
+    """trl_gc_frozen's step_cpu_s / this row's (the target for ours: >= 1.5)."""
+
+
+def write_assets(folder: Path, args: argparse.Namespace) -> dict[str, Path]:
+    """Policy (also the critic's backbone), reward model and prompt Parquet of the benchmark's shapes."""
+    import make_tiny_assets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tokenizer = make_tiny_assets.build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    paths = {"policy": folder / "policy", "reward": folder / "reward", "prompts": folder / "prompts.parquet"}
+    torch.manual_seed(args.seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(paths["policy"])
+    tokenizer.save_pretrained(paths["policy"])
+    torch.manual_seed(args.seed + 1)
+    config.num_labels = 1
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(paths["reward"])
+    tokenizer.save_pretrained(paths["reward"])
+    problems, _ = make_tiny_assets.split_problems(args.seed)
+    rows = make_tiny_assets.prompt_rows(problems[: args.num_prompts * (args.steps + 1)], "train")
+    pq.write_table(pa.Table.from_pylist(rows), paths["prompts"])
+    return paths
+
+
+class StepClock(logging.Handler):
+    """Records the CPU and wall clocks at each of the trainer's step lines (logging's public API)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.marks: list[tuple[int, float, float]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        match = STEP_LINE.search(record.getMessage())
+        if match:
+            self.marks.append((int(match.group(1)), time.process_time(), time.perf_counter()))
+
+    def step_times(self, skip: int = 2) -> tuple[list[float], list[float]]:
+        """(CPU, wall) seconds of each step after the first ``skip``."""
+        pairs = zip(self.marks, self.marks[1:], strict=False)
+        kept = [(b[1] - a[1], b[2] - a[2]) for a, b in pairs if b[0] > skip]
+        return [c for c, _ in kept], [w for _, w in kept]
+
+
+def ppo_overrides(args: argparse.Namespace, paths: dict[str, Path], out_dir: Path) -> list[str]:
+    """train_ppo's command line for the benchmark's configuration."""
+    return [
+        f"model.path={paths['policy']}",
+        f"data.train_files=[{paths['prompts']}]",
+        "data.val_files=[]",
+        "data.max_prompt_length=32",
+        f"data.max_response_length={args.response_len}",
+        f"data.train_batch_size={args.num_prompts}",
+        "rollout.n=1",
+        "rollout.ignore_eos=true",  # every response response_len tokens, as TRL without a stop token
+        f"actor.ppo_mini_batch_size={args.num_prompts // NUM_MINI_BATCHES}",
+        f"actor.ppo_epochs={args.epochs}",
+        "actor.optim.lr=1e-6",
+        "critic.optim.lr=1e-6",
+        "reward.style=model",
+        f"reward.model_path={paths['reward']}",
+        "algorithm.adv_estimator=gae",
+        "algorithm.use_kl_in_reward=true",
+        f"trainer.total_training_steps={args.steps}",
+        "trainer.logger=[console,jsonl]",
+        "trainer.val_before_train=false",
+        "trainer.resume_mode=disable",
+        "trainer.save_freq=-1",
+        f"trainer.seed={args.seed}",
+        f"trainer.output_dir={out_dir}",
+    ]
+
+
+def run_ours(
+    args: argparse.Namespace, paths: dict[str, Path], out_dir: Path
+) -> tuple[list[float], list[float], dict[str, list[float]]]:
+    """``train_ppo.main`` for ``--steps`` steps: per-step CPU and wall seconds, and the phase timings."""
+    import train_ppo
+
+    clock = StepClock()
+    log = logging.getLogger("ppo")
+    log.addHandler(clock)
+    try:
+        code = train_ppo.main(ppo_overrides(args, paths, out_dir))
+    finally:
+        log.removeHandler(clock)
+    if code != 0:
+        raise RuntimeError(f"train_ppo exited with {code}")
+    lines = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    phases = {
+        p: [r[f"timing_s/{p}"] for r in lines if r["step"] > 2 and f"timing_s/{p}" in r] for p in OUR_PHASES
+    }
+    cpu, wall = clock.step_times()
+    return cpu, wall, phases
+
+
+def import_trl(args: argparse.Namespace) -> tuple[Any, str | None]:
+    """TRL's ``experimental.ppo`` module and its version, or None and why not."""
+    if args.trl == "no":
+        return None, "--trl no"
+    if args.trl_path:
+        sys.path.insert(0, args.trl_path)
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    try:
+        import trl
+        import trl.experimental.ppo as trl_ppo
+    except Exception as err:  # not installed, or a version that does not import beside ours
+        if args.trl == "yes":
+            raise
+        return None, f"{type(err).__name__}: {err}"
+    return trl_ppo, trl.__version__
+
+
+def run_trl(
+    trl_ppo: Any, args: argparse.Namespace, paths: dict[str, Path], out_dir: Path, *, freeze_gc: bool
+) -> tuple[list[float], list[float]]:
+    """TRL's PPOTrainer on the same models, prompts and shapes; per-step CPU and wall seconds.
+
+    Same work as ours: ``per_device_train_batch_size`` = all prompts, ``num_mini_batches=2`` (one
+    micro-batch each), ``num_ppo_epochs``, no stop token (every response ``response_len`` tokens), GAE
+    with the k1 KL in the reward; its critic is a copy of the policy's backbone with a score head.
+    """
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+
+    from ppo import data
+
+    tokenizer = AutoTokenizer.from_pretrained(paths["policy"])
+    tokenizer.padding_side = "left"
+    records = data.load_prompts(paths["prompts"], tokenizer, max_prompt_length=32, require_ground_truth=False)
+    dataset = Dataset.from_dict({"input_ids": [r.input_ids for r in records]})
+    marks: list[tuple[float, float]] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            marks.append((time.process_time(), time.perf_counter()))
+
+    config = trl_ppo.PPOConfig(
+        output_dir=str(out_dir),
+        per_device_train_batch_size=args.num_prompts,
+        gradient_accumulation_steps=1,
+        num_mini_batches=NUM_MINI_BATCHES,
+        num_ppo_epochs=args.epochs,
+        response_length=args.response_len,
+        total_episodes=args.num_prompts * args.steps,
+        stop_token=None,
+        local_rollout_forward_batch_size=args.num_prompts,
+        num_sample_generations=0,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        learning_rate=1e-6,
+        seed=args.seed,
+        disable_tqdm=True,
+    )
+    with contextlib.redirect_stdout(sys.stderr):  # TRL prints every step's metrics
+        trainer = trl_ppo.PPOTrainer(
+            args=config,
+            processing_class=tokenizer,
+            model=AutoModelForCausalLM.from_pretrained(paths["policy"]),
+            ref_model=AutoModelForCausalLM.from_pretrained(paths["policy"]),
+            reward_model=AutoModelForSequenceClassification.from_pretrained(paths["reward"], num_labels=1),
+            value_model=AutoModelForSequenceClassification.from_pretrained(paths["policy"], num_labels=1),
+            train_dataset=dataset,
+            callbacks=[Clock()],
+        )
+        if freeze_gc:
+            gc.collect()
+            gc.freeze()  # what exists now is never scanned again: TRL's per-step gc.collect() is cheap
+        try:
+            trainer.train()
+        finally:
+            if freeze_gc:
+                gc.unfreeze()
+    kept = list(zip(marks, marks[1:], strict=False))[1:]  # the first two steps are not counted
+    return [b[0] - a[0] for a, b in kept], [b[1] - a[1] for a, b in kept]
+
+
+def run_overhead(args: argparse.Namespace) -> tuple[list[OverheadRow], str | None]:
+    """Ours, then TRL as shipped and with gc frozen, ``--rounds`` times; rows and TRL's version (or
+    why it did not run). ``train_ppo.main`` joins and leaves the process group itself."""
+    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        raise SystemExit("bench_overhead.py measures one process; start it without torchrun")
+    trl_ppo, trl_note = import_trl(args)
+    cpu: dict[str, list[float]] = {}
+    wall: dict[str, list[float]] = {}
+    phases: dict[str, list[float]] = {p: [] for p in OUR_PHASES}
+    with tempfile.TemporaryDirectory(prefix="bench_overhead_") as tmp:
+        folder = Path(tmp)
+        paths = write_assets(folder, args)
+        for r in range(args.rounds):
+            c, w, ph = run_ours(args, paths, folder / f"ours_{r}")
+            cpu.setdefault("ours", []).extend(c)
+            wall.setdefault("ours", []).extend(w)
+            for p in OUR_PHASES:
+                phases[p].extend(ph[p])
+            if trl_ppo is None:
+                continue
+            for name, freeze in (("trl", False), ("trl_gc_frozen", True)):
+                c, w = run_trl(trl_ppo, args, paths, folder / f"{name}_{r}", freeze_gc=freeze)
+                cpu.setdefault(name, []).extend(c)
+                wall.setdefault(name, []).extend(w)
+    rows = []
+    for name in cpu:
+        row = OverheadRow(
+            trainer=name,
+            steps=len(cpu[name]),
+            step_cpu_s=statistics.median(cpu[name]),
+            step_cpu_min_s=min(cpu[name]),
+            step_cpu_max_s=max(cpu[name]),
+            step_wall_s=statistics.median(wall[name]),
+        )
+        if name == "ours":
+            for p in OUR_PHASES:
+                setattr(row, f"{p}_s", statistics.median(phases[p]) if phases[p] else None)
+        rows.append(row)
+    trl = next((r for r in rows if r.trainer == "trl_gc_frozen"), None)
+    for row in rows:
+        row.vs_trl = trl.step_cpu_s / row.step_cpu_s if trl is not None else None
+    return rows, trl_note
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--num-prompts", type=int, default=16, help="prompts per step")
+    parser.add_argument("--response-len", type=int, default=32, help="tokens per response")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers of the Llama")
+    parser.add_argument("--hidden", type=int, default=128, help="hidden size (MLP: 4x)")
+    parser.add_argument("--epochs", type=int, default=2, help="PPO epochs over the 2 mini-batches")
+    parser.add_argument("--steps", type=int, default=10, help="steps per run (the first two not counted)")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating runs of each trainer")
+    parser.add_argument("--trl", default="auto", choices=["auto", "yes", "no"], help="run TRL beside ours")
+    parser.add_argument("--trl-path", default=None, help="a folder holding TRL (pip install --target)")
+    add_common_args(parser)
+    args = parser.parse_args(argv)
+    if args.num_prompts % NUM_MINI_BATCHES or args.steps < 3 or args.rounds < 1:
+        parser.error(f"need --num-prompts a multiple of {NUM_MINI_BATCHES}, --steps >= 3, --rounds >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    set_threads(args.threads)
+    rows, trl_note = run_overhead(args)
+    print_rows(rows, args.json)
+    if not args.json:
+        ours = rows[0]
+        trl = next((r for r in rows if r.trainer == "trl_gc_frozen"), None)
+        if trl is not None:
+            print(
+                f"ours {ours.step_cpu_s:.3f} s/step (CPU), TRL {trl_note} with gc frozen {trl.step_cpu_s:.3f} s: "
+                f"{ours.vs_trl:.2f}x ({'meets' if ours.vs_trl >= 1.5 else 'misses'} the 1.5x target)"
+            )
+        else:
+            print(
+                f"TRL did not run ({trl_note}); ours {ours.step_cpu_s:.3f} s/step (CPU) against "
+                f"{TRL_REFERENCE_S} s for TRL (a reference machine): target <= {TRL_REFERENCE_S / 1.5:.2f} s"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
