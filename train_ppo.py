@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 
 import kernels
-from ppo import algorithms, checkpoint, lora, offline, rewards, runner, sharding, ulysses
+from ppo import algorithms, checkpoint_files, lora, offline, rewards, runner, sharding, ulysses
 from ppo.batch import Batch, group_index
 from ppo.build import KLController, Run, build
 from ppo.checkpointer import log_stopped, roll_back, save_due
@@ -518,7 +518,7 @@ def at_boundary(stop: runner.StopRequest) -> None:
 
 def step_start(run: Run) -> dict[str, object]:
     """What a step changes before its first update: the data position and this rank's RNG streams."""
-    return {"loader": run.loader.state_dict(), "rng": checkpoint.rng_state()}
+    return {"loader": run.loader.state_dict(), "rng": checkpoint_files.rng_state()}
 
 
 def end_step(cfg: PPOConfig, run: Run, start: dict[str, object], end: EndStep) -> bool:
@@ -534,9 +534,9 @@ def end_step(cfg: PPOConfig, run: Run, start: dict[str, object], end: EndStep) -
     state = run.state
     if end.kind == "stop":
         run.loader.load_state_dict(start["loader"])
-        checkpoint.set_rng_state(start["rng"])
+        checkpoint_files.set_rng_state(start["rng"])
         state.step -= 1
-        latest = checkpoint.checkpoints_dir(run.out_dir) / "latest"
+        latest = checkpoint_files.checkpoints_dir(run.out_dir) / "latest"
         if not (latest.is_file() and latest.read_text() == f"step_{state.step:08d}"):
             save(run)
         log_stopped(state.step, end.reason)

@@ -30,7 +30,7 @@ from ppo import (
     sharding,
     ulysses,
 )
-from ppo.checkpoint import seed_everything
+from ppo.checkpoint_files import seed_everything
 from ppo.checkpointer import Checkpointer, TrainerState
 from ppo.config import ConfigError, PPOConfig
 from ppo.distributed import DistInfo

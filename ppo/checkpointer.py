@@ -12,7 +12,7 @@ resume that falls back past a damaged checkpoint, and the rollback policy.
 PPO (``ppo.build``) and the stages (``ppo.stage_loop``) checkpoint, schedule saves and stop alike through
 these functions.
 
-The file format (and reading untrusted files safely) is ``ppo.checkpoint``'s.
+The file format (and reading untrusted files safely) is ``ppo.checkpoint_files``'s.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ppo.checkpoint import (
+from ppo.checkpoint_files import (
     CheckpointError,
     find_resume_dir,
     load,

@@ -534,10 +534,12 @@ class AlgorithmConfig:
 class TrainerConfig(RunTrainerConfig):
     """PPO's ``trainer`` section: the keys every run has, and PPO's own."""
 
-    n_gpus_per_node: int = 1
-    """Ranks per node expected by the launcher (informational; the world size comes from torchrun)."""
-    nnodes: int = 1
-    """Nodes expected by the launcher (informational)."""
+    n_gpus_per_node: int | None = None
+    """Ranks per node the preset is sized for (verl's key). With ``nnodes``, a run on another number of
+    ranks stops at start-up, and ``--print-config`` validates for ``nnodes * n_gpus_per_node``; unset:
+    any world size (torchrun's decides)."""
+    nnodes: int | None = None
+    """Nodes the preset is sized for (verl's key); see ``n_gpus_per_node``."""
     critic_warmup: int = 0
     """Steps at the start that train only the critic (the actor is frozen)."""
     val_before_train: bool = True
@@ -552,6 +554,13 @@ class TrainerConfig(RunTrainerConfig):
     """Roll back when the validation score falls this much (relative) below the best (0 disables)."""
     max_skipped_steps: int = 3
     """Stop with an error after this many steps in a row skipped for a non-finite reward."""
+
+    @property
+    def planned_world_size(self) -> int | None:
+        """``nnodes * n_gpus_per_node`` when either is set (the other counts as 1), else None."""
+        if self.nnodes is None and self.n_gpus_per_node is None:
+            return None
+        return (self.nnodes or 1) * (self.n_gpus_per_node or 1)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -666,6 +675,13 @@ class PPOConfig:
         """
         _check_world_size(world_size)
         errors: list[str] = []
+        planned = self.trainer.planned_world_size
+        if planned is not None and planned != world_size:
+            errors.append(
+                f"trainer.nnodes={self.trainer.nnodes} x trainer.n_gpus_per_node={self.trainer.n_gpus_per_node} "
+                f"= {planned} ranks, but {world_size} run: the preset's batch sizes are sized for {planned}; "
+                f"set trainer.nnodes and trainer.n_gpus_per_node to what you launch (or null)"
+            )
         n = self.rollout.n
         bsz = self.data.train_batch_size
         sp = self.actor.ulysses_sequence_parallel_size

@@ -405,11 +405,6 @@ class ShardedLoader:
         n = len(self.records)
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
-    @property
-    def batch_size_per_rank(self) -> int:
-        """Prompts this rank gets from a full global batch."""
-        return self.batch_size // self.world_size
-
     def epoch_order(self, epoch: int) -> np.ndarray:
         """Record indices in the order of ``epoch`` (deterministic in ``seed`` and ``epoch``)."""
         n = len(self.records)

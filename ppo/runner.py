@@ -44,8 +44,8 @@ import transformers
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ppo import attention, checkpoint, data, lora, models, rewards, sharding, ulysses
-from ppo.checkpoint import CheckpointError
+from ppo import attention, checkpoint_files, data, lora, models, rewards, sharding, ulysses
+from ppo.checkpoint_files import CheckpointError
 from ppo.config import (
     ConfigError,
     DPOConfig,
@@ -116,8 +116,11 @@ def main(
     try:
         cfg, args = parse_cli(argv, cls, description=description)
         if args.print_config:
-            if args.world_size is not None:
-                validate_config(cfg, args.world_size)
+            world_size = args.world_size
+            if world_size is None and isinstance(cfg, PPOConfig):
+                world_size = cfg.trainer.planned_world_size
+            if world_size is not None:
+                validate_config(cfg, world_size)
             print(to_yaml(cfg), end="")
             return 0
     except ConfigError as e:
@@ -220,7 +223,7 @@ def prepare_run(cfg: PPOConfig | StageConfig, info: DistInfo) -> Path:
     if info.is_main:
         try:
             _claim_output_dir(cfg, out_dir)
-            checkpoint.ensure_writable(out_dir)
+            checkpoint_files.ensure_writable(out_dir)
             for path, kind in run_paths(cfg).items():
                 if kind == "dir" and path.exists() and not path.is_dir():
                     raise CheckpointError(f"{path} is a file: the run writes a folder there; move it away")
@@ -233,7 +236,7 @@ def prepare_run(cfg: PPOConfig | StageConfig, info: DistInfo) -> Path:
     error = broadcast_object(error)
     if error is not None:
         raise CheckpointError(error)
-    checkpoint.seed_everything(cfg.trainer.seed)  # the same on every rank while models are built
+    checkpoint_files.seed_everything(cfg.trainer.seed)  # the same on every rank while models are built
     return out_dir
 
 

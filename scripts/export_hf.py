@@ -26,7 +26,7 @@ from pathlib import Path
 
 from torch import nn
 
-from ppo import checkpoint, lora, models, sharding
+from ppo import checkpoint_files, lora, models, sharding
 from ppo.config import ConfigError, PPOConfig
 from ppo.config_loader import load_config
 from ppo.distributed import DistInfo, destroy_distributed, init_distributed, make_mesh, setup_logging
@@ -41,7 +41,7 @@ def export(ckpt_dir: Path, out_dir: Path, *, with_critic: bool = False, merged: 
     each role's ``lora.save_merged`` in the checkpoint's config.
     """
     if not (ckpt_dir / "config.yaml").is_file():
-        raise checkpoint.CheckpointError(
+        raise checkpoint_files.CheckpointError(
             f"{ckpt_dir} has no config.yaml: is it a checkpoint folder (step_N)?"
         )
     cfg = load_config(ckpt_dir / "config.yaml", [], PPOConfig)
@@ -58,7 +58,7 @@ def export(ckpt_dir: Path, out_dir: Path, *, with_critic: bool = False, merged: 
     to_load = {"actor": actor}
     if with_critic:
         to_load["critic"] = build(cfg, info, "critic")
-    checkpoint.load_models(ckpt_dir, to_load)
+    checkpoint_files.load_models(ckpt_dir, to_load)
     for role, lora_cfg in roles:
         folder = out_dir if role == "actor" else out_dir / "critic"
         as_merged = lora_cfg.save_merged if merged is None else merged
@@ -124,11 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging(True)
     ckpt_dir = args.ckpt_dir
-    if not checkpoint.is_complete(ckpt_dir):  # a run folder: take its latest complete checkpoint
-        ckpt_dir = checkpoint.find_resume_dir(ckpt_dir, "auto") or ckpt_dir
+    if not checkpoint_files.is_complete(ckpt_dir):  # a run folder: take its latest complete checkpoint
+        ckpt_dir = checkpoint_files.find_resume_dir(ckpt_dir, "auto") or ckpt_dir
     try:
         export(ckpt_dir, args.out_dir, with_critic=args.critic, merged=args.merged)
-    except (checkpoint.CheckpointError, ConfigError, FileNotFoundError) as e:
+    except (checkpoint_files.CheckpointError, ConfigError, FileNotFoundError) as e:
         logger.error("%s", e)
         return 2
     finally:

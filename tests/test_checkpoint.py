@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import train_ppo
-from ppo import checkpoint
+from ppo import checkpoint_files
 from tests.test_train_ppo import NONDETERMINISTIC, base_args, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,10 +89,10 @@ def test_crash_while_saving_keeps_previous_checkpoint(tiny_assets: Path, tmp_pat
     (root / "step_00000003.tmp" / "dcp").mkdir(parents=True)
     (root / "step_00000004").mkdir()
     (root / "latest").write_text("step_00000004")  # even a marker pointing at a broken one
-    assert checkpoint.find_resume_dir(out, "auto") == root / "step_00000002"
-    with pytest.raises(checkpoint.CheckpointError, match="incomplete or corrupted"):
-        checkpoint.find_resume_dir(out, str(root / "step_00000004"))
-    assert checkpoint.find_resume_dir(out, "disable") is None
+    assert checkpoint_files.find_resume_dir(out, "auto") == root / "step_00000002"
+    with pytest.raises(checkpoint_files.CheckpointError, match="incomplete or corrupted"):
+        checkpoint_files.find_resume_dir(out, str(root / "step_00000004"))
+    assert checkpoint_files.find_resume_dir(out, "disable") is None
 
 
 def test_max_ckpt_to_keep_prunes(tiny_assets: Path, tmp_path: Path) -> None:

@@ -169,6 +169,20 @@ def test_validate_world_size_names_what_to_change() -> None:
         load_config(None, ["actor.fsdp.fsdp_size=3"]).validate(4)
 
 
+def test_nnodes_and_gpus_per_node_hold_the_run_to_its_size() -> None:
+    # verl's keys: a preset sized for 1 x 8 ranks refuses a launch of 4 ranks; unset, any size runs.
+    sized = load_config(None, ["trainer.nnodes=1", "trainer.n_gpus_per_node=8"])
+    assert sized.trainer.planned_world_size == 8
+    sized.validate(8)
+    with pytest.raises(
+        ConfigError, match=r"trainer.nnodes=1 x trainer.n_gpus_per_node=8 = 8 ranks, but 4 run"
+    ):
+        sized.validate(4)
+    assert load_config(None, []).trainer.planned_world_size is None
+    load_config(None, []).validate(4)
+    assert load_config(None, ["trainer.nnodes=2"]).trainer.planned_world_size == 2
+
+
 def test_yaml_round_trip(tmp_path: Path) -> None:
     cfg = load_config(None, ["rollout.n=3", "actor.optim.lr=3e-5", "critic.model_path=/x"])
     path = tmp_path / "resolved.yaml"

@@ -362,7 +362,7 @@ def _worker(assets: Path, root: Path, out: Path) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from ppo import checkpoint, sharding
+    from ppo import checkpoint_files, sharding
     from ppo.config import FSDPConfig, MixedPrecisionConfig, PPOConfig
     from ppo.config_loader import to_yaml
     from ppo.distributed import destroy_distributed, init_distributed, make_mesh
@@ -557,7 +557,7 @@ def _worker(assets: Path, root: Path, out: Path) -> None:
         opt.step()
         opt.zero_grad()
         run = root / "run"
-        ckpt = checkpoint.save(
+        ckpt = checkpoint_files.save(
             run,
             1,
             models={"actor": model},
@@ -635,7 +635,7 @@ def _worker(assets: Path, root: Path, out: Path) -> None:
         straight = next_step(model, opt)
         resumed_model = sharded_actor()
         resumed_opt = adamw(resumed_model)
-        checkpoint.load(
+        checkpoint_files.load(
             ckpt,
             models={"actor": resumed_model},
             optimizers={"actor": resumed_opt},

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ppo import checkpoint
+from ppo import checkpoint_files
 from tests.conftest import torchrun
 from tests.test_train_ppo import REWARD_FNS, base_args, read_metrics, run
 
@@ -91,8 +91,8 @@ def test_pickled_payload_in_a_checkpoint_entry_never_runs(tmp_path: Path) -> Non
     """A non-tensor DCP entry (where optimizer hyper-parameters live) holding a payload."""
     marker = tmp_path / "pwned"
     dcp.save({"entry": Payload(marker), "w": torch.ones(2)}, checkpoint_id=str(tmp_path / "ckpt" / "dcp"))
-    with pytest.raises(checkpoint.CheckpointError, match="entry entry was refused"):
-        checkpoint._dcp_load({"entry": 0, "w": torch.zeros(2)}, tmp_path / "ckpt")
+    with pytest.raises(checkpoint_files.CheckpointError, match="entry entry was refused"):
+        checkpoint_files._dcp_load({"entry": 0, "w": torch.zeros(2)}, tmp_path / "ckpt")
     assert not marker.exists()
 
 
@@ -164,11 +164,11 @@ def test_resume_on_another_world_size_continues_the_data_order(tiny_assets: Path
 
 
 def test_rng_state_round_trips_as_plain_values(tmp_path: Path) -> None:
-    checkpoint.seed_everything(7)
-    state = checkpoint.rng_state()
+    checkpoint_files.seed_everything(7)
+    state = checkpoint_files.rng_state()
     torch.save(state, tmp_path / "rng.pt")
     expected = (torch.rand(3), __import__("random").random(), __import__("numpy").random.rand())
-    checkpoint.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    checkpoint_files.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
     again = (torch.rand(3), __import__("random").random(), __import__("numpy").random.rand())
     assert torch.equal(expected[0], again[0]) and expected[1:] == again[1:]
 

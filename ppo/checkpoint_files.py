@@ -1,4 +1,5 @@
-"""Sharded, atomic, exactly-resumable checkpoints, safe to read from anywhere.
+"""The files of a checkpoint: sharded, atomic, exactly resumable, safe to read from anywhere. What a run
+puts in them, and how it resumes and rolls back, is ``ppo.checkpointer``'s.
 
 Layout of ``<output_dir>/checkpoints``::
 
