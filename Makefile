@@ -26,21 +26,33 @@ install: .venv/.installed
 # the reward model (assets/rm); offline groups for configs/demo_cpu_offline.yaml: 4 samples from
 # the SFT model for each of the first 2048 training prompts, ranked by the rule (assets/offline). Final
 # numbers go to assets/metrics.json. About 4-5 minutes on 2 cores.
+# SEED=1 builds another task split, initialization and data order (the presets' seed is 0);
+# ASSETS=dir writes the whole set to another folder (run a preset on it with model.path=dir/sft etc.).
+SEED ?= 0
+ASSETS ?= assets
+A := $(ASSETS)
+SFT_PATHS := model.path=$(A)/base data.train_files=[$(A)/data/sft_train.parquet] \
+	data.val_files=[$(A)/data/sft_val.parquet] data.eval_prompt_files=[$(A)/data/val.parquet] \
+	trainer.output_dir=$(A)/runs/sft trainer.save_path=$(A)/sft trainer.seed=$(SEED)
+RM_PATHS := model.path=$(A)/sft data.train_files=[$(A)/data/pref_train.parquet] \
+	data.val_files=[$(A)/data/pref_val.parquet] trainer.output_dir=$(A)/runs/rm trainer.save_path=$(A)/rm \
+	trainer.seed=$(SEED)
+
 assets: install
-	rm -rf assets/runs assets/metrics.json assets/offline
-	$(PY) scripts/make_tiny_assets.py --out assets --seed 0
-	.venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) scripts/train_sft.py --config configs/sft_demo.yaml
-	.venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) scripts/train_reward_model.py --config configs/rm_demo.yaml
+	rm -rf $(A)/runs $(A)/metrics.json $(A)/offline
+	$(PY) scripts/make_tiny_assets.py --out $(A) --seed $(SEED)
+	.venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) scripts/train_sft.py --config configs/sft_demo.yaml $(SFT_PATHS)
+	.venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) scripts/train_reward_model.py --config configs/rm_demo.yaml $(RM_PATHS)
 	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) scripts/make_offline_data.py \
-		--model assets/sft --data assets/data/train.parquet --out assets/offline/train.parquet --k 4 \
-		--max-prompts 2048 --shard-size 512 --max-prompt-length 16 --max-response-length 28 --seed 0 \
-		--metrics assets/metrics.json
-	@$(PY) -c "import json; m = json.load(open('assets/metrics.json')); \
-	print('SFT model    assets/sft: greedy accuracy %(sft_val_accuracy).3f, one sample at T=1 %(sft_sample_accuracy).3f, pass@%(sft_eval_samples_per_prompt)d %(sft_pass_at_k).3f (%(sft_eval_prompts)d val problems; %(sft_steps)d steps in %(sft_train_time_s).0f s)' % m); \
-	print('reward model assets/rm:  held-out accuracy %(rm_val_accuracy).3f, margin %(rm_val_margin).2f (%(rm_steps)d steps in %(rm_train_time_s).0f s)' % m); \
+		--model $(A)/sft --data $(A)/data/train.parquet --out $(A)/offline/train.parquet --k 4 \
+		--max-prompts 2048 --shard-size 512 --max-prompt-length 16 --max-response-length 28 --seed $(SEED) \
+		--metrics $(A)/metrics.json
+	@$(PY) -c "import json; m = json.load(open('$(A)/metrics.json')); \
+	print('SFT model    $(A)/sft: greedy accuracy %(sft_val_accuracy).3f, one sample at T=1 %(sft_sample_accuracy).3f, pass@%(sft_eval_samples_per_prompt)d %(sft_pass_at_k).3f (%(sft_eval_prompts)d val problems; %(sft_steps)d steps in %(sft_train_time_s).0f s)' % m); \
+	print('reward model $(A)/rm:  held-out accuracy %(rm_val_accuracy).3f, margin %(rm_val_margin).2f (%(rm_steps)d steps in %(rm_train_time_s).0f s)' % m); \
 	print('  by mistake: ' + ', '.join('%s %.3f' % kv for kv in m['rm_val_accuracy_by_mistake'].items())); \
-	print('offline data assets/offline: %(offline_groups)d groups of %(offline_group_size)d from %(offline_prompts)d prompts, mean rule score %(offline_mean_score).3f, %(offline_unequal_share).2f of groups with unequal scores (%(offline_time_s).0f s)' % m); \
-	print('all numbers: assets/metrics.json')"
+	print('offline data $(A)/offline: %(offline_groups)d groups of %(offline_group_size)d from %(offline_prompts)d prompts, mean rule score %(offline_mean_score).3f, %(offline_unequal_share).2f of groups with unequal scores (%(offline_time_s).0f s)' % m); \
+	print('all numbers: $(A)/metrics.json')"
 
 # PPO on the SFT model with the true reward (GAE, adaptive KL in the reward), then its curves.
 demo: assets
