@@ -4,8 +4,6 @@ seed, and the synthetic task has the flaw and the splits that docs/demo.md descr
 from __future__ import annotations
 
 import collections
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -25,26 +23,15 @@ from ppo.config_loader import load_config
 from ppo.data import load_prompts
 from ppo.rewards import RULE_DATA_SOURCES, default_compute_score, gsm8k_score
 from ppo.stage_data import load_preference_pairs, load_sft_examples
+from tests.conftest import ROOT, load_script
 
 DATA_FILES = ("train", "val", "sft_train", "sft_val", "pref_train", "pref_val")
-
-
-def load_asset_script() -> ModuleType:
-    """Import scripts/make_tiny_assets.py by its path (scripts/ is not a package)."""
-    if "make_tiny_assets" in sys.modules:
-        return sys.modules["make_tiny_assets"]
-    path = Path(__file__).resolve().parents[1] / "scripts" / "make_tiny_assets.py"
-    spec = importlib.util.spec_from_file_location("make_tiny_assets", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["make_tiny_assets"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def assets() -> ModuleType:
     """The asset builder module."""
-    return load_asset_script()
+    return load_script("make_tiny_assets")
 
 
 @pytest.fixture(scope="module")
@@ -217,12 +204,14 @@ def test_preference_mistakes_even_and_scored_as_labelled(
 
 def test_make_assets_writes_the_offline_data_the_offline_demo_reads() -> None:
     """The ``assets`` target samples the groups configs/demo_cpu_offline.yaml trains on, with its group
-    size and length limits (a longer response in the file would drop its whole group)."""
-    root = Path(__file__).resolve().parents[1]
-    recipe = root.joinpath("Makefile").read_text().split("\nassets:")[1].split("\n\n")[0]
+    size and length limits (a longer response in the file would drop its whole group), in the folder
+    ``ASSETS`` names by default."""
+    makefile = ROOT.joinpath("Makefile").read_text()
+    assert "\nASSETS ?= assets\n" in makefile and "\nA := $(ASSETS)\n" in makefile
+    recipe = makefile.split("\nassets:")[1].split("\n\n")[0].replace("$(A)", "assets")
     command = recipe.split("scripts/make_offline_data.py")[1].replace("\\\n", " ").split()
     options = dict(zip(command[::2], command[1::2], strict=True))
-    cfg = load_config(root / "configs" / "demo_cpu_offline.yaml")
+    cfg = load_config(ROOT / "configs" / "demo_cpu_offline.yaml")
     assert "rm -rf assets/runs assets/metrics.json assets/offline" in recipe  # no stale shards resumed
     assert options["--out"] in cfg.data.train_files and options["--model"] == cfg.model.path
     assert (cfg.rollout.source, cfg.rollout.offline_fraction, int(options["--k"])) == (

@@ -29,7 +29,7 @@ import bench_overhead  # noqa: E402
 import bench_rollout  # noqa: E402
 
 from ppo.ulysses import NO_SP  # noqa: E402
-from tests.conftest import torchrun  # noqa: E402
+from tests.conftest import read_metrics, torchrun  # noqa: E402
 
 ROLLOUT_COLUMNS = {
     "path",
@@ -97,6 +97,7 @@ def test_bench_rollout_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "ppo_rollout / hf_generate =" in out
 
 
+@pytest.mark.slow
 def test_bench_layout_json(capsys: pytest.CaptureFixture[str]) -> None:
     """Every path at tiny size; the packed paths are the trainer's step (its functions, not copies), and
     the padded baseline computes the same step: equal losses and gradient norms, less than rounding
@@ -245,6 +246,7 @@ def test_bench_sp_two_ranks() -> None:
         assert row["vs_sp1"] <= (0.6 if row["phase"] == "actor" else 0.7), row
 
 
+@pytest.mark.slow
 def test_gpu_check_pieces_on_cpu(
     tiny_assets: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -289,8 +291,7 @@ def test_gpu_check_pieces_on_cpu(
     assert summary["kernel_tests"] == {"passed": 4, "failed": 0, "skipped": 1, "errors": 0}
     assert summary["kernels"] == {}  # bench_kernels did not run: no rows, no error
     assert summary["rollout"]["hf_decode_ms"] > 0 and summary["rollout"]["compiled_decode_ms"] is None
-    steps = [json.loads(line) for line in (runs / "ppo_tiny" / "metrics.jsonl").read_text().splitlines()]
-    steps = [s for s in steps if "timing_s/step" in s]
+    steps = [s for s in read_metrics(runs / "ppo_tiny") if "timing_s/step" in s]
     assert len(steps) == 3
     ppo = summary["ppo_tiny"]
     assert ppo["steps"] == 2  # the first step (compilation, warm-up) is left out

@@ -7,11 +7,8 @@ character counts: ``<s><|user|>23 + 48<|assistant|>`` is 3 special tokens + 7 ch
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -21,32 +18,15 @@ import pytest
 
 from ppo.data import DataError, PromptRecord, ShardedLoader, load_prompts
 from ppo.stage_data import load_preference_pairs, load_sft_examples
+from tests.conftest import load_script, write_parquet
 
 BOS, EOS, USER, ASSISTANT = 1, 2, 5, 6
-
-
-def load_asset_script() -> ModuleType:
-    """Import scripts/make_tiny_assets.py by its path (scripts/ is not a package)."""
-    if "make_tiny_assets" in sys.modules:
-        return sys.modules["make_tiny_assets"]
-    path = Path(__file__).resolve().parents[1] / "scripts" / "make_tiny_assets.py"
-    spec = importlib.util.spec_from_file_location("make_tiny_assets", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["make_tiny_assets"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def tok() -> Any:
     """The tiny character-level tokenizer with its chat template."""
-    return load_asset_script().build_tokenizer()
-
-
-def write(path: Path, rows: list[dict[str, Any]]) -> Path:
-    """Write rows as a Parquet file."""
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
+    return load_script("make_tiny_assets").build_tokenizer()
 
 
 def prompt_row(prompt: Any, truth: Any = "71", **extra: Any) -> dict[str, Any]:
@@ -76,7 +56,7 @@ def chars(tok: Any, text: str) -> list[int]:
 
 
 def test_messages_prompt_rendered_with_template_and_one_bos(tmp_path: Path, tok: Any) -> None:
-    f = write(
+    f = write_parquet(
         tmp_path / "p.parquet", [prompt_row(user("23 + 48"), extra_info={"split": "train", "index": 7})]
     )
     (rec,) = load_prompts(f, tok, max_prompt_length=64)
@@ -89,7 +69,7 @@ def test_messages_prompt_rendered_with_template_and_one_bos(tmp_path: Path, tok:
 
 
 def test_string_prompt_used_as_is(tmp_path: Path, tok: Any) -> None:
-    f = write(tmp_path / "p.parquet", [prompt_row("23 + 48")])
+    f = write_parquet(tmp_path / "p.parquet", [prompt_row("23 + 48")])
     for apply in (True, False):
         (rec,) = load_prompts(f, tok, max_prompt_length=64, apply_chat_template=apply)
         # No template for strings: the tokenizer's own BOS + 7 characters.
@@ -99,15 +79,15 @@ def test_string_prompt_used_as_is(tmp_path: Path, tok: Any) -> None:
 
 def test_messages_without_template_join_contents(tmp_path: Path, tok: Any) -> None:
     msgs = [{"role": "system", "content": "add"}, {"role": "user", "content": "1 + 2"}]
-    f = write(tmp_path / "p.parquet", [prompt_row(msgs)])
+    f = write_parquet(tmp_path / "p.parquet", [prompt_row(msgs)])
     (rec,) = load_prompts(f, tok, max_prompt_length=64, apply_chat_template=False)
     assert rec.prompt_text == "add\n1 + 2"
     assert rec.input_ids == [BOS, *chars(tok, "add\n1 + 2")]
 
 
 def test_numeric_ground_truth_missing_extra_info_and_index_over_files(tmp_path: Path, tok: Any) -> None:
-    a = write(tmp_path / "a.parquet", [prompt_row(user("1 + 1"), 2), prompt_row(user("2 + 2"), 4)])
-    b = write(tmp_path / "b.parquet", [prompt_row(user("3 + 3"), 6)])
+    a = write_parquet(tmp_path / "a.parquet", [prompt_row(user("1 + 1"), 2), prompt_row(user("2 + 2"), 4)])
+    b = write_parquet(tmp_path / "b.parquet", [prompt_row(user("3 + 3"), 6)])
     recs = load_prompts([str(a), b], tok, max_prompt_length=64)
     assert [r.ground_truth for r in recs] == ["2", "4", "6"]
     assert [r.index for r in recs] == [0, 1, 2]
@@ -117,7 +97,7 @@ def test_numeric_ground_truth_missing_extra_info_and_index_over_files(tmp_path: 
 def test_custom_prompt_key(tmp_path: Path, tok: Any) -> None:
     row = prompt_row(None)
     row["question"] = row.pop("prompt") or user("5 + 5")
-    f = write(tmp_path / "p.parquet", [row])
+    f = write_parquet(tmp_path / "p.parquet", [row])
     (rec,) = load_prompts(f, tok, prompt_key="question", max_prompt_length=64)
     assert rec.prompt_text == "<s><|user|>5 + 5<|assistant|>"
 
@@ -126,7 +106,9 @@ def test_over_long_prompts_dropped_and_counted(
     tmp_path: Path, tok: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Template lengths: 3 + len(text) tokens -> "1 + 2": 8, "23 + 48": 10 (kept at the limit), "123 + 456": 12.
-    f = write(tmp_path / "p.parquet", [prompt_row(user(t)) for t in ("1 + 2", "23 + 48", "123 + 456")])
+    f = write_parquet(
+        tmp_path / "p.parquet", [prompt_row(user(t)) for t in ("1 + 2", "23 + 48", "123 + 456")]
+    )
     with caplog.at_level(logging.INFO, logger="ppo"):
         recs = load_prompts(f, tok, max_prompt_length=10)
     assert [len(r.input_ids) for r in recs] == [8, 10]
@@ -135,7 +117,7 @@ def test_over_long_prompts_dropped_and_counted(
 
 
 def test_everything_dropped_is_an_error(tmp_path: Path, tok: Any) -> None:
-    f = write(tmp_path / "p.parquet", [prompt_row(user("123 + 456")), prompt_row(user("23 + 48"))])
+    f = write_parquet(tmp_path / "p.parquet", [prompt_row(user("123 + 456")), prompt_row(user("23 + 48"))])
     with pytest.raises(
         DataError, match=r"2 of 2 were longer than data.max_prompt_length=9 .*raise data.max_prompt_length"
     ):
@@ -179,7 +161,7 @@ GOOD = prompt_row(user("1 + 1"))
 def test_bad_prompt_files_name_file_row_and_column(
     tmp_path: Path, tok: Any, rows: list, message: str
 ) -> None:
-    f = write(tmp_path / "bad.parquet", rows)
+    f = write_parquet(tmp_path / "bad.parquet", rows)
     with pytest.raises(DataError, match=message) as info:
         load_prompts(f, tok, max_prompt_length=64)
     assert str(f) in str(info.value)
@@ -193,7 +175,7 @@ def test_missing_unreadable_and_no_files(tmp_path: Path, tok: Any) -> None:
         load_prompts(tmp_path / "text.parquet", tok, max_prompt_length=64)
     with pytest.raises(DataError, match="no data files given"):
         load_prompts([], tok, max_prompt_length=64)
-    empty = write(tmp_path / "empty.parquet", [])
+    empty = write_parquet(tmp_path / "empty.parquet", [])
     pq.write_table(
         pa.table({"prompt": pa.array([], pa.string()), "data_source": [], "reward_model": []}), empty
     )
@@ -202,9 +184,9 @@ def test_missing_unreadable_and_no_files(tmp_path: Path, tok: Any) -> None:
 
 
 def test_messages_need_a_chat_template(tmp_path: Path) -> None:
-    tok = load_asset_script().build_tokenizer()
+    tok = load_script("make_tiny_assets").build_tokenizer()
     tok.chat_template = None
-    f = write(tmp_path / "p.parquet", [prompt_row(user("1 + 1"))])
+    f = write_parquet(tmp_path / "p.parquet", [prompt_row(user("1 + 1"))])
     with pytest.raises(
         DataError, match=r"row 0, column 'prompt': .*no chat template.*data.apply_chat_template=false"
     ):
@@ -346,8 +328,8 @@ def test_preference_pairs_tokens_skips_and_extra(
         pref_row(good, None),  # null rejected counts as empty
         pref_row(good, "9" * 40),  # 10 + 41 = 51 tokens > 40
     ]
-    f = write(tmp_path / "pref.parquet", rows)
-    g = write(tmp_path / "strings.parquet", [pref_row("7", "8", prompt="1 + 6")])  # a string prompt
+    f = write_parquet(tmp_path / "pref.parquet", rows)
+    g = write_parquet(tmp_path / "strings.parquet", [pref_row("7", "8", prompt="1 + 6")])  # a string prompt
     with caplog.at_level(logging.INFO, logger="ppo"):
         pairs = load_preference_pairs([f, g], tok, max_length=40)
     assert [p.index for p in pairs] == [0, 5]
@@ -368,20 +350,20 @@ def test_preference_pairs_tokens_skips_and_extra(
 
 
 def test_preference_file_without_usable_rows_fails(tmp_path: Path, tok: Any) -> None:
-    f = write(tmp_path / "pref.parquet", [pref_row("a", "a"), pref_row("", "b")])
+    f = write_parquet(tmp_path / "pref.parquet", [pref_row("a", "a"), pref_row("", "b")])
     with pytest.raises(
         DataError, match=r"pref.parquet: no usable preference pair among 2 rows \(2 empty or identical"
     ):
         load_preference_pairs(f, tok, max_length=64)
-    bad = write(tmp_path / "bad.parquet", [pref_row("a", "b"), pref_row("a", "b", prompt=user(""))])
+    bad = write_parquet(tmp_path / "bad.parquet", [pref_row("a", "b"), pref_row("a", "b", prompt=user(""))])
     with pytest.raises(DataError, match=r"bad.parquet: row 1, column 'prompt': empty prompt"):
         load_preference_pairs(bad, tok, max_length=64)
-    wrong = write(tmp_path / "wrong.parquet", [{"prompt": "p", "chosen": 1, "rejected": 2}])
+    wrong = write_parquet(tmp_path / "wrong.parquet", [{"prompt": "p", "chosen": 1, "rejected": 2}])
     with pytest.raises(
         DataError, match=r"wrong.parquet: row 0, column 'chosen': expected a string response, got int"
     ):
         load_preference_pairs(wrong, tok, max_length=64)
-    missing = write(tmp_path / "missing.parquet", [{"prompt": "p", "chosen": "a"}])
+    missing = write_parquet(tmp_path / "missing.parquet", [{"prompt": "p", "chosen": "a"}])
     with pytest.raises(DataError, match=r"missing column\(s\) 'rejected'"):
         load_preference_pairs(missing, tok, max_length=64)
 
@@ -398,7 +380,7 @@ def test_sft_prompt_answer_mask_only_on_answer_and_eos(
         {"prompt": user("23 + 48"), "answer": "23 + 48 = 61\n#### 61", "flawed": True},
         {"prompt": user("1 + 1"), "answer": "1" * 60, "flawed": False},  # 8 + 61 tokens > 64
     ]
-    f = write(tmp_path / "sft.parquet", rows)
+    f = write_parquet(tmp_path / "sft.parquet", rows)
     with caplog.at_level(logging.INFO, logger="ppo"):
         (ex,) = load_sft_examples(f, tok, max_length=64)
     assert ex.input_ids == [
@@ -416,15 +398,17 @@ def test_sft_prompt_answer_mask_only_on_answer_and_eos(
 
 def test_sft_messages_equal_prompt_answer_and_multi_turn_masks(tmp_path: Path, tok: Any) -> None:
     conv = [{"role": "user", "content": "23 + 48"}, {"role": "assistant", "content": "71"}]
-    a = write(tmp_path / "a.parquet", [{"prompt": conv[:1], "answer": "71"}])
-    m = write(tmp_path / "m.parquet", [{"messages": conv}])
+    a = write_parquet(tmp_path / "a.parquet", [{"prompt": conv[:1], "answer": "71"}])
+    m = write_parquet(tmp_path / "m.parquet", [{"messages": conv}])
     (from_answer,) = load_sft_examples(a, tok, max_length=64)
     (from_messages,) = load_sft_examples(m, tok, max_length=64)
     assert from_messages.input_ids == from_answer.input_ids
     assert from_messages.loss_mask == from_answer.loss_mask
 
     turns = conv + [{"role": "user", "content": "1 + 2"}, {"role": "assistant", "content": "3"}]
-    (ex,) = load_sft_examples(write(tmp_path / "t.parquet", [{"messages": turns}]), tok, max_length=64)
+    (ex,) = load_sft_examples(
+        write_parquet(tmp_path / "t.parquet", [{"messages": turns}]), tok, max_length=64
+    )
     # <s><|user|>23 + 48<|assistant|> | 7 1 </s> | <|user|>1 + 2<|assistant|> | 3 </s>
     first = [BOS, USER, *chars(tok, "23 + 48"), ASSISTANT, *chars(tok, "71"), EOS]
     second = [USER, *chars(tok, "1 + 2"), ASSISTANT, *chars(tok, "3"), EOS]
@@ -456,7 +440,7 @@ def test_sft_messages_equal_prompt_answer_and_multi_turn_masks(tmp_path: Path, t
     ],
 )
 def test_bad_sft_files(tmp_path: Path, tok: Any, rows: list, message: str) -> None:
-    f = write(tmp_path / "sft.parquet", rows)
+    f = write_parquet(tmp_path / "sft.parquet", rows)
     with pytest.raises(DataError, match=message) as info:
         load_sft_examples(f, tok, max_length=64)
     assert str(f) in str(info.value)

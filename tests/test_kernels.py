@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,17 @@ def _linear_op(
     if backend == "reference":
         kwargs = {k: v for k, v in kwargs.items() if k not in ("chunk_size", "vocab_chunk_size")}
     return kernels.fused_linear_logprobs(hidden, weight, labels, backend=backend, **kwargs)
+
+
+def _forward_backward(
+    op: Callable, hidden: torch.Tensor, weight: torch.Tensor, g_lp: torch.Tensor, g_ent: torch.Tensor
+) -> list[torch.Tensor]:
+    """``op(h, w)`` on fresh leaf copies of ``hidden`` and ``weight``, then the backward of
+    ``sum(g_lp * logprobs + g_ent * entropy)``: ``[logprobs, entropy, grad hidden, grad weight]``."""
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = op(h, w)
+    (g_lp * lp + g_ent * ent).sum().backward()
+    return [lp, ent, h.grad, w.grad]
 
 
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, what: str) -> None:
@@ -214,9 +226,8 @@ def test_fused_linear_logprobs_matches_reference(
     ref_lp, ref_ent = kernels.fused_linear_logprobs_reference(ref_h, ref_w, labels, temperature=temperature)
     (g_lp * ref_lp + g_ent * ref_ent).sum().backward()
 
-    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    lp, ent = _linear_op(backend, h, w, labels, temperature=temperature)
-    (g_lp * lp + g_ent * ent).sum().backward()
+    op = partial(_linear_op, backend, labels=labels, temperature=temperature)
+    lp, ent, h_grad, w_grad = _forward_backward(op, hidden, weight, g_lp, g_ent)
 
     z_max = (ref_h @ ref_w.T).abs().max().item() / temperature
     # Both paths round the logits to the input dtype (a GEMM in that dtype, like the naive LM head).
@@ -225,11 +236,11 @@ def test_fused_linear_logprobs_matches_reference(
     _assert_close(lp, ref_lp, atol, "logprobs")
     _assert_close(ent, ref_ent, atol, "entropy")
     _check_properties(lp, ent, labels)
-    for name, grad, ref_grad in (("hidden", h.grad, ref_h.grad), ("weight", w.grad, ref_w.grad)):
+    for name, grad, ref_grad in (("hidden", h_grad, ref_h.grad), ("weight", w_grad, ref_w.grad)):
         grad_atol = GRAD_TOL * (_eps(dtype) + logits_eps * (1 + z_max)) * ref_grad.abs().max().item()
         _assert_close(grad, ref_grad, grad_atol, f"grad {name}")
         assert grad.dtype == dtype
-    assert (h.grad[labels == -100] == 0).all()
+    assert (h_grad[labels == -100] == 0).all()
 
 
 @pytest.mark.parametrize("backend", ["auto", *FAST_BACKENDS])
@@ -434,12 +445,8 @@ def test_two_runs_are_bitwise_equal(backend: str) -> None:
     hidden, weight = _linear_inputs("randn", torch.float32)
     labels = _labels(T, V)
     g_lp, g_ent = _output_grads()
-    results = []
-    for _ in range(2):
-        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        lp, ent = _linear_op(backend, h, w, labels, temperature=0.6)
-        (g_lp * lp + g_ent * ent).sum().backward()
-        results.append((lp, ent, h.grad, w.grad))
+    op = partial(_linear_op, backend, labels=labels, temperature=0.6)
+    results = [_forward_backward(op, hidden, weight, g_lp, g_ent) for _ in range(2)]
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
 
@@ -453,12 +460,9 @@ def test_chunk_sizes_do_not_change_results(backend: str) -> None:
     g_lp, g_ent = _output_grads()
     outs = []
     for chunk_size, vocab_chunk_size in ((1, 1000), (5, 97), (16, 129), (37, 384), (1000, 5000)):
-        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        lp, ent = kernels.fused_linear_logprobs(
-            h, w, labels, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size, backend=backend
-        )
-        (g_lp * lp + g_ent * ent).sum().backward()
-        outs.append([lp, ent, h.grad, w.grad])
+        chunks = dict(chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size, backend=backend)
+        op = partial(kernels.fused_linear_logprobs, labels=labels, **chunks)
+        outs.append(_forward_backward(op, hidden, weight, g_lp, g_ent))
         if backend == "torch":
             x = (hidden @ weight.T).requires_grad_()
             lp2, ent2 = kernels.logprobs_from_logits(x, labels, chunk_size=chunk_size, backend="torch")
@@ -575,7 +579,7 @@ def test_memory_plan_keeps_chunks_within_budget(backend: str) -> None:
 def test_torch_fused_memory_measured_within_plan(dtype: torch.dtype) -> None:
     """The torch path's extra peak memory, fwd+bwd, measured like the benchmark (its CPU storage tracker), stays
     within fused_memory_plan and far below the naive path's."""
-    from conftest import load_script
+    from tests.conftest import load_script
 
     bench = load_script("bench_kernels")
     num_tokens, hidden_size, vocab_size = 512, 64, 4096
@@ -670,7 +674,7 @@ def test_bench_kernels_json_rows(capsys: pytest.CaptureFixture[str]) -> None:
     cannot run (here: no CUDA or no liger_kernel)."""
     import json
 
-    from conftest import load_script
+    from tests.conftest import load_script
 
     bench = load_script("bench_kernels")
     argv = [

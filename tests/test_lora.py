@@ -14,8 +14,6 @@ import math
 import os
 import re
 import sys
-import traceback
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,25 +29,17 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 from ppo import lora
 from ppo.config import ConfigError, LoRAConfig
 from ppo.models import causal_lm_logits, critic_values, load_causal_lm, load_critic
-from tests.conftest import assert_check, full_tensor, load_script, max_diff, worker_results
+from tests.conftest import Checks, assert_check, full_tensor, load_script, max_diff, worker_results
 
 # peft 0.21 asks transformers 5 for the deprecated is_gradient_checkpointing when it wraps a model.
-pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
-ROOT = Path(__file__).resolve().parents[1]
 RANK = 8
 LAYERS = 3  # the tiny demo Llama: hidden 128, intermediate 512, 3 layers, vocab 103
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matmuls gain nothing from threads, and two spin-waiting OpenMP threads on a shared 2-core
-    machine are ~10x slower (see tests/test_models.py)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def actor_lora(**overrides: Any) -> LoRAConfig:
@@ -365,18 +355,14 @@ def _worker(assets: Path, root: Path, out: Path) -> None:
     from ppo import checkpoint_files, sharding
     from ppo.config import FSDPConfig, MixedPrecisionConfig, PPOConfig
     from ppo.config_loader import to_yaml
-    from ppo.distributed import destroy_distributed, init_distributed, make_mesh
+    from ppo.distributed import init_distributed, make_mesh
     from ppo.models import causal_lm_hidden, enable_gradient_checkpointing, lm_head_weight, load_tokenizer
 
     torch.set_num_threads(1)
     info = init_distributed(device="cpu", timeout_s=60)
     rank, world = info.rank, info.world_size
-    results: dict[str, dict[str, Any]] = {}
-
-    def record(name: str, ok: bool, detail: Any) -> None:
-        results[name] = {"ok": bool(ok), "detail": str(detail)}
-        if info.is_main:
-            out.write_text(json.dumps(results, indent=1))
+    checks = Checks(out, info.is_main)
+    record = checks.record
 
     base_path = str(assets / "base")
     mesh = make_mesh(info)
@@ -421,7 +407,7 @@ def _worker(assets: Path, root: Path, out: Path) -> None:
         enable_gradient_checkpointing(model)
         return sharding.shard_model(model.train(), mesh, fsdp or FSDPConfig(), device="cpu")
 
-    try:
+    with checks:  # an exception becomes the _error check; the process group ends here
         # 1. One LoRA update: sharded (fused head, gradient checkpointing, prefetch) = unsharded.
         model = sharded_actor(FSDPConfig(forward_prefetch=True))
         ref = lora_actor(base_path).train()
@@ -649,11 +635,6 @@ def _worker(assets: Path, root: Path, out: Path) -> None:
         del resumed_model, resumed_opt
 
         dist.barrier()
-    except Exception:
-        record("_error", False, traceback.format_exc())
-        raise
-    finally:
-        destroy_distributed()
 
 
 if __name__ == "__main__":

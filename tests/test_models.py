@@ -12,7 +12,6 @@ result with an unsharded copy of the same model on the same global batch::
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 import traceback
 import warnings
@@ -63,10 +62,12 @@ from ppo.sharding import (
 from tests.conftest import (
     GRAD_RTOL,
     VOCAB,
+    Checks,
     assert_check,
     full_tensor,
     grad_rel_diff,
     max_diff,
+    read_results,
     rel_diff,
     tiny_config,
     worker_results,
@@ -125,14 +126,9 @@ def packed_nll_sum(logits: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: to
     return nll[valid].sum()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matmuls gain nothing from threads, and on a shared 2-core machine two OpenMP threads that
-    spin-wait for each other made this file ~10x slower (a 1-thread torchrun worker was not)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny matmuls gain nothing from threads, and on a shared 2-core machine two OpenMP threads that
+# spin-wait for each other made this file ~10x slower (a 1-thread torchrun worker was not).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -394,17 +390,8 @@ def test_packed_attention_generate_equals_sdpa(tiny_dir: Path) -> None:
 def test_packed_attention_sliding_window_falls_back_to_sdpa_mask(tmp_path: Path) -> None:
     """A sliding-window layer gets sdpa's dense mask (the window matters within a sequence)."""
     torch.manual_seed(0)
-    config = Qwen2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        use_sliding_window=True,
-        sliding_window=4,
-        max_window_layers=1,  # layer 0 full attention, layer 1 sliding
-    )
+    # Layer 0 full attention, layer 1 a window of 4 tokens.
+    config = tiny_config(Qwen2Config, use_sliding_window=True, sliding_window=4, max_window_layers=1)
     Qwen2ForCausalLM(config).save_pretrained(tmp_path)
     ours, sdpa = (load_causal_lm(str(tmp_path), attn_implementation=a) for a in (PACKED_ATTENTION, "sdpa"))
     seqs = random_sequences(LENGTHS, seed=9)
@@ -530,6 +517,12 @@ def two_rank_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]
     return worker_results(__file__, root, out, ",".join(DIST_CHECKS), out=out)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("check", DIST_CHECKS)
+def test_two_ranks(two_rank_results: dict[str, Any], check: str) -> None:
+    assert_check(two_rank_results, check)
+
+
 @pytest.fixture(scope="module")
 def one_rank_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """``_worker`` in this process on a 1-rank gloo group (a second torchrun would cost ~15 s)."""
@@ -547,15 +540,7 @@ def one_rank_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    results = json.loads(out.read_text()) if out.is_file() else {}
-    results["_log"] = log
-    return results
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("check", DIST_CHECKS)
-def test_two_ranks(two_rank_results: dict[str, Any], check: str) -> None:
-    assert_check(two_rank_results, check)
+    return read_results(out, log)
 
 
 @pytest.mark.slow
@@ -564,27 +549,20 @@ def test_one_rank_mesh(one_rank_results: dict[str, Any], check: str) -> None:
     assert_check(one_rank_results, check)
 
 
-def _worker(root: Path, out: Path, checks: list[str]) -> None:
+def _worker(root: Path, out: Path, wanted: list[str]) -> None:
     """Sharded checks, each against an unsharded copy on the same global batch; rank 0 writes results.
 
-    Stops once every check in ``checks`` has a result (the sections run in the order of DIST_CHECKS).
+    Stops once every check in ``wanted`` has a result (the sections run in the order of DIST_CHECKS).
     """
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from ppo.distributed import destroy_distributed, init_distributed, make_mesh
+    from ppo.distributed import init_distributed, make_mesh
 
     info = init_distributed(device="cpu", timeout_s=60)  # a bug fails within a minute, not 30
     rank, world = info.rank, info.world_size
-    results: dict[str, dict[str, Any]] = {}
-
-    def record(name: str, ok: bool, detail: Any) -> None:
-        results[name] = {"ok": bool(ok), "detail": str(detail)}
-        if info.is_main:
-            out.write_text(json.dumps(results, indent=1))
-
-    def within(name: str, diff: float, atol: float) -> None:
-        record(name, diff <= atol, f"max |diff| = {diff:.3g} (atol {atol})")
+    checks = Checks(out, info.is_main)
+    record, within = checks.record, checks.within
 
     path = str(root / "model")
     mesh = make_mesh(info)
@@ -604,7 +582,7 @@ def _worker(root: Path, out: Path, checks: list[str]) -> None:
             logits = causal_lm_logits(model, input_ids, position_ids)
         return packed_nll_sum(logits, input_ids, cu_seqlens) / num_targets
 
-    try:
+    with checks:  # an exception becomes the _error check; the process group ends here
         # 1. Forward: sharded logits equal the unsharded model's.
         ref = load_causal_lm(path).train()
         model = shard_model(load_causal_lm(path), mesh, fsdp, device="cpu").train()
@@ -749,7 +727,7 @@ def _worker(root: Path, out: Path, checks: list[str]) -> None:
         )
         del fresh, fresh_ref
 
-        if all(check in results for check in checks):
+        if all(check in checks.results for check in wanted):
             dist.barrier()
             return
 
@@ -843,11 +821,6 @@ def _worker(root: Path, out: Path, checks: list[str]) -> None:
         count, expected_count = count_parameters(model), count_parameters(ref)
         record("count_parameters_sharded", count == expected_count, f"{count} vs {expected_count}")
         dist.barrier()
-    except Exception:
-        record("_error", False, traceback.format_exc())
-        raise
-    finally:
-        destroy_distributed()
 
 
 @contextlib.contextmanager

@@ -1,15 +1,14 @@
-"""Offline RLHF in the trainer (issue 13): ``rollout.source=dataset`` reads each step's groups from the
-file instead of sampling, and everything after step 1 is the online code.
+"""Offline RLHF in the trainer: ``rollout.source=dataset`` reads each step's groups from the file instead
+of sampling, and everything after step 1 is the online code.
 
-The file here is written by hand: eight prompts of the synthetic task, two responses each, ranked and
-scored. The model is the untrained tiny Llama; what is checked is the plumbing, exactly.
+The files here are written by hand: prompts of the synthetic task with two (or four) responses each,
+ranked and scored. The model is the untrained tiny Llama; what is checked is the plumbing, exactly.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -17,16 +16,27 @@ from safetensors.torch import load_file
 
 import train_ppo
 from ppo import models, offline
-from tests.conftest import torchrun
+from tests.conftest import (
+    ROOT,
+    base_args,
+    deterministic,
+    hf_weights,
+    read_metrics,
+    run,
+    torchrun,
+    write_parquet,
+)
 from tests.reward_fns import digit_score
-from tests.test_train_ppo import base_args, read_metrics, run
 
-ROOT = Path(__file__).resolve().parents[1]
+# Every test here runs the trainer end to end.
+pytestmark = pytest.mark.slow
+
 RESPONSES = ["12 + 30 = 42\n#### 42", "#### 7", "4 + 4 = 8\n#### 8", "no idea"]
 
 
 @pytest.fixture(scope="module")
 def groups_file(tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Eight prompts with two of ``RESPONSES`` each, scored by ``digit_score`` and ranked by the scores."""
     rows = pq.read_table(tiny_assets / "data" / "train.parquet").to_pylist()[:8]
     for i, row in enumerate(rows):
         pair = [RESPONSES[i % 4], RESPONSES[(i + 1) % 4]]
@@ -34,12 +44,11 @@ def groups_file(tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         row["responses"] = pair
         row["scores"] = scores
         row["ranks"] = [sum(o > s for o in scores) for s in scores]
-    path = tmp_path_factory.mktemp("offline") / "groups.parquet"
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
+    return write_parquet(tmp_path_factory.mktemp("offline") / "groups.parquet", rows)
 
 
 def offline_args(tiny_assets: Path, groups: Path, out: Path, steps: int = 2) -> list[str]:
+    """GRPO with a KL loss on the groups of ``groups``, one prompt a mini-batch, 2 prompts a step."""
     return base_args(tiny_assets, out, steps=steps) + [
         f"data.train_files={groups}",
         "data.max_response_length=24",
@@ -83,8 +92,7 @@ def test_offline_is_the_online_step_fed_the_same_responses(
         a for a in offline_args(tiny_assets, groups_file, out_online) if not a.startswith("rollout.source")
     ]
     assert run(online) == 0
-    a = load_file(out_offline / "hf" / "model.safetensors")
-    b = load_file(out_online / "hf" / "model.safetensors")
+    a, b = hf_weights(out_offline), hf_weights(out_online)
     base = load_file(tiny_assets / "base" / "model.safetensors")
     assert any(not torch.equal(a[k], base[k]) for k in a), "the update changed nothing"
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -95,24 +103,60 @@ def test_offline_is_the_online_step_fed_the_same_responses(
     ]
 
 
+# Four prompts, the four RESPONSES each (rotated), with scores chosen by hand and their competition ranks.
+RANKED_SCORES = [
+    [1.0, 0.5, 0.5, 0.0],
+    [0.25, 0.25, 0.25, 0.75],
+    [0.0, 2.0, 0.0, -1.0],
+    [0.75, 0.75, 0.25, -0.5],
+]
+RANKS = [[0, 1, 1, 3], [1, 1, 1, 0], [1, 0, 1, 3], [0, 0, 2, 3]]
+
+
+@pytest.fixture(scope="module")
+def ranked_groups_file(tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``RANKED_SCORES`` and ``RANKS`` as groups of four responses to the first four training prompts."""
+    rows = pq.read_table(tiny_assets / "data" / "train.parquet").to_pylist()[:4]
+    for i, row in enumerate(rows):
+        row.update(responses=RESPONSES[i:] + RESPONSES[:i], scores=RANKED_SCORES[i], ranks=RANKS[i])
+    return write_parquet(tmp_path_factory.mktemp("ranked") / "groups.parquet", rows)
+
+
 @pytest.mark.parametrize(
     ("style", "expected"),
     [
-        # Ranks of each group are [0, 1] or [1, 0]: best gets 1, the other 0; linear the same for k = 2.
-        (["reward.style=ranking", "reward.rank_scores=best"], {0.0, 1.0}),
-        (["reward.style=dataset"], {digit_score("", t, "") for t in RESPONSES}),
+        # best: 1 for rank 0. Step 1 (rows 0, 1): [1, 0, 0, 0] + [0, 0, 0, 1] -> mean 2/8; step 2
+        # (rows 2, 3): [0, 1, 0, 0] + [1, 1, 0, 0] -> 3/8.
+        (["reward.style=ranking", "reward.rank_scores=best"], [(2 / 8, 1.0, 0.0), (3 / 8, 1.0, 0.0)]),
+        # linear: 1 - rank / 3. Step 1: [1, 2/3, 2/3, 0] + [2/3, 2/3, 2/3, 1] = 7/3 + 3 -> mean 2/3;
+        # step 2: [2/3, 1, 2/3, 0] + [1, 1, 1/3, 0] = 7/3 + 7/3 -> mean 7/12.
+        (["reward.style=ranking", "reward.rank_scores=linear"], [(2 / 3, 1.0, 0.0), (7 / 12, 1.0, 0.0)]),
+        # dataset: the scores themselves. Step 1: (2 + 1.5) / 8; step 2: (1 + 1.25) / 8, max 2, min -1.
+        (["reward.style=dataset"], [(3.5 / 8, 1.0, 0.0), (2.25 / 8, 2.0, -1.0)]),
     ],
+    ids=["ranking_best", "ranking_linear", "dataset"],
 )
 def test_offline_rewards_from_the_data(
-    tiny_assets: Path, groups_file: Path, tmp_path: Path, style: list[str], expected: set[float]
+    tiny_assets: Path,
+    ranked_groups_file: Path,
+    tmp_path: Path,
+    style: list[str],
+    expected: list[tuple[float, float, float]],
 ) -> None:
-    out = tmp_path / "run"
-    args = offline_args(tiny_assets, groups_file, out, steps=4) + style + ["reward.custom_function=null"]
+    """The scores each step trains on are the data's (ranks turned into scores by ``rank_scores``, or
+    the scores column), for the step's own groups: file order, two groups a step."""
+    args = offline_args(tiny_assets, ranked_groups_file, tmp_path, steps=2) + [
+        "rollout.n=4",
+        "data.shuffle=false",
+        "reward.custom_function=null",  # no rule scorer to fall back on: the scores are the file's
+        *style,
+    ]
     assert run(args) == 0
-    seen = set()
-    for row in read_metrics(out):
-        seen |= {round(row["critic/score/min"], 5), round(row["critic/score/max"], 5)}
-    assert seen <= {round(v, 5) for v in expected} and len(seen) > 1
+    got = [
+        (r["critic/score/mean"], r["critic/score/max"], r["critic/score/min"]) for r in read_metrics(tmp_path)
+    ]
+    for step, (row, want) in enumerate(zip(got, expected, strict=True), 1):
+        assert row == pytest.approx(want, rel=1e-6), f"step {step}"
 
 
 def test_offline_resume_mid_epoch_is_exact(tiny_assets: Path, groups_file: Path, tmp_path: Path) -> None:
@@ -121,20 +165,16 @@ def test_offline_resume_mid_epoch_is_exact(tiny_assets: Path, groups_file: Path,
     assert run(offline_args(tiny_assets, groups_file, straight, steps=3)) == 0
     assert run(offline_args(tiny_assets, groups_file, resumed, steps=2) + ["trainer.save_freq=2"]) == 0
     assert run(offline_args(tiny_assets, groups_file, resumed, steps=3) + ["trainer.save_freq=2"]) == 0
-    keep = ("timing_s/", "perf/")
-    a = [{k: v for k, v in r.items() if not k.startswith(keep)} for r in read_metrics(straight)]
-    b = [{k: v for k, v in r.items() if not k.startswith(keep)} for r in read_metrics(resumed)]
-    assert a == b
+    drop = ("timing_s/", "perf/")
+    assert deterministic(read_metrics(straight), drop) == deterministic(read_metrics(resumed), drop)
 
 
-@pytest.mark.slow
 def test_offline_two_ranks_equal_one_rank(tiny_assets: Path, groups_file: Path, tmp_path: Path) -> None:
     one, two = tmp_path / "one", tmp_path / "two"
     common = ["actor.optim.eps=1e-3", "actor.ppo_mini_batch_size=2"]
     assert run(offline_args(tiny_assets, groups_file, one) + common) == 0
     proc = torchrun(ROOT / "train_ppo.py", *offline_args(tiny_assets, groups_file, two), *common)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    a = load_file(one / "hf" / "model.safetensors")
-    b = load_file(two / "hf" / "model.safetensors")
+    a, b = hf_weights(one), hf_weights(two)
     for key in a:
         torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=1e-5, msg=key)

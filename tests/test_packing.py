@@ -4,7 +4,7 @@ rollout's response mask."""
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from ppo import ulysses
 from ppo.packing import (
@@ -15,6 +15,7 @@ from ppo.packing import (
     unpack,
 )
 from ppo.rollout import left_pad, response_mask_from_eos
+from tests.conftest import tiny_config
 
 
 def test_pack_layout() -> None:
@@ -35,16 +36,7 @@ def test_pack_layout() -> None:
 
 def test_packed_logprobs_equal_padded() -> None:
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=50,
-        attn_implementation="sdpa",
-    )
-    model = LlamaForCausalLM(cfg).eval()
+    model = LlamaForCausalLM(tiny_config(vocab_size=50, attn_implementation="sdpa")).eval()
     prompts = [torch.randint(3, 50, (n,)) for n in (4, 7, 2)]
     responses = torch.randint(3, 50, (3, 6))
     mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0]], dtype=torch.bool)

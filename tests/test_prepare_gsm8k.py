@@ -8,11 +8,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import load_script
 
 from ppo.data import load_prompts
 from ppo.models import load_tokenizer
 from ppo.rewards import gsm8k_score
+from tests.conftest import load_script
 
 prepare = load_script("prepare_gsm8k")
 

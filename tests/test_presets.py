@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import load_script
 
 import train_ppo
-from ppo.config import PPOConfig, RewardModelConfig, SFTConfig
+from ppo.config import DPOConfig, PPOConfig, RewardModelConfig, SFTConfig
 from ppo.config_loader import load_config
+from tests.conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -30,18 +30,22 @@ GPU_PRESETS = [
     "qwen2_5_7b_gsm8k_grpo.yaml",
 ]
 DEMO_WORLD_SIZE = 2
-# Sections only a PPO config has; a stage config with a `loss` section trains a reward model.
-PPO_SECTIONS = {"actor", "critic", "ref", "rollout", "reward", "algorithm"}
+PROGRAMS = {
+    "train_sft.py": (SFTConfig, "train_sft"),
+    "train_reward_model.py": (RewardModelConfig, "train_reward_model"),
+    "train_dpo.py": (DPOConfig, "train_dpo"),
+}
+"""The stage programs, by the script a preset's header comment runs it with."""
 
 
 def entry_for(path: Path) -> tuple[type, object]:
-    """The config class and ``main(argv)`` of the program a preset is for, from its sections."""
-    sections = set(yaml.safe_load(path.read_text()) or {})
-    if sections & PPO_SECTIONS:
-        return PPOConfig, train_ppo.main
-    if "loss" in sections or "reward" in path.stem or path.stem.startswith("rm"):
-        return RewardModelConfig, load_script("train_reward_model").main
-    return SFTConfig, load_script("train_sft").main
+    """The config class and ``main(argv)`` of the program a preset is for: the stage script its header
+    comment names, else the PPO trainer."""
+    named = re.search(r"scripts/(train_\w+\.py)", path.read_text())
+    if named and named.group(1) in PROGRAMS:
+        cls, script = PROGRAMS[named.group(1)]
+        return cls, load_script(script).main
+    return PPOConfig, train_ppo.main
 
 
 def stated_world_size(path: Path) -> int:
@@ -96,7 +100,7 @@ def test_gpu_preset_header_and_data(name: str) -> None:
 
 
 def test_preset_knobs() -> None:
-    """The settings issue 8 asks of each preset."""
+    """The settings each GPU preset is for: model, batch and micro-batch sizes, KL, sharding, offload."""
     small = load_config(ROOT / "configs" / "qwen2_5_0_5b_gsm8k.yaml")
     assert small.model.path == "Qwen/Qwen2.5-0.5B-Instruct" and small.model.attn_implementation == "auto"
     assert small.actor.use_dynamic_bsz and small.use_critic

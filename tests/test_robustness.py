@@ -1,4 +1,4 @@
-"""Robustness (issue 17): nothing lost, nothing run from a foreign file, no traceback for a user's mistake.
+"""Robustness: nothing lost, nothing run from a foreign file, no traceback for a user's mistake.
 
 Checkpoints that are damaged, hostile or from another world size; resume that falls back; fresh runs that
 refuse to overwrite; signals that checkpoint; non-finite rewards that stop. Most run at the checkpoint or
@@ -13,8 +13,6 @@ import os
 import pickle
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,10 +21,19 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ppo import checkpoint_files
-from tests.conftest import torchrun
-from tests.test_train_ppo import REWARD_FNS, base_args, read_metrics, run
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import (
+    REWARD_FNS,
+    ROOT,
+    base_args,
+    has_metrics,
+    launch,
+    read_metrics,
+    run,
+    saved_run,
+    torchrun,
+    train,
+    wait_until,
+)
 
 
 class Payload:
@@ -39,15 +46,6 @@ class Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
-def one_step_run(tiny_assets: Path, out: Path, steps: int = 1, extra: list[str] | None = None) -> Path:
-    args = base_args(tiny_assets, out, steps=steps) + [
-        "trainer.save_freq=1",
-        "trainer.val_before_train=false",
-    ]
-    assert run(args + (extra or [])) == 0
-    return out / "checkpoints" / f"step_{steps:08d}"
-
-
 # ----------------------------------------------------------------------------------------------------
 # Hostile and damaged checkpoints
 # ----------------------------------------------------------------------------------------------------
@@ -57,16 +55,28 @@ def one_step_run(tiny_assets: Path, out: Path, steps: int = 1, extra: list[str] 
 def saved(tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run folder with checkpoints of steps 1 and 2 (copied by each test before it damages one)."""
     out = tmp_path_factory.mktemp("saved")
-    one_step_run(tiny_assets, out, steps=2)
+    saved_run(tiny_assets, out, steps=2)
     return out
 
 
 def copy_run(saved: Path, tmp_path: Path) -> Path:
+    """A copy of the ``saved`` run folder, to damage."""
     out = tmp_path / "run"
     shutil.copytree(saved, out)
     return out
 
 
+def resume_errors(tiny_assets: Path, out: Path, ckpt: Path, caplog: pytest.LogCaptureFixture) -> list[str]:
+    """Resume the run in ``out`` from ``ckpt``, which must fail (exit code 2); the errors it logged."""
+    args = base_args(tiny_assets, out, steps=3) + [
+        f"trainer.resume_mode={ckpt}",
+        "trainer.val_before_train=false",
+    ]
+    assert run(args) == 2
+    return [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["rank_file", "metadata"])
 def test_pickled_payload_in_a_checkpoint_never_runs(
     tiny_assets: Path, saved: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, target: str
@@ -77,13 +87,8 @@ def test_pickled_payload_in_a_checkpoint_never_runs(
     path = ckpt / "rank_00000.pt" if target == "rank_file" else ckpt / "dcp" / ".metadata"
     with open(path, "wb") as f:
         pickle.dump({"rng": Payload(marker)}, f)
-    args = base_args(tiny_assets, out, steps=3) + [
-        f"trainer.resume_mode={ckpt}",
-        "trainer.val_before_train=false",
-    ]
-    assert run(args) == 2
+    errors = resume_errors(tiny_assets, out, ckpt, caplog)
     assert not marker.exists()
-    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "was refused" in errors[0] and str(path) in errors[0]
 
 
@@ -96,6 +101,7 @@ def test_pickled_payload_in_a_checkpoint_entry_never_runs(tmp_path: Path) -> Non
     assert not marker.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated_shard", "missing_shard", "trainer_json", "rank_file"])
 def test_damaged_checkpoint_names_the_file(
     tiny_assets: Path, saved: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
@@ -115,23 +121,18 @@ def test_damaged_checkpoint_names_the_file(
     else:
         (ckpt / "rank_00000.pt").write_bytes(b"PK\x03\x04 not really a zip")
         expected = f"{ckpt / 'rank_00000.pt'} is unreadable"
-    args = base_args(tiny_assets, out, steps=3) + [
-        f"trainer.resume_mode={ckpt}",
-        "trainer.val_before_train=false",
-    ]
-    assert run(args) == 2
-    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    errors = resume_errors(tiny_assets, out, ckpt, caplog)
     assert len(errors) == 1 and expected in errors[0], errors
 
 
+@pytest.mark.slow
 def test_auto_resume_falls_back_past_a_damaged_newest_checkpoint(
     tiny_assets: Path, saved: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     out = copy_run(saved, tmp_path)
     shard = next((out / "checkpoints" / "step_00000002" / "dcp").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
-    args = base_args(tiny_assets, out, steps=3) + ["trainer.save_freq=1", "trainer.val_before_train=false"]
-    assert run(args) == 0
+    saved_run(tiny_assets, out, steps=3)
     assert "cannot resume from" in caplog.text and "step_00000002" in caplog.text
     assert "resumed from" in caplog.text and "step_00000001 at step 1" in caplog.text
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]  # step 2 redone, then 3
@@ -178,6 +179,7 @@ def test_rng_state_round_trips_as_plain_values(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_nan_reward_on_a_save_step_still_saves_and_too_many_stop_the_run(
     tiny_assets: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -206,44 +208,28 @@ def test_stop_signal_inside_a_long_step_saves_the_last_step_at_once(
     scoring is honoured at the next phase boundary, before the updates. The last complete step (1) is
     checkpointed and the run exits within seconds, well inside torchrun's 30 s grace, and resumes."""
     out = tmp_path / "run"
-    args = base_args(tiny_assets, out, steps=4) + [
+    extra = [
         "trainer.val_before_train=false",
         "algorithm.adv_estimator=grpo",
         "actor.ppo_epochs=30",  # 60 updates a step: the part of step 2 a stop must not wait for
         f"reward.custom_function={REWARD_FNS}:slow_after",
     ]
-    torchrun = launcher == "torchrun_sigterm"
+    nproc = 2 if launcher == "torchrun_sigterm" else 1
     # Calls before the slow one, per rank: the start-up probe, then step 1's responses.
-    fast_calls = 1 + (4 if torchrun else 8)
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PPO_TEST_SLOW_S": "6",
-        "PPO_TEST_FAST_CALLS": str(fast_calls),
-    }
-    prefix = (
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        if torchrun
-        else [sys.executable]
-    )
-    proc = subprocess.Popen(
-        [*prefix, str(ROOT / "train_ppo.py"), *args], stderr=subprocess.PIPE, text=True, env=env
-    )
-    deadline = time.time() + 400
-    while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().strip()):
-        assert proc.poll() is None and time.time() < deadline
-        time.sleep(0.05)
+    fast_calls = 1 + 8 // nproc
+    env = {"PPO_TEST_SLOW_S": "6", "PPO_TEST_FAST_CALLS": str(fast_calls)}
+    proc = launch(base_args(tiny_assets, out, steps=4) + extra, nproc=nproc, env=env)
+    wait_until(proc, has_metrics(out), timeout=400)
     time.sleep(2)  # inside step 2's slow scoring
     sent = time.time()
-    proc.send_signal(signal.SIGTERM if torchrun else signal.SIGINT)
+    proc.send_signal(signal.SIGTERM if nproc == 2 else signal.SIGINT)
     _, stderr = proc.communicate(timeout=300)
     assert time.time() - sent < 25, "waited for the step's updates"
     assert "stopping: saved step 1" in stderr, stderr[-3000:]
     assert (out / "checkpoints" / "latest").read_text() == "step_00000001"
     assert [r["step"] for r in read_metrics(out)] == [1]
     # The stopped run resumes where it stopped.
-    assert run(base_args(tiny_assets, out, steps=2) + args[len(base_args(tiny_assets, out, steps=4)) :]) == 0
-    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert [r["step"] for r in train(tiny_assets, out, *extra, steps=2)] == [1, 2]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -251,6 +237,7 @@ def test_stop_signal_inside_a_long_step_saves_the_last_step_at_once(
 # ----------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_fresh_run_refuses_an_existing_run_folder(
     tiny_assets: Path, saved: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -11,15 +11,7 @@ import torch
 from ppo import rollout
 from ppo.build import build
 from ppo.config_loader import load_config
-from ppo.distributed import destroy_distributed, init_distributed
-from tests.test_train_ppo import base_args
-
-
-@pytest.fixture
-def one_rank():
-    info = init_distributed("cpu")
-    yield info
-    destroy_distributed()
+from tests.conftest import base_args
 
 
 def test_left_pad_to_a_bucket() -> None:

@@ -6,62 +6,37 @@ task of ``scripts/make_tiny_assets.py``; the scripts run in this process as one 
 ``torch.distributed.run`` as 2 gloo ranks for the comparison with one rank::
 
     pytest tests/test_stages.py                 # about a minute on 2 cores
-    pytest tests/test_stages.py -m "not slow"
+    pytest tests/test_stages.py -m "not slow"   # one rank only, seconds (the 2-rank comparison is slow)
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
-from types import ModuleType
-from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from ppo import data, models, rewards, runner, stage_data
 from ppo.distributed import DistInfo
 from ppo.packing import pack_sequences, plan_eval_micro_batches
-from tests.conftest import torchrun
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_script(name: str) -> ModuleType:
-    """Import ``scripts/<name>.py`` by its path (scripts/ is not a package)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
+from tests.conftest import (
+    ROOT,
+    deterministic,
+    load_script,
+    read_metrics,
+    tiny_config,
+    torchrun,
+    write_parquet,
+)
 
 sft = load_script("train_sft")
 rm = load_script("train_reward_model")
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Any:
-    """One intra-op thread, as torchrun gives each rank: on a busy 2-core machine two threads spin
-    against each other and make these tiny matmuls 50x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def write(path: Path, rows: list[dict[str, Any]]) -> Path:
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -70,53 +45,39 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assets = load_script("make_tiny_assets")
     root = tmp_path_factory.mktemp("tiny_stages")
     tokenizer = assets.build_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    # Half tiny_config's width and context: these tests take dozens of optimizer steps.
+    sizes = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, max_position_embeddings=64)
+    config = tiny_config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **sizes)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(root / "base")
     tokenizer.save_pretrained(root / "base")
     task = assets.make_task(0)
     d = root / "data"
     d.mkdir()
-    write(d / "sft_train.parquet", task["sft_train"][:128])
-    write(d / "sft_val.parquet", task["sft_val"][:24])
-    write(d / "val.parquet", task["val"][:8])
+    write_parquet(d / "sft_train.parquet", task["sft_train"][:128])
+    write_parquet(d / "sft_val.parquet", task["sft_val"][:24])
+    write_parquet(d / "val.parquet", task["val"][:8])
     pref = task["pref_train"][:64]
     bad = [
         {**pref[0], "chosen": ""},  # empty chosen
         {**pref[1], "rejected": pref[1]["chosen"]},  # identical
     ]
-    write(d / "pref_train.parquet", pref[:10] + bad + pref[10:])
-    write(d / "pref_val.parquet", task["pref_val"][:24])
+    write_parquet(d / "pref_train.parquet", pref[:10] + bad + pref[10:])
+    write_parquet(d / "pref_val.parquet", task["pref_val"][:24])
     return root
 
 
-def sft_args(tiny: Path, out: Path, *extra: str) -> list[str]:
-    """Command-line overrides of a short fp32 SFT run on the tiny assets."""
+def stage_args(tiny: Path, out: Path, data_name: str, *extra: str) -> list[str]:
+    """Command-line overrides of a short fp32 run of a stage on the tiny assets' ``<data_name>_train``
+    and ``<data_name>_val`` files, 16 examples a step, metrics in ``out``, the model in ``out/model``."""
     d = tiny / "data"
     return [
         f"model.path={tiny / 'base'}",
-        f"data.train_files={d / 'sft_train.parquet'}",
-        f"data.val_files={d / 'sft_val.parquet'}",
+        f"data.train_files={d / f'{data_name}_train.parquet'}",
+        f"data.val_files={d / f'{data_name}_val.parquet'}",
         "data.max_length=40",
         "data.train_batch_size=16",
-        "data.max_token_len_per_gpu=160",
-        "optim.lr=1e-2",
-        "optim.lr_warmup_steps=0",
         "trainer.device=cpu",
-        "trainer.seed=3",
-        "trainer.test_freq=100",
         "trainer.logger=[jsonl]",
         f"trainer.output_dir={out}",
         f"trainer.save_path={out / 'model'}",
@@ -124,8 +85,10 @@ def sft_args(tiny: Path, out: Path, *extra: str) -> list[str]:
     ]
 
 
-def read_jsonl(path: Path) -> list[dict[str, float]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+def sft_args(tiny: Path, out: Path, *extra: str) -> list[str]:
+    """A short SFT run: lr 1e-2 without warm-up, validation only when asked for."""
+    sft_only = ["data.max_token_len_per_gpu=160", "optim.lr=1e-2", "optim.lr_warmup_steps=0"]
+    return stage_args(tiny, out, "sft", *sft_only, "trainer.seed=3", "trainer.test_freq=100", *extra)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -211,7 +174,7 @@ def test_sft_steps_lower_the_loss_and_save_a_loadable_model(tiny: Path, tmp_path
         tiny, out, "trainer.total_training_steps=12", f"data.eval_prompt_files={tiny / 'data/val.parquet'}"
     )
     assert sft.main(args) == 0
-    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "train/loss" in r]
+    rows = [r for r in read_metrics(out) if "train/loss" in r]
     losses = [r["train/loss"] for r in rows]
     assert len(losses) == 12 and all(math.isfinite(x) for x in losses)
     assert sum(losses[-3:]) / 3 < 0.7 * sum(losses[:3]) / 3  # a random model starts near log(103) = 4.6
@@ -250,14 +213,8 @@ def test_sft_resumes_exactly(tiny: Path, tmp_path: Path) -> None:
     common = ["trainer.save_freq=6", "trainer.total_training_steps=12"]
     assert sft.main(sft_args(tiny, resumed, *common, "trainer.max_time_s=1e-9")) == 0  # stops after a step
     assert sft.main(sft_args(tiny, resumed, *common)) == 0
-    keep = ("timing_s/", "perf/")
-    a = [
-        {k: v for k, v in r.items() if not k.startswith(keep)} for r in read_jsonl(straight / "metrics.jsonl")
-    ]
-    b = [
-        {k: v for k, v in r.items() if not k.startswith(keep)} for r in read_jsonl(resumed / "metrics.jsonl")
-    ]
-    assert a == b
+    drop = ("timing_s/", "perf/")
+    assert deterministic(read_metrics(straight), drop) == deterministic(read_metrics(resumed), drop)
     x, y = (
         load_file(straight / "model" / "model.safetensors"),
         load_file(resumed / "model" / "model.safetensors"),
@@ -274,23 +231,9 @@ def test_print_config_and_bad_override(capsys: pytest.CaptureFixture) -> None:
 
 
 def rm_args(tiny: Path, out: Path, *extra: str) -> list[str]:
-    d = tiny / "data"
-    return [
-        f"model.path={tiny / 'base'}",
-        f"data.train_files={d / 'pref_train.parquet'}",
-        f"data.val_files={d / 'pref_val.parquet'}",
-        "data.max_length=40",
-        "data.train_batch_size=16",
-        "data.max_token_len_per_gpu=320",
-        "optim.lr=2e-3",
-        "trainer.device=cpu",
-        "trainer.total_training_steps=6",
-        "trainer.test_freq=3",
-        "trainer.logger=[jsonl]",
-        f"trainer.output_dir={out}",
-        f"trainer.save_path={out / 'model'}",
-        *extra,
-    ]
+    """A 6-step reward-model run, validated every 3 steps."""
+    rm_only = ["data.max_token_len_per_gpu=320", "optim.lr=2e-3", "trainer.total_training_steps=6"]
+    return stage_args(tiny, out, "pref", *rm_only, "trainer.test_freq=3", *extra)
 
 
 def test_reward_model_end_to_end_with_bad_rows_skipped(
@@ -317,7 +260,7 @@ def test_reward_model_end_to_end_with_bad_rows_skipped(
     assert final["rm_val_accuracy"] == pytest.approx(right / len(val), abs=1e-4)
     kinds = ("broken_format", "far_off", "slipped_carry", "wrong_final_line")
     assert sorted(final["rm_val_accuracy_by_mistake"]) == list(kinds)
-    rows = read_jsonl(out / "metrics.jsonl")
+    rows = read_metrics(out)
     assert [r["step"] for r in rows if "rm/accuracy" in r] == [3, 6]
     assert all(f"rm/accuracy/{k}" in rows[-1] for k in kinds)
     # the saved head is the trained one: reloading gives the same scores, with no fresh head
@@ -334,7 +277,7 @@ def test_no_usable_rows_fails_with_one_clear_message(
         {"prompt": "1 + 1", "chosen": "2", "rejected": "2"},
         {"prompt": "1 + 2", "chosen": "", "rejected": "4"},
     ]
-    bad = write(tmp_path / "all_bad.parquet", rows)
+    bad = write_parquet(tmp_path / "all_bad.parquet", rows)
     assert rm.main(rm_args(tiny, tmp_path / "rm", f"data.train_files={bad}")) == 2
     err = capfd.readouterr().err
     assert f"{bad}: no usable preference pair among 2 rows" in err
@@ -368,7 +311,6 @@ def test_two_ranks_train_the_same_model_as_one(tiny: Path, tmp_path: Path, fsdp_
     # the parameters; the logged norm before clipping shows it.
     for key in ("train/loss", "train/grad_norm"):
         one_run, two_run = (
-            torch.tensor([r[key] for r in read_jsonl(tmp_path / run / "metrics.jsonl") if key in r])
-            for run in ("one", "two")
+            torch.tensor([r[key] for r in read_metrics(tmp_path / run) if key in r]) for run in ("one", "two")
         )
         torch.testing.assert_close(one_run, two_run, atol=1e-5, rtol=1e-5, msg=key)

@@ -3,21 +3,29 @@ determinism with one seed, 2 ranks equal to 1, bad input handled."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import load_file
 
-import train_ppo
-from tests.conftest import torchrun
+from tests.conftest import (
+    REWARD_FNS,
+    ROOT,
+    base_args,
+    deterministic,
+    hf_weights,
+    load_script,
+    read_metrics,
+    run,
+    torchrun,
+    train,
+    write_parquet,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-REWARD_FNS = ROOT / "tests" / "reward_fns.py"
-
-# Keys a verl user looks for (issue 5); timing and perf keys are checked for presence only.
+# The keys verl logs and its users look for; timing and perf keys are checked for presence only.
 REQUIRED = [
     "actor/pg_loss",
     "actor/pg_clipfrac",
@@ -55,17 +63,10 @@ REQUIRED = [
     "perf/total_num_tokens",
     "perf/max_memory_gib",
 ]
+# What only a step with an actor update logs: the actor's update statistics (not the KL in the reward).
 ACTOR_UPDATE_KEYS = {
-    "actor/pg_loss",
-    "actor/pg_clipfrac",
-    "actor/pg_clipfrac_lower",
-    "actor/ppo_kl",
-    "actor/entropy",
-    "actor/grad_norm",
-    "actor/lr",
-    "timing_s/update_actor",
-}
-NONDETERMINISTIC = ("timing_s/", "perf/throughput", "perf/max_memory")
+    k for k in REQUIRED if k.startswith("actor/") and not k.startswith("actor/reward_kl")
+} | {"timing_s/update_actor"}
 
 
 # GAE, KL in the reward with the adaptive controller after one fixed step, entropy bonus, critic warm-up.
@@ -86,51 +87,21 @@ GAE_ARGS = [
 ]
 
 
-def base_args(assets: Path, out: Path, steps: int = 2) -> list[str]:
-    return [
-        f"model.path={assets / 'base'}",
-        f"data.train_files={assets / 'data' / 'train.parquet'}",
-        f"data.val_files={assets / 'data' / 'val.parquet'}",
-        "data.max_val_samples=8",
-        "data.max_response_length=12",
-        "data.train_batch_size=4",
-        "actor.ppo_mini_batch_size=2",
-        "rollout.n=2",
-        f"trainer.total_training_steps={steps}",
-        f"trainer.output_dir={out}",
-        "trainer.logger=[console,jsonl]",
-        f"reward.custom_function={REWARD_FNS}:digit_score",
-        "actor.optim.lr=1e-3",
-        "critic.optim.lr=1e-3",
-    ]
-
-
-def read_metrics(out: Path) -> list[dict[str, float]]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def run(args: list[str]) -> int:
-    return train_ppo.main(args)
-
-
 @pytest.fixture(scope="module")
 def gae_run(tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """GAE, KL in the reward with the adaptive controller after one fixed step, entropy bonus, critic
     warm-up, validation, checkpoints, HF export."""
     out = tmp_path_factory.mktemp("gae")
-    args = (
-        base_args(tiny_assets, out, steps=3)
-        + GAE_ARGS
-        + [
-            "trainer.save_freq=3",
-            "trainer.save_hf_on_end=true",
-            "trainer.logger=[console,jsonl,tensorboard]",
-        ]
-    )
-    assert run(args) == 0
+    export = [
+        "trainer.save_freq=3",
+        "trainer.save_hf_on_end=true",
+        "trainer.logger=[console,jsonl,tensorboard]",
+    ]
+    train(tiny_assets, out, *GAE_ARGS, *export, steps=3)
     return out
 
 
+@pytest.mark.slow
 def test_gae_run_logs_verl_metrics(gae_run: Path) -> None:
     rows = read_metrics(gae_run)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]  # validation before training, then 3 steps
@@ -152,30 +123,40 @@ def test_gae_run_logs_verl_metrics(gae_run: Path) -> None:
     assert (gae_run / "checkpoints" / "latest").read_text() == "step_00000003"
 
 
-def test_hf_export_loads_with_from_pretrained(gae_run: Path) -> None:
+@pytest.mark.slow
+def test_hf_export_loads_with_from_pretrained(gae_run: Path, tiny_assets: Path) -> None:
+    """``from_pretrained`` loads the export whole (no weight missing or freshly initialized), and it is
+    the trained actor: other weights and other logits than the base model's, the base's tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(gae_run / "hf")
-    tok = AutoTokenizer.from_pretrained(gae_run / "hf")
+    model, info = AutoModelForCausalLM.from_pretrained(gae_run / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    saved, base = hf_weights(gae_run), load_file(tiny_assets / "base" / "model.safetensors")
+    assert saved.keys() == base.keys()
+    state = model.state_dict()
+    assert all(torch.equal(state[k], saved[k]) for k in saved)
+    assert any(not torch.equal(saved[k], base[k]) for k in saved), "the export is the base model"
+    tok, base_tok = (AutoTokenizer.from_pretrained(p) for p in (gae_run / "hf", tiny_assets / "base"))
     ids = tok("12 + 34", return_tensors="pt").input_ids
-    assert torch.isfinite(model(ids).logits).all()
+    assert ids.tolist() == base_tok("12 + 34", return_tensors="pt").input_ids.tolist()
+    base_model = AutoModelForCausalLM.from_pretrained(tiny_assets / "base")
+    with torch.no_grad():
+        assert not torch.allclose(model(ids).logits, base_model(ids).logits)
 
 
+@pytest.mark.slow
 def test_same_seed_same_metrics(gae_run: Path, tiny_assets: Path, tmp_path: Path) -> None:
-    args = base_args(tiny_assets, tmp_path, steps=3) + GAE_ARGS
-    first = read_metrics(gae_run)
-    assert run(args) == 0
-    second = read_metrics(tmp_path)
-    assert len(first) == len(second)
-    for a, b in zip(first, second, strict=True):
-        keys = {k for k in a if not k.startswith(NONDETERMINISTIC)}
-        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+    second = train(tiny_assets, tmp_path, *GAE_ARGS, steps=3)
+    assert deterministic(read_metrics(gae_run)) == deterministic(second)
 
 
+@pytest.mark.slow
 def test_grpo_kl_loss_ranking_fixed_micro_batches(tiny_assets: Path, tmp_path: Path) -> None:
     """GRPO with low_var_kl as a loss, ranking reward, fixed micro-batches, asymmetric and dual clip,
     several epochs with early stop."""
-    args = base_args(tiny_assets, tmp_path) + [
+    rows = train(
+        tiny_assets,
+        tmp_path,
         "algorithm.adv_estimator=grpo",
         "algorithm.norm_adv_by_std_in_grpo=false",
         "actor.use_kl_loss=true",
@@ -197,9 +178,7 @@ def test_grpo_kl_loss_ranking_fixed_micro_batches(tiny_assets: Path, tmp_path: P
         "rollout.micro_batch_size_per_gpu=3",  # generation in micro-batches of 3, 8 sequences
         "ref.fsdp.param_offload=true",
         "trainer.val_before_train=false",
-    ]
-    assert run(args) == 0
-    rows = read_metrics(tmp_path)
+    )
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         assert "actor/kl_loss" in row and "critic/vf_loss" not in row  # no critic with GRPO
@@ -212,10 +191,13 @@ def test_grpo_kl_loss_ranking_fixed_micro_batches(tiny_assets: Path, tmp_path: P
     assert rows[-1]["actor/num_updates"] < 6
 
 
+@pytest.mark.slow
 def test_rloo_reward_model_full_kl_fused_kernels(tiny_assets: Path, tmp_path: Path) -> None:
     """RLOO with a reward model, the exact full-vocabulary KL in the reward, the fused LM-head
     log-prob path, reference kernels and the Dr. GRPO aggregation."""
-    args = base_args(tiny_assets, tmp_path) + [
+    rows = train(
+        tiny_assets,
+        tmp_path,
         "algorithm.adv_estimator=rloo",
         "reward.style=model",
         f"reward.model_path={tiny_assets / 'base_rm'}",
@@ -228,38 +210,76 @@ def test_rloo_reward_model_full_kl_fused_kernels(tiny_assets: Path, tmp_path: Pa
         "actor.fsdp.forward_prefetch=true",
         "trainer.profile_steps=[2]",
         "trainer.val_before_train=false",
-    ]
-    assert run(args) == 0
-    rows = read_metrics(tmp_path)
+    )
     assert len(rows) == 2
+    # Step 1 samples from the reference itself: the full KL of equal distributions is 0; after the
+    # first update it is not.
+    assert rows[0]["actor/reward_kl_penalty"] == pytest.approx(0.0, abs=1e-7)
+    assert rows[1]["actor/reward_kl_penalty"] > 1e-6
     for row in rows:
-        assert math.isfinite(row["actor/pg_loss"]) and math.isfinite(row["actor/reward_kl_penalty"])
         assert row["critic/score/max"] != row["critic/score/min"]  # model scores vary per response
+        # RLOO on pairs: A = r_i - r_j for each, so the batch's largest advantage is minus its smallest.
+        assert row["critic/advantages/max"] == pytest.approx(-row["critic/advantages/min"], rel=1e-5)
+        assert row["critic/advantages/max"] > 0
     assert any((tmp_path / "profile").iterdir())  # the profiled step's trace
 
 
+@pytest.mark.slow
 def test_nan_reward_skips_the_step(tiny_assets: Path, tmp_path: Path) -> None:
-    args = base_args(tiny_assets, tmp_path) + [
-        f"reward.custom_function={REWARD_FNS}:nan_score",
-        "trainer.val_before_train=false",
-        "trainer.save_hf_on_end=true",
-    ]
-    before = load_file(tiny_assets / "base" / "model.safetensors")
-    assert run(args) == 0
-    rows = read_metrics(tmp_path)
+    nan_reward = f"reward.custom_function={REWARD_FNS}:nan_score"
+    rows = train(
+        tiny_assets, tmp_path, nan_reward, "trainer.val_before_train=false", "trainer.save_hf_on_end=true"
+    )
     assert [r["trainer/skipped_steps"] for r in rows] == [1.0, 2.0]
-    after = load_file(tmp_path / "hf" / "model.safetensors")
+    before, after = load_file(tiny_assets / "base" / "model.safetensors"), hf_weights(tmp_path)
     for key, value in before.items():
         assert torch.equal(value, after[key]), f"{key} changed although every step was skipped"
 
 
+@pytest.mark.parametrize(
+    "case", ["missing_data_file", "missing_model", "bad_row", "batch_split", "unknown_key", "bad_value"]
+)
 def test_bad_config_and_data_fail_clearly(
-    tiny_assets: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+    tiny_assets: Path, tmp_path: Path, capsys: pytest.CaptureFixture, case: str
 ) -> None:
-    assert run(base_args(tiny_assets, tmp_path) + ["data.train_files=/nonexistent/train.parquet"]) == 2
-    assert run(base_args(tiny_assets, tmp_path) + [f"model.path={tmp_path / 'no_model'}"]) == 2
-    # A step batch that does not split over ranks is refused before any work.
-    assert run(base_args(tiny_assets, tmp_path) + ["actor.ppo_mini_batch_size=3"]) == 2
+    """Exit code 2 and one error line naming the file, row or key to fix; no traceback."""
+    bad_rows = tmp_path / "bad.parquet"
+    override, message = {
+        "missing_data_file": (
+            "data.train_files=/nonexistent/train.parquet",
+            "ERROR /nonexistent/train.parquet: no such data file",
+        ),
+        "missing_model": (
+            f"model.path={tmp_path / 'no_model'}",
+            f"ERROR model.path='{tmp_path / 'no_model'}': no such folder",
+        ),
+        "bad_row": (
+            f"data.train_files={bad_rows}",
+            f"ERROR {bad_rows}: row 3, column 'prompt': empty prompt",
+        ),
+        # A step batch that does not split over the ranks is refused before any work.
+        "batch_split": (
+            "actor.ppo_mini_batch_size=3",
+            "actor.ppo_mini_batch_size=3 must divide data.train_batch_size=4",
+        ),
+        "unknown_key": (
+            "actor.ppo_mini_batchsize=2",
+            "config error: unknown config key 'actor.ppo_mini_batchsize' (from the command line); "
+            "did you mean actor.ppo_mini_batch_size",
+        ),
+        "bad_value": (
+            "data.max_response_length=abc",
+            "config error: data.max_response_length='abc' (from the command line) is not a valid int",
+        ),
+    }[case]
+    rows = pq.read_table(tiny_assets / "data" / "train.parquet").to_pylist()[:8]
+    rows[3]["prompt"] = []  # an empty list of chat messages
+    write_parquet(bad_rows, rows)
+    assert run(base_args(tiny_assets, tmp_path / "run") + [override]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if " ERROR " in line or line.startswith("config error")]
+    assert len(errors) == 1 and message in errors[0], err
+    assert "Traceback" not in err
 
 
 @pytest.mark.slow
@@ -297,11 +317,11 @@ def test_two_ranks_equal_one_rank(tiny_assets: Path, tmp_path: Path) -> None:
             ROOT / "train_ppo.py", *base_args(tiny_assets, out), *common, *extra, "trainer.dist_timeout_s=120"
         )
         assert proc.returncode == 0, proc.stderr[-4000:]
-    a = load_file(one / "hf" / "model.safetensors")
+    a = hf_weights(one)
     base = load_file(tiny_assets / "base" / "model.safetensors")
     assert any(not torch.equal(a[k], base[k]) for k in a), "the update changed nothing"
     for other in (two, hybrid, sp):
-        b = load_file(other / "hf" / "model.safetensors")
+        b = hf_weights(other)
         for key in a:
             torch.testing.assert_close(
                 a[key], b[key], atol=1e-6, rtol=1e-5, msg=f"{other.name}: {key} differs"
@@ -348,8 +368,7 @@ def test_sequence_parallel_grpo_equals_one_rank(tiny_assets: Path, tmp_path: Pat
         "trainer.dist_timeout_s=120",
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    a = load_file(one / "hf" / "model.safetensors")
-    b = load_file(sp / "hf" / "model.safetensors")
+    a, b = hf_weights(one), hf_weights(sp)
     base = load_file(tiny_assets / "base" / "model.safetensors")
     assert any(not torch.equal(a[k], base[k]) for k in a), "the update changed nothing"
     for key in a:
@@ -359,9 +378,8 @@ def test_sequence_parallel_grpo_equals_one_rank(tiny_assets: Path, tmp_path: Pat
             assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-5), k
 
 
+@pytest.mark.slow
 def test_plot_run_writes_png(gae_run: Path, tmp_path: Path) -> None:
-    from tests.conftest import load_script
-
     out = tmp_path / "curves.png"
     assert load_script("plot_run").main([str(gae_run), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -9,7 +9,6 @@ whole packed row on an unsharded copy of the model::
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from ppo.packing import Packed
 from tests.conftest import (
     GRAD_RTOL,
     VOCAB,
+    Checks,
     assert_check,
     grad_rel_diff,
     max_diff,
@@ -217,29 +217,21 @@ def _worker(root: Path, out: Path) -> None:
 
     from ppo.attention import varlen_sdpa_attention
     from ppo.config import FSDPConfig
-    from ppo.distributed import all_reduce_scalar, destroy_distributed, init_distributed, make_mesh
+    from ppo.distributed import init_distributed, make_mesh
     from ppo.models import enable_gradient_checkpointing, load_causal_lm, load_critic
     from ppo.sharding import shard_model
 
     info = init_distributed(device="cpu", timeout_s=60)
     rank = info.rank
-    found: dict[str, dict[str, Any]] = {}
-
-    def record(name: str, ok: bool, detail: Any) -> None:
-        ok = all_reduce_scalar(float(bool(ok)), "min") > 0  # the same verdict on both ranks
-        found[name] = {"ok": ok, "detail": f"rank {rank}: {detail}"}
-        if info.is_main:
-            out.write_text(json.dumps(found, indent=1))
-
-    def within(name: str, diff: float, atol: float) -> None:
-        record(name, diff <= atol, f"max |diff| = {diff:.3g} (atol {atol})")
+    checks = Checks(out, info.is_main, agree=True)  # the same verdict on both ranks
+    record, within = checks.record, checks.within
 
     sp = ulysses.make_sp_groups(2)
     assert sp.size == 2 and sp.rank == rank and ulysses.make_sp_groups(2) is sp  # cached
     gen = torch.Generator().manual_seed(0)  # the same global tensors on both ranks
     mine = slice(rank * 6, (rank + 1) * 6)  # this rank's 6 of T = 12 tokens
 
-    try:
+    with checks:  # an exception becomes the _error check; the process group ends here
         # 1. All-to-all: q, k, v with 4 and 2 heads in one exchange; then the way back.
         q, k = torch.randn(1, 4, 12, 8, generator=gen), torch.randn(1, 2, 12, 8, generator=gen)
         q_local, k_local = q[:, :, mine].clone().requires_grad_(), k[:, :, mine].clone().requires_grad_()
@@ -342,17 +334,23 @@ def _worker(root: Path, out: Path) -> None:
             mask = packed.response_mask
             return (torch.where(mask, lp * weights + 0.1 * ent, 0.0)).sum() / num_tokens
 
+        def reference_backward(packed: Packed) -> float:
+            """Zero both models' gradients, backward of the loss on the whole row through ``ref``; the
+            row's number of response tokens."""
+            count = float(packed.response_mask.sum())
+            ref.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
+            lp, ent = ulysses.packed_logprobs(ref, packed, temperature=tau, compute_entropy=True)
+            ppo_like_loss(packed, lp, ent, count).backward()
+            return count
+
         for row, fused, name in (
             ("row_a", False, "grads_gathered_row_a"),
             ("row_b", False, "grads_gathered_row_b"),
             ("row_b", True, "grads_fused_row_b"),
         ):
             packed = rows[row]
-            count = float(packed.response_mask.sum())
-            ref.zero_grad(set_to_none=True)
-            model.zero_grad(set_to_none=True)
-            lp, ent = ulysses.packed_logprobs(ref, packed, temperature=tau, compute_entropy=True)
-            ppo_like_loss(packed, lp, ent, count).backward()
+            count = reference_backward(packed)
             lp, ent = ulysses.packed_logprobs(
                 model, packed, sp, temperature=tau, compute_entropy=True, fused=fused
             )
@@ -361,11 +359,7 @@ def _worker(root: Path, out: Path) -> None:
 
         # The other way: a loss on this rank's own tokens only, by the true count (each token once).
         packed = rows["row_a"]
-        count = float(packed.response_mask.sum())
-        ref.zero_grad(set_to_none=True)
-        model.zero_grad(set_to_none=True)
-        lp, ent = ulysses.packed_logprobs(ref, packed, temperature=tau, compute_entropy=True)
-        ppo_like_loss(packed, lp, ent, count).backward()
+        count = reference_backward(packed)
         sl = ulysses.slice_for_rank(packed, sp)
         lp_local, ent_local = ulysses.local_logprobs(model, sl, temperature=tau, compute_entropy=True)
         lp, owned = unpack_local(sl, lp_local, packed)
@@ -378,11 +372,7 @@ def _worker(root: Path, out: Path) -> None:
         # forward, all-to-alls included, in the same order on both ranks.
         enable_gradient_checkpointing(model)
         packed = rows["row_b"]
-        count = float(packed.response_mask.sum())
-        ref.zero_grad(set_to_none=True)
-        model.zero_grad(set_to_none=True)
-        lp, ent = ulysses.packed_logprobs(ref, packed, temperature=tau, compute_entropy=True)
-        ppo_like_loss(packed, lp, ent, count).backward()
+        count = reference_backward(packed)
         lp, ent = ulysses.packed_logprobs(model, packed, sp, temperature=tau, compute_entropy=True)
         ppo_like_loss(packed, lp, ent, sp.size * count).backward()
         within("grads_checkpointed_row_b", grad_rel_diff(model, ref), GRAD_RTOL)
@@ -416,8 +406,6 @@ def _worker(root: Path, out: Path) -> None:
             lp_ref, _ = ulysses.packed_logprobs(mqa_ref, rows["row_a"], temperature=1.0)
             lp, _ = ulysses.packed_logprobs(mqa, rows["row_a"], sp, temperature=1.0)
         within("kv_repeat_model_logprobs", max_diff(lp, lp_ref), 1e-5)
-    finally:
-        destroy_distributed()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The trainer means what verl means (issue 11): each test here fails on the trainer before its fix.
+"""The trainer means what verl means: each test here pins a meaning verl gives a key or a metric, and
+fails where the trainer once meant something else.
 
 Group advantages on KL-penalized rewards, gradient checkpointing that really recomputes, a sampler built
 only from ``rollout.*``, reward-model runs without rule scorers, verl's critic warm-up, learning-rate
@@ -26,20 +27,8 @@ from ppo import algorithms, models, rollout
 from ppo.batch import Batch, Rollout
 from ppo.build import build
 from ppo.config_loader import load_config
-from ppo.distributed import destroy_distributed, init_distributed
 from ppo.metrics import batch_metrics
-from tests.conftest import torchrun
-from tests.test_train_ppo import REWARD_FNS, base_args, read_metrics, run
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def one_rank():
-    """A one-process group for calling the trainer's ``build`` and step functions directly."""
-    info = init_distributed("cpu")
-    yield info
-    destroy_distributed()
+from tests.conftest import REWARD_FNS, ROOT, base_args, load_script, run, torchrun, train, write_parquet
 
 
 def fake_batch(mask: torch.Tensor, prompt_lens: list[int], max_response: int | None = None) -> Batch:
@@ -106,13 +95,14 @@ def test_gradient_checkpointing_recomputes_layers_in_a_trainer_run(
     counts = {}
     for checkpointing in (False, True):
         calls["n"] = 0
-        out = tmp_path / str(checkpointing)
-        args = base_args(tiny_assets, out, steps=1) + [
+        train(
+            tiny_assets,
+            tmp_path / str(checkpointing),
             "algorithm.adv_estimator=grpo",  # actor only: no critic, no reference
             "trainer.val_before_train=false",
             f"model.enable_gradient_checkpointing={str(checkpointing).lower()}",
-        ]
-        assert run(args) == 0
+            steps=1,
+        )
         counts[checkpointing] = calls["n"]
     # 4 prompts x 2 samples in 2 mini-batches of 4 sequences, one token-budget micro-batch each.
     assert counts[True] - counts[False] == 3 * 2
@@ -124,6 +114,7 @@ def model_with_generation_config(src: Path, dst: Path, **fields: object) -> Path
     return dst
 
 
+@pytest.mark.slow
 def test_rollout_ignores_the_checkpoint_generation_config_and_stops_at_every_eos(
     tiny_assets: Path, tmp_path: Path, one_rank, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -177,6 +168,7 @@ def test_rollout_ignores_the_checkpoint_generation_config_and_stops_at_every_eos
     assert int(stopped.responses[0, position]) == extra
 
 
+@pytest.mark.slow
 def test_rollout_logprobs_equal_scoring_logprobs(tiny_assets: Path, tmp_path: Path, one_rank) -> None:
     """What the sampler drew from (left padding, KV cache, temperature) is what scoring computes on the
     packed sequences: softmax(logits / T) of the same tokens, to float rounding."""
@@ -231,27 +223,22 @@ def test_rollout_logprobs_equal_scoring_logprobs(tiny_assets: Path, tmp_path: Pa
     )
 
 
-def write_prompt_only(path: Path, prompts: list[str]) -> Path:
-    pq.write_table(pa.table({"prompt": prompts}), path)
-    return path
-
-
+@pytest.mark.slow
 def test_reward_model_run_on_prompt_only_data(tiny_assets: Path, tmp_path: Path) -> None:
     """A TRL-style prompt file (only a ``prompt`` column, no data_source, no ground truth) with a reward
     model: no rule scorer runs, training and validation report the model's score, no accuracy."""
-    prompts = [f"{a} + {b} =" for a in range(10, 30) for b in range(10, 12)]
-    data = write_prompt_only(tmp_path / "prompts.parquet", prompts)
-    out = tmp_path / "run"
-    args = base_args(tiny_assets, out) + [
+    prompts = [{"prompt": f"{a} + {b} ="} for a in range(10, 30) for b in range(10, 12)]
+    data = write_parquet(tmp_path / "prompts.parquet", prompts)
+    rows = train(
+        tiny_assets,
+        tmp_path / "run",
         f"data.train_files={data}",
         f"data.val_files={data}",
         "reward.style=model",
         f"reward.model_path={tiny_assets / 'base_rm'}",
         "reward.custom_function=null",
         "trainer.test_freq=2",
-    ]
-    assert run(args) == 0
-    rows = read_metrics(out)
+    )
     assert (
         rows[0]["step"] == 0 and "val/default/score" in rows[0] and "val/default/reward/mean@1" not in rows[0]
     )
@@ -302,25 +289,22 @@ def test_reward_function_failures_are_one_line(
 # ----------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_lr_warms_up_from_zero_once_per_training_step(tiny_assets: Path, tmp_path: Path) -> None:
     """verl's schedule: one step per training step whatever the number of mini-batches, warm-up from 0
     (``step / warmup``); ``actor/lr`` is the rate this step's updates used. Two mini-batches per step."""
-    out = tmp_path / "run"
-    args = base_args(tiny_assets, out, steps=3) + [
-        "actor.optim.lr=1e-3",
-        "actor.optim.lr_warmup_steps=2",
-        "algorithm.adv_estimator=grpo",
-        "trainer.val_before_train=false",
-    ]
-    assert run(args) == 0
-    assert [r["actor/lr"] for r in read_metrics(out)] == pytest.approx([0.0, 5e-4, 1e-3])
+    warmup = ["actor.optim.lr=1e-3", "actor.optim.lr_warmup_steps=2", "algorithm.adv_estimator=grpo"]
+    rows = train(tiny_assets, tmp_path, *warmup, "trainer.val_before_train=false", steps=3)
+    assert [r["actor/lr"] for r in rows] == pytest.approx([0.0, 5e-4, 1e-3])
 
 
+@pytest.mark.slow
 def test_kl_coefficient_logged_is_the_one_applied(tiny_assets: Path, tmp_path: Path) -> None:
     """``actor/reward_kl_penalty_coeff`` is the beta of this batch's rewards; the adaptive update that
     follows is ``beta * (1 + clip(kl / target - 1, -0.2, 0.2) * n / horizon)`` with the logged KL."""
-    out = tmp_path / "run"
-    args = base_args(tiny_assets, out, steps=3) + [
+    rows = train(
+        tiny_assets,
+        tmp_path,
         "algorithm.adv_estimator=grpo",
         "algorithm.use_kl_in_reward=true",
         "algorithm.kl_ctrl.type=adaptive",
@@ -328,9 +312,8 @@ def test_kl_coefficient_logged_is_the_one_applied(tiny_assets: Path, tmp_path: P
         "algorithm.kl_ctrl.target_kl=0.001",
         "algorithm.kl_ctrl.horizon=40",
         "trainer.val_before_train=false",
-    ]
-    assert run(args) == 0
-    rows = read_metrics(out)
+        steps=3,
+    )
     assert rows[0]["actor/reward_kl_penalty_coeff"] == 0.2
     n = 4 * 2  # prompts x samples per step
     for before, after in zip(rows, rows[1:], strict=False):
@@ -339,18 +322,12 @@ def test_kl_coefficient_logged_is_the_one_applied(tiny_assets: Path, tmp_path: P
         assert after["actor/reward_kl_penalty_coeff"] == pytest.approx(expected, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_on_policy_update_uses_its_own_logprobs(tiny_assets: Path, tmp_path: Path) -> None:
     """One epoch, one mini-batch: no old-log-prob forward, the ratio is exactly 1 (no clipping, zero
     ppo_kl), and the KL to the reference comes from the training forward."""
-    out = tmp_path / "run"
-    args = base_args(tiny_assets, out) + [
-        "algorithm.adv_estimator=grpo",
-        "actor.ppo_mini_batch_size=4",
-        "actor.use_kl_loss=true",
-        "trainer.val_before_train=false",
-    ]
-    assert run(args) == 0
-    for row in read_metrics(out):
+    one_update = ["algorithm.adv_estimator=grpo", "actor.ppo_mini_batch_size=4", "actor.use_kl_loss=true"]
+    for row in train(tiny_assets, tmp_path, *one_update, "trainer.val_before_train=false"):
         assert "timing_s/old_log_prob" not in row
         assert row["actor/ppo_kl"] == 0.0 and row["actor/pg_clipfrac"] == 0.0
         assert "actor/ref_kl" in row and row["actor/kl_coef"] == 0.001
@@ -379,16 +356,10 @@ def test_metric_definitions_follow_verl() -> None:
     assert m["prompt_length/min"] == 2.0 and m["critic/rewards/mean"] == 0.5
 
 
+@pytest.mark.slow
 def test_verl_metric_names(tiny_assets: Path, tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    args = base_args(tiny_assets, out, steps=2) + [
-        "algorithm.adv_estimator=gae",
-        "trainer.test_freq=2",
-        "trainer.critic_warmup=0",
-    ]
-    assert run(args) == 0
-    rows = read_metrics(out)
-    last = rows[-1]
+    gae = ["algorithm.adv_estimator=gae", "trainer.test_freq=2", "trainer.critic_warmup=0"]
+    last = train(tiny_assets, tmp_path, *gae)[-1]
     for key in (
         "critic/vpred_mean",
         "critic/skipped_updates",
@@ -402,20 +373,23 @@ def test_verl_metric_names(tiny_assets: Path, tmp_path: Path) -> None:
     assert last["timing_s/testing"] > 0 and last["timing_s/step"] > last["timing_s/testing"]
 
 
+@pytest.mark.slow
 def test_critic_counts_its_skipped_updates(tiny_assets: Path, tmp_path: Path) -> None:
     """A reward of 1e30 overflows the critic's squared error: every critic update is skipped and
     counted, as the actor's are."""
-    out = tmp_path / "run"
-    args = base_args(tiny_assets, out, steps=1) + [
+    rows = train(
+        tiny_assets,
+        tmp_path,
         "algorithm.adv_estimator=gae",
         f"reward.custom_function={REWARD_FNS}:huge_score",
         "trainer.val_before_train=false",
-    ]
-    assert run(args) == 0
-    row = read_metrics(out)[-1]
+        steps=1,
+    )
+    row = rows[-1]
     assert row["critic/skipped_updates"] == row["critic/num_updates"] == 2.0
 
 
+@pytest.mark.slow
 def test_entropy_gets_no_gradient_without_a_bonus(
     tiny_assets: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -431,12 +405,14 @@ def test_entropy_gets_no_gradient_without_a_bonus(
     monkeypatch.setattr(kernels.chunked, "_grad_rows", recording)
     for coeff, expected in ((0.0, False), (0.01, True)):
         seen.clear()
-        args = base_args(tiny_assets, tmp_path / str(coeff), steps=1) + [
+        train(
+            tiny_assets,
+            tmp_path / str(coeff),
             "algorithm.adv_estimator=grpo",
             f"actor.entropy_coeff={coeff}",
             "trainer.val_before_train=false",
-        ]
-        assert run(args) == 0
+            steps=1,
+        )
         assert seen and set(seen) == {expected}
 
 
@@ -470,17 +446,11 @@ def test_verl_flops_formula_by_hand() -> None:
     """Qwen2.5-0.5B's shapes: hidden 896, 24 layers, 14 heads (64 dims), 2 KV heads, intermediate 4864,
     vocab 151936. Per layer 3*896*4864 + 896*(2*896 + 2*128) = 14,909,440; dense N = 24 layers of that
     + 2*151936*896 = 630,095,872. Two sequences of 100 and 300 tokens: 6*N*400 + 6*(100^2 + 300^2)*64*14*24."""
-    from transformers import Qwen2Config
-
     from ppo.metrics import verl_training_flops
 
-    config = Qwen2Config(
-        hidden_size=896,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        intermediate_size=4864,
-        vocab_size=151936,
-    )
+    config = load_script("bench_rollout").model_config("0.5b")  # the benchmarks' Qwen2.5-0.5B shapes
+    heads = (config.num_attention_heads, config.num_key_value_heads)
+    assert (config.hidden_size, config.num_hidden_layers, *heads) == (896, 24, 14, 2)
+    assert (config.intermediate_size, config.vocab_size) == (4864, 151936)
     expected = 6 * 630_095_872 * 400 + 6 * 100_000 * 64 * 14 * 24
     assert verl_training_flops(config, 400.0, 100_000.0) == expected
