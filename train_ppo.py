@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 
 import kernels
-from ppo import algorithms, checkpoint_files, lora, offline, rewards, runner, sharding, ulysses
+from ppo import algorithms, checkpoint_files, lora, models, offline, rewards, runner, sharding, ulysses
 from ppo.batch import Batch, group_index
 from ppo.build import KLController, Run, build
 from ppo.checkpointer import log_stopped, roll_back, save_due
@@ -61,7 +61,7 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
                 at_boundary(stop)
 
                 # 2. score: old and reference log-probs, values, rewards (all without gradients)
-                metrics.update(score(cfg, run, batch, timer))
+                metrics.update(score(cfg, run, batch, timer, stop))
                 check_scores(cfg, run, batch, metrics)
                 at_boundary(stop)
 
@@ -76,7 +76,7 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
                 metrics = batch_metrics(cfg, batch) | reduce_metrics(metrics)
                 if validation_due(cfg, run):
                     with timer("testing"):
-                        metrics.update(validate(cfg, info, run))
+                        metrics.update(validate(cfg, info, run, stop))
             metrics.update(perf_metrics(cfg, batch, metrics, timer.times, info, actor=run.actor.model))
             metrics.update(log_step(cfg, run, metrics))
         except EndStep as end:
@@ -118,7 +118,9 @@ def collect(cfg: PPOConfig, run: Run, items: list, timer: Timer) -> Batch:
             rollout = sample(run.sampler, records, do_sample=cfg.rollout.do_sample)
         batch = Batch(rollout=rollout, records=records, group_ids=group_index(len(records), n, run.device))
     else:
-        num_offline = offline.num_offline_groups(len(items), fraction)
+        num_offline = offline.num_offline_groups(
+            len(items), fraction, rank=run.loader.rank, world_size=run.loader.world_size
+        )
         sampled = None
         timer.times["timing_s/gen"] = 0.0  # nothing sampled in the loop when every group is offline
         if fraction < 1:  # every rank has the same number of sampled groups: all join the generation
@@ -131,6 +133,7 @@ def collect(cfg: PPOConfig, run: Run, items: list, timer: Timer) -> Batch:
             sampled,
             group_size=n,
             with_scores=cfg.reward.style == "dataset",
+            with_logprobs=cfg.algorithm.rollout_is_threshold is not None,
             max_response_length=cfg.data.max_response_length,
             pad_token_id=run.tokenizer.pad_token_id,
             eos_token_ids=run.sampler.eos_ids,
@@ -146,22 +149,25 @@ def collect(cfg: PPOConfig, run: Run, items: list, timer: Timer) -> Batch:
 # ----------------------------------------------------------------------------------------------------
 
 
-def score(cfg: PPOConfig, run: Run, batch: Batch, timer: Timer) -> dict[str, float]:
+def score(cfg: PPOConfig, run: Run, batch: Batch, timer: Timer, stop: runner.StopRequest) -> dict[str, float]:
     """Old log-probs (unless the on-policy shortcut makes them the update's own), reference log-probs
-    (and ``actor/ref_kl``), values and scores, into ``batch``."""
+    (and ``actor/ref_kl``), values and scores, into ``batch``; a stop signal is honoured between them."""
     metrics: dict[str, float] = {}
     if needs_old_logprobs(cfg):
         with timer("old_log_prob"):
             mb = cfg.actor.ppo_micro_batch_size_per_gpu
             batch.old_logprobs = score_logprobs(cfg, run.actor.model, batch, mb, run.sp)
+        at_boundary(stop)
     if run.ref is not None:
         with timer("ref"):
             score_reference(cfg, run, batch)
         if batch.old_logprobs is not None:
             metrics["actor/ref_kl"] = ref_kl(batch.old_logprobs, batch.ref_logprobs, batch.response_mask)
+        at_boundary(stop)
     if run.critic is not None:
         with timer("values"):
             batch.values = score_values(cfg, run.critic.model, batch, run.sp)
+        at_boundary(stop)
     with timer("reward"):
         batch.scores = rewards.batch_scores(
             batch,
@@ -187,15 +193,16 @@ def score_logprobs(
 ) -> torch.Tensor:
     """Log-probs ``[B, R]`` of the sampled tokens under ``model`` at the rollout temperature."""
     out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
-    for sel in micro_batches(batch, batch.rows(), cfg.actor, micro_batch_size):
-        out[sel], _ = ulysses.packed_logprobs(
-            model,
-            pack_rows(batch, sel),
-            sp,
-            temperature=cfg.rollout.temperature,
-            backend=cfg.actor.kernels,
-            fused=cfg.actor.use_fused_kernels,
-        )
+    with models.evaluating(model):  # adapter dropout off: the policy that sampled, deterministically
+        for sel in micro_batches(batch, batch.rows(), cfg.actor, micro_batch_size):
+            out[sel], _ = ulysses.packed_logprobs(
+                model,
+                pack_rows(batch, sel),
+                sp,
+                temperature=cfg.rollout.temperature,
+                backend=cfg.actor.kernels,
+                fused=cfg.actor.use_fused_kernels,
+            )
     return out
 
 
@@ -222,22 +229,24 @@ def score_full_kl(
     """
     out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
     tau = cfg.rollout.temperature
-    for sel in micro_batches(batch, batch.rows(), cfg.actor):
-        packed = pack_rows(batch, sel)
-        part = ulysses.slice_for_rank(packed, sp)  # the whole row without sequence parallelism
-        logits = ulysses.local_logits(actor, part).float() / tau
-        with lora.adapters_disabled(ref):  # the reference may be the actor itself (LoRA)
-            ref_logits = ulysses.local_logits(ref, part).float() / tau
-        kl = algorithms.full_kl(logits[None], ref_logits[None], (part.labels != -100)[None])[0]
-        out[sel] = unpack(part.gather(kl), packed)
+    with models.evaluating(actor), models.evaluating(ref):
+        for sel in micro_batches(batch, batch.rows(), cfg.actor):
+            packed = pack_rows(batch, sel)
+            part = ulysses.slice_for_rank(packed, sp)  # the whole row without sequence parallelism
+            logits = ulysses.local_logits(actor, part).float() / tau
+            with lora.adapters_disabled(ref):  # the reference may be the actor itself (LoRA)
+                ref_logits = ulysses.local_logits(ref, part).float() / tau
+            kl = algorithms.full_kl(logits[None], ref_logits[None], (part.labels != -100)[None])[0]
+            out[sel] = unpack(part.gather(kl), packed)
     return out
 
 
 @torch.no_grad()
 def score_values(cfg: PPOConfig, critic: torch.nn.Module, batch: Batch, sp: ulysses.SPGroup) -> torch.Tensor:
     out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
-    for sel in micro_batches(batch, batch.rows(), cfg.critic):
-        out[sel] = ulysses.packed_values(critic, pack_rows(batch, sel), sp)
+    with models.evaluating(critic):
+        for sel in micro_batches(batch, batch.rows(), cfg.critic):
+            out[sel] = ulysses.packed_values(critic, pack_rows(batch, sel), sp)
     return out
 
 
@@ -419,6 +428,7 @@ def actor_loss(cfg: PPOConfig, actor: torch.nn.Module, batch: Batch, sp: ulysses
             fused=a.use_fused_kernels,
         )
         old_logprobs = logprobs.detach() if on_policy else batch.old_logprobs[sel]
+        is_weights, mismatch = off_policy_weights(cfg, old_logprobs, batch, sel)
         pg_loss, pg_metrics = algorithms.policy_loss(
             logprobs,
             old_logprobs,
@@ -428,6 +438,7 @@ def actor_loss(cfg: PPOConfig, actor: torch.nn.Module, batch: Batch, sp: ulysses
             a.clip_ratio_high,
             a.clip_ratio_c,
             a.loss_agg_mode,
+            is_weights=is_weights,
             **counts,
         )
         if not a.entropy_coeff:
@@ -437,6 +448,7 @@ def actor_loss(cfg: PPOConfig, actor: torch.nn.Module, batch: Batch, sp: ulysses
         weight = mask.sum() / counts["num_tokens"]
         parts = {"actor/pg_loss": pg_loss, "actor/entropy": entropy_loss}
         parts.update({f"actor/{k}": v * weight for k, v in pg_metrics.items()})
+        parts.update({f"mismatch/{k}": v * weight for k, v in mismatch.items()})
         if a.use_kl_loss:
             kl = kl_estimate(logprobs, batch.ref_logprobs[sel], a.kl_loss_type, a.kernels)
             kl_loss = algorithms.agg_loss(kl, mask, a.loss_agg_mode, **counts)
@@ -449,6 +461,26 @@ def actor_loss(cfg: PPOConfig, actor: torch.nn.Module, batch: Batch, sp: ulysses
         return loss, parts
 
     return loss_fn
+
+
+def off_policy_weights(
+    cfg: PPOConfig, old_logprobs: torch.Tensor, batch: Batch, sel: torch.Tensor
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """With ``algorithm.rollout_is_threshold``: the truncated importance weights of the rows ``sel``
+    against the policy that sampled the offline responses (applied with ``algorithm.rollout_is``) and
+    the ``mismatch/*`` metrics; else ``(None, {})``."""
+    alg = cfg.algorithm
+    if alg.rollout_is_threshold is None:
+        return None, {}
+    rollout_logprobs, mask = batch.data_logprobs[sel], batch.response_mask[sel]
+    metrics = algorithms.mismatch_metrics(old_logprobs, rollout_logprobs, mask, alg.rollout_is_threshold)
+    if not alg.rollout_is:
+        return None, metrics
+    weights = algorithms.rollout_is_weights(
+        old_logprobs, rollout_logprobs, mask, level=alg.rollout_is_level, threshold=alg.rollout_is_threshold
+    )
+    metrics["rollout_is_weight_mean"] = algorithms.masked_mean(weights, mask)
+    return weights, metrics
 
 
 # ----------------------------------------------------------------------------------------------------

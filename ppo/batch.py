@@ -53,6 +53,9 @@ class Batch:
     """[B] the offline data set's rank of each response (0 = best), -1 for sampled ones."""
     data_scores: torch.Tensor | None = None
     """[B] the offline data set's score of each response (``reward.style=dataset``), NaN for sampled ones."""
+    data_logprobs: torch.Tensor | None = None
+    """[B, R] the log-probs of the policy that sampled the offline responses (the data's ``logprobs``),
+    NaN where unknown; None when no response of the batch has them."""
     old_logprobs: torch.Tensor | None = None
     """[B, R] log-probs under the policy that sampled (None with the on-policy shortcut)."""
     ref_logprobs: torch.Tensor | None = None

@@ -83,9 +83,7 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
     total_steps = runner.total_steps(cfg, loader)
     sp = ulysses.make_sp_groups(cfg.actor.ulysses_sequence_parallel_size)
     actor, ref, critic, reward_model = load_models(cfg, info, sp)
-    eos_ids = models.eos_token_ids(tokenizer, actor)
-    if cfg.rollout.offline_fraction > 0:
-        offline.check_eos(items, eos_ids)  # the model's generation config may add EOS ids
+    sampler = make_sampler(cfg, info, actor, tokenizer, items)
     # One learning-rate step per training step, as verl.
     trained_actor = with_optimizer(actor, cfg.actor.optim, total_steps)
     trained_critic = with_optimizer(critic, cfg.critic.optim, total_steps) if critic is not None else None
@@ -107,14 +105,6 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
         total_steps,
         len(val_records),
         models.count_parameters(actor) / 1e6,
-    )
-    sampler = rollout.Sampler(
-        actor=actor,
-        engine=make_engine(cfg, actor, info),
-        settings=cfg.rollout,
-        max_response_length=cfg.data.max_response_length,
-        eos_ids=eos_ids,
-        pad_token_id=tokenizer.pad_token_id,
     )
     metrics_logger = runner.make_metrics_logger(
         cfg, info, out_dir, total_steps, console=True, resume_step=state.step if resumed else None
@@ -164,6 +154,12 @@ def load_data(
                 **load,
             )
             train_records = [g.record for g in items]
+            if cfg.algorithm.rollout_is_threshold is not None and all(g.logprobs is None for g in items):
+                raise data.DataError(
+                    "algorithm.rollout_is_threshold weighs the offline responses by the policy that sampled "
+                    "them, but no group of data.train_files has a 'logprobs' column (scripts/"
+                    "make_offline_data.py writes it); set algorithm.rollout_is_threshold=null"
+                )
         else:
             items = train_records = data.load_prompts(
                 cfg.data.train_files, tokenizer, require_ground_truth=require_ground_truth, **load
@@ -250,6 +246,25 @@ def resume(cfg: PPOConfig, info: DistInfo, ckpt: Checkpointer, state: TrainerSta
     if cfg.algorithm.rollback_kl > 0 or cfg.trainer.rollback_val_drop > 0:
         ckpt.save(0)
     return False
+
+
+def make_sampler(
+    cfg: PPOConfig, info: DistInfo, actor: torch.nn.Module, tokenizer: Any, items: list
+) -> rollout.Sampler:
+    """The rollout's sampler: the actor (and its compiled copy, ``make_engine``), the settings, and every
+    EOS id of the tokenizer and the model's generation config (offline responses checked against them:
+    the generation config may add EOS ids that a response holds)."""
+    eos_ids = models.eos_token_ids(tokenizer, actor)
+    if cfg.rollout.offline_fraction > 0:
+        offline.check_eos(items, eos_ids)
+    return rollout.Sampler(
+        actor=actor,
+        engine=make_engine(cfg, actor, info),
+        settings=cfg.rollout,
+        max_response_length=cfg.data.max_response_length,
+        eos_ids=eos_ids,
+        pad_token_id=tokenizer.pad_token_id,
+    )
 
 
 def make_engine(cfg: PPOConfig, actor: torch.nn.Module, info: DistInfo) -> torch.nn.Module | None:

@@ -198,6 +198,8 @@ class MetricsLogger:
         self.tb = None
         self.wandb = None
         self.start = time.perf_counter()
+        # The step this process started after (a resumed run's checkpoint): the ETA uses its own rate.
+        self.first_step = resume_step or 0
         if not is_main:
             return
         out = Path(output_dir)
@@ -213,7 +215,10 @@ class MetricsLogger:
         if "tensorboard" in self.sinks:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=str(out / "tensorboard"))
+            # A resumed run continues the events; steps after its checkpoint, logged before the stop, are
+            # hidden (purged) so they are not drawn twice.
+            purge = None if resume_step is None else resume_step + 1
+            self.tb = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=purge)
         if "wandb" in self.sinks:
             try:
                 import wandb
@@ -249,7 +254,9 @@ class MetricsLogger:
         done = min(step, self.total_steps) / max(self.total_steps, 1)
         elapsed = time.perf_counter() - self.start
         bar = "#" * int(width * done) + "-" * (width - int(width * done))
-        eta = f" eta {_duration(elapsed / done * (1 - done))}" if 0 < done < 1 else ""
+        done_here = step - self.first_step
+        remaining = max(self.total_steps - step, 0)
+        eta = f" eta {_duration(elapsed / done_here * remaining)}" if done_here > 0 and remaining else ""
         return f"[{bar}] step {step}/{self.total_steps} {_duration(elapsed)}{eta}"
 
     def close(self) -> None:
@@ -281,7 +288,8 @@ def batch_metrics(cfg: PPOConfig, batch: Batch) -> dict[str, float]:
     """verl's data metrics over the whole batch on all ranks (token-weighted where per token):
     ``critic/{score,rewards,advantages,returns,values}/{mean,max,min}``, ``critic/vf_explained_var``
     (``1 - Var(returns - values) / (Var(returns) + 1e-5)``, unbiased), ``response_length/*`` and
-    ``prompt_length/*`` with ``clip_ratio`` the share at the length limit."""
+    ``prompt_length/*`` with ``clip_ratio`` the share at the length limit; with offline groups
+    ``rollout/offline_fraction``, the share of the step's responses read from the data set."""
     mask = batch.response_mask
     resp_len = mask.sum(-1).float()
     prompt_len = torch.tensor([float(p.numel()) for p in batch.rollout.prompts], device=mask.device)
@@ -298,6 +306,8 @@ def batch_metrics(cfg: PPOConfig, batch: Batch) -> dict[str, float]:
     if batch.values is not None:
         values["critic/values"] = batch.values[mask]
         values["critic/return_error"] = (batch.returns - batch.values)[mask]
+    if batch.data_ranks is not None:
+        values["rollout/offline_fraction"] = (batch.data_ranks >= 0).float()
     stats = global_stats(values, copies=cfg.actor.ulysses_sequence_parallel_size)
     out: dict[str, float] = {}
     for name in (
@@ -311,6 +321,8 @@ def batch_metrics(cfg: PPOConfig, batch: Batch) -> dict[str, float]:
         out.update({f"{name}/{k}": stats[name][k] for k in ("mean", "max", "min")})
     out["response_length/clip_ratio"] = stats["response_length/clip"]["mean"]
     out["prompt_length/clip_ratio"] = stats["prompt_length/clip"]["mean"]
+    if batch.data_ranks is not None:
+        out["rollout/offline_fraction"] = stats["rollout/offline_fraction"]["mean"]
     if batch.values is not None:
         out.update({f"critic/values/{k}": stats["critic/values"][k] for k in ("mean", "max", "min")})
         out["critic/vf_explained_var"] = 1.0 - stats["critic/return_error"]["var"] / (

@@ -7,6 +7,8 @@ it, ranked by people, a reward model or a rule::
     responses   list of strings, one group of exactly ``rollout.n`` responses
     ranks       list of ints, 0 = best, ties share a rank (competition ranking, see below)
     scores      list of floats, higher = better
+    logprobs    optional: per response, the sampling policy's log-prob of each of its tokens as the
+                trainer tokenizes them (EOS included), as scripts/make_offline_data.py writes them
 
 A row needs ``ranks`` or ``scores``; with both (as ``scripts/make_offline_data.py`` writes them) the
 ranks must be the competition ranks of the scores. Responses are non-empty strings; the same text may
@@ -72,6 +74,9 @@ class OfflineGroup:
     """``[k]`` competition ranks from the data (0 = best); None when the row gave only scores."""
     scores: list[float] | None
     """``[k]`` finite scores from the data (higher = better); None when the row gave only ranks."""
+    logprobs: list[list[float]] | None = None
+    """Per response, the sampling policy's log-prob of each token of ``responses``; None when the data
+    does not know the policy that produced it (human rankings, other models' responses)."""
 
     @property
     def index(self) -> int:
@@ -96,8 +101,8 @@ def load_offline_groups(
     ``group_size`` is ``rollout.n``: a group of another size is an error. A group with a response longer
     than ``max_response_length`` tokens (EOS included, as generation counts it) is dropped whole and
     counted; so is one whose prompt exceeds ``max_prompt_length``. ``require_scores`` (``reward.style=
-    dataset``) makes a row without ``scores`` an error. Raises DataError on a bad cell and when a file
-    has no usable group.
+    dataset``) makes a row without ``scores`` an error. Raises DataError on a bad cell, when a file
+    has no usable group, and when all of a file's usable groups tie (nothing to learn from it).
     """
     paths = data.as_paths(files)
     # The prompts exactly as the sampling trainer loads them (tokens, data_source, ground truth,
@@ -143,13 +148,18 @@ def load_offline_groups(
                 texts, ranks, scores = _ranked_group(row, path, i, group_size, require_scores)
             # Check every row, kept or not, so a bad file fails whatever the length limits.
             responses = [_encode(t, tokenizer, eos_id, path, i, j, pairs) for j, t in enumerate(texts)]
+            logprobs = None if pairs else _logprobs(row.get("logprobs"), responses, path, i)
             record = records.get(offset + i)
             if record is None:  # its prompt was too long (counted by load_prompts)
                 continue
             if max(len(r) for r in responses) > max_response_length:
                 too_long.append(i)
                 continue
-            groups.append(OfflineGroup(record=record, responses=responses, ranks=ranks, scores=scores))
+            groups.append(
+                OfflineGroup(
+                    record=record, responses=responses, ranks=ranks, scores=scores, logprobs=logprobs
+                )
+            )
             kept += 1
         log_skipped_pairs(path, skipped, len(rows))
         if too_long:
@@ -168,9 +178,22 @@ def load_offline_groups(
                 f"{len(too_long)} with a response longer than data.max_response_length={max_response_length} "
                 f"tokens, the rest with a prompt longer than data.max_prompt_length={max_prompt_length})"
             )
+        # A group whose responses all tie has advantage 0 everywhere (ranked) and gives DPO no pair; a
+        # file of only such groups is a broken ranking, not data.
+        if all(_all_tie(g) for g in groups[-kept:]):
+            raise DataError(
+                f"{path}: no group with unequal ranks: nothing to learn (no preference pair either: all {kept} "
+                f"groups tie, each ranking or scoring its responses alike); check its ranks or scores"
+            )
         logger.info("%s: %d groups of %d responses", path, kept, group_size)
         offset += len(rows)
     return groups
+
+
+def _all_tie(group: OfflineGroup) -> bool:
+    """Whether every response of ``group`` has the same rank (or, without ranks, the same score)."""
+    order = group.ranks if group.ranks is not None else group.scores
+    return len(set(order)) == 1
 
 
 def _is_pair_file(path: Path) -> bool:
@@ -295,6 +318,38 @@ def _number_list(value: Any, where: str, size: int, *, integers: bool) -> list |
     return [int(v) for v in value] if integers else [float(v) for v in value]
 
 
+LOGPROB_SLACK = 1e-4
+"""Largest log-prob accepted above 0 (the rounding of a log-softmax of a certain token)."""
+
+
+def _logprobs(value: Any, responses: list[list[int]], path: Path, i: int) -> list[list[float]] | None:
+    """A ``logprobs`` cell: one list per response, a finite log-prob (<= 0) per token of the response as
+    tokenized here; None when null. DataError naming the cell otherwise (a length mismatch means the data
+    was tokenized differently: its log-probs would belong to other tokens)."""
+    if value is None:
+        return None
+    where = data.cell_ref(path, i, "logprobs")
+    if not isinstance(value, list) or len(value) != len(responses):
+        raise DataError(
+            f"{where}: expected a list of {len(responses)} lists (one per response), got {value!r:.80}"
+        )
+    out = []
+    for j, (lps, tokens) in enumerate(zip(value, responses, strict=True)):
+        if not isinstance(lps, list) or len(lps) != len(tokens):
+            got = len(lps) if isinstance(lps, list) else type(lps).__name__
+            raise DataError(
+                f"{where}: response {j} has {len(tokens)} tokens (EOS included) as tokenized here, but "
+                f"{got} log-probs; the data was made with another tokenizer: regenerate it or drop the column"
+            )
+        if any(
+            not isinstance(v, Real) or isinstance(v, bool) or not math.isfinite(v) or v > LOGPROB_SLACK
+            for v in lps
+        ):
+            raise DataError(f"{where}: response {j}'s log-probs must be finite numbers <= 0, got {lps!r:.80}")
+        out.append([float(v) for v in lps])
+    return out
+
+
 def _competition_ranks(scores: list[float]) -> list[int]:
     """``rewards.competition_ranks`` of one group (higher = better)."""
     values = torch.tensor(scores, dtype=torch.float64)
@@ -402,10 +457,20 @@ def dataset_scores(groups: list[OfflineGroup], device: torch.device | str) -> to
     return torch.tensor([s for g in groups for s in g.scores], dtype=torch.float32, device=device)
 
 
-def num_offline_groups(num_groups: int, offline_fraction: float) -> int:
-    """How many of a rank's ``num_groups`` prompt groups of a step come from the data set:
-    ``round(num_groups * offline_fraction)``, halves rounded up (the rest are sampled)."""
-    return min(num_groups, math.floor(num_groups * offline_fraction + 0.5))
+def num_offline_groups(
+    num_groups: int, offline_fraction: float, *, rank: int = 0, world_size: int = 1
+) -> int:
+    """How many of this rank's ``num_groups`` prompt groups of a step come from the data set.
+
+    The fraction applies to the global batch of ``G = num_groups * world_size`` groups:
+    ``K = round(G * offline_fraction)`` (halves up) are offline, spread over the ranks as evenly as
+    possible (ranks below ``K mod world_size`` take one more); the rest are sampled. With 2 ranks of 4
+    groups, 0.1 gives 1 offline group (on rank 0); with 2 ranks of 1 group, 0.5 gives rank 0 its group
+    from the data and rank 1 a sampled one. ``PPOConfig`` refuses a fraction that rounds to no offline or
+    no sampled group.
+    """
+    total = math.floor(num_groups * world_size * offline_fraction + 0.5)
+    return min(num_groups, total // world_size + (rank < total % world_size))
 
 
 def step_batch(
@@ -415,6 +480,7 @@ def step_batch(
     *,
     group_size: int,
     with_scores: bool,
+    with_logprobs: bool,
     max_response_length: int,
     pad_token_id: int,
     eos_token_ids: list[int],
@@ -424,8 +490,9 @@ def step_batch(
     responses of the first ``num_offline`` groups from the data (``offline_rollout``), then ``sampled``,
     the rollout of the other groups' prompts (each repeated ``group_size`` times; None when every group
     is offline). Rows ``[g*k, (g+1)*k)`` are group ``g``'s, offline groups first; ``data_ranks`` holds the
-    data's ranks (-1 for sampled rows) and ``data_scores`` its scores where ``with_scores``
-    (``reward.style=dataset``), else NaN."""
+    data's ranks (-1 for sampled rows), ``data_scores`` its scores where ``with_scores``
+    (``reward.style=dataset``), else NaN, and with ``with_logprobs`` (some group of the data set has
+    them: the same on every rank) ``data_logprobs``, NaN where unknown."""
     given = groups[:num_offline]
     parts = [
         offline_rollout(
@@ -450,4 +517,24 @@ def step_batch(
         group_ids=group_index(len(records), group_size, device),
         data_ranks=torch.cat([ranks, torch.full((len(records) - num_given,), -1, device=device)]),
         data_scores=data_scores,
+        data_logprobs=dataset_logprobs(given, len(records), max_response_length, device)
+        if with_logprobs
+        else None,
     )
+
+
+def dataset_logprobs(
+    groups: list[OfflineGroup], num_rows: int, max_response_length: int, device: torch.device | str
+) -> torch.Tensor:
+    """``[num_rows, R]`` float32: the data's sampler log-probs of the offline responses (rows in
+    ``offline_rollout``'s order first), NaN where unknown (sampled rows, groups without ``logprobs``,
+    padding)."""
+    out = torch.full((num_rows, max_response_length), float("nan"))
+    row = 0
+    for g in groups:
+        for j in range(len(g.responses)):
+            if g.logprobs is not None:
+                lps = g.logprobs[j]
+                out[row, : len(lps)] = torch.tensor(lps)
+            row += 1
+    return out.to(device)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, CompileConfig, GenerationConfig
 
-from ppo import lora, sharding, ulysses
+from ppo import lora, models, sharding, ulysses
 from ppo.batch import Batch, Rollout, group_index
 from ppo.config import RolloutConfig
 from ppo.data import PromptRecord
@@ -98,14 +98,13 @@ def generate(
     max_new_tokens = int(config.max_new_tokens)
     eos_ids = list(config.eos_token_id)
     chunks = []
-    was_training = model.training
-    model.eval()
-    if engine is not None:
-        with sharding.gathered_for_generation(model), lora.merged_for_generation(model):
-            refresh_engine(engine, model)
     decoder = engine if engine is not None else model
     with contextlib.ExitStack() as stack:
-        if engine is None:
+        stack.enter_context(models.evaluating(model))
+        if engine is not None:
+            with sharding.gathered_for_generation(model), lora.merged_for_generation(model):
+                refresh_engine(engine, model)
+        else:
             stack.enter_context(sharding.gathered_for_generation(model))
             stack.enter_context(lora.merged_for_generation(model))
         stack.enter_context(_checkpoint_generation_config_hidden(decoder))
@@ -123,7 +122,6 @@ def generate(
             chunks.append(
                 torch.nn.functional.pad(resp, (0, max_new_tokens - resp.shape[1]), value=config.pad_token_id)
             )
-    model.train(was_training)
     responses = (
         torch.cat(chunks) if chunks else torch.empty(0, max_new_tokens, dtype=torch.long, device=device)
     )
@@ -280,4 +278,6 @@ def gather_group(batch: Batch, sp: ulysses.SPGroup, pad_token_id: int, n: int) -
     if batch.data_ranks is not None:
         out.data_ranks = ulysses.all_gather_rows(batch.data_ranks, sp)
         out.data_scores = ulysses.all_gather_rows(batch.data_scores, sp)
+    if batch.data_logprobs is not None:
+        out.data_logprobs = ulysses.all_gather_rows(batch.data_logprobs, sp)
     return out

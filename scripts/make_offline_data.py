@@ -5,9 +5,12 @@
     python scripts/make_offline_data.py --from-pairs prefs.parquet --out groups.parquet
 
 Output: the prompt rows of ``--data`` (every column kept) plus ``responses`` (k strings),
-``scores`` (the rule's, or the reward model's, per response) and ``ranks`` (their competition ranks
-within the group: 0 = best, ties share the better rank), the layout ``ppo.offline`` loads for
-``rollout.source=dataset``. Prompts longer than ``--max-prompt-length`` tokens are dropped and counted.
+``scores`` (the rule's, or the reward model's, per response), ``ranks`` (their competition ranks
+within the group: 0 = best, ties share the better rank) and ``logprobs`` (per response, the sampling
+policy's log-prob of each of its tokens as the trainer tokenizes it, EOS included, at ``--temperature``:
+what the trainer's importance weights and data-policy metrics compare with), the layout ``ppo.offline``
+loads for ``rollout.source=dataset``. Prompts longer than ``--max-prompt-length`` tokens are dropped
+and counted.
 
 Sampling is the trainer's (``ppo.rollout.generate``, softmax at ``--temperature``, top-p), from the
 model sharded over the ranks, each rank sampling its contiguous share of a shard's prompts. A group
@@ -48,7 +51,7 @@ import pyarrow.parquet as pq
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ppo import data, models, offline, rewards, runner
+from ppo import data, models, offline, rewards, runner, sharding, ulysses
 from ppo.config import FSDPConfig, ModelConfig
 from ppo.distributed import (
     DistInfo,
@@ -61,9 +64,13 @@ from ppo.distributed import (
     init_distributed,
     setup_logging,
 )
+from ppo.packing import DUMMY_SEQUENCE, pack, plan_eval_micro_batches
 from ppo.rollout import generate, generation_config
 
 logger = logging.getLogger("ppo")
+
+GROUP_COLUMNS = ("responses", "scores", "ranks", "logprobs")
+"""The columns a sampled group adds to its prompt row."""
 
 META_FILE = "meta.json"
 """The options a shard folder was made with; a resume must match them."""
@@ -103,11 +110,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--metrics", type=Path, help="merge the final numbers (offline_*) into this JSON file"
     )
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     return parser.parse_args(argv)
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """UsageError for a missing or out-of-range option."""
+    """UsageError for a missing or out-of-range option, and for an ``--out`` that would replace a file:
+    an input (never) or an earlier output (only with ``--overwrite``)."""
+    check_out(args)
     if args.from_pairs is not None:
         if args.model or args.data or args.reward_model:
             raise UsageError(
@@ -134,6 +144,24 @@ def check_args(args: argparse.Namespace) -> None:
     for name, ok, rule in checks:
         if not ok:
             raise UsageError(f"{name}={getattr(args, name[2:].replace('-', '_'))} {rule}")
+
+
+def check_out(args: argparse.Namespace) -> None:
+    """``--out`` is none of the inputs (the prompt files, the preference file, a model folder), and an
+    existing one is replaced only with ``--overwrite``."""
+    out = args.out.resolve()
+    inputs = {"--from-pairs": [args.from_pairs], "--data": args.data or [], "--model": [args.model],
+              "--reward-model": [args.reward_model]}  # fmt: skip
+    for flag, paths in inputs.items():
+        for path in paths:
+            if path is not None and (Path(path).resolve() == out or Path(path).resolve() in out.parents):
+                raise UsageError(
+                    f"--out {args.out} would write over {flag} {path}: write the groups elsewhere"
+                )
+    if args.out.exists() and not args.overwrite:
+        raise UsageError(
+            f"--out {args.out} already exists: choose another file, or pass --overwrite to replace it"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,7 +278,8 @@ def make_groups(args: argparse.Namespace, info: DistInfo) -> None:
             scores = agree_on_failure(lambda kept=kept: rule_scores(scorer, kept), rewards.RewardError)
         else:
             scores = model_scores(reward_model, kept, tokenizer, args.micro_batch, info.device)
-        rows = group_rows(kept, scores, args.k)
+        logprobs = sampler_logprobs(policy, kept, tokenizer, args.temperature, args.micro_batch)
+        rows = group_rows(kept, scores, logprobs, args.k)
         parts = all_gather_object((rows, len(mine) - len(kept)))
         if info.is_main:
             all_rows = [row for part, _ in parts for row in part]
@@ -350,11 +379,49 @@ def check_finite(kept: list[tuple[data.PromptRecord, list[str]]], scores: torch.
         )
 
 
+def sampler_logprobs(
+    policy: torch.nn.Module,
+    kept: list[tuple[data.PromptRecord, list[str]]],
+    tokenizer: PreTrainedTokenizerBase,
+    temperature: float,
+    micro_batch_size: int,
+) -> list[list[float]]:
+    """The sampling policy's log-prob of every response token, ``log softmax(logits / temperature)``, on
+    the tokens ``ppo.offline`` will train on (the text re-encoded, then EOS): one list per response, in
+    ``kept``'s order. The scoring forward the trainer itself runs (``ulysses.packed_logprobs``), so a
+    policy identical to the sampler gives ratios of exactly 1. Every rank must call it (the forwards of a
+    sharded model are collectives; a rank out of groups forwards a dummy sequence)."""
+    prompts = [torch.tensor(r.input_ids, dtype=torch.long) for r, texts in kept for _ in texts]
+    responses = [data.encode_response(t, tokenizer) for _, texts in kept for t in texts]
+    out: list[list[float]] = [[] for _ in responses]
+    groups = plan_eval_micro_batches(
+        [p.numel() + len(r) for p, r in zip(prompts, responses, strict=True)],
+        use_dynamic_bsz=False,
+        max_tokens=0,
+        micro_batch_size=micro_batch_size,
+    )
+    with torch.no_grad():
+        for group in groups:
+            rows = group or [None]
+            seqs = [responses[i] if i is not None else [0] for i in rows]
+            width = max(len(r) for r in seqs)
+            ids = torch.tensor([r + [0] * (width - len(r)) for r in seqs])
+            mask = torch.arange(width)[None, :] < torch.tensor([len(r) for r in seqs])[:, None]
+            heads = [prompts[i] if i is not None else torch.tensor(DUMMY_SEQUENCE) for i in rows]
+            packed = pack(heads, ids, mask)
+            lp, _ = ulysses.packed_logprobs(policy, packed, temperature=temperature)
+            for j, i in enumerate(group):
+                out[i] = lp[j, : len(responses[i])].tolist()
+    sharding.release(policy)
+    return out
+
+
 def group_rows(
-    kept: list[tuple[data.PromptRecord, list[str]]], scores: torch.Tensor, k: int
+    kept: list[tuple[data.PromptRecord, list[str]]], scores: torch.Tensor, logprobs: list[list[float]], k: int
 ) -> list[dict[str, Any]]:
     """One output row per group: the prompt's ``index`` (to find its input row) plus ``responses``,
-    ``scores`` and ``ranks`` (competition ranks of the scores within the group)."""
+    ``scores``, ``ranks`` (competition ranks of the scores within the group) and ``logprobs`` (the
+    sampler's token log-probs of each response, ``sampler_logprobs``)."""
     group_ids = torch.arange(len(kept) * k) // k
     ranks = rewards.competition_ranks(scores, group_ids).tolist()
     values = scores.tolist()
@@ -364,6 +431,7 @@ def group_rows(
             "responses": texts,
             "scores": values[g * k : (g + 1) * k],
             "ranks": ranks[g * k : (g + 1) * k],
+            "logprobs": logprobs[g * k : (g + 1) * k],
         }
         for g, (r, texts) in enumerate(kept)
     ]
@@ -398,6 +466,7 @@ def prepare_shard_dir(shard_dir: Path, args: argparse.Namespace, info: DistInfo)
         if key not in ("out", "micro_batch", "metrics")  # speed and reporting, not what is sampled
     }
     meta["data"] = [str(p) for p in args.data]
+    meta["columns"] = list(GROUP_COLUMNS)  # shards of an older layout (no logprobs) are not mixed in
     result: tuple[str | None, list[int]] = (None, [])
     if info.is_main:
         try:

@@ -6,7 +6,7 @@ spaces and ``#`` and ends about one response in seven tokens (so groups fill qui
 responses are empty or never end); its rule is ``tests/reward_fns.py:digit_score``::
 
     pytest tests/test_offline.py                 # about a minute on 2 cores
-    pytest tests/test_offline.py -m "not slow"
+    pytest tests/test_offline.py -m "not slow"   # without the script's shared 1-rank run and its 2-rank run
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -44,7 +43,7 @@ from ppo.offline import (
 )
 from ppo.rewards import scores_from_ranks
 from ppo.rollout import generate, generation_config, response_mask_from_eos
-from tests.conftest import ROOT, load_script, torchrun
+from tests.conftest import ROOT, arith_row, load_script, torchrun, write_parquet
 from tests.reward_fns import digit_score
 
 make_offline_data = load_script("make_offline_data")
@@ -53,41 +52,20 @@ EOS = 2
 PAD = 0
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Any:
-    """One intra-op thread, as torchrun gives each rank (two threads spin against each other here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def tok(tiny_assets: Path) -> Any:
+    """The tiny assets' character-level tokenizer."""
     return AutoTokenizer.from_pretrained(tiny_assets / "tokenizer")
-
-
-def write(path: Path, rows: list[dict[str, Any]]) -> Path:
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
-
-
-def prompt_row(a: int, b: int, **extra: Any) -> dict[str, Any]:
-    """A prompt row in verl's layout (the synthetic task's)."""
-    return {
-        "data_source": "synthetic/arith",
-        "prompt": [{"role": "user", "content": f"{a} + {b}"}],
-        "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-        "extra_info": {"index": a},
-        **extra,
-    }
 
 
 def group_row(a: int, b: int, **extra: Any) -> dict[str, Any]:
     """A valid group of 4: the right answer best, a forgotten carry and two broken ones tied last."""
     r = a + b
     responses = [f"{a} + {b} = {r}\n#### {r}", f"#### {r - 10}", f"{r}", "no idea"]
-    return prompt_row(a, b, responses=responses, ranks=[0, 1, 2, 2], scores=None) | extra
+    return arith_row(a, b, responses=responses, ranks=[0, 1, 2, 2], scores=None) | extra
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -97,7 +75,7 @@ def group_row(a: int, b: int, **extra: Any) -> dict[str, Any]:
 
 def test_groups_load_as_the_trainer_would_tokenize_them(tok: Any, tmp_path: Path, caplog: Any) -> None:
     rows = [group_row(23, 48), group_row(11, 12, ranks=None, scores=[0.5, 2.0, 2.0, -1.0])]
-    path = write(tmp_path / "groups.parquet", rows)
+    path = write_parquet(tmp_path / "groups.parquet", rows)
     with caplog.at_level(logging.INFO, logger="ppo"):
         groups = load_offline_groups(path, tok, group_size=4, max_prompt_length=16, max_response_length=32)
     assert f"{path}: 2 groups of 4 responses" in caplog.text
@@ -127,22 +105,26 @@ def test_groups_load_as_the_trainer_would_tokenize_them(tok: Any, tmp_path: Path
     [[0, 1, 2, 3], [3, 2, 1, 0], [0, 0, 2, 3], [2, 0, 0, 3], [0, 1, 1, 3], [0, 1, 1, 1], [0, 0, 0, 0]],
 )
 def test_valid_competition_ranks(tok: Any, tmp_path: Path, ranks: list[int]) -> None:
-    path = write(tmp_path / "g.parquet", [group_row(23, 48, ranks=ranks)])
-    (group,) = load_offline_groups(path, tok, group_size=4, max_prompt_length=16, max_response_length=32)
+    # A second, untied group: a file whose every group ties has nothing to learn and is refused.
+    rows = [group_row(23, 48, ranks=ranks), group_row(12, 30, ranks=[0, 1, 2, 3])]
+    path = write_parquet(tmp_path / "g.parquet", rows)
+    group, _ = load_offline_groups(path, tok, group_size=4, max_prompt_length=16, max_response_length=32)
     assert group.ranks == ranks
 
 
 def test_repeated_responses_that_agree_are_kept(tok: Any, tmp_path: Path) -> None:
     # A confident policy samples the same answer twice; the rule gives both the same score and rank.
     row = group_row(23, 48, responses=["#### 71", "#### 61", "#### 71", "#### 61"], ranks=[0, 2, 0, 2])
-    path = write(tmp_path / "g.parquet", [row | {"scores": [1.0, 0.0, 1.0, 0.0]}])
+    path = write_parquet(tmp_path / "g.parquet", [row | {"scores": [1.0, 0.0, 1.0, 0.0]}])
     (group,) = load_offline_groups(path, tok, group_size=4, max_prompt_length=16, max_response_length=32)
     assert group.responses[0] == group.responses[2] and group.ranks == [0, 2, 0, 2]
 
 
 def test_ranks_and_scores_together_must_agree(tok: Any, tmp_path: Path) -> None:
     # make_offline_data.py writes both: scores [0.5, 1, 1, 0] rank [2, 0, 0, 3] (higher is better).
-    path = write(tmp_path / "g.parquet", [group_row(23, 48, ranks=[2, 0, 0, 3], scores=[0.5, 1, 1, 0])])
+    path = write_parquet(
+        tmp_path / "g.parquet", [group_row(23, 48, ranks=[2, 0, 0, 3], scores=[0.5, 1, 1, 0])]
+    )
     (group,) = load_offline_groups(path, tok, group_size=4, max_prompt_length=16, max_response_length=32)
     assert (group.ranks, group.scores) == ([2, 0, 0, 3], [0.5, 1.0, 1.0, 0.0])
     loaded = load_offline_groups(
@@ -194,7 +176,7 @@ BAD_GROUPS = [
 def test_bad_group_fails_naming_file_row_and_column(
     tok: Any, tmp_path: Path, change: dict[str, Any], message: str
 ) -> None:
-    path = write(tmp_path / "bad.parquet", [group_row(23, 48), group_row(11, 12) | change])
+    path = write_parquet(tmp_path / "bad.parquet", [group_row(23, 48), group_row(11, 12) | change])
     with pytest.raises(DataError, match=message) as e:
         load_offline_groups(path, tok, group_size=4, max_prompt_length=16, max_response_length=32)
     assert str(e.value).startswith(f"{path}: row 1, column") and "\n" not in str(e.value)
@@ -202,10 +184,10 @@ def test_bad_group_fails_naming_file_row_and_column(
 
 def test_file_level_errors(tok: Any, tmp_path: Path) -> None:
     load = dict(group_size=4, max_prompt_length=16, max_response_length=32)
-    only_ranks = write(tmp_path / "ranks.parquet", [group_row(23, 48)])
+    only_ranks = write_parquet(tmp_path / "ranks.parquet", [group_row(23, 48)])
     with pytest.raises(DataError, match=r"row 0, column 'scores': reward.style=dataset .* only ranks"):
         load_offline_groups(only_ranks, tok, require_scores=True, **load)
-    prompts = write(tmp_path / "prompts.parquet", [prompt_row(23, 48)])
+    prompts = write_parquet(tmp_path / "prompts.parquet", [arith_row(23, 48)])
     with pytest.raises(
         DataError, match=r"missing column 'responses' \(offline groups\) or 'chosen' \+ 'rejected'"
     ):
@@ -213,10 +195,10 @@ def test_file_level_errors(tok: Any, tmp_path: Path) -> None:
     with pytest.raises(DataError, match="no such data file"):
         load_offline_groups(tmp_path / "missing.parquet", tok, **load)
     # Parquet types a whole column: these fail at their first row.
-    floats = write(tmp_path / "floats.parquet", [group_row(23, 48, ranks=[0.0, 1.0, 2.0, 2.0])])
+    floats = write_parquet(tmp_path / "floats.parquet", [group_row(23, 48, ranks=[0.0, 1.0, 2.0, 2.0])])
     with pytest.raises(DataError, match=rf"{floats}: row 0, column 'ranks': expected integers, got \[0.0"):
         load_offline_groups(floats, tok, **load)
-    text = write(tmp_path / "text.parquet", [group_row(23, 48, responses="a b c d")])
+    text = write_parquet(tmp_path / "text.parquet", [group_row(23, 48, responses="a b c d")])
     with pytest.raises(
         DataError, match=rf"{text}: row 0, column 'responses': expected a list of response strings"
     ):
@@ -228,7 +210,7 @@ def test_long_responses_and_prompts_drop_whole_groups(tok: Any, tmp_path: Path, 
     long_prompt = group_row(11, 12, prompt=[{"role": "user", "content": "11 + 12, please"}])
     fits = group_row(11, 12, responses=["x" * 11, "b", "c", "d"])  # 12 tokens: exactly the limit
     rows = [group_row(23, 48), long_response, long_prompt, long_response, fits]
-    path = write(tmp_path / "long.parquet", rows)
+    path = write_parquet(tmp_path / "long.parquet", rows)
     with caplog.at_level(logging.INFO, logger="ppo"):
         groups = load_offline_groups(path, tok, group_size=4, max_prompt_length=10, max_response_length=12)
     # row 0's first response has 20 characters: dropped too; so are rows 1 and 3; row 2's prompt is long
@@ -251,7 +233,7 @@ def test_preference_pairs_load_as_groups_of_two(
     pairs = pq.read_table(tiny_assets / "data" / "pref_val.parquet").to_pylist()[:6]
     rows = pairs[:1] + [{**pairs[1], "chosen": ""}, pairs[2], {**pairs[3], "rejected": pairs[3]["chosen"]}]
     rows += [{**pairs[4], "rejected": None}, pairs[5]]
-    path = write(tmp_path / "pairs.parquet", rows)
+    path = write_parquet(tmp_path / "pairs.parquet", rows)
     load = dict(max_prompt_length=16, max_response_length=32, require_ground_truth=False)
     with caplog.at_level(logging.INFO, logger="ppo"):
         groups = load_offline_groups(path, tok, group_size=2, **load)
@@ -315,7 +297,7 @@ def test_offline_rollout_by_hand() -> None:
 
 def test_offline_rollout_of_loaded_text(tok: Any, tmp_path: Path) -> None:
     # A text that tokenizes without any EOS: its only EOS is the appended one, which ends the mask.
-    path = write(tmp_path / "g.parquet", [group_row(23, 48)])
+    path = write_parquet(tmp_path / "g.parquet", [group_row(23, 48)])
     groups = load_offline_groups(path, tok, group_size=4, max_prompt_length=16, max_response_length=24)
     rollout = offline_rollout(
         groups, max_response_length=24, pad_token_id=PAD, eos_token_ids=[EOS], device="cpu"
@@ -446,7 +428,7 @@ def policy(tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def prompts(tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Six training prompts of the synthetic task (with an ``ability`` column the output must keep)."""
     rows = pq.read_table(tiny_assets / "data" / "train.parquet").to_pylist()[:6]
-    return write(tmp_path_factory.mktemp("offline_prompts") / "prompts.parquet", rows)
+    return write_parquet(tmp_path_factory.mktemp("offline_prompts") / "prompts.parquet", rows)
 
 
 def script_args(policy: Path, prompts: Path, out: Path, *extra: str) -> list[str]:
@@ -471,8 +453,8 @@ def competition(values: list[float]) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def one_rank(policy: Path, prompts: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("one_rank") / "groups.parquet"
+def one_rank_groups(policy: Path, prompts: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("one_rank_groups") / "groups.parquet"
     assert (
         make_offline_data.main(script_args(policy, prompts, out, "--metrics", str(out.parent / "m.json")))
         == 0
@@ -504,9 +486,10 @@ def check_groups(out: Path, prompts: Path, tok: Any, k: int = 3) -> list[dict[st
     return rows
 
 
-def test_script_samples_scores_and_ranks(one_rank: Path, prompts: Path, tok: Any) -> None:
-    rows = check_groups(one_rank, prompts, tok)
-    final = json.loads((one_rank.parent / "m.json").read_text())
+@pytest.mark.slow
+def test_script_samples_scores_and_ranks(one_rank_groups: Path, prompts: Path, tok: Any) -> None:
+    rows = check_groups(one_rank_groups, prompts, tok)
+    final = json.loads((one_rank_groups.parent / "m.json").read_text())
     unequal = sum(len(set(r["scores"])) > 1 for r in rows) / len(rows)
     assert final["offline_unequal_share"] == pytest.approx(unequal) and unequal > 0  # a ranking signal
     mean = sum(sum(r["scores"]) for r in rows) / (3 * len(rows))
@@ -516,27 +499,33 @@ def test_script_samples_scores_and_ranks(one_rank: Path, prompts: Path, tok: Any
         6,
         3,
     )
-    shards = sorted(p.name for p in one_rank.with_name(one_rank.name + ".shards").glob("shard_*.parquet"))
+    shards = sorted(
+        p.name for p in one_rank_groups.with_name(one_rank_groups.name + ".shards").glob("shard_*.parquet")
+    )
     assert shards == ["shard_00000.parquet", "shard_00001.parquet", "shard_00002.parquet"]
 
 
+@pytest.mark.slow
 def test_script_is_deterministic_and_resumes_per_shard(
-    one_rank: Path, policy: Path, prompts: Path, tmp_path: Path, capfd: Any
+    one_rank_groups: Path, policy: Path, prompts: Path, tmp_path: Path, capfd: Any
 ) -> None:
     out = tmp_path / "groups.parquet"
     shards = tmp_path / "groups.parquet.shards"
-    shutil.copytree(one_rank.with_name(one_rank.name + ".shards"), shards)
+    shutil.copytree(one_rank_groups.with_name(one_rank_groups.name + ".shards"), shards)
     # Shard 1 is gone (the run was killed), shard 0 is marked so its reuse shows in the output.
     (shards / "shard_00001.parquet").unlink()
     marked = pq.read_table(shards / "shard_00000.parquet").to_pylist()
     marked[0]["scores"] = [9.0, 8.0, 7.0]
-    write(shards / "shard_00000.parquet", marked)
+    write_parquet(shards / "shard_00000.parquet", marked)
     assert make_offline_data.main(script_args(policy, prompts, out)) == 0
     assert "6 prompts in 3 shards of 2 (2 already written)" in capfd.readouterr().err
-    resumed, first = pq.read_table(out).to_pylist(), pq.read_table(one_rank).to_pylist()
+    resumed, first = pq.read_table(out).to_pylist(), pq.read_table(one_rank_groups).to_pylist()
     assert resumed[0]["scores"] == [9.0, 8.0, 7.0]  # the shard on disk was reused, not resampled
     assert resumed[1:] == first[1:]  # shard 1 resampled exactly as the first run sampled it
-    # Other options than the shards were made with are refused.
+    # A finished output is not replaced without --overwrite; shards made with other options never mix in.
+    assert make_offline_data.main(script_args(policy, prompts, out, "--temperature", "0.7")) == 2
+    assert f"--out {out} already exists" in capfd.readouterr().err
+    out.unlink()
     assert make_offline_data.main(script_args(policy, prompts, out, "--temperature", "0.7")) == 2
     err = capfd.readouterr().err
     assert f"{shards} holds shards made with other options (temperature differ)" in err
@@ -612,7 +601,7 @@ def test_script_bad_input_is_one_line_and_exit_2(
 def test_script_converts_preference_pairs(tiny_assets: Path, tok: Any, tmp_path: Path, capfd: Any) -> None:
     pairs = pq.read_table(tiny_assets / "data" / "pref_val.parquet").to_pylist()[:5]
     rows = pairs[:2] + [{**pairs[2], "rejected": pairs[2]["chosen"]}] + pairs[3:]
-    src = write(tmp_path / "pairs.parquet", rows)
+    src = write_parquet(tmp_path / "pairs.parquet", rows)
     out = tmp_path / "groups.parquet"
     assert make_offline_data.main(["--from-pairs", str(src), "--out", str(out)]) == 0
     err = capfd.readouterr().err

@@ -80,6 +80,8 @@ def policy_loss(
     clip_ratio_high: float,
     clip_ratio_c: float,
     loss_agg_mode: str,
+    *,
+    is_weights: torch.Tensor | None = None,
     **counts: int | float | torch.Tensor | None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate loss with asymmetric clipping and dual clip (verl's ``vanilla`` loss).
@@ -91,8 +93,9 @@ def policy_loss(
         l  = max(l1, l2)
         l  = min(l, -A · clip_ratio_c)   where A < 0                    # dual clip, Ye et al., 2020
 
-    then ``loss = agg_loss(l, response_mask, loss_agg_mode, **counts)``; ``counts`` are agg_loss's
-    ``num_tokens``, ``num_seqs`` and ``loss_scale_factor``.
+    then ``loss = agg_loss(w · l, response_mask, loss_agg_mode, **counts)``; ``counts`` are agg_loss's
+    ``num_tokens``, ``num_seqs`` and ``loss_scale_factor``; ``w`` the detached off-policy weights
+    ``is_weights [B, T]`` (``correction.rollout_is_weights``), 1 when None.
 
     Metrics (detached scalar tensors, masked means over this call's tokens):
     ``pg_clipfrac`` = fraction with ``l2 > l1``; ``pg_clipfrac_lower`` = fraction with ``A < 0`` and
@@ -113,6 +116,8 @@ def policy_loss(
     pg_losses3 = -advantages * clip_ratio_c
     negative = advantages < 0
     pg_losses = torch.where(negative, torch.minimum(clip_pg_losses, pg_losses3), clip_pg_losses)
+    if is_weights is not None:
+        pg_losses = pg_losses * is_weights
     loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **counts)
     with torch.no_grad():
         metrics = {
