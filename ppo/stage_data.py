@@ -1,4 +1,4 @@
-"""The data of the stages before PPO: preference pairs (reward model) and SFT demonstrations.
+"""The data of the stages before PPO: preference pairs (reward model, DPO) and SFT demonstrations.
 
 Preference files have ``prompt``, ``chosen``, ``rejected`` (any other column is kept in ``extra``);
 SFT files have ``prompt`` + ``answer``, or a ``messages`` column of whole conversations. Prompts become
@@ -6,8 +6,15 @@ tokens as in ``ppo.data`` (``encode_prompt``); responses are tokenized apart fro
 the EOS appended (``encode_response``). Over-long rows are dropped and counted, never truncated; bad
 input raises ``DataError`` naming the file, the row and the column.
 
+DPO reads the files the offline PPO path reads (``ppo.offline.load_offline_groups``: prompts exactly as
+``data.load_prompts`` tokenizes them, over-long prompts and groups dropped and counted): preference
+files, one pair a row, or ranked groups, each expanded to pairs of its best response against worse
+ones (``load_dpo_pairs``).
+
     pairs = load_preference_pairs(cfg.data.train_files, tokenizer, max_length=cfg.data.max_length)
     examples = load_sft_examples(cfg.data.train_files, tokenizer, max_length=cfg.data.max_length)
+    dpo = load_dpo_pairs(cfg.data.train_files, tokenizer, pairs="best_vs_rest", max_prompt_length=64,
+                         max_response_length=64)          # dpo.pairs, dpo.num_tied_groups
 """
 
 from __future__ import annotations
@@ -17,6 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pyarrow.parquet as pq
+
+from ppo import offline
 from ppo.data import (
     DataError,
     Files,
@@ -141,6 +151,112 @@ def _response_text(value: Any, where: str) -> str:
     if not isinstance(value, str):
         raise DataError(f"{where}: expected a string response, got {type(value).__name__}")
     return value
+
+
+@dataclass(kw_only=True)
+class DPOData:
+    """DPO's preference pairs, and the groups that gave none."""
+
+    pairs: list[PreferencePair]
+    """Pairs in file order: the groups' order, then the order of the worse responses in a group."""
+    num_groups: int
+    """Groups loaded (a preference row is a group of two), after over-long ones were dropped."""
+    num_tied_groups: int
+    """Of those, groups whose responses all tie: no pair, skipped."""
+
+
+def load_dpo_pairs(
+    files: Files,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    pairs: str,
+    max_prompt_length: int,
+    max_response_length: int,
+    apply_chat_template: bool = True,
+) -> DPOData:
+    """Preference pairs from preference files (``prompt``, ``chosen``, ``rejected``) or ranked groups
+    (``responses`` with ``ranks`` or ``scores``), the files ``rollout.source=dataset`` reads.
+
+    Each file goes through ``offline.load_offline_groups`` (a preference file as groups of two; no
+    ground truth needed), so prompts and responses are the tokens the offline PPO path trains on and
+    bad cells fail naming file, row and column. A group's pairs put its best response (the first with
+    the best rank; a row with only ``scores`` is ranked by them, higher = better) against
+
+    - ``best_vs_rest``: each strictly worse response (``k - t`` pairs when ``t`` share the best rank);
+    - ``best_vs_worst``: the worst one (the first with the worst rank), one pair.
+
+    A group whose responses all tie gives no pair: it is skipped, counted and logged. ``PreferencePair
+    .index`` is the group's row over the concatenated files; ``extra`` holds the two ranks.
+    """
+    if pairs not in ("best_vs_rest", "best_vs_worst"):
+        raise ValueError(f"pairs={pairs!r}: expected best_vs_rest or best_vs_worst")
+    out = DPOData(pairs=[], num_groups=0, num_tied_groups=0)
+    offset = 0
+    paths = as_paths(files)
+    for path in paths:
+        groups = offline.load_offline_groups(
+            path,
+            tokenizer,
+            group_size=_group_size(path),
+            max_prompt_length=max_prompt_length,
+            max_response_length=max_response_length,
+            apply_chat_template=apply_chat_template,
+            require_ground_truth=False,
+        )
+        tied: list[int] = []
+        for g in groups:
+            ranks = offline.dataset_ranks([g], "cpu").tolist()
+            best = ranks.index(min(ranks))
+            worse = [j for j, r in enumerate(ranks) if r > ranks[best]]
+            if not worse:
+                tied.append(g.index)
+                continue
+            if pairs == "best_vs_worst":
+                worse = [ranks.index(max(ranks))]
+            prompt = g.record.input_ids
+            for j in worse:
+                out.pairs.append(
+                    PreferencePair(
+                        chosen_ids=prompt + g.responses[best],
+                        rejected_ids=prompt + g.responses[j],
+                        prompt_length=len(prompt),
+                        extra={"chosen_rank": ranks[best], "rejected_rank": ranks[j]},
+                        index=offset + g.index,
+                    )
+                )
+        if tied:
+            logger.info(
+                "%s: skipped %d of %d groups whose responses all tie (no preference pair; rows %s)",
+                path,
+                len(tied),
+                len(groups),
+                row_list(tied),
+            )
+        out.num_groups += len(groups)
+        out.num_tied_groups += len(tied)
+        offset += pq.read_metadata(path).num_rows
+    if not out.pairs:
+        raise DataError(
+            f"no preference pair in {', '.join(map(str, paths))}: all {out.num_groups} groups tie (every "
+            f"response ranked or scored alike)"
+        )
+    return out
+
+
+def _group_size(path: Path) -> int:
+    """Responses per group of a file: 2 for a preference file, else the size of its ``responses`` lists,
+    which must be one size (DataError naming the first row of another)."""
+    if "responses" not in parquet_columns(path):
+        return 2  # a preference file (load_offline_groups names the columns when it is neither)
+    cells = pq.read_table(path, columns=["responses"]).column("responses").to_pylist()
+    sizes = [(i, len(c)) for i, c in enumerate(cells) if isinstance(c, list)]
+    for i, size in sizes:
+        if size != sizes[0][1]:
+            raise DataError(
+                f"{cell_ref(path, i, 'responses')}: {size} responses, but row {sizes[0][0]} has {sizes[0][1]}; "
+                f"the groups of one file must have one size (split the file by group size)"
+            )
+    return sizes[0][1] if sizes else 2
 
 
 def load_sft_examples(

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ppo import models, runner, stage_data, stage_loop
+from ppo import models, run_folder, runner, stage_data, stage_loop
 from ppo.config import RewardModelConfig
 from ppo.distributed import DistInfo, all_gather_object, all_reduce_scalars
 from ppo.optim import with_optimizer
@@ -121,7 +121,7 @@ def train(cfg: RewardModelConfig, info: DistInfo) -> None:
         return
 
     # Save the model (PPO's reward.model_path) and its held-out numbers.
-    saved = runner.save_model(model, tokenizer, runner.stage_save_path(cfg), info)
+    saved = runner.save_model(model, tokenizer, run_folder.stage_save_path(cfg), info)
     final: dict[str, object] = {
         "rm_steps": result.steps,
         "rm_train_time_s": round(result.train_time_s, 1),

@@ -23,10 +23,9 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 import kernels
-from ppo import data, models, rewards, runner, stage_data, stage_loop
-from ppo.batch import Rollout
+from ppo import data, evaluation, models, run_folder, runner, stage_data, stage_loop
 from ppo.config import SFTConfig
-from ppo.distributed import DistInfo, all_gather_object, all_reduce_scalars
+from ppo.distributed import DistInfo, all_reduce_scalars
 from ppo.optim import with_optimizer
 from ppo.packing import (
     DUMMY_SEQUENCE,
@@ -35,7 +34,6 @@ from ppo.packing import (
     plan_eval_micro_batches,
     plan_micro_batches,
 )
-from ppo.rollout import generate, generation_config
 
 logger = logging.getLogger("ppo")
 
@@ -117,7 +115,7 @@ def train(cfg: SFTConfig, info: DistInfo) -> None:
         return
 
     # Save the model (the PPO actor's starting point), then score its answers.
-    saved = runner.save_model(model, tokenizer, runner.stage_save_path(cfg), info)
+    saved = runner.save_model(model, tokenizer, run_folder.stage_save_path(cfg), info)
     final = {"sft_steps": result.steps, "sft_train_time_s": round(result.train_time_s, 1)}
     if "val/loss" in result.metrics:
         final["sft_val_loss"] = round(result.metrics["val/loss"], 4)
@@ -193,7 +191,9 @@ def validation_loss(
 def evaluate_answers(
     model: nn.Module, tokenizer: PreTrainedTokenizerBase, cfg: SFTConfig, info: DistInfo
 ) -> dict[str, float]:
-    """Rule-reward accuracy of greedy answers, and of ``NUM_EVAL_SAMPLES`` samples at temperature 1.
+    """Rule-reward accuracy of greedy answers, and of ``NUM_EVAL_SAMPLES`` samples at temperature 1
+    (``ppo.evaluation.answer_metrics``), each answer cut where the longest prompt reaches
+    ``data.max_length``.
 
     ``val/accuracy``: greedy answers right; ``val/sample_accuracy``: the chance that one sample is right
     (what PPO's rollouts start from); ``val/pass_at_k``: prompts with a right one among the samples.
@@ -204,62 +204,18 @@ def evaluate_answers(
         max_prompt_length=cfg.data.max_length,
         apply_chat_template=cfg.data.apply_chat_template,
     )
-    scorer = rewards.make_rule_scorer(None, 0.0)
     mine = runner.my_share(records, info)
     longest = int(all_reduce_scalars([max((len(r.input_ids) for r in mine), default=0)], "max")[0])
-    prompts = [torch.tensor(r.input_ids, dtype=torch.long) for r in mine]
-    eos_ids = models.eos_token_ids(tokenizer, model)
-    common = dict(
-        max_new_tokens=cfg.data.max_length - longest,
-        eos_token_ids=eos_ids,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    # Every rank calls generate, even with no prompts: it joins the parameter gather inside.
-    greedy = generate(
-        model, prompts, generation_config(do_sample=False, **common), micro_batch_size=EVAL_GENERATE_BATCH
-    )
-    torch.manual_seed(cfg.trainer.seed * 1000 + info.rank)
-    sampled = generate(
+    return evaluation.answer_metrics(
         model,
-        [p for p in prompts for _ in range(NUM_EVAL_SAMPLES)],
-        generation_config(do_sample=True, temperature=1.0, **common),
+        tokenizer,
+        records,
+        info,
+        max_new_tokens=cfg.data.max_length - longest,
+        num_samples=NUM_EVAL_SAMPLES,
+        seed=cfg.trainer.seed,
         micro_batch_size=EVAL_GENERATE_BATCH,
     )
-    greedy_right = [s >= 1.0 for s in score_rollout(greedy, mine, tokenizer, scorer, 1)]
-    sample_right = [s >= 1.0 for s in score_rollout(sampled, mine, tokenizer, scorer, NUM_EVAL_SAMPLES)]
-    per_prompt = [
-        sample_right[i : i + NUM_EVAL_SAMPLES] for i in range(0, len(sample_right), NUM_EVAL_SAMPLES)
-    ]
-    counts = [0.0, 0.0, 0.0, 0.0]  # greedy right, samples right, prompts with a right sample, prompts
-    for part in all_gather_object(
-        [sum(greedy_right), sum(sample_right), sum(map(any, per_prompt)), len(mine)]
-    ):
-        counts = [c + p for c, p in zip(counts, part, strict=True)]
-    n = max(counts[3], 1.0)
-    return {
-        "val/accuracy": counts[0] / n,
-        "val/sample_accuracy": counts[1] / (n * NUM_EVAL_SAMPLES),
-        "val/pass_at_k": counts[2] / n,
-        "val/num_prompts": counts[3],
-    }
-
-
-def score_rollout(
-    rollout: Rollout,
-    records: list[data.PromptRecord],
-    tokenizer: PreTrainedTokenizerBase,
-    scorer: rewards.RuleScorer,
-    repeats: int,
-) -> list[float]:
-    """Rule score of each response; response ``i`` answers ``records[i // repeats]``."""
-    scores = []
-    for i, (tokens, mask) in enumerate(
-        zip(rollout.responses.tolist(), rollout.response_mask.tolist(), strict=True)
-    ):
-        text = tokenizer.decode([t for t, m in zip(tokens, mask, strict=True) if m], skip_special_tokens=True)
-        r = records[i // repeats]
-        scores.append(scorer(r.data_source, text, r.ground_truth, r.extra_info))
-    return scores
 
 
 if __name__ == "__main__":

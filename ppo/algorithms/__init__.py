@@ -20,7 +20,8 @@ Typical use in the PPO loop::
 
 The package's modules, each pure torch: ``stats`` (masked mean and whitening), ``kl`` (KL estimators,
 exact KL, controllers), ``advantages`` (GAE, GRPO, RLOO), ``losses`` (aggregation, policy and value
-losses). Users import every name from ``ppo.algorithms`` itself.
+losses), ``preference`` (the DPO family's per-pair losses: DPO/cDPO, IPO, SimPO, KTO). Users import
+every name from ``ppo.algorithms`` itself.
 """
 
 from ppo.algorithms.advantages import (
@@ -29,6 +30,7 @@ from ppo.algorithms.advantages import (
     compute_grpo_advantages,
     compute_rloo_advantages,
 )
+from ppo.algorithms.correction import ROLLOUT_IS_LEVELS, mismatch_metrics, rollout_is_weights
 from ppo.algorithms.kl import (
     KL_KINDS,
     AdaptiveKLController,
@@ -38,23 +40,32 @@ from ppo.algorithms.kl import (
     kl_penalty,
 )
 from ppo.algorithms.losses import LOSS_AGG_MODES, agg_loss, policy_loss, value_loss
+from ppo.algorithms.preference import PREFERENCE_LOSSES, dpo_loss, ipo_loss, kto_loss, simpo_loss
 from ppo.algorithms.stats import masked_mean, masked_whiten
 
 __all__ = [
     "ADV_ESTIMATORS",
     "KL_KINDS",
     "LOSS_AGG_MODES",
+    "PREFERENCE_LOSSES",
+    "ROLLOUT_IS_LEVELS",
     "AdaptiveKLController",
     "FixedKLController",
     "agg_loss",
     "compute_gae",
     "compute_grpo_advantages",
     "compute_rloo_advantages",
+    "dpo_loss",
     "entropy_from_logits",
     "full_kl",
+    "ipo_loss",
     "kl_penalty",
+    "kto_loss",
     "masked_mean",
     "masked_whiten",
+    "mismatch_metrics",
     "policy_loss",
+    "rollout_is_weights",
+    "simpo_loss",
     "value_loss",
 ]
