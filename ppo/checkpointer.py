@@ -20,11 +20,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from ppo.checkpoint_files import (
     CheckpointError,
@@ -35,9 +37,10 @@ from ppo.checkpoint_files import (
     seed_everything,
 )
 from ppo.config import PPOConfig, StageConfig
-from ppo.config_loader import to_yaml
+from ppo.config_loader import to_dict, to_yaml
 from ppo.distributed import DistInfo, agree_on_failure
 from ppo.optim import Trained
+from ppo.run_folder import input_fingerprints
 
 logger = logging.getLogger("ppo")
 
@@ -96,6 +99,13 @@ class Checkpointer:
     optimizers: dict[str, torch.optim.Optimizer | None]
     schedulers: dict[str, Any]
     stateful: dict[str, Any]
+    identity: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """What the run read (``run_folder.input_fingerprints``), saved with every checkpoint."""
+    check: Callable[[Path], None] | None = None
+    """Called with a checkpoint folder before it is restored; raises ``ResumeMismatch`` when the run
+    may not continue it (``compare_runs``)."""
+    after_restore: Callable[[Path], None] | None = None
+    """Called with a checkpoint folder after it was restored (``apply_changes``: resume and rollback)."""
 
     def save(self, step: int) -> Path:
         """Write checkpoint ``step`` (collective: every rank calls it)."""
@@ -105,7 +115,8 @@ class Checkpointer:
             models=self.models,
             optimizers=self.optimizers,
             schedulers=self.schedulers,
-            extra={name: obj.state_dict() for name, obj in self.stateful.items()},
+            extra={name: obj.state_dict() for name, obj in self.stateful.items()}
+            | {"identity": self.identity},
             config_yaml=self.config_yaml,
             rank=self.info.rank,
             world_size=self.info.world_size,
@@ -139,6 +150,8 @@ class Checkpointer:
                 raise CheckpointError(
                     f"{ckpt_dir / 'trainer.json'}: its {name!r} state is damaged ({e})"
                 ) from None
+        if self.after_restore is not None:
+            self.after_restore(ckpt_dir)
         if extra.get("world_size") != self.info.world_size:
             step = int(extra.get("trainer", {}).get("step", 0))
             seed_everything(self.seed * 1000 + self.info.rank + 1_000_003 * step)
@@ -155,6 +168,8 @@ class Checkpointer:
         is nothing to resume."""
         candidates = resume_candidates(self.out_dir, resume_mode)
         for i, ckpt_dir in enumerate(candidates):
+            if self.check is not None:  # a run that may not continue this checkpoint: no fallback
+                agree_on_failure(lambda d=ckpt_dir: self.check(d), CheckpointError)
             try:
                 agree_on_failure(lambda d=ckpt_dir: self.restore(d), CheckpointError)
                 return ckpt_dir
@@ -183,8 +198,13 @@ def make_checkpointer(
 ) -> Checkpointer:
     """The run's checkpointer: the models of ``trained`` (None: the run has no such model) with their
     optimizers and schedules under the same names, ``stateful`` objects, ``trainer.max_ckpt_to_keep``
-    and ``trainer.seed``."""
+    and ``trainer.seed``; what the run read is saved with each checkpoint, and a checkpoint is compared
+    with the run before it is restored (``compare_runs``)."""
+    identity = input_fingerprints(cfg)
     return Checkpointer(
+        identity=identity,
+        check=lambda ckpt_dir: compare_runs(ckpt_dir, cfg, identity),
+        after_restore=lambda ckpt_dir: apply_changes(ckpt_dir, cfg, trained, stateful.get("kl_ctrl")),
         out_dir=out_dir,
         info=info,
         config_yaml=to_yaml(cfg),
@@ -256,3 +276,129 @@ def _saved_lr_scale(ckpt_dir: Path) -> float:
 class RollbackExhausted(CheckpointError):
     """KL or validation went wrong again after ``algorithm.max_rollbacks`` rollbacks, or with nothing
     to roll back to."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Resuming with changed settings
+# ----------------------------------------------------------------------------------------------------
+
+
+class ResumeMismatch(CheckpointError):
+    """The run differs from the checkpoint in what must stay the same to continue it."""
+
+
+MUST_MATCH = (
+    "model.path",
+    "actor.lora.rank",
+    "critic.lora.rank",
+    "ref.model_path",
+    "critic.model_path",
+    "algorithm.adv_estimator",
+    "rollout.n",
+    "rollout.source",
+    "rollout.offline_fraction",
+    "data.train_files",
+    "data.train_batch_size",
+    "data.shuffle",
+    "data.prompt_key",
+    "data.max_prompt_length",
+    "data.max_response_length",
+    "data.max_length",
+    "data.pairs",
+    "lora.rank",
+    "loss.type",
+    "trainer.seed",
+)
+"""Keys a resumed run must share with its checkpoint (those its config has): the models (and, through
+the fingerprints, their content), whether adapters and a critic train, and every input of the data
+order. A difference stops the run, listing every one."""
+
+APPLIED_ON_RESUME = {
+    "actor.optim.lr": "the actor's learning rate",
+    "critic.optim.lr": "the critic's learning rate",
+    "optim.lr": "the learning rate",
+    "algorithm.kl_ctrl.kl_coef": "the in-reward KL coefficient",
+}
+"""Settings that live in the checkpoint's state too (optimizer schedules, the KL controller): a change
+on resume is applied to that state (``apply_changes``). Every other difference (steps, frequencies,
+logging, loss coefficients, ...) takes effect by itself and is logged."""
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested config dicts as ``{"a.b.c": value}``."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= flatten(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def compare_runs(ckpt_dir: Path, cfg: PPOConfig | StageConfig, identity: dict[str, Any]) -> dict[str, tuple]:
+    """Compare a checkpoint with the run about to continue it; every rank calls it.
+
+    Raises ``ResumeMismatch`` listing each ``MUST_MATCH`` key that differs and each input whose
+    fingerprint changed (same path, other content: a replaced model folder or data file); returns the
+    other differences ``{key: (old, new)}``, after logging them. A checkpoint written before the
+    fingerprints were recorded is compared on its config alone.
+    """
+    try:
+        saved = flatten(yaml.safe_load((ckpt_dir / "config.yaml").read_text()) or {})
+        saved_identity = json.loads((ckpt_dir / "trainer.json").read_text()).get("identity", {})
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise CheckpointError(f"{ckpt_dir}: cannot read its config.yaml or trainer.json ({e})") from None
+    now = flatten(to_dict(cfg))
+    differ = [key for key in MUST_MATCH if key in now and key in saved and saved[key] != now[key]]
+    problems = [f"{key}: {saved[key]!r} -> {now[key]!r}" for key in differ]
+    problems += [  # same path, other content (a path that changed is reported above)
+        f"{key}: its content changed since the checkpoint (fingerprint {saved_identity[key]} -> {value})"
+        for key, value in identity.items()
+        if key.split("[")[0] not in differ
+        and key in saved_identity
+        and value is not None
+        and saved_identity[key] not in (None, value)
+    ]
+    if problems:
+        raise ResumeMismatch(
+            f"cannot resume {ckpt_dir}: the run differs from it in what must stay the same to continue it: "
+            f"{'; '.join(problems)}. Restore those settings, or start a new run in another trainer.output_dir"
+        )
+    changed = {
+        key: (saved[key], value)
+        for key, value in now.items()
+        if key in saved and saved[key] != value and key != "trainer.resume_mode"
+    }
+    for key, (old, new) in changed.items():
+        what = APPLIED_ON_RESUME.get(key)
+        logger.warning(
+            "resuming with %s changed: %r -> %r%s",
+            key,
+            old,
+            new,
+            f" ({what}, applied to the restored state)" if what else "",
+        )
+    return changed
+
+
+def apply_changes(
+    ckpt_dir: Path, cfg: PPOConfig | StageConfig, trained: dict[str, Trained | None], kl_ctrl: Any = None
+) -> None:
+    """After restoring ``ckpt_dir``: a learning rate or in-reward KL coefficient set differently now than
+    in the checkpoint's config replaces the restored one for the rest of the schedule
+    (``APPLIED_ON_RESUME``); a learning rate keeps the checkpoint's rollback scale."""
+    saved = flatten(yaml.safe_load((ckpt_dir / "config.yaml").read_text()) or {})
+    now = flatten(to_dict(cfg))
+    lr_scale = _saved_lr_scale(ckpt_dir)
+    for name, t in trained.items():
+        key = f"{name}.optim.lr" if f"{name}.optim.lr" in now else "optim.lr"
+        if t is not None and key in saved and saved[key] != now[key]:
+            sched = t.scheduler
+            sched.base_lrs = [now[key] * lr_scale for _ in sched.base_lrs]
+            for group, base, factor in zip(
+                sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True
+            ):
+                group["lr"] = base * factor(sched.last_epoch)
+    key = "algorithm.kl_ctrl.kl_coef"
+    if kl_ctrl is not None and key in saved and saved[key] != now[key]:
+        kl_ctrl.value = float(now[key])

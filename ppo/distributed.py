@@ -62,6 +62,11 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800) -> DistInfo:
             # Launched without torchrun: a one-rank group over an in-memory store, so FSDP2, device
             # meshes and distributed checkpoints run the same code as on many ranks.
             kwargs = {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+        elif "TORCHELASTIC_RUN_ID" not in os.environ and world_size > 1:
+            # RANK and WORLD_SIZE from the environment, not from torchrun (another launcher, or left over
+            # in the shell): wait a bounded time for the other ranks, not the whole collective timeout.
+            wait_s = min(timeout_s, RENDEZVOUS_TIMEOUT_S)
+            kwargs = {"store": _rendezvous(rank, world_size, wait_s), "rank": rank, "world_size": world_size}
         dist.init_process_group(
             backend="nccl" if use_cuda else "gloo",
             timeout=datetime.timedelta(seconds=timeout_s),
@@ -69,6 +74,32 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800) -> DistInfo:
             **kwargs,
         )
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
+
+
+RENDEZVOUS_TIMEOUT_S = 120
+"""How long a rank launched without torchrun waits for the others to join (at most; shorter when the
+collective timeout, ``trainer.dist_timeout_s``, is)."""
+
+
+def _rendezvous(rank: int, world_size: int, wait_s: int) -> dist.Store:
+    """The TCP store of ``MASTER_ADDR:MASTER_PORT`` once all ``world_size`` ranks have joined, or a
+    RuntimeError that says which variables made this process wait for others."""
+    host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
+    try:
+        return dist.TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=rank == 0,
+            timeout=datetime.timedelta(seconds=wait_s),
+            wait_for_workers=True,
+        )
+    except (RuntimeError, OSError) as e:
+        raise RuntimeError(
+            f"RANK={rank} and WORLD_SIZE={world_size} are set in the environment (not by torchrun), but the "
+            f"other ranks did not join at {host}:{port} within {wait_s} s ({str(e)[:120]}): "
+            f"unset RANK and WORLD_SIZE to run as one process, or launch with torchrun"
+        ) from None
 
 
 def destroy_distributed() -> None:

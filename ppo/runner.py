@@ -28,7 +28,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -44,7 +43,7 @@ import transformers
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ppo import attention, checkpoint_files, data, lora, models, rewards, sharding, ulysses
+from ppo import attention, checkpoint_files, data, lora, models, rewards, run_folder, sharding, ulysses
 from ppo.checkpoint_files import CheckpointError
 from ppo.config import (
     ConfigError,
@@ -94,10 +93,6 @@ EXPECTED_ERRORS = (
 REPORT_DELAY_S = 10.0
 """How long ranks other than 0 wait before reporting a failure (see the module docstring)."""
 
-METRICS_FILE = "metrics.json"
-"""Final numbers of every stage, merged into one file beside the saved model folders."""
-
-
 # ----------------------------------------------------------------------------------------------------
 # Entry point and set-up
 # ----------------------------------------------------------------------------------------------------
@@ -124,23 +119,37 @@ def main(
             print(to_yaml(cfg), end="")
             return 0
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank parses: one report, rank 0's
+            print(f"config error: {e}", file=sys.stderr)
         return 2
-    info = init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout_s)
+    try:
+        info = init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout_s)
+    except RuntimeError as e:  # trainer.device=cuda without a GPU, ranks that never join
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        return 2
     setup_logging(info.is_main)
     quiet_other_ranks(info)
     try:
         validate_config(cfg, info.world_size)
+        if info.is_main and isinstance(cfg, PPOConfig):
+            for warning in cfg.warnings():
+                logger.warning("%s", warning)
         train(cfg, info)
     except EXPECTED_ERRORS as e:
         message = one_line(e)
         report(info, lambda: logger.error("%s", message))
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C: out at once, no traceback
+        if info.is_main:
+            logger.warning("interrupted; the last complete checkpoint is intact (trainer.resume_mode=auto)")
+        return 130
     except Exception:
         text = traceback.format_exc()
         report(info, lambda: logger.error("unexpected error on rank %d:\n%s", info.rank, text))
         return 1
     finally:
+        if info.is_main:
+            run_folder.release_lock(Path(cfg.trainer.output_dir) / run_folder.LOCK_FILE)
         destroy_distributed()
     return 0
 
@@ -175,60 +184,15 @@ def quiet_other_ranks(info: DistInfo) -> None:
         transformers.utils.logging.set_verbosity_error()
 
 
-RUN_FOLDER = {
-    "checkpoints": "dir",
-    "metrics.jsonl": "file",
-    "tensorboard": "dir",
-    "hf": "dir",
-    "profile": "dir",
-}
-"""What a run that has started training may leave in ``trainer.output_dir``, beside its ``config.yaml``
-(a ``config.yaml`` alone is what a run that failed at start-up left), and whether each is a folder or a
-file: checkpoints, metrics, TensorBoard events, the ``save_pretrained`` export (PPO's
-``trainer.save_hf_on_end``; a stage's model without ``trainer.save_path``) and profiler traces
-(``trainer.profile_steps``). ``trainer.overwrite`` replaces them."""
-
-
-def run_paths(cfg: PPOConfig | StageConfig) -> dict[Path, str]:
-    """Every path a run will write and its kind (``"dir"`` or ``"file"``): the parts of ``RUN_FOLDER``
-    it uses and, for a stage, its saved model and the ``metrics.json`` beside it."""
-    out = Path(cfg.trainer.output_dir)
-    names = ["checkpoints", "metrics.jsonl", "tensorboard"]
-    paths: dict[Path, str] = {}
-    if isinstance(cfg, PPOConfig):
-        names += ["hf"] * cfg.trainer.save_hf_on_end + ["profile"] * bool(cfg.trainer.profile_steps)
-    else:
-        saved = stage_save_path(cfg)
-        paths = {saved: "dir", saved.parent / METRICS_FILE: "file"}
-    return {out / name: RUN_FOLDER[name] for name in names} | paths
-
-
-def stage_save_path(cfg: StageConfig) -> Path:
-    """Where a stage saves its model: ``trainer.save_path``, or ``output_dir/hf``."""
-    return Path(cfg.trainer.save_path or Path(cfg.trainer.output_dir) / "hf")
-
-
 def prepare_run(cfg: PPOConfig | StageConfig, info: DistInfo) -> Path:
-    """Check the run folder and every path the run will write, refuse to overwrite another run, write
-    the resolved config (rank 0), and seed every rank alike.
-
-    A path the run will write (``run_paths``) that exists as the other kind (a file where a folder goes)
-    is an error now, not at the first save after hours of training. A fresh run
-    (``trainer.resume_mode=disable``) into a folder that holds a run stops, unless
-    ``trainer.overwrite=true``, which deletes that run's files first. Raises CheckpointError on every
-    rank when rank 0 finds a problem.
-    """
-    out_dir = Path(cfg.trainer.output_dir)
+    """Lock and check the run folder and every path the run will write (``run_folder.claim``: one run
+    per folder, nothing replaced without ``trainer.overwrite``, no input written, kinds and permissions),
+    write the resolved config (rank 0), and seed every rank alike. Raises CheckpointError on every rank
+    when rank 0 finds a problem; nothing has loaded yet."""
     error = None
     if info.is_main:
         try:
-            _claim_output_dir(cfg, out_dir)
-            checkpoint_files.ensure_writable(out_dir)
-            for path, kind in run_paths(cfg).items():
-                if kind == "dir" and path.exists() and not path.is_dir():
-                    raise CheckpointError(f"{path} is a file: the run writes a folder there; move it away")
-                if kind == "file" and path.is_dir():
-                    raise CheckpointError(f"{path} is a folder: the run writes a file there; move it away")
+            out_dir = run_folder.claim(cfg)
             (out_dir / "config.yaml").write_text(to_yaml(cfg))
         except (CheckpointError, OSError) as e:
             error = one_line(e)
@@ -237,29 +201,7 @@ def prepare_run(cfg: PPOConfig | StageConfig, info: DistInfo) -> Path:
     if error is not None:
         raise CheckpointError(error)
     checkpoint_files.seed_everything(cfg.trainer.seed)  # the same on every rank while models are built
-    return out_dir
-
-
-def _claim_output_dir(cfg: PPOConfig | StageConfig, out_dir: Path) -> None:
-    """A fresh run never writes over another one: stop, or with ``trainer.overwrite`` delete it."""
-    t = cfg.trainer
-    found = [name for name in RUN_FOLDER if (out_dir / name).exists()]
-    if not found:
-        return
-    if t.overwrite:
-        for name in found:
-            path = out_dir / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-        logger.warning(
-            "trainer.overwrite=true: deleted the earlier run's %s in %s", ", ".join(found), out_dir
-        )
-        return
-    if t.resume_mode == "disable":
-        raise CheckpointError(
-            f"trainer.output_dir={out_dir} already holds a run ({', '.join(found)}) and "
-            f"trainer.resume_mode=disable starts a fresh one: choose another trainer.output_dir, or set "
-            f"trainer.overwrite=true to replace it (trainer.resume_mode=auto continues it)"
-        )
+    return Path(cfg.trainer.output_dir)
 
 
 def load_tokenizer(model_cfg: ModelConfig) -> PreTrainedTokenizerBase:
@@ -409,18 +351,24 @@ def optimizer_step(
 
 
 class StopRequest:
-    """SIGTERM (Slurm preemption, torchrun's shutdown) and SIGINT (Ctrl-C) ask the run to stop.
+    """SIGTERM (Slurm preemption, torchrun's shutdown), SIGINT (Ctrl-C) and SIGHUP (a closed terminal)
+    ask the run to stop.
 
-    The loop asks ``requested()`` at its phase boundaries (all ranks agree: one all-reduce), and saves
-    the last complete step before it exits, within the seconds torchrun and Slurm grant between SIGTERM
-    and SIGKILL (30 s by default). A second Ctrl-C stops at once.
+    The loop asks ``requested()`` at its phase boundaries (all ranks agree: one all-reduce): after the
+    rollout, between the scoring forwards, between validation chunks and at the end of the step; it
+    saves the last complete step before it exits, within the seconds torchrun and Slurm grant between
+    SIGTERM and SIGKILL (30 s by default). A second Ctrl-C stops at once (``main`` exits quietly with
+    130; the last checkpoint is intact: saves are atomic).
     """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    """Slurm's preemption and torchrun's shutdown, Ctrl-C, a closed terminal or dropped ssh session."""
 
     def __init__(self) -> None:
         self.name: str | None = None
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._handle)
-            signal.signal(signal.SIGINT, self._handle)
+            for signum in self.SIGNALS:
+                signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, _frame: object) -> None:
         if signum == signal.SIGINT and self.name is not None:
@@ -493,7 +441,7 @@ def merge_metrics(path: Path, updates: dict[str, Any]) -> dict[str, Any]:
 def write_final_metrics(folder: Path, info: DistInfo, updates: dict[str, Any]) -> None:
     """Merge a stage's final numbers into ``folder/metrics.json`` (rank 0)."""
     if info.is_main:
-        path = folder / METRICS_FILE
+        path = folder / run_folder.METRICS_FILE
         merge_metrics(path, updates)
         logger.info("final: %s -> %s", json.dumps(updates, sort_keys=True), path)
 

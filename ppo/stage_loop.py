@@ -77,7 +77,8 @@ def train_stage(
     start = time.perf_counter()
     metrics: dict[str, float] = {}
     stopped = False
-    while state.step < num_steps and not runner.out_of_time(start, t.max_time_s):
+    timed_out = False
+    while state.step < num_steps and not (stopped or timed_out):
         state.step += 1
         timer = Timer()
         with timer("step"):
@@ -95,26 +96,32 @@ def train_stage(
                     "train/epoch": float(loader.epoch),
                 }
             )
+            # Stop signals and the time cap are asked after the step, so a run always makes progress.
+            stopped = stop.requested()
+            timed_out = not stopped and runner.out_of_time(start, t.max_time_s)
             due = t.test_freq > 0 and state.step % t.test_freq == 0
-            if validate is not None and (due or state.step == num_steps):
+            if validate is not None and not stopped and (due or state.step == num_steps):
                 with timer("testing"):
                     metrics.update(validate())
         metrics.update(timer.times)
         metrics["perf/throughput"] = tokens / info.world_size / timer.times["timing_s/step"]
         metrics_logger.log(state.step, metrics)
         progress.update(state.step, metrics, force=any(k.startswith(("val/", "rm/")) for k in metrics))
-        stopped = stop.requested()
-        if save_due(state.step, num_steps, t.save_freq) or stopped:
+        if save_due(state.step, num_steps, t.save_freq) or stopped or timed_out:
             checkpointer.save(state.step)
-        if stopped:
-            log_stopped(state.step, stop.name)
-            break
-    if state.step < num_steps and not stopped:
-        logger.warning(
-            "trainer.max_time_s=%s reached after %d of %d steps", t.max_time_s, state.step, num_steps
-        )
-        if validate is not None:
+    if stopped:
+        log_stopped(state.step, stop.name)
+    elif timed_out:
+        if validate is not None:  # the final numbers of a run cut short (not logged: not a step's)
             metrics.update(validate())
+        logger.warning(
+            "trainer.max_time_s=%s reached after %d of %d steps: saved step %d; the model is saved as it is "
+            "(resume with trainer.resume_mode=auto to finish the schedule)",
+            t.max_time_s,
+            state.step,
+            num_steps,
+            state.step,
+        )
     return StageResult(
         steps=state.step,
         train_time_s=time.perf_counter() - start,

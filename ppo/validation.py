@@ -5,17 +5,23 @@ metrics = validate(cfg, info, run)   # val/<data_source>/score, /accuracy, val/s
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
-from ppo import rewards
-from ppo.batch import decode_responses
+from ppo import rewards, runner
+from ppo.batch import concat_rollouts, decode_responses
 from ppo.build import Run
 from ppo.config import PPOConfig
-from ppo.distributed import DistInfo, agree_on_failure, all_gather_object
+from ppo.distributed import DistInfo, agree_on_failure, all_gather_object, all_reduce_scalar
 from ppo.rollout import sample
 
+logger = logging.getLogger("ppo")
 
-def validate(cfg: PPOConfig, info: DistInfo, run: Run) -> dict[str, float]:
+
+def validate(
+    cfg: PPOConfig, info: DistInfo, run: Run, stop: runner.StopRequest | None = None
+) -> dict[str, float]:
     """Generate for every validation prompt (greedy unless ``rollout.val_do_sample``) and score it.
 
     ``val/<data_source>/score``: the mean reward the run trains with (the reward model's score with
@@ -23,15 +29,30 @@ def validate(cfg: PPOConfig, info: DistInfo, run: Run) -> dict[str, float]:
     ``val-core/<data_source>/reward/mean@1``; ``val/<data_source>/accuracy``: the share the rule scores
     1.0, where a rule exists for the source and the data has a ground truth. ``val/score`` and
     ``val/accuracy`` average over sources.
+
+    Generation runs in chunks of ``data.val_batch_size`` prompts (over all ranks); before each, a stop
+    signal (``stop``) ends validation at once with no metrics, so a long validation never outlasts the
+    grace period between SIGTERM and SIGKILL.
     """
     mine = run.val_records[info.rank :: info.world_size]
-    rollout = sample(
-        run.sampler,
-        mine,
-        do_sample=cfg.rollout.val_do_sample,
-        micro_batch_size=max(1, cfg.data.val_batch_size // info.world_size),
-        ignore_eos=False,
-    )
+    chunk = max(1, cfg.data.val_batch_size // info.world_size)
+    num_chunks = int(all_reduce_scalar(float(-(-len(mine) // chunk)), "max"))  # the same on every rank
+    parts = []
+    for c in range(num_chunks):
+        if stop is not None and stop.requested():
+            logger.warning("validation stopped after %d of %d chunks (%s)", c, num_chunks, stop.name)
+            return {}
+        records = mine[c * chunk : (c + 1) * chunk]
+        parts.append(
+            sample(
+                run.sampler,
+                records,
+                do_sample=cfg.rollout.val_do_sample,
+                micro_batch_size=chunk,
+                ignore_eos=False,
+            )
+        )
+    rollout = concat_rollouts(parts) if parts else sample(run.sampler, [], do_sample=False)
     texts = decode_responses(run.tokenizer, rollout)
     model_scores = (
         rewards.rollout_reward_model_scores(

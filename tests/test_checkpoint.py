@@ -2,26 +2,31 @@
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-import train_ppo
 from ppo import checkpoint_files
-from tests.test_train_ppo import NONDETERMINISTIC, base_args, read_metrics
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import (
+    ROOT,
+    base_args,
+    deterministic,
+    has_metrics,
+    launch,
+    read_metrics,
+    run,
+    saved_run,
+    wait_until,
+)
 
 
 def resume_args(assets: Path, out: Path) -> list[str]:
+    """Four steps, a checkpoint every two, validation and an adaptive KL coefficient (state to resume)."""
     return base_args(assets, out, steps=4) + [
         "trainer.save_freq=2",
         "trainer.test_freq=2",
@@ -32,39 +37,25 @@ def resume_args(assets: Path, out: Path) -> list[str]:
     ]
 
 
-def deterministic(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(NONDETERMINISTIC)} for r in rows]
-
-
 @pytest.mark.slow
 def test_sigkill_mid_step_then_resume_gives_identical_metrics(tiny_assets: Path, tmp_path: Path) -> None:
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    cmd = [sys.executable, str(ROOT / "train_ppo.py")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        cmd + resume_args(tiny_assets, straight), capture_output=True, text=True, env=env, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = launch(resume_args(tiny_assets, straight))
+    _, stderr = done.communicate(timeout=600)
+    assert done.returncode == 0, stderr[-3000:]
 
     # Start the same run and SIGKILL it as soon as the step-2 checkpoint is complete: it is then inside
     # step 3, which has to be redone after the restart.
-    proc = subprocess.Popen(
-        cmd + resume_args(tiny_assets, killed), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env
-    )
+    proc = launch(resume_args(tiny_assets, killed))
     latest = killed / "checkpoints" / "latest"
-    deadline = time.time() + 600
-    while not (latest.exists() and latest.read_text() == "step_00000002"):
-        assert proc.poll() is None, "the run ended before its step-2 checkpoint"
-        assert time.time() < deadline
-        time.sleep(0.02)
+    wait_until(proc, lambda: latest.exists() and latest.read_text() == "step_00000002", timeout=600)
     proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc.communicate()
     assert read_metrics(killed)[-1]["step"] <= 3  # it died before finishing the run
-    resumed = subprocess.run(
-        cmd + resume_args(tiny_assets, killed), capture_output=True, text=True, env=env, timeout=600
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stderr and "step_00000002" in resumed.stderr
+    resumed = launch(resume_args(tiny_assets, killed))
+    _, stderr = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, stderr[-3000:]
+    assert "resumed from" in stderr and "step_00000002" in stderr
 
     a, b = deterministic(read_metrics(straight)), deterministic(read_metrics(killed))
     assert [r["step"] for r in a] == [0, 1, 2, 3, 4]
@@ -73,14 +64,10 @@ def test_sigkill_mid_step_then_resume_gives_identical_metrics(tiny_assets: Path,
         assert x == y, f"step {x['step']} differs after resume"
 
 
+@pytest.mark.slow
 def test_crash_while_saving_keeps_previous_checkpoint(tiny_assets: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    assert (
-        train_ppo.main(
-            base_args(tiny_assets, out, steps=2) + ["trainer.save_freq=1", "trainer.val_before_train=false"]
-        )
-        == 0
-    )
+    saved_run(tiny_assets, out, steps=2)
     root = out / "checkpoints"
     assert (root / "latest").read_text() == "step_00000002"
     assert sorted(p.name for p in root.glob("step_*")) == ["step_00000001", "step_00000002"]
@@ -95,25 +82,16 @@ def test_crash_while_saving_keeps_previous_checkpoint(tiny_assets: Path, tmp_pat
     assert checkpoint_files.find_resume_dir(out, "disable") is None
 
 
+@pytest.mark.slow
 def test_max_ckpt_to_keep_prunes(tiny_assets: Path, tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    args = base_args(tiny_assets, out, steps=3) + [
-        "trainer.save_freq=1",
-        "trainer.max_ckpt_to_keep=1",
-        "trainer.val_before_train=false",
-    ]
-    assert train_ppo.main(args) == 0
-    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_00000003"]
+    saved_run(tiny_assets, tmp_path, "trainer.max_ckpt_to_keep=1", steps=3)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000003"]
 
 
+@pytest.mark.slow
 def test_export_hf_matches_trained_model(tiny_assets: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    args = base_args(tiny_assets, out, steps=1) + [
-        "trainer.save_freq=1",
-        "trainer.save_hf_on_end=true",
-        "trainer.val_before_train=false",
-    ]
-    assert train_ppo.main(args) == 0
+    saved_run(tiny_assets, out, "trainer.save_hf_on_end=true")
     export = tmp_path / "export"
     script = ROOT / "scripts" / "export_hf.py"
     proc = subprocess.run(
@@ -144,7 +122,7 @@ def test_kl_rollback_then_stop(tiny_assets: Path, tmp_path: Path) -> None:
         "trainer.val_before_train=false",
         "actor.optim.lr=1e-2",
     ]
-    assert train_ppo.main(args) == 2  # TrainingError: stopped with a message
+    assert run(args) == 2  # TrainingError: stopped with a message
     rows = read_metrics(out)
     rollbacks = [r for r in rows if "trainer/lr_scale" in r]
     assert [r["trainer/rollbacks"] for r in rollbacks] == [1.0, 2.0]
@@ -155,24 +133,22 @@ def test_kl_rollback_then_stop(tiny_assets: Path, tmp_path: Path) -> None:
     assert (out / "checkpoints" / "step_00000000").is_dir()  # the start, saved to roll back to
 
 
+@pytest.mark.slow
 def test_incompatible_checkpoint_fails_clearly(
     tiny_assets: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     out = tmp_path / "run"
-    assert (
-        train_ppo.main(
-            base_args(tiny_assets, out, steps=1) + ["trainer.save_freq=1", "trainer.val_before_train=false"]
-        )
-        == 0
-    )
+    saved_run(tiny_assets, out)
     # A model of another shape, resumed from the same run folder.
     other = tmp_path / "wide"
     cfg = LlamaConfig.from_pretrained(tiny_assets / "base")
     cfg.intermediate_size = 256
     LlamaForCausalLM(cfg).save_pretrained(other)
     AutoTokenizer.from_pretrained(tiny_assets / "base").save_pretrained(other)
-    assert train_ppo.main(base_args(tiny_assets, out, steps=2) + [f"model.path={other}"]) == 2
-    assert "does not fit this run's models" in caplog.text
+    assert run(base_args(tiny_assets, out, steps=2) + [f"model.path={other}"]) == 2
+    # Found before anything of the checkpoint is loaded: the run names another model than the checkpoint.
+    assert f"model.path: '{tiny_assets / 'base'}' -> '{other}'" in caplog.text
+    assert "what must stay the same to continue it" in caplog.text
 
 
 def test_unwritable_output_and_vanished_data(
@@ -180,36 +156,31 @@ def test_unwritable_output_and_vanished_data(
 ) -> None:
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
-    assert train_ppo.main(base_args(tiny_assets, blocker / "run", steps=1)) == 2
+    assert run(base_args(tiny_assets, blocker / "run", steps=1)) == 2
     assert "is not writable" in caplog.text and not (blocker / "run").exists()
 
     # A data file that vanished between the first run and its resume: a clear error, nothing written.
     data = tmp_path / "train.parquet"
     data.write_bytes((tiny_assets / "data" / "train.parquet").read_bytes())
     out = tmp_path / "run"
-    common = [f"data.train_files={data}", "trainer.save_freq=1", "trainer.val_before_train=false"]
-    assert train_ppo.main(base_args(tiny_assets, out, steps=1) + common) == 0
+    saved_run(tiny_assets, out, f"data.train_files={data}")
     data.unlink()
     before = sorted(p.name for p in (out / "checkpoints").iterdir())
     caplog.clear()
-    assert train_ppo.main(base_args(tiny_assets, out, steps=2) + common) == 2
-    assert str(data) in caplog.text
+    common = [f"data.train_files={data}", "trainer.save_freq=1", "trainer.val_before_train=false"]
+    assert run(base_args(tiny_assets, out, steps=2) + common) == 2
+    assert f"{data}: no such data file" in caplog.text
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
-    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 1
+    assert read_metrics(out)[-1]["step"] == 1
 
 
 @pytest.mark.slow
 def test_sigterm_checkpoints_the_current_step_and_exits(tiny_assets: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    args = base_args(tiny_assets, out, steps=50) + ["trainer.val_before_train=false"]  # no periodic saves
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "train_ppo.py"), *args], stderr=subprocess.PIPE, text=True, env=env
-    )
-    deadline = time.time() + 300
-    while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().strip()):
-        assert proc.poll() is None and time.time() < deadline
-        time.sleep(0.05)
+    proc = launch(
+        base_args(tiny_assets, out, steps=50) + ["trainer.val_before_train=false"]
+    )  # no periodic saves
+    wait_until(proc, has_metrics(out))
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]

@@ -1,0 +1,326 @@
+"""The run folder and every other path a run writes: what it holds, who may write it, what may be
+replaced. Checked by rank 0 before any model loads (``runner.prepare_run``):
+
+- **One run per folder at a time**: a lock file (``.lock``: host, pid, command) is created in
+  ``trainer.output_dir``; a second run into the folder stops at once, naming the first. A lock whose
+  process is gone (same host, pid not running: a killed job, a torchrun restart) is taken over; one from
+  another host is refused, with the file to delete if that run is gone.
+- **Nothing replaced without ``trainer.overwrite``**: a folder that holds a run (``RUN_FOLDER``) is
+  resumed from its newest checkpoint (``resume_mode=auto``, ``overwrite`` or not: a requeued job never
+  wipes itself), refused when there is no checkpoint to resume or the run is started fresh
+  (``resume_mode=disable``), and replaced only with ``trainer.overwrite=true`` when there is nothing to
+  resume. A stage's ``trainer.save_path`` that already holds a model is refused the same way.
+- **Nothing a run reads is written**: an output path (the run folder, a stage's ``save_path``) that is,
+  contains or lies inside an input (``model.path`` and the other model paths, the data files) is refused
+  even with ``overwrite``.
+- **Kinds and permissions**: a path the run writes as a folder that exists as a file (or the reverse) is
+  an error; the run folder must accept a new file (a probe file is created and removed).
+
+    out_dir = claim(cfg)                      # rank 0; CheckpointError with one line otherwise
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+
+from ppo import checkpoint_files
+from ppo.checkpoint_files import CheckpointError
+from ppo.config import DPOConfig, PPOConfig, StageConfig
+
+logger = logging.getLogger("ppo")
+
+RUN_FOLDER = {
+    "checkpoints": "dir",
+    "metrics.jsonl": "file",
+    "tensorboard": "dir",
+    "hf": "dir",
+    "profile": "dir",
+}
+"""What a run that has started training may leave in ``trainer.output_dir``, beside its ``config.yaml``
+(a ``config.yaml`` alone is what a run that failed at start-up left), and whether each is a folder or a
+file: checkpoints, metrics, TensorBoard events, the ``save_pretrained`` export (PPO's
+``trainer.save_hf_on_end``; a stage's model without ``trainer.save_path``) and profiler traces
+(``trainer.profile_steps``). ``trainer.overwrite`` replaces them when there is nothing to resume."""
+
+METRICS_FILE = "metrics.json"
+"""Final numbers of every stage, merged into one file beside the saved model folders."""
+
+LOCK_FILE = ".lock"
+"""The lock of a run folder (JSON: host, pid, start time, command)."""
+
+
+def run_paths(cfg: PPOConfig | StageConfig) -> dict[Path, str]:
+    """Every path a run will write and its kind (``"dir"`` or ``"file"``): the parts of ``RUN_FOLDER``
+    it uses and, for a stage, its saved model and the ``metrics.json`` beside it."""
+    out = Path(cfg.trainer.output_dir)
+    names = ["checkpoints", "metrics.jsonl", "tensorboard"]
+    paths: dict[Path, str] = {}
+    if isinstance(cfg, PPOConfig):
+        names += ["hf"] * cfg.trainer.save_hf_on_end + ["profile"] * bool(cfg.trainer.profile_steps)
+    else:
+        saved = stage_save_path(cfg)
+        paths = {saved: "dir", saved.parent / METRICS_FILE: "file"}
+    return {out / name: RUN_FOLDER[name] for name in names} | paths
+
+
+def stage_save_path(cfg: StageConfig) -> Path:
+    """Where a stage saves its model: ``trainer.save_path``, or ``output_dir/hf``."""
+    return Path(cfg.trainer.save_path or Path(cfg.trainer.output_dir) / "hf")
+
+
+def run_inputs(cfg: PPOConfig | StageConfig) -> dict[str, Path]:
+    """What a run reads and must never write, by config key: model folders and data files."""
+    models: dict[str, str | None] = {
+        "model.path": cfg.model.path,
+        "model.tokenizer_path": cfg.model.tokenizer_path,
+    }
+    if isinstance(cfg, PPOConfig):
+        models |= {
+            "ref.model_path": cfg.ref.model_path,
+            "critic.model_path": cfg.critic.model_path,
+            "reward.model_path": cfg.reward.model_path,
+        }
+    elif isinstance(cfg, DPOConfig):
+        models["ref.model_path"] = cfg.ref.model_path
+    inputs = {key: Path(path) for key, path in models.items() if path and Path(path).exists()}
+    files = list(cfg.data.train_files) + list(cfg.data.val_files or [])
+    inputs |= {f"data file {f}": Path(f) for f in files if Path(f).exists()}
+    return inputs
+
+
+# ----------------------------------------------------------------------------------------------------
+# The lock
+# ----------------------------------------------------------------------------------------------------
+
+
+def acquire_lock(out_dir: Path) -> Path:
+    """Create ``out_dir/.lock`` for this process (released at exit), or raise CheckpointError naming the
+    run that holds it. A lock left by a process that no longer runs on this host is taken over."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / LOCK_FILE
+    mine = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": time.time(),
+        "command": " ".join(sys.argv),
+    }
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = _read_lock(path)
+            if holder is not None and not _is_stale(holder):
+                started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
+                raise CheckpointError(
+                    f"{out_dir} is in use by another run (pid {holder.get('pid')} on {holder.get('host')}, "
+                    f"started {started}: {holder.get('command', '?')[:120]}); wait for it to end or choose "
+                    f"another trainer.output_dir (if that run is gone, delete {path})"
+                ) from None
+            logger.warning(
+                "%s: taking over the lock of a run that is no longer running (%s)", out_dir, holder
+            )
+            path.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(mine, f)
+        atexit.register(release_lock, path)
+        return path
+    raise CheckpointError(f"{path}: could not take the run folder's lock (another run keeps taking it)")
+
+
+def release_lock(path: Path) -> None:
+    """Remove the lock if this process holds it."""
+    holder = _read_lock(path)
+    if holder is not None and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+        path.unlink(missing_ok=True)
+
+
+def _read_lock(path: Path) -> dict | None:
+    """The lock's content; None when it vanished; ``{}`` when it cannot be read (cut short by a kill)."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _is_stale(holder: dict) -> bool:
+    """A lock is stale when its content is unreadable or its process no longer runs on this host; a
+    lock of another host cannot be checked from here and counts as held."""
+    if "pid" not in holder or "host" not in holder:
+        return True
+    if holder["host"] != socket.gethostname():
+        return False
+    if int(holder["pid"]) == os.getpid():  # an earlier run of this process (in-process runs, tests)
+        return True
+    try:
+        os.kill(int(holder["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
+
+
+# ----------------------------------------------------------------------------------------------------
+# Claiming the folder
+# ----------------------------------------------------------------------------------------------------
+
+
+def claim(cfg: PPOConfig | StageConfig) -> Path:
+    """Lock the run folder and check every path the run writes (see the module docstring); rank 0 only,
+    before any model loads. Returns the run folder."""
+    out_dir = Path(cfg.trainer.output_dir)
+    _refuse_writing_inputs(cfg)
+    for path, kind in run_paths(cfg).items():
+        if kind == "dir" and path.exists() and not path.is_dir():
+            raise CheckpointError(f"{path} is a file: the run writes a folder there; move it away")
+        if kind == "file" and path.is_dir():
+            raise CheckpointError(f"{path} is a folder: the run writes a file there; move it away")
+    checkpoint_files.ensure_writable(out_dir)
+    acquire_lock(out_dir)
+    _claim_run_folder(cfg, out_dir)
+    if not isinstance(cfg, PPOConfig):
+        _claim_save_path(cfg, out_dir)
+    return out_dir
+
+
+def _overlaps(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` are the same path or one lies inside the other."""
+    a, b = a.resolve(), b.resolve()
+    return a == b or a in b.parents or b in a.parents
+
+
+def _refuse_writing_inputs(cfg: PPOConfig | StageConfig) -> None:
+    """CheckpointError when a path the run writes (or a stage's ``--overwrite`` would replace) is, holds
+    or lies inside something it reads, or the run folder lies inside an input model folder."""
+    out = Path(cfg.trainer.output_dir)
+    written = {out / name: "trainer.output_dir" for name in [*RUN_FOLDER, "config.yaml", LOCK_FILE]}
+    if not isinstance(cfg, PPOConfig):
+        saved = stage_save_path(cfg)
+        written |= {saved: "trainer.save_path", saved.parent / METRICS_FILE: "trainer.save_path"}
+    for in_key, path in run_inputs(cfg).items():
+        clash = next((key for w, key in written.items() if _overlaps(w, path)), None)
+        if (
+            clash is None
+            and path.is_dir()
+            and (out.resolve() == path.resolve() or path.resolve() in out.resolve().parents)
+        ):
+            clash = "trainer.output_dir"
+        if clash is not None:
+            value = out if clash == "trainer.output_dir" else stage_save_path(cfg)
+            raise CheckpointError(
+                f"{clash}={value} would write over {in_key}={path}, which the run reads: choose another "
+                f"{clash} (no program of this project writes over its own inputs, overwrite or not)"
+            )
+
+
+def _claim_run_folder(cfg: PPOConfig | StageConfig, out_dir: Path) -> None:
+    """Resume, refuse, or (with ``trainer.overwrite`` and nothing to resume) replace an earlier run."""
+    t = cfg.trainer
+    found = [name for name in RUN_FOLDER if (out_dir / name).exists()]
+    if not found:
+        return
+    resumable = t.resume_mode != "disable" and bool(
+        checkpoint_files.resume_candidates(out_dir, t.resume_mode)
+    )
+    if resumable:
+        if t.overwrite:
+            logger.warning(
+                "trainer.overwrite=true is not applied: %s holds checkpoints and trainer.resume_mode=%s resumes "
+                "them (to start over, set trainer.resume_mode=disable with trainer.overwrite=true)",
+                out_dir,
+                t.resume_mode,
+            )
+        return
+    if t.overwrite:
+        for name in found:
+            path = out_dir / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        logger.warning(
+            "trainer.overwrite=true: deleted the earlier run's %s in %s", ", ".join(found), out_dir
+        )
+        return
+    if t.resume_mode == "disable":
+        why = "trainer.resume_mode=disable starts a fresh one"
+    else:
+        why = f"it has no checkpoint to resume (trainer.resume_mode={t.resume_mode}), so its files would be replaced"
+    raise CheckpointError(
+        f"trainer.output_dir={out_dir} already holds a run ({', '.join(found)}) and {why}: choose another "
+        f"trainer.output_dir, or set trainer.overwrite=true to replace it"
+    )
+
+
+def _claim_save_path(cfg: StageConfig, out_dir: Path) -> None:
+    """A stage's ``save_path`` holding a model is another run's output unless this run resumes."""
+    saved = stage_save_path(cfg)
+    if not (saved.is_dir() and any(saved.iterdir())) or cfg.trainer.overwrite:
+        return
+    if cfg.trainer.resume_mode != "disable" and checkpoint_files.resume_candidates(
+        out_dir, cfg.trainer.resume_mode
+    ):
+        return  # this run's own model, saved when it ended (a rerun that resumes)
+    raise CheckpointError(
+        f"trainer.save_path={saved} already holds a model and this run starts fresh: choose another "
+        f"trainer.save_path, or set trainer.overwrite=true to replace it"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Fingerprints of inputs
+# ----------------------------------------------------------------------------------------------------
+
+FINGERPRINT_BYTES = 1 << 20
+"""How much of the start and of the end of each file a fingerprint reads."""
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".json", ".model", ".parquet")
+"""The files of a model folder (weights, configs, tokenizer) or data that a fingerprint covers."""
+
+
+def fingerprint(path: str | Path | None) -> str | None:
+    """A content fingerprint of a model folder or data file, cheap at any size: sha256 over each file's
+    name, size, first and last MiB (files of ``WEIGHT_SUFFIXES``, sorted; the folder itself for a
+    file). Two different trainings of the same architecture differ in their first MiB of weights, so a
+    replaced model folder is told from the original without reading its gigabytes. None for a path that
+    does not exist here (a hub id: its name is what identifies it)."""
+    if path is None:
+        return None
+    root = Path(path)
+    if not root.exists():
+        return None
+    files = (
+        sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
+        if root.is_dir()
+        else [root]
+    )
+    digest = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        digest.update(f"{f.relative_to(root) if root.is_dir() else f.name}:{size}".encode())
+        with open(f, "rb") as handle:
+            digest.update(handle.read(FINGERPRINT_BYTES))
+            if size > FINGERPRINT_BYTES:
+                handle.seek(max(size - FINGERPRINT_BYTES, FINGERPRINT_BYTES))
+                digest.update(handle.read())
+    return digest.hexdigest()[:16]
+
+
+def input_fingerprints(cfg: PPOConfig | StageConfig) -> dict[str, str | None]:
+    """The fingerprints a checkpoint records of what its run read: each model path and data file."""
+    models = {"model.path": cfg.model.path}
+    if isinstance(cfg, PPOConfig):
+        models |= {"ref.model_path": cfg.ref.model_path, "critic.model_path": cfg.critic.model_path}
+    out = {key: fingerprint(path) for key, path in models.items() if path}
+    out |= {f"data.train_files[{i}]": fingerprint(f) for i, f in enumerate(cfg.data.train_files)}
+    return out
