@@ -5,8 +5,8 @@
 - "auto": Triton when the input is on CUDA in fp16/bf16/fp32 and triton imports (and is not in
   interpreter mode), else the chunked PyTorch path.
 - "triton": the Triton kernels; on CPU only under the interpreter (TRITON_INTERPRET=1 set before
-  import), else RuntimeError. Needs the triton package, which is imported lazily so that importing
-  `kernels` works without it.
+  import), else RuntimeError at the first call (`backend_unavailable` says so up front, for a start-up
+  check). Needs the triton package, which is imported lazily so that importing `kernels` works without it.
 - "torch": the chunked PyTorch path. "reference": the naive full-tensor formulas.
 
 Beyond the names, `backend` may be a `kernels.chunked.Primitives` instance: the chunked algorithm on
@@ -43,6 +43,22 @@ def _triton_ops() -> types.ModuleType:
     if isinstance(module, ImportError):
         raise RuntimeError(f"backend='triton' needs the triton package ({module}); use backend='torch'")
     return module
+
+
+def backend_unavailable(backend: str, device: torch.device | str) -> str | None:
+    """Why a forced `backend` cannot run the ops on `device`, or None when it can ("auto", "torch" and
+    "reference" run everywhere). For a start-up check: the ops themselves fail only at their first call."""
+    if backend != "triton":
+        return None
+    module = _import_triton_ops()
+    if isinstance(module, ImportError):
+        return f"the Triton kernels need the triton package ({module})"
+    if torch.device(device).type != "cuda" and not module.INTERPRETED:
+        return (
+            f"the Triton kernels need CUDA, and the device is {torch.device(device).type} (on CPU they run only "
+            "under the Triton interpreter: TRITON_INTERPRET=1 in the environment, for tests)"
+        )
+    return None
 
 
 def resolve_backend(backend: str, x: Tensor) -> str:

@@ -41,6 +41,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
+from ppo.config import SP_ATTENTION, ConfigError
+
 PACKED_ATTENTION = "ppo_varlen_sdpa"
 """Name of ``varlen_sdpa_attention`` in transformers' ``AttentionInterface`` (``attn_implementation``).
 It contains "sdpa" on purpose: transformers then checks at load time that the model supports sdpa, which
@@ -56,6 +58,11 @@ ULYSSES = "ppo_ulysses"
 """Forward keyword argument of a sequence-parallel forward on one rank's token slice: the
 ``ppo.ulysses.UlyssesContext`` (group, slice length, the full row's packed kwargs). Set by ``ppo.ulysses``;
 read here only through the context's ``scatter_heads`` / ``gather_heads`` and ``attention_kwargs``."""
+
+
+class MissingKernelError(ConfigError, ImportError):
+    """``model.attn_implementation`` names a kernel whose package (or torch version) is missing: a config
+    error (one line at start-up), and an ImportError for callers that catch a missing package."""
 
 
 def packed_kwargs(offsets: list[int], device: torch.device | str) -> dict[str, Any]:
@@ -79,14 +86,14 @@ def resolve_attn_implementation(
 ) -> str:
     """The attention kernel to load with (see the module docstring for ``auto``). ``sdpa`` and ``eager``
     are transformers' own (dense block-diagonal mask on packed rows). An explicit flash_attention_2
-    without flash_attn, or a CUDA-only kernel off CUDA, fails.
+    without flash_attn (``MissingKernelError``), or a CUDA-only kernel off CUDA (``ConfigError``), fails.
 
     ``sequence_parallel``: the model runs with Ulysses sequence parallelism, which only this module's
     kernels implement: ``auto`` skips flash_attention_2 (``VARLEN_FLASH`` is the same FlashAttention-2
     algorithm), and any other explicit name fails."""
     device = torch.device(device)
-    if sequence_parallel and name not in ("auto", PACKED_ATTENTION, VARLEN_FLASH):
-        raise ValueError(
+    if sequence_parallel and name not in SP_ATTENTION:
+        raise ConfigError(
             f"model.attn_implementation={name} cannot run with ulysses_sequence_parallel_size > 1; "
             f"use auto ({VARLEN_FLASH} on CUDA, {PACKED_ATTENTION} elsewhere)"
         )
@@ -98,20 +105,26 @@ def resolve_attn_implementation(
         return PACKED_ATTENTION
     if name == "flash_attention_2":
         if (error := _flash_attn_error()) is not None:
-            raise ImportError(
+            raise MissingKernelError(
                 f"model.attn_implementation=flash_attention_2 needs the flash-attn package ({error}); "
                 "pip install flash-attn, or use model.attn_implementation=auto|sdpa"
             )
         if device.type != "cuda":
-            raise ValueError(f"flash_attention_2 runs on CUDA only, the device is {device}; use sdpa")
+            raise ConfigError(
+                f"model.attn_implementation=flash_attention_2 runs on CUDA only, the device is {device}; "
+                "use model.attn_implementation=auto"
+            )
     if name == VARLEN_FLASH:
         if _varlen_attn() is None:
-            raise ImportError(
+            raise MissingKernelError(
                 f"model.attn_implementation={VARLEN_FLASH} needs torch >= 2.10 (torch.nn.attention.varlen); "
                 f"this is torch {torch.__version__}: use model.attn_implementation=auto"
             )
         if device.type != "cuda":
-            raise ValueError(f"{VARLEN_FLASH} runs on CUDA only, the device is {device}; use auto")
+            raise ConfigError(
+                f"model.attn_implementation={VARLEN_FLASH} runs on CUDA only, the device is {device}; "
+                "use model.attn_implementation=auto"
+            )
     return name
 
 

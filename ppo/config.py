@@ -10,16 +10,22 @@ overrides::
 
 Checks of single values live in each section's ``__post_init__``, which raises a :class:`FieldError`
 naming the field within its section; the loader re-raises it with the full key and where the value came
-from. Checks that need the world size live in ``validate`` (PPO) and ``validate_stage``.
+from. Checks that need the world size live in ``validate`` (PPO) and ``validate_stage``. Keys that are
+set but do nothing in a run that still trains are no error: ``PPOConfig.warnings`` lists them.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ppo.algorithms import ADV_ESTIMATORS, KL_KINDS, LOSS_AGG_MODES
+import torch
+import torch.distributed as dist
+
+from kernels.dispatch import backend_unavailable
+from ppo.algorithms import ADV_ESTIMATORS, KL_KINDS, LOSS_AGG_MODES, PREFERENCE_LOSSES
 
 
 class ConfigError(ValueError):
@@ -39,6 +45,10 @@ class FieldError(ConfigError):
 
 LOGGER_SINKS = ("console", "jsonl", "tensorboard", "wandb")
 """Metric sinks ``trainer.logger`` may name."""
+
+SP_ATTENTION = ("auto", "ppo_varlen_sdpa", "ppo_varlen_flash")
+"""The ``model.attn_implementation`` values Ulysses sequence parallelism runs with: ``ppo.attention``'s
+packed kernels (``PACKED_ATTENTION``, ``VARLEN_FLASH``), the only ones that exchange heads across ranks."""
 
 
 def _satisfies(value: float, rule: str) -> bool:
@@ -91,8 +101,10 @@ class RunTrainerConfig:
     """Groups runs (used by wandb)."""
     experiment_name: str = "run"
     """Name of this run."""
-    output_dir: str = "outputs/run"
-    """Run folder: resolved config, metrics.jsonl, TensorBoard events, checkpoints."""
+    output_dir: str | None = None
+    """Run folder: resolved config, metrics.jsonl, TensorBoard events, checkpoints. Default
+    ``outputs/{project_name}/{experiment_name}`` (verl's ``checkpoints/{project}/{experiment}``): a new
+    experiment name is a new folder, never the continuation of another experiment. ``~`` is expanded."""
     overwrite: bool = False
     """A fresh run (trainer.resume_mode=disable) refuses an output_dir that already holds a run
     (config.yaml, metrics.jsonl or checkpoints); true replaces it."""
@@ -521,10 +533,30 @@ class AlgorithmConfig:
     """Multiply the learning rates by this after a rollback."""
     max_rollbacks: int = 3
     """Stop after this many rollbacks in a row."""
+    rollout_is_threshold: float | None = None
+    """Importance weights between the policy an update starts from and the one that sampled the
+    responses (verl's key): for offline groups whose data has the sampler's ``logprobs``. A number
+    turns on their computation and ``mismatch/*`` metrics, and is the truncation ``C`` of the weights
+    ``min(pi_old / pi_data, C)``; null: off."""
+    rollout_is: bool = False
+    """Multiply each token's policy-gradient loss by its truncated weight (needs
+    ``rollout_is_threshold``); false computes the metrics only."""
+    rollout_is_level: Literal["token", "sequence", "geometric"] = "token"
+    """Weights per token, per sequence (the product of its token ratios), or their geometric mean."""
+    rollout_is_mode: Literal["truncate"] = "truncate"
+    """How weights above the threshold are bounded: truncated to it (verl's ``truncate``)."""
 
     def __post_init__(self) -> None:
         if self.kl_penalty != "full":
             check_kl_kind(self.kl_penalty, "kl_penalty")
+        _require(self, "> 1", "rollout_is_threshold")
+        if self.rollout_is and self.rollout_is_threshold is None:
+            raise FieldError(
+                "rollout_is=true applies importance weights, whose truncation rollout_is_threshold is unset "
+                "(e.g. 2.0)",
+                "rollout_is",
+                "rollout_is_threshold",
+            )
         _require(self, "[0, 1]", "gamma", "lam")
         _require(self, ">= 0", "rollback_kl", "max_rollbacks")
         _require(self, "(0, 1]", "rollback_lr_factor")
@@ -594,6 +626,7 @@ class PPOConfig:
     """Run length, logging, checkpoints, validation."""
 
     def __post_init__(self) -> None:
+        resolve_paths(self.trainer, self.data)
         if self.algorithm.adv_estimator in ("grpo", "rloo") and self.rollout.n < 2:
             raise FieldError(
                 f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs rollout.n >= 2 "
@@ -616,8 +649,58 @@ class PPOConfig:
                 "reward.model_path",
                 "reward.style",
             )
+        if self.reward.model_path and not needs_rm:
+            style = f"reward.style={self.reward.style}"
+            if self.reward.style == "ranking":
+                style += f" with reward.ranking_by={self.reward.ranking_by}"
+            raise FieldError(
+                f"reward.model_path={self.reward.model_path!r} is set, but {style} never loads a reward model: "
+                f"score with it (reward.style=model, or reward.style=ranking with reward.ranking_by=model), or "
+                f"set reward.model_path=null",
+                "reward.model_path",
+                "reward.style",
+            )
+        t = self.trainer
+        if t.total_training_steps is not None and t.critic_warmup > t.total_training_steps:
+            # The actor first updates at step critic_warmup (steps count from 1; train_ppo.update).
+            raise FieldError(
+                f"trainer.critic_warmup={t.critic_warmup} is past the last step (trainer.total_training_steps="
+                f"{t.total_training_steps}): the actor would never train; lower trainer.critic_warmup",
+                "trainer.critic_warmup",
+                "trainer.total_training_steps",
+            )
         if self.rollout.offline_fraction is None:  # resolved here: an override of source alone must see it
             self.rollout.offline_fraction = 1.0 if self.rollout.source == "dataset" else 0.0
+        fraction, groups = self.rollout.offline_fraction, self.data.train_batch_size
+        offline_groups = math.floor(groups * fraction + 0.5)  # the rounding of offline.num_offline_groups
+        if 0 < fraction < 1 and offline_groups in (0, groups):
+            if offline_groups == 0:
+                fix = f"use at least {1 / groups:.4g} (one group), or 0"
+            else:
+                fix = (
+                    f"use at most {(groups - 1) / groups:.4g} (one sampled group), or rollout.source=dataset"
+                )
+            raise FieldError(
+                f"rollout.offline_fraction={fraction} of data.train_batch_size={groups} prompt groups gives "
+                f"{offline_groups} offline groups a step: {fix}",
+                "rollout.offline_fraction",
+                "data.train_batch_size",
+            )
+        if self.rollout.offline_fraction > 0 and self.algorithm.adv_estimator == "gae":
+            raise FieldError(
+                "algorithm.adv_estimator=gae with offline groups (rollout.source=dataset or "
+                "rollout.offline_fraction > 0): the critic would learn the values of the policy that wrote the "
+                "data, not the actor's; use a group baseline: algorithm.adv_estimator=grpo or rloo",
+                "algorithm.adv_estimator",
+                "rollout.offline_fraction",
+            )
+        if self.algorithm.rollout_is_threshold is not None and self.rollout.offline_fraction == 0:
+            raise FieldError(
+                "algorithm.rollout_is_threshold weighs responses by the policy that sampled them, which only "
+                "offline data records here (rollout.source=dataset or rollout.offline_fraction > 0)",
+                "algorithm.rollout_is_threshold",
+                "rollout.offline_fraction",
+            )
         if self.reward.style == "dataset" and self.rollout.offline_fraction < 1.0:
             raise FieldError(
                 "reward.style=dataset reads the offline data's scores, which sampled responses do not have: "
@@ -649,6 +732,14 @@ class PPOConfig:
                     f"{role}.ulysses_sequence_parallel_size",
                     "actor.ulysses_sequence_parallel_size",
                 )
+        if sp > 1 and self.model.attn_implementation not in SP_ATTENTION:
+            raise FieldError(
+                f"model.attn_implementation={self.model.attn_implementation} cannot run with "
+                f"actor.ulysses_sequence_parallel_size={sp}: only the packed kernels exchange heads across the "
+                f"ranks of a sequence-parallel group; use model.attn_implementation=auto",
+                "model.attn_implementation",
+                "actor.ulysses_sequence_parallel_size",
+            )
 
     @property
     def use_critic(self) -> bool:
@@ -665,6 +756,53 @@ class PPOConfig:
         """A reference policy is scored when a KL term or the KL rollback uses it."""
         return self.algorithm.use_kl_in_reward or self.actor.use_kl_loss or self.algorithm.rollback_kl > 0
 
+    def warnings(self) -> list[str]:
+        """One message per group of keys that are set but do nothing in this run, which still trains
+        (the caller logs them once at start-up): the KL controller's keys without a KL penalty in the
+        reward, the adaptive controller's keys with a fixed one, greedy rollouts compared within their
+        group, a critic warm-up without a critic."""
+        out = []
+        k, default = self.algorithm.kl_ctrl, KLControlConfig()
+        changed = [
+            name
+            for name in ("type", "kl_coef", "target_kl", "horizon", "fixed_warmup_steps")
+            if getattr(k, name) != getattr(default, name)
+        ]
+        adaptive_only = [name for name in changed if name in ("target_kl", "horizon", "fixed_warmup_steps")]
+        if not self.algorithm.use_kl_in_reward and changed:
+            hint = " (the KL loss's weight is actor.kl_loss_coef)" if self.actor.use_kl_loss else ""
+            out.append(
+                f"algorithm.use_kl_in_reward=false: the reward has no KL penalty, so {_shown(k, changed)} "
+                f"{'is' if len(changed) == 1 else 'are'} ignored{hint}"
+            )
+        elif k.type == "fixed" and adaptive_only:
+            out.append(
+                f"algorithm.kl_ctrl.type=fixed keeps the KL coefficient at algorithm.kl_ctrl.kl_coef={k.kl_coef}: "
+                f"{_shown(k, adaptive_only)} only steer{'s' if len(adaptive_only) == 1 else ''} "
+                f"algorithm.kl_ctrl.type=adaptive and {'is' if len(adaptive_only) == 1 else 'are'} ignored"
+            )
+        if not self.rollout.do_sample and self.rollout.offline_fraction < 1.0:
+            # Greedy decoding gives every response to a prompt the same tokens: a baseline or a ranking
+            # within the group then sees no difference (an entropy bonus still trains, and tests use that).
+            group = None
+            if self.algorithm.adv_estimator in ("grpo", "rloo"):
+                group = f"algorithm.adv_estimator={self.algorithm.adv_estimator}"
+            elif self.reward.style == "ranking":
+                group = "reward.style=ranking"
+            if group is not None:
+                out.append(
+                    f"rollout.do_sample=false decodes greedily, so the rollout.n={self.rollout.n} sampled "
+                    f"responses to a prompt are identical and {group} compares them within their group: every "
+                    f"advantage is 0; set rollout.do_sample=true"
+                )
+        warmup = self.trainer.critic_warmup
+        if warmup > 1 and not self.use_critic:
+            out.append(
+                f"trainer.critic_warmup={warmup} with algorithm.adv_estimator={self.algorithm.adv_estimator}, "
+                f"which has no critic: steps 1 to {warmup - 1} train nothing; set trainer.critic_warmup=0"
+            )
+        return out
+
     def validate(self, world_size: int) -> None:
         """Check every batch divisibility that ``world_size`` ranks need; say which numbers to change.
 
@@ -672,6 +810,9 @@ class PPOConfig:
         each mini-batch holds ``ppo_mini_batch_size * n``
         sequences split evenly over ranks, and (without dynamic batch size) each rank's share splits into
         micro-batches of ``ppo_micro_batch_size_per_gpu``.
+
+        Inside a launched run (the process group is up) it also checks this machine: that the forced
+        ``actor.kernels`` backend can run on its device.
         """
         _check_world_size(world_size)
         errors: list[str] = []
@@ -750,6 +891,15 @@ class PPOConfig:
                 )
         if errors:
             raise ConfigError(f"config does not fit world size {world_size}:\n  - " + "\n  - ".join(errors))
+        if dist.is_initialized():
+            # A launched run (runner.main validates once it joined the process group) runs on this
+            # machine; ``--print-config --world-size`` validates a preset for another one and skips this.
+            device = "cuda" if self.trainer.device != "cpu" and torch.cuda.is_available() else "cpu"
+            reason = backend_unavailable(self.actor.kernels, device)
+            if reason is not None:
+                raise ConfigError(
+                    f"actor.kernels={self.actor.kernels} cannot run here: {reason}; use actor.kernels=auto"
+                )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -758,19 +908,19 @@ class PPOConfig:
 
 
 @dataclass(kw_only=True)
-class StageDataConfig:
+class BatchDataConfig:
+    """The ``data`` keys SFT, the reward model and DPO share: files, batch size, micro-batches."""
+
     train_files: list[str] = field(default_factory=lambda: ["assets/data/sft_train.parquet"])
     """Parquet files: ``prompt`` + ``answer`` (or ``messages``) for SFT; ``prompt``, ``chosen``,
-    ``rejected`` for the reward model."""
+    ``rejected`` for the reward model; pairs or ranked groups for DPO."""
     val_files: list[str] = field(default_factory=lambda: ["assets/data/sft_val.parquet"])
-    """Held-out files in the same layout (validation loss, reward-model accuracy)."""
+    """Held-out files in the same layout (validation loss, reward-model accuracy, DPO's pair metrics)."""
     eval_prompt_files: list[str] = field(default_factory=list)
-    """SFT only: prompt files in verl's layout whose greedy answers are scored by the rule reward at the
-    end (``sft_val_accuracy``)."""
-    max_length: int = 128
-    """Examples longer than this many tokens (prompt + answer) are dropped and counted."""
+    """SFT and DPO: prompt files in verl's layout whose greedy answers are scored by the rule reward at
+    the end (``sft_val_accuracy``, ``dpo_val_accuracy``)."""
     train_batch_size: int = 64
-    """Examples (pairs for the reward model) per optimizer step, over all ranks."""
+    """Examples (pairs for the reward model and DPO) per optimizer step, over all ranks."""
     use_dynamic_bsz: bool = True
     """Cut micro-batches by a token budget instead of a fixed example count."""
     max_token_len_per_gpu: int = 8192
@@ -785,9 +935,19 @@ class StageDataConfig:
     def __post_init__(self) -> None:
         if not self.train_files:
             raise FieldError("train_files is empty: give at least one Parquet file", "train_files")
-        _require(
-            self, "> 0", "max_length", "train_batch_size", "max_token_len_per_gpu", "micro_batch_size_per_gpu"
-        )
+        _require(self, "> 0", "train_batch_size", "max_token_len_per_gpu", "micro_batch_size_per_gpu")
+
+
+@dataclass(kw_only=True)
+class StageDataConfig(BatchDataConfig):
+    """The data of SFT and the reward model."""
+
+    max_length: int = 128
+    """Examples longer than this many tokens (prompt + answer) are dropped and counted."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(self, "> 0", "max_length")
 
 
 @dataclass(kw_only=True)
@@ -828,6 +988,9 @@ class SFTConfig:
     trainer: StageTrainerConfig = field(default_factory=lambda: StageTrainerConfig(output_dir="outputs/sft"))
     """Run length, logging, output."""
 
+    def __post_init__(self) -> None:
+        resolve_paths(self.trainer, self.data)
+
 
 @dataclass(kw_only=True)
 class RMLossConfig:
@@ -860,9 +1023,12 @@ class RewardModelConfig:
     trainer: StageTrainerConfig = field(default_factory=lambda: StageTrainerConfig(output_dir="outputs/rm"))
     """Run length, logging, output."""
 
+    def __post_init__(self) -> None:
+        resolve_paths(self.trainer, self.data)
+
 
 @dataclass(kw_only=True)
-class PreferenceDataConfig(StageDataConfig):
+class PreferenceDataConfig(BatchDataConfig):
     """DPO's data: preference pairs, or the ranked groups the offline PPO path reads, expanded to pairs."""
 
     train_files: list[str] = field(default_factory=lambda: ["assets/offline/train.parquet"])
@@ -883,13 +1049,9 @@ class PreferenceDataConfig(StageDataConfig):
         _require(self, "> 0", "max_prompt_length", "max_response_length")
 
 
-PREFERENCE_LOSSES = ("dpo", "ipo", "simpo", "kto")
-"""The DPO-family losses of ``scripts/train_dpo.py`` (``loss.type``)."""
-
-
 @dataclass(kw_only=True)
 class PreferenceLossConfig:
-    type: Literal["dpo", "ipo", "simpo", "kto"] = "dpo"
+    type: Literal[PREFERENCE_LOSSES] = "dpo"
     """``dpo`` (Rafailov et al. 2023; with ``label_smoothing``: cDPO), ``ipo`` (Azar et al. 2023),
     ``simpo`` (Meng et al. 2024: length-normalized, reference-free: no reference model is loaded) or
     ``kto`` (Ethayarajh et al. 2024, on the pairs' chosen and rejected responses)."""
@@ -937,13 +1099,33 @@ class DPOConfig:
     trainer: StageTrainerConfig = field(default_factory=lambda: StageTrainerConfig(output_dir="outputs/dpo"))
     """Run length, logging, output."""
 
+    def __post_init__(self) -> None:
+        resolve_paths(self.trainer, self.data)
+
 
 StageConfig = SFTConfig | RewardModelConfig | DPOConfig
+
+
+def resolve_paths(trainer: RunTrainerConfig, data: Any) -> None:
+    """Resolve a run's paths once, on the whole config (a section's default instance is the base of
+    overrides, so it must not freeze a value derived from keys the user may still set): the default
+    ``output_dir`` from project and experiment; ``~`` expanded in it, ``save_path`` and the data files."""
+    for key in ("train_files", "val_files", "eval_prompt_files"):
+        if getattr(data, key, None):
+            setattr(data, key, [os.path.expanduser(f) for f in getattr(data, key)])
+    if trainer.output_dir is None:
+        trainer.output_dir = f"outputs/{trainer.project_name}/{trainer.experiment_name}"
+    trainer.output_dir = os.path.expanduser(trainer.output_dir)
+    if getattr(trainer, "save_path", None):
+        trainer.save_path = os.path.expanduser(trainer.save_path)
+
+
 """The config of a stage run (``ppo.stage_loop``)."""
 
 
 def validate_stage(cfg: StageConfig, world_size: int) -> None:
-    """The batch divisibility an SFT or reward-model run needs on ``world_size`` ranks."""
+    """The batch divisibility and token budget an SFT, reward-model or DPO run needs on ``world_size``
+    ranks."""
     _check_world_size(world_size)
     d = cfg.data
     errors = []
@@ -956,9 +1138,17 @@ def validate_stage(cfg: StageConfig, world_size: int) -> None:
             f"{d.train_batch_size // world_size} examples per rank must be a multiple of "
             f"data.micro_batch_size_per_gpu={d.micro_batch_size_per_gpu}, or set data.use_dynamic_bsz=true"
         )
-    if d.use_dynamic_bsz and d.max_token_len_per_gpu < d.max_length:
+    if isinstance(d, PreferenceDataConfig):  # a pair's two sequences share one micro-batch
+        longest, what = (
+            2 * (d.max_prompt_length + d.max_response_length),
+            "2 x (max_prompt_length + max_response_length)",
+        )
+    else:
+        longest, what = d.max_length, "data.max_length"
+    if d.use_dynamic_bsz and d.max_token_len_per_gpu < longest:
         errors.append(
-            f"data.max_token_len_per_gpu={d.max_token_len_per_gpu} is below data.max_length={d.max_length}"
+            f"data.max_token_len_per_gpu={d.max_token_len_per_gpu} is below the longest example ({what} = "
+            f"{longest} tokens)"
         )
     if cfg.fsdp.fsdp_size > 0 and world_size % cfg.fsdp.fsdp_size:
         errors.append(f"fsdp.fsdp_size={cfg.fsdp.fsdp_size} must divide the world size {world_size}")
@@ -969,6 +1159,11 @@ def validate_stage(cfg: StageConfig, world_size: int) -> None:
 def _check_world_size(world_size: int) -> None:
     if world_size < 1:
         raise ConfigError(f"the world size must be >= 1, got {world_size}")
+
+
+def _shown(kl_ctrl: KLControlConfig, names: list[str]) -> str:
+    """``algorithm.kl_ctrl.<name>=<value>`` of each name, for a message."""
+    return ", ".join(f"algorithm.kl_ctrl.{name}={getattr(kl_ctrl, name)}" for name in names)
 
 
 def check_kl_kind(kind: str, key: str) -> None:

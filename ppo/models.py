@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import logging
 import os
 from collections.abc import Iterator
@@ -60,6 +61,23 @@ class ModelPathError(FileNotFoundError):
     """A model or tokenizer path is neither a local folder nor a loadable hub id."""
 
 
+class ModelFileError(OSError):
+    """A file of a model or tokenizer folder is missing, unreadable, truncated or malformed, or the
+    tokenizer and the model do not fit together; the message names the file (or folder) and the key."""
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
+"""Files ``save_pretrained`` of a tokenizer writes (fast, sentencepiece, BPE and WordPiece tokenizers);
+a local folder with none of them holds no tokenizer."""
+
+
 # ----------------------------------------------------------------------------------------------------
 # Loading
 # ----------------------------------------------------------------------------------------------------
@@ -76,6 +94,13 @@ def _looks_local(path: str) -> bool:
     return "/" in path and os.path.isdir(path.split("/")[0])
 
 
+def _where(expanded: str) -> str:
+    """The absolute path a relative one was looked for at, and the directory it is relative to."""
+    if os.path.isabs(expanded):
+        return expanded
+    return f"{os.path.abspath(expanded)}, relative to the working directory {os.getcwd()}"
+
+
 def _check_path(path: str, config_key: str) -> str:
     """Expand ``~``; fail now, naming the config key, when a local-looking path does not exist."""
     expanded = os.path.expanduser(str(path))
@@ -85,7 +110,7 @@ def _check_path(path: str, config_key: str) -> str:
         return expanded
     if _looks_local(str(path)):
         raise ModelPathError(
-            f"{config_key}={path!r}: no such folder (looked for {os.path.abspath(expanded)}). "
+            f"{config_key}={path!r}: no such folder (looked for {_where(expanded)}). "
             f"Set {config_key} to a save_pretrained folder or a hub id."
         )
     return expanded
@@ -100,8 +125,8 @@ def _explain_missing(path: str, config_key: str) -> Iterator[None]:
         if os.path.isdir(path) or isinstance(err, ModelPathError):
             raise
         raise ModelPathError(
-            f"{config_key}={path!r} is not a local folder and could not be loaded as a hub id ({err}). "
-            f"Set {config_key} to a save_pretrained folder."
+            f"{config_key}={path!r} is not a local folder (none at {_where(path)}) and could not be loaded "
+            f"as a hub id ({err}). Set {config_key} to a save_pretrained folder."
         ) from err
 
 
@@ -110,18 +135,43 @@ def load_tokenizer(
 ) -> PreTrainedTokenizerBase:
     """``AutoTokenizer.from_pretrained(path)``; a tokenizer without a pad token pads with eos.
 
-    The padding side is left as saved: rollout sets left padding on its own copy for generation.
+    The padding side is left as saved: rollout sets left padding on its own copy for generation. A local
+    folder without tokenizer files, one whose files do not load, and a tokenizer with neither a pad nor
+    an EOS token raise ModelFileError naming ``config_key``.
     """
     path = _check_path(path, config_key)
+    local = os.path.isdir(path)
+    if local and not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        raise ModelFileError(
+            f"{config_key}={path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save the "
+            f"tokenizer there (tokenizer.save_pretrained), or set model.tokenizer_path to a folder that has one"
+        )
     with _explain_missing(path, config_key):
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except Exception as err:
+            if not local or isinstance(err, OSError):
+                raise
+            # A local folder's files are the user's input: any failure to read them is theirs to fix.
+            raise ModelFileError(
+                f"{config_key}={path!r}: the tokenizer files do not load ({type(err).__name__}: "
+                f"{_first_line(err)})"
+            ) from err
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise ValueError(f"tokenizer at {path} has neither a pad nor an eos token; add a pad token")
+            raise ModelFileError(
+                f"the tokenizer of {config_key}={path!r} has neither a pad nor an EOS token: responses could "
+                f"not end, nor batches be padded; give it an eos_token (and a pad_token) and save it again"
+            )
         # Padded positions are masked out everywhere, so reusing eos is safe.
         tokenizer.pad_token = tokenizer.eos_token
         logger.info("tokenizer %s has no pad token; using eos %r as pad", path, tokenizer.eos_token)
     return tokenizer
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
 
 
 def _load_config(path: str, trust_remote_code: bool, **overrides: Any) -> PretrainedConfig:
@@ -153,6 +203,8 @@ def _from_pretrained(
     **config_overrides: Any,
 ) -> tuple[PreTrainedModel, dict[str, Any]]:
     path = _check_path(path, config_key)
+    if os.path.isdir(path):
+        _check_weights(path, config_key)
     with _explain_missing(path, config_key):
         config = _load_config(path, trust_remote_code, **config_overrides)
         model, info = auto_cls.from_pretrained(
@@ -166,6 +218,89 @@ def _from_pretrained(
             output_loading_info=True,
         )
     return model.to(device), info
+
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+"""A sharded checkpoint's index: ``weight_map`` names the shard file of each tensor."""
+
+
+def _check_weights(folder: str, config_key: str) -> None:
+    """ModelFileError, naming the file and ``config_key``, for a weights file of ``folder`` that cannot be
+    read, a safetensors file that is cut short or whose header is not one, or a shard its index lists
+    that is missing. Reads each file's header only (a few KB), before transformers loads the weights,
+    whose own errors do not name the file (truncated) or call an unreadable file missing."""
+    files = [
+        name
+        for name in (
+            "model.safetensors",
+            "pytorch_model.bin",
+            SAFETENSORS_INDEX,
+            "pytorch_model.bin.index.json",
+        )
+        if os.path.isfile(os.path.join(folder, name))
+    ]
+    if SAFETENSORS_INDEX in files:
+        index = os.path.join(folder, SAFETENSORS_INDEX)
+        try:
+            with open(index, "rb") as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except OSError as err:
+            raise _unreadable(index, config_key, err) from err
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ModelFileError(
+                f"{config_key}: {index} is not a safetensors index (a JSON object with a weight_map)"
+            ) from err
+        for shard in shards:
+            if not os.path.isfile(os.path.join(folder, shard)):
+                raise ModelFileError(
+                    f"{config_key}: {os.path.join(folder, shard)} is missing ({SAFETENSORS_INDEX} lists it): "
+                    f"copy or download the checkpoint again"
+                )
+        files += shards
+    for name in files:
+        file = os.path.join(folder, name)
+        try:
+            with open(file, "rb") as f:
+                if name.endswith(".safetensors"):
+                    _check_safetensors(f, os.fstat(f.fileno()).st_size, file, config_key)
+                else:
+                    f.read(1)
+        except ModelFileError:
+            raise
+        except OSError as err:
+            raise _unreadable(file, config_key, err) from err
+
+
+def _unreadable(file: str, config_key: str, err: OSError) -> ModelFileError:
+    hint = ": check its permissions" if isinstance(err, PermissionError) else ""
+    return ModelFileError(f"{config_key}: {file} exists but cannot be read ({err.strerror or err}){hint}")
+
+
+def _check_safetensors(f: Any, size: int, file: str, config_key: str) -> None:
+    """A safetensors file is ``u64 header length n | n bytes of JSON header | data``; the header gives
+    each tensor's ``data_offsets`` into the data, so the file's full size is known from its start."""
+    head = f.read(8)
+    n = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if n < 0 or 8 + n > size:
+        raise ModelFileError(
+            f"{config_key}: {file} is truncated or not a safetensors file ({size} bytes, too short for its "
+            f"header): copy or download it again"
+        )
+    try:
+        header = json.loads(f.read(n))
+        data_end = max(
+            (int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0
+        )
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
+        raise ModelFileError(
+            f"{config_key}: {file} is not a safetensors file (its header does not parse): copy or download "
+            f"it again"
+        ) from err
+    if size < 8 + n + data_end:
+        raise ModelFileError(
+            f"{config_key}: {file} is truncated ({size} of {8 + n + data_end} bytes): copy or download it "
+            f"again"
+        )
 
 
 def load_causal_lm(path: str, *, config_key: str = "model.path", **load: Any) -> PreTrainedModel:
@@ -344,7 +479,11 @@ def check_fused_lm_head(model: PreTrainedModel) -> None:
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> list[int]:
     """Every id that ends a response: the tokenizer's EOS and each EOS the model's generation config
-    lists (Qwen2.5-Instruct: ``<|im_end|>`` and ``<|endoftext|>``), in that order, without repeats."""
+    lists (Qwen2.5-Instruct: ``<|im_end|>`` and ``<|endoftext|>``), in that order, without repeats.
+
+    The first place every caller holds both the tokenizer and the loaded model, so it checks that they
+    fit first (``check_vocab``)."""
+    check_vocab(tokenizer, model)
     ids: list[int] = []
     configured = getattr(model.generation_config, "eos_token_id", None)
     configured = configured if isinstance(configured, list) else [configured]
@@ -352,8 +491,27 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) ->
         if token is not None and int(token) not in ids:
             ids.append(int(token))
     if not ids:
-        raise ValueError("neither the tokenizer nor the model's generation config names an EOS token")
+        raise ModelFileError(
+            f"neither the tokenizer nor the generation config of {model.name_or_path} names an EOS token: "
+            f"responses could not end; give the tokenizer an eos_token"
+        )
     return ids
+
+
+def check_vocab(tokenizer: PreTrainedTokenizerBase, model: nn.Module) -> None:
+    """ModelFileError unless the model has an embedding row for every id of the tokenizer: an id past
+    the rows fails (CPU) or corrupts memory (CUDA) in the first forward that meets it. Rows beyond the
+    tokenizer (vocabularies padded to a multiple of 64) are fine."""
+    weight = model.get_input_embeddings().weight  # a DTensor's shape is the whole tensor's
+    rows, size = weight.shape[0], len(tokenizer)
+    if size > rows:
+        name = getattr(model, "name_or_path", "") or type(model).__name__
+        raise ModelFileError(
+            f"the model {name} embeds {rows} token ids but its tokenizer has {size} (ids {rows} to {size - 1} "
+            f"cannot be embedded): use the tokenizer the model was trained with (model.tokenizer_path), or "
+            f"resize the model's embeddings to the tokenizer (resize_token_embeddings(len(tokenizer)), then "
+            f"save_pretrained)"
+        )
 
 
 def lm_head_weight(model: nn.Module) -> torch.Tensor:
@@ -464,3 +622,16 @@ def save_hf(
 def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
     """Number of parameters (full sizes, also when sharded; tied weights counted once)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` in eval mode inside (dropout off, e.g. LoRA's adapter dropout), its mode restored after:
+    the no-gradient passes (generation, scoring old and reference log-probs, values) see the
+    deterministic policy, so two scorings of the same tokens agree exactly."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)

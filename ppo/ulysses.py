@@ -74,6 +74,7 @@ from transformers import PretrainedConfig
 import kernels
 from ppo import models, packing
 from ppo.attention import PACKED_ATTENTION, ULYSSES, VARLEN_FLASH, packed_kwargs
+from ppo.config import ConfigError
 from ppo.packing import Packed, PackedSequences
 
 IGNORE_INDEX = -100
@@ -140,20 +141,22 @@ def check_heads(model_config: PretrainedConfig, sp_size: int, key: str) -> None:
     """Fail unless a model loaded with ``model_config`` can run with ``sp_size``-way sequence parallelism:
     ``sp_size`` divides the number of attention heads (key/value heads are repeated where needed), and
     the model attends with one of ``ppo.attention``'s packed kernels (only they exchange heads; load with
-    ``resolve_attn_implementation(..., sequence_parallel=True)``). ``key`` names the config key."""
+    ``resolve_attn_implementation(..., sequence_parallel=True)``). ``key`` names the config key; a
+    ConfigError (one line at start-up) otherwise."""
     if sp_size == 1:
         return
     config = model_config.get_text_config()
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if heads % sp_size:
-        raise ValueError(
-            f"{key}={sp_size} must divide the model's num_attention_heads={heads} "
+        path = getattr(model_config, "_name_or_path", "")
+        raise ConfigError(
+            f"{key}={sp_size} must divide the model's{f' ({path})' if path else ''} num_attention_heads={heads} "
             f"(num_key_value_heads={kv_heads}): use a divisor of {heads}"
         )
     impl = getattr(model_config, "_attn_implementation", None)
     if impl not in (PACKED_ATTENTION, VARLEN_FLASH):
-        raise ValueError(
+        raise ConfigError(
             f"{key}={sp_size} needs model.attn_implementation=auto ({PACKED_ATTENTION} or {VARLEN_FLASH}); "
             f"the model attends with {impl}, which does not exchange heads across ranks"
         )

@@ -45,6 +45,11 @@ def export(ckpt_dir: Path, out_dir: Path, *, with_critic: bool = False, merged: 
             f"{ckpt_dir} has no config.yaml: is it a checkpoint folder (step_N)?"
         )
     cfg = load_config(ckpt_dir / "config.yaml", [], PPOConfig)
+    if with_critic and not cfg.use_critic:
+        raise ConfigError(
+            f"--critic: the run of {ckpt_dir} has no critic (algorithm.adv_estimator="
+            f"{cfg.algorithm.adv_estimator} uses a group baseline): export the actor without --critic"
+        )
     roles = [("actor", cfg.actor.lora)] + ([("critic", cfg.critic.lora)] if with_critic else [])
     for role, lora_cfg in roles:
         if merged is False and not lora.uses_lora(lora_cfg):

@@ -99,6 +99,10 @@ def convert(rows: Iterable[dict[str, Any]], split: str, source: str) -> list[dic
     """Rows with ``question`` and ``answer`` -> output rows; ``source`` names the input in errors."""
     out = []
     for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise GSM8KError(
+                f"{source}: row {i}: expected an object with 'question' and 'answer', got {row!r:.80}"
+            )
         missing = [k for k in ("question", "answer") if k not in row]
         if missing:
             raise GSM8KError(f"{source}: row {i}: missing {', '.join(missing)}; it has {sorted(row)}")
@@ -109,17 +113,31 @@ def convert(rows: Iterable[dict[str, Any]], split: str, source: str) -> list[dic
 
 
 def read_local(path: Path) -> list[dict[str, Any]]:
-    """The rows of a Parquet or JSON-lines file."""
+    """The rows of a Parquet or JSON-lines file; GSM8KError naming the file when it is neither, or a
+    Parquet file lacks a column."""
     if path.suffix == ".parquet":
-        return pq.read_table(path).to_pylist()
+        try:
+            table = pq.read_table(path)
+        except (pa.ArrowException, OSError) as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise GSM8KError(f"{path}: not a readable Parquet file ({reason})") from e
+        missing = [c for c in ("question", "answer") if c not in table.column_names]
+        if missing:
+            raise GSM8KError(
+                f"{path}: missing column {', '.join(map(repr, missing))}; it has {table.column_names}"
+            )
+        return table.to_pylist()
     rows = []
-    with path.open() as f:
-        for i, line in enumerate(f):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise GSM8KError(f"{path}: line {i + 1} is not JSON: {e}") from e
+    try:
+        with path.open(encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise GSM8KError(f"{path}: line {i + 1} is not JSON: {e}") from e
+    except UnicodeDecodeError as e:
+        raise GSM8KError(f"{path}: not UTF-8 text, so not JSON lines ({e.reason} at byte {e.start})") from e
     return rows
 
 
@@ -136,10 +154,23 @@ def find_split_file(local_dir: Path, subset: str, split: str) -> Path:
 
 
 def load_hub(subset: str) -> dict[str, tuple[list[dict[str, Any]], str]]:
-    """Both splits from the Hugging Face hub (needs the network and the ``datasets`` package)."""
-    import datasets  # imported here: only this path needs it, and it is slow to import
-
-    ds = datasets.load_dataset(DATA_SOURCE, subset)
+    """Both splits from the Hugging Face hub (needs the network and the ``datasets`` package); a
+    GSM8KError saying to use ``--local-dir`` when either is missing."""
+    offline = "without network, download a copy elsewhere and pass --local-dir (see --help)"
+    try:
+        import datasets  # imported here: only this path needs it, and it is slow to import
+    except ImportError as e:
+        raise GSM8KError(
+            f"reading {DATA_SOURCE} from the hub needs the datasets package ({e}); {offline}"
+        ) from e
+    try:
+        ds = datasets.load_dataset(DATA_SOURCE, subset)
+    except Exception as e:  # offline, hub down, unknown subset: datasets and huggingface_hub raise many kinds
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise GSM8KError(
+            f"could not load {DATA_SOURCE} ({subset}) from the Hugging Face hub ({type(e).__name__}: {reason}); "
+            f"{offline}"
+        ) from e
     return {split: (list(ds[split]), f"{DATA_SOURCE}[{subset}/{split}]") for split in SPLITS}
 
 
@@ -173,7 +204,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Write only once every split converted, so a bad row leaves no half-prepared folder behind.
     for split, rows in outputs.items():
-        write_parquet(rows, args.out / f"{split}.parquet")
+        try:
+            write_parquet(rows, args.out / f"{split}.parquet")
+        except OSError as e:
+            print(f"error: cannot write {args.out / f'{split}.parquet'}: {e.strerror or e}", file=sys.stderr)
+            return 2
         print(f"{args.out / f'{split}.parquet'}: {len(rows)} rows")
     return 0
 

@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import load_script
 
 import train_ppo
 from ppo.algorithms import ADV_ESTIMATORS, KL_KINDS, LOSS_AGG_MODES
@@ -28,6 +27,7 @@ from ppo.config import (
     AlgorithmConfig,
     ConfigError,
     CriticConfig,
+    DPOConfig,
     FSDPConfig,
     OptimConfig,
     PPOConfig,
@@ -40,6 +40,7 @@ from ppo.config import (
     validate_stage,
 )
 from ppo.config_loader import all_keys, load_config, parse_cli, to_dict, to_yaml
+from tests.conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -219,6 +220,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_print_config_cli(tmp_path: Path) -> None:
     path = write_yaml(tmp_path, "rollout:\n  n: 2\n")
     out = run_cli("--config", str(path), "actor.clip_ratio=0.25", "--print-config")
@@ -237,7 +239,7 @@ def test_print_config_cli(tmp_path: Path) -> None:
 # Robust loading: every problem is one line naming the full key and where the value came from
 # ----------------------------------------------------------------------------------------------------
 
-CLASSES = [PPOConfig, SFTConfig, RewardModelConfig]
+CLASSES = [PPOConfig, SFTConfig, RewardModelConfig, DPOConfig]
 
 
 def load_error(path: Path | None = None, overrides: list[str] | None = None, cls: type = PPOConfig) -> str:
@@ -453,6 +455,16 @@ RANGE_CASES = [
     (PPOConfig, "critic.lora.alpha=0", "critic.lora.alpha"),
     (PPOConfig, "actor.lora.dropout=1.0", "actor.lora.dropout"),
     (PPOConfig, "rollout.offline_fraction=1.5", "rollout.offline_fraction"),
+    (PPOConfig, "algorithm.rollout_is_threshold=1.0", "algorithm.rollout_is_threshold"),
+    (DPOConfig, "loss.beta=0", "loss.beta"),
+    (DPOConfig, "loss.gamma=-0.5", "loss.gamma"),
+    (DPOConfig, "loss.label_smoothing=0.5", "loss.label_smoothing"),
+    (DPOConfig, "loss.nll_coef=-1", "loss.nll_coef"),
+    (DPOConfig, "data.max_prompt_length=0", "data.max_prompt_length"),
+    (DPOConfig, "data.max_response_length=0", "data.max_response_length"),
+    (DPOConfig, "data.train_batch_size=0", "data.train_batch_size"),
+    (DPOConfig, "data.max_token_len_per_gpu=0", "data.max_token_len_per_gpu"),
+    (DPOConfig, "data.micro_batch_size_per_gpu=0", "data.micro_batch_size_per_gpu"),
     (PPOConfig, "actor.fsdp.fsdp_size=0", "actor.fsdp.fsdp_size"),
     (PPOConfig, "reward.fsdp.fsdp_size=-2", "reward.fsdp.fsdp_size"),
     (PPOConfig, "actor.optim.lr=0", "actor.optim.lr"),
