@@ -35,6 +35,7 @@ import pickle
 import random
 import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +170,21 @@ def _present(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None}
 
 
+@dataclass(kw_only=True)
+class PendingSave:
+    """A checkpoint whose sharded part is being written in the background (``save(..., async_group=...)``);
+    ``finish_save`` completes it."""
+
+    out_dir: Path
+    step: int
+    future: Any
+    """What ``dcp.async_save`` returned: done when every shard of this rank is on disk."""
+    trainer_json: str
+    config_yaml: str
+    rank: int
+    keep: int
+
+
 def save(
     out_dir: Path,
     step: int,
@@ -181,15 +197,19 @@ def save(
     rank: int,
     world_size: int,
     keep: int,
-) -> Path:
+    async_group: Any = None,
+) -> Path | PendingSave:
     """Write checkpoint ``step`` (collective: every rank calls it) and point ``latest`` at it.
 
-    A failure (a full disk, a lost mount) raises CheckpointError naming the folder; the previous
-    checkpoint and ``latest`` are untouched.
+    With ``async_group`` (a process group of its own, ``dist.new_group(backend="gloo")``) the models and
+    optimizers are copied to host memory and written by a background thread (``dcp.async_save``) while
+    training goes on; the returned ``PendingSave`` is completed by ``finish_save``, which renames the
+    folder into place and moves ``latest`` only then. Either way a crash (or a full disk) before that
+    leaves the previous checkpoint and ``latest`` intact, and a failure raises CheckpointError naming the
+    folder.
     """
     with _failures_named(out_dir, step):
         root = checkpoints_dir(out_dir)
-        final = root / f"step_{step:08d}"
         tmp = root / f"step_{step:08d}.tmp"
         if rank == 0:
             root.mkdir(parents=True, exist_ok=True)
@@ -201,7 +221,6 @@ def save(
             model_sd, optim_sd = get_state_dict(model, optimizers[name], options=TRAINABLE_ONLY)
             state[f"{name}.model"] = model_sd
             state[f"{name}.optim"] = optim_sd
-        dcp.save(state, checkpoint_id=str(tmp / "dcp"))
         torch.save(
             {
                 "rng": rng_state(),
@@ -210,17 +229,47 @@ def save(
             },
             tmp / f"rank_{rank:05d}.pt",
         )
+        pending = PendingSave(
+            out_dir=out_dir,
+            step=step,
+            future=None,
+            trainer_json=json.dumps({**extra, "world_size": world_size}, indent=1),
+            config_yaml=config_yaml,
+            rank=rank,
+            keep=keep,
+        )
+        if async_group is None:
+            dcp.save(state, checkpoint_id=str(tmp / "dcp"))
+            return finish_save(pending)
+        pending.future = dcp.async_save(state, checkpoint_id=str(tmp / "dcp"), process_group=async_group)
+        return pending
+
+
+def save_done(pending: PendingSave) -> bool:
+    """Whether this rank's shards of ``pending`` are written (no collective)."""
+    return pending.future is None or pending.future.done()
+
+
+def finish_save(pending: PendingSave) -> Path:
+    """Wait for ``pending``'s shards, then (rank 0, after every rank) write its metadata, rename it into
+    place, point ``latest`` at it and prune the oldest (collective)."""
+    with _failures_named(pending.out_dir, pending.step):
+        if pending.future is not None:
+            pending.future.result()
         barrier()
-        if rank == 0:
-            (tmp / "trainer.json").write_text(json.dumps({**extra, "world_size": world_size}, indent=1))
-            (tmp / "config.yaml").write_text(config_yaml)
-            (tmp / COMPLETE).write_text(str(step))
+        root = checkpoints_dir(pending.out_dir)
+        tmp = root / f"step_{pending.step:08d}.tmp"
+        final = root / f"step_{pending.step:08d}"
+        if pending.rank == 0:
+            (tmp / "trainer.json").write_text(pending.trainer_json)
+            (tmp / "config.yaml").write_text(pending.config_yaml)
+            (tmp / COMPLETE).write_text(str(pending.step))
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             latest_tmp = root / "latest.tmp"
             latest_tmp.write_text(final.name)
             os.replace(latest_tmp, root / "latest")
-            _prune(root, keep)
+            _prune(root, pending.keep)
             logger.info("saved checkpoint %s", final)
         barrier()
         return final

@@ -26,19 +26,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import yaml
 
 from ppo.checkpoint_files import (
     CheckpointError,
+    PendingSave,
     find_resume_dir,
+    finish_save,
     load,
     resume_candidates,
     save,
+    save_done,
     seed_everything,
 )
 from ppo.config import PPOConfig, StageConfig
 from ppo.config_loader import to_dict, to_yaml
-from ppo.distributed import DistInfo, agree_on_failure
+from ppo.distributed import WATCH, DistInfo, agree_on_failure, all_reduce_scalar
 from ppo.optim import Trained
 from ppo.run_folder import input_fingerprints
 
@@ -106,10 +110,18 @@ class Checkpointer:
     may not continue it (``compare_runs``)."""
     after_restore: Callable[[Path], None] | None = None
     """Called with a checkpoint folder after it was restored (``apply_changes``: resume and rollback)."""
+    async_group: Any = None
+    """``trainer.async_save``: the process group of background saves (None: saves block)."""
+    pending: PendingSave | None = None
+    """The save in flight (``async_group``), completed by ``poll`` or ``wait``."""
 
-    def save(self, step: int) -> Path:
-        """Write checkpoint ``step`` (collective: every rank calls it)."""
-        return save(
+    def save(self, step: int) -> None:
+        """Write checkpoint ``step`` (collective: every rank calls it). With ``async_group`` the shards are
+        written in the background and the checkpoint becomes ``latest`` when ``poll`` or ``wait`` finds
+        them done; at most one save is in flight (a second waits for the first)."""
+        self.wait()
+        WATCH.enter("save", step)
+        result = save(
             self.out_dir,
             step,
             models=self.models,
@@ -121,13 +133,27 @@ class Checkpointer:
             rank=self.info.rank,
             world_size=self.info.world_size,
             keep=self.keep,
+            async_group=self.async_group,
         )
+        self.pending = result if isinstance(result, PendingSave) else None
+
+    def poll(self) -> None:
+        """Complete the save in flight if every rank has written its shards (one all-reduce; collective)."""
+        if self.pending is not None and all_reduce_scalar(float(save_done(self.pending)), "min") > 0:
+            self.wait()
+
+    def wait(self) -> None:
+        """Complete the save in flight, waiting for its shards (collective; a no-op without one)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            finish_save(pending)
 
     def restore(self, ckpt_dir: Path, *, keep: dict[str, tuple[str, ...]] | None = None) -> None:
         """Load ``ckpt_dir`` into every model, optimizer, scheduler, stateful object and this rank's RNG.
 
         ``keep`` maps a stateful name to fields of it that keep their current values.
         """
+        self.wait()  # a rollback to the checkpoint still being written
         extra = load(
             ckpt_dir,
             models=self.models,
@@ -201,7 +227,11 @@ def make_checkpointer(
     and ``trainer.seed``; what the run read is saved with each checkpoint, and a checkpoint is compared
     with the run before it is restored (``compare_runs``)."""
     identity = input_fingerprints(cfg)
+    # Background saves run DCP's collectives in a thread: on a process group of their own, so they never
+    # interleave with the training step's.
+    async_group = dist.new_group(backend="gloo") if cfg.trainer.async_save and dist.is_initialized() else None
     return Checkpointer(
+        async_group=async_group,
         identity=identity,
         check=lambda ckpt_dir: compare_runs(ckpt_dir, cfg, identity),
         after_restore=lambda ckpt_dir: apply_changes(ckpt_dir, cfg, trained, stateful.get("kl_ctrl")),
@@ -250,6 +280,7 @@ def roll_back(
             f"(algorithm.max_rollbacks). Lower actor.optim.lr, raise the KL coefficient or "
             f"algorithm.rollback_kl, then resume."
         )
+    checkpointer.wait()  # the newest checkpoint may still be being written
     ckpt_dir = find_resume_dir(checkpointer.out_dir, "auto")
     if ckpt_dir is None:
         raise RollbackExhausted(f"step {state.step}: {reason}, and there is no checkpoint to roll back to")
@@ -346,8 +377,8 @@ def compare_runs(ckpt_dir: Path, cfg: PPOConfig | StageConfig, identity: dict[st
     try:
         saved = flatten(yaml.safe_load((ckpt_dir / "config.yaml").read_text()) or {})
         saved_identity = json.loads((ckpt_dir / "trainer.json").read_text()).get("identity", {})
-    except (OSError, ValueError, yaml.YAMLError) as e:
-        raise CheckpointError(f"{ckpt_dir}: cannot read its config.yaml or trainer.json ({e})") from None
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        return {}  # a damaged checkpoint: restoring it names the file (and auto falls back past it)
     now = flatten(to_dict(cfg))
     differ = [key for key in MUST_MATCH if key in now and key in saved and saved[key] != now[key]]
     problems = [f"{key}: {saved[key]!r} -> {now[key]!r}" for key in differ]

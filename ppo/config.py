@@ -25,7 +25,14 @@ import torch
 import torch.distributed as dist
 
 from kernels.dispatch import backend_unavailable
-from ppo.algorithms import ADV_ESTIMATORS, KL_KINDS, LOSS_AGG_MODES, PREFERENCE_LOSSES
+from ppo.algorithms import (
+    ADV_ESTIMATORS,
+    GROUP_ESTIMATORS,
+    KL_KINDS,
+    LOSS_AGG_MODES,
+    POLICY_LOSS_MODES,
+    PREFERENCE_LOSSES,
+)
 
 
 class ConfigError(ValueError):
@@ -110,8 +117,9 @@ class RunTrainerConfig:
     (config.yaml, metrics.jsonl or checkpoints); true replaces it."""
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """``auto``: CUDA when available (nccl), else CPU (gloo)."""
-    dist_timeout_s: int = 1800
-    """Process-group timeout: how long a rank waits on a collective before failing."""
+    dist_timeout_s: int = 600
+    """Process-group timeout: how long a rank waits on a collective before failing (verl's 600 s; the
+    failure names the phase each rank was in and the ranks that did not arrive)."""
     seed: int = 1
     """Seed of data order, sampling and initialization."""
     total_epochs: int = 1
@@ -126,6 +134,11 @@ class RunTrainerConfig:
     """``auto`` (latest checkpoint in ``output_dir``), ``disable``, or a checkpoint path."""
     max_ckpt_to_keep: int = 2
     """Keep this many newest checkpoints (0 keeps all)."""
+    async_save: bool = False
+    """Write checkpoints in the background (torch.distributed.checkpoint's async save): the weights and
+    optimizer states are copied to host memory, training goes on while a thread writes them, and the
+    checkpoint becomes ``latest`` once every rank's shards are on disk (checked each step). At most one
+    save is in flight; costs a host copy of the state."""
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
     """Metric sinks: console, jsonl, tensorboard, wandb."""
 
@@ -241,6 +254,10 @@ class DataConfig:
     """Most tokens generated per response."""
     train_batch_size: int = 32
     """Prompts per PPO step, over all ranks."""
+    gen_batch_size: int | None = None
+    """Prompts per generation round of dynamic sampling (``algorithm.filter_groups``; verl's key),
+    over all ranks: a multiple of ``train_batch_size`` (each round draws ``gen_batch_size /
+    train_batch_size`` batches from the loader). Default: ``train_batch_size``."""
     val_batch_size: int = 256
     """Prompts per validation generation batch, over all ranks; the whole val set is scored."""
     max_val_samples: int = -1
@@ -255,7 +272,13 @@ class DataConfig:
         if not self.train_files:
             raise FieldError("train_files is empty: give at least one Parquet file", "train_files")
         _require(
-            self, "> 0", "max_prompt_length", "max_response_length", "train_batch_size", "val_batch_size"
+            self,
+            "> 0",
+            "max_prompt_length",
+            "max_response_length",
+            "train_batch_size",
+            "gen_batch_size",
+            "val_batch_size",
         )
         _require(self, "-1 or > 0", "max_val_samples")
 
@@ -285,6 +308,42 @@ class LoRAConfig:
         if not self.target_modules:
             raise FieldError(
                 "lora.target_modules is empty: name the layers that get adapters", "target_modules"
+            )
+
+
+@dataclass(kw_only=True)
+class PolicyLossConfig:
+    """Which policy loss the actor minimizes (verl's ``actor.policy_loss`` section)."""
+
+    loss_mode: Literal[POLICY_LOSS_MODES] = "vanilla"
+    """``vanilla``: PPO's clipped ratio with dual clip; ``gspo``: one clipped ratio per sequence, the
+    geometric mean of its token ratios (Zheng et al. 2025); ``clip_cov``: PPO without dual clip whose
+    loss is cut on a random share of the tokens of highest advantage-log-prob covariance; ``kl_cov``: no
+    clip, a KL penalty on the tokens of highest covariance (both Cui et al. 2025)."""
+    clip_cov_ratio: float = 0.0002
+    """``clip_cov``: share of the mini-batch's valid tokens whose gradient is cut, in (0, 1]."""
+    clip_cov_lb: float = 1.0
+    """``clip_cov``: tokens are drawn among those with covariance above this ..."""
+    clip_cov_ub: float = 5.0
+    """... and below this."""
+    kl_cov_ratio: float = 0.0002
+    """``kl_cov``: share of the mini-batch's valid tokens, those of largest covariance, that get the KL
+    penalty, in (0, 1]."""
+    ppo_kl_coef: float = 0.1
+    """``kl_cov``: weight of the penalty ``|log pi - log pi_old|`` on those tokens."""
+
+    def __post_init__(self) -> None:
+        _require(self, "(0, 1]", "clip_cov_ratio", "kl_cov_ratio")
+        _require(self, ">= 0", "ppo_kl_coef")
+        for key in ("clip_cov_lb", "clip_cov_ub"):
+            if not math.isfinite(getattr(self, key)):
+                raise FieldError(f"{key} must be finite, got {getattr(self, key)!r}", key)
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            raise FieldError(
+                f"clip_cov_lb={self.clip_cov_lb} must be below clip_cov_ub={self.clip_cov_ub}: no covariance "
+                f"lies between them",
+                "clip_cov_lb",
+                "clip_cov_ub",
             )
 
 
@@ -321,7 +380,14 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     """KL estimator of the loss: kl|k1, abs, mse|k2, low_var_kl|k3, each optionally with a ``+``."""
     loss_agg_mode: Literal[LOSS_AGG_MODES] = "token-mean"
-    """How token losses become one number."""
+    """How token losses become one number: ``token-mean`` (over the mini-batch's valid tokens),
+    ``seq-mean-token-sum``, ``seq-mean-token-mean`` (over its sequences), ``seq-mean-token-sum-norm``
+    (Dr. GRPO: the sum of every sequence's token sum divided by ``loss_scale_factor``)."""
+    loss_scale_factor: int | None = None
+    """The constant divisor of ``loss_agg_mode=seq-mean-token-sum-norm`` (verl's key; Dr. GRPO's
+    MAX_TOKENS); null: ``data.max_response_length``, the width responses are padded to."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """The policy loss (``loss_mode``) and its parameters."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 disables)."""
     early_stop_kl: float = 0.0
@@ -356,6 +422,7 @@ class ActorConfig:
         _require(self, "> 1", "clip_ratio_c")
         _require(self, ">= 0", "kl_loss_coef", "grad_clip", "early_stop_kl")
         _require(self, ">= 1", "ulysses_sequence_parallel_size")
+        _require(self, "> 0", "loss_scale_factor")
         check_kl_kind(self.kl_loss_type, "kl_loss_type")
 
 
@@ -424,6 +491,34 @@ class RefConfig:
 
 
 @dataclass(kw_only=True)
+class ValKwargsConfig:
+    """Sampling of the validation pass that measures exploration (verl's ``rollout.val_kwargs``)."""
+
+    n: int = 1
+    """Answers per validation prompt; with ``n > 1`` or ``do_sample`` the validation also logs
+    ``val/mean@n``, ``val/best@k`` (unbiased pass@k, k = 1, 2, 4, ..., n) and ``val/maj@n``."""
+    do_sample: bool = False
+    """Sample those answers (else greedy: n identical answers)."""
+    temperature: float = 1.0
+    """Their sampling temperature."""
+    top_p: float = 1.0
+    """Their nucleus threshold (1 disables)."""
+    top_k: int = 0
+    """Their top-k (0 disables; verl's vLLM value -1 is 0 here)."""
+
+    def __post_init__(self) -> None:
+        _require(self, ">= 1", "n")
+        _require(self, "> 0", "temperature")
+        _require(self, "(0, 1]", "top_p")
+        _require(self, ">= 0", "top_k")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether validation runs the n-answer pass (beside the greedy one)."""
+        return self.n > 1 or self.do_sample
+
+
+@dataclass(kw_only=True)
 class RolloutConfig:
     n: int = 4
     """Responses sampled per prompt."""
@@ -441,6 +536,8 @@ class RolloutConfig:
     """Sequences per ``generate`` call on one rank."""
     val_do_sample: bool = False
     """Validation decodes greedily unless this is set."""
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+    """A second validation pass of ``n`` answers per prompt (verl's key), for pass@k and majority vote."""
     source: Literal["generate", "dataset"] = "generate"
     """Where each step's responses come from: sampled from the actor, or read from the training file's
     ``responses`` column (offline RLHF: no sampling in the loop; validation still generates)."""
@@ -465,6 +562,22 @@ class RolloutConfig:
 
 
 @dataclass(kw_only=True)
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment (Yu et al. 2025; verl's ``reward_model.overlong_buffer``)."""
+
+    enable: bool = False
+    """Add ``overlong_penalty`` to every response's score."""
+    len: int = 0
+    """The buffer: a response longer than ``data.max_response_length - len`` tokens (EOS included) is
+    penalized, linearly more up to ``-penalty_factor`` at ``data.max_response_length``."""
+    penalty_factor: float = 1.0
+    """The penalty at the maximum length (verl's yaml default is 0.0; its DAPO recipes use 1.0)."""
+
+    def __post_init__(self) -> None:
+        _require(self, ">= 0", "len", "penalty_factor")
+
+
+@dataclass(kw_only=True)
 class RewardConfig:
     style: Literal["rule", "model", "ranking", "dataset"] = "rule"
     """``rule``: scorer chosen by ``data_source``; ``model``: a trained reward model; ``ranking``: scores
@@ -485,6 +598,8 @@ class RewardConfig:
     the others; ``linear`` scores ``1 - rank / (k - 1)`` for rank 0 (best) to k - 1."""
     micro_batch_size_per_gpu: int = 16
     """Sequences per reward-model forward on one rank."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """DAPO's length penalty near ``data.max_response_length``, added to every score."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """Sharding of the reward model (``style=model`` or ``ranking_by=model``); ``param_offload`` keeps it
     on CPU."""
@@ -512,11 +627,31 @@ class KLControlConfig:
 
 
 @dataclass(kw_only=True)
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (Yu et al. 2025; verl's ``algorithm.filter_groups``): groups whose responses
+    all score alike carry no signal for a group baseline; they are dropped and more prompts generated."""
+
+    enable: bool = False
+    """Drop such groups and generate ``data.gen_batch_size`` more prompts a round until
+    ``data.train_batch_size`` groups are left."""
+    metric: Literal["acc", "score", "seq_reward"] = "acc"
+    """What must differ within a group: ``acc`` (the rule's verdict, score >= 1), ``score`` (the score
+    before the overlong penalty) or ``seq_reward`` (the score with it)."""
+    max_num_gen_batches: int = 0
+    """Give up with an error after this many generation rounds in one step (0: no limit)."""
+
+    def __post_init__(self) -> None:
+        _require(self, ">= 0", "max_num_gen_batches")
+
+
+@dataclass(kw_only=True)
 class AlgorithmConfig:
     adv_estimator: Literal[ADV_ESTIMATORS] = "gae"
-    """Advantages: GAE with a critic, or group baselines without one."""
+    """Advantages: ``gae`` with a critic; ``reinforce_plus_plus`` (discounted returns whitened over the
+    batch); the group baselines ``grpo``, ``rloo``, ``reinforce_plus_plus_baseline`` (minus the group
+    mean, whitened over the batch) and ``opo`` (minus the length-weighted group mean)."""
     gamma: float = 1.0
-    """Discount factor of GAE."""
+    """Discount factor of GAE and REINFORCE++."""
     lam: float = 1.0
     """GAE lambda."""
     norm_adv_by_std_in_grpo: bool = True
@@ -545,6 +680,8 @@ class AlgorithmConfig:
     """Weights per token, per sequence (the product of its token ratios), or their geometric mean."""
     rollout_is_mode: Literal["truncate"] = "truncate"
     """How weights above the threshold are bounded: truncated to it (verl's ``truncate``)."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """DAPO's dynamic sampling."""
 
     def __post_init__(self) -> None:
         if self.kl_penalty != "full":
@@ -640,6 +777,7 @@ class PPOConfig:
                 "rollout.n",
                 "reward.style",
             )
+        self._check_recipes()
         needs_rm = self.reward.style == "model" or (
             self.reward.style == "ranking" and self.reward.ranking_by == "model"
         )
@@ -741,6 +879,60 @@ class PPOConfig:
                 "actor.ulysses_sequence_parallel_size",
             )
 
+    def _check_recipes(self) -> None:
+        """The reasoning-RL recipes' keys against the rest: KL-Cov needs an update that is not on-policy,
+        dynamic sampling needs sampled groups to filter, the overlong buffer must fit the response."""
+        d, f, o = self.data, self.algorithm.filter_groups, self.reward.overlong_buffer
+        if self.actor.policy_loss.loss_mode == "kl_cov" and self.on_policy:
+            raise FieldError(
+                f"actor.policy_loss.loss_mode=kl_cov penalizes |log pi - log pi_old|, which is 0 in the one update "
+                f"of an on-policy step (actor.ppo_epochs=1 and actor.ppo_mini_batch_size=data.train_batch_size="
+                f"{d.train_batch_size}), so it would train as vanilla PPO without a clip: set actor.ppo_epochs >= 2 "
+                f"or a smaller actor.ppo_mini_batch_size",
+                "actor.policy_loss.loss_mode",
+                "actor.ppo_epochs",
+                "actor.ppo_mini_batch_size",
+            )
+        if d.gen_batch_size is None:  # resolved here, like the other fallbacks
+            d.gen_batch_size = d.train_batch_size
+        if o.enable and not 0 < o.len <= d.max_response_length:
+            raise FieldError(
+                f"reward.overlong_buffer.len={o.len} must be in (0, data.max_response_length={d.max_response_length}]: "
+                f"responses longer than max_response_length - len are penalized",
+                "reward.overlong_buffer.len",
+                "data.max_response_length",
+            )
+        if not f.enable:
+            return
+        if self.rollout.n < 2:
+            raise FieldError(
+                f"algorithm.filter_groups.enable=true drops groups whose responses all score alike, but with "
+                f"rollout.n={self.rollout.n} every group has one response (always kept): use rollout.n >= 2",
+                "algorithm.filter_groups.enable",
+                "rollout.n",
+            )
+        if (self.rollout.offline_fraction or 0) > 0 or self.rollout.source == "dataset":
+            raise FieldError(
+                "algorithm.filter_groups.enable=true generates more prompts until the batch is full, which offline "
+                "groups (rollout.source=dataset or rollout.offline_fraction > 0) cannot: turn one of them off",
+                "algorithm.filter_groups.enable",
+                "rollout.offline_fraction",
+            )
+        if d.gen_batch_size % d.train_batch_size:
+            raise FieldError(
+                f"data.gen_batch_size={d.gen_batch_size} must be a multiple of data.train_batch_size="
+                f"{d.train_batch_size}: each generation round draws whole batches from the prompt loader",
+                "data.gen_batch_size",
+                "data.train_batch_size",
+            )
+        if f.metric == "acc" and self.reward.style == "model":
+            raise FieldError(
+                "algorithm.filter_groups.metric=acc is the rule's verdict (score >= 1), which a reward model's "
+                "scores do not have: use algorithm.filter_groups.metric=score",
+                "algorithm.filter_groups.metric",
+                "reward.style",
+            )
+
     @property
     def use_critic(self) -> bool:
         """GAE needs a value function; the group estimators do not."""
@@ -785,7 +977,7 @@ class PPOConfig:
             # Greedy decoding gives every response to a prompt the same tokens: a baseline or a ranking
             # within the group then sees no difference (an entropy bonus still trains, and tests use that).
             group = None
-            if self.algorithm.adv_estimator in ("grpo", "rloo"):
+            if self.algorithm.adv_estimator in GROUP_ESTIMATORS:
                 group = f"algorithm.adv_estimator={self.algorithm.adv_estimator}"
             elif self.reward.style == "ranking":
                 group = "reward.style=ranking"
@@ -795,11 +987,60 @@ class PPOConfig:
                     f"responses to a prompt are identical and {group} compares them within their group: every "
                     f"advantage is 0; set rollout.do_sample=true"
                 )
+        out.extend(self._recipe_warnings())
         warmup = self.trainer.critic_warmup
         if warmup > 1 and not self.use_critic:
             out.append(
                 f"trainer.critic_warmup={warmup} with algorithm.adv_estimator={self.algorithm.adv_estimator}, "
                 f"which has no critic: steps 1 to {warmup - 1} train nothing; set trainer.critic_warmup=0"
+            )
+        return out
+
+    def _recipe_warnings(self) -> list[str]:
+        """Recipe keys set where they do nothing (see ``warnings``)."""
+        out = []
+        a, d, alg = self.actor, self.data, self.algorithm
+        mode, loss = a.policy_loss.loss_mode, a.policy_loss
+        if mode == "gspo" and a.loss_agg_mode != "seq-mean-token-mean":
+            out.append(
+                f"actor.policy_loss.loss_mode=gspo aggregates its loss seq-mean-token-mean (as verl); "
+                f"actor.loss_agg_mode={a.loss_agg_mode} applies to the entropy bonus and the KL loss only"
+            )
+        default = PolicyLossConfig()
+        used = {
+            "clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
+            "kl_cov": ("kl_cov_ratio", "ppo_kl_coef"),
+        }
+        unused = [
+            f"actor.policy_loss.{k}={getattr(loss, k)}"
+            for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")
+            if getattr(loss, k) != getattr(default, k) and k not in used.get(mode, ())
+        ]
+        if unused:
+            out.append(f"actor.policy_loss.loss_mode={mode} does not use {', '.join(unused)}")
+        if a.loss_scale_factor is not None and a.loss_agg_mode != "seq-mean-token-sum-norm":
+            out.append(
+                f"actor.loss_scale_factor={a.loss_scale_factor} divides only loss_agg_mode=seq-mean-token-sum-norm, "
+                f"not actor.loss_agg_mode={a.loss_agg_mode}: it is ignored"
+            )
+        f, o = alg.filter_groups, self.reward.overlong_buffer
+        if not f.enable and (d.gen_batch_size != d.train_batch_size or f.max_num_gen_batches):
+            out.append(
+                "algorithm.filter_groups.enable=false: data.gen_batch_size and "
+                "algorithm.filter_groups.max_num_gen_batches are used by dynamic sampling only and are ignored"
+            )
+        if not o.enable and o.len:
+            out.append(f"reward.overlong_buffer.enable=false: reward.overlong_buffer.len={o.len} is ignored")
+        if alg.adv_estimator in ("reinforce_plus_plus_baseline", "opo") and self.rollout.n == 1:
+            out.append(
+                f"algorithm.adv_estimator={alg.adv_estimator} with rollout.n=1: a group of one has baseline 0, so "
+                f"each advantage is the response's own score"
+            )
+        v = self.rollout.val_kwargs
+        if v.n > 1 and not v.do_sample:
+            out.append(
+                f"rollout.val_kwargs.n={v.n} with rollout.val_kwargs.do_sample=false: the {v.n} greedy answers to a "
+                f"prompt are identical, so best@k and maj@n equal the greedy accuracy; set do_sample=true"
             )
         return out
 

@@ -8,12 +8,13 @@ trainer go through the helpers here, so that every rank makes the same calls in 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -73,6 +74,11 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800) -> DistInfo:
             device_id=dev if use_cuda else None,
             **kwargs,
         )
+    if world_size > 1:
+        WATCH.rank = rank
+        with contextlib.suppress(Exception):
+            WATCH.store = dist.distributed_c10d._get_default_store()
+        WATCH.enter("start-up")
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
 
 
@@ -123,6 +129,70 @@ def make_mesh(info: DistInfo, fsdp_size: int = -1) -> DeviceMesh:
     return init_device_mesh(device_type, (ws // fsdp_size, fsdp_size), mesh_dim_names=("replicate", "shard"))
 
 
+@dataclass
+class Watch:
+    """Where this rank is: the phase and step it last entered and how many collectives it has reached,
+    written to the process group's store at each (a few per phase), so that when a collective times out
+    the error says which phase every rank was in and which ranks never arrived (``describe_timeout``)
+    instead of gloo's or NCCL's "timed out waiting" alone. One per process (``WATCH``), like the process
+    group it describes."""
+
+    rank: int = 0
+    phase: str = "start-up"
+    step: int = 0
+    collectives: int = 0
+    store: Any = None
+    """The default process group's store; None on one rank (nothing to watch)."""
+
+    def enter(self, phase: str, step: int | None = None) -> None:
+        self.phase = phase
+        if step is not None:
+            self.step = step
+        self._write()
+
+    def arrive(self) -> None:
+        """This rank reached a collective of the ``ppo.distributed`` helpers."""
+        self.collectives += 1
+        self._write()
+
+    def _write(self) -> None:
+        if self.store is not None:
+            with contextlib.suppress(Exception):  # a store that is gone must not add a second failure
+                self.store.set(f"ppo/watch/{self.rank}", f"{self.phase}|{self.step}|{self.collectives}")
+
+    def describe_timeout(self, world_size: int, error: BaseException) -> str:
+        """One line on a collective that timed out: each rank's phase and step, and the ranks that did not
+        arrive (fewer collectives reached than this rank)."""
+        seen: dict[int, tuple[str, int, int]] = {}
+        for r in range(world_size):
+            with contextlib.suppress(Exception):
+                key = f"ppo/watch/{r}"
+                if self.store is not None and self.store.check([key]):
+                    phase, step, count = self.store.get(key).decode().split("|")
+                    seen[r] = (phase, int(step), int(count))
+        first = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
+        here = f"rank {self.rank} waited in phase {self.phase!r} of step {self.step} (collective #{self.collectives})"
+        behind = [f"rank {r} (in phase {p!r} of step {s}, collective #{c})" for r, (p, s, c) in sorted(seen.items())
+                  if c < self.collectives]  # fmt: skip
+        missing = [r for r in range(world_size) if r not in seen]
+        parts = [f"a collective timed out ({first}): {here}"]
+        if behind:
+            parts.append(f"did not arrive: {', '.join(behind)}")
+        if missing:
+            parts.append(f"no report from rank(s) {missing}")
+        return "; ".join(parts) + " (raise trainer.dist_timeout_s if that phase is legitimately slow)"
+
+
+WATCH = Watch()
+"""This process's ``Watch``."""
+
+
+def is_collective_timeout(error: BaseException) -> bool:
+    """Whether ``error`` is a collective that timed out (gloo's and NCCL's messages)."""
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and ("timed out" in text or "timeout" in text)
+
+
 def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -133,6 +203,7 @@ def all_reduce_scalars(
     """Reduce a list of Python numbers over ranks in one collective; ``op`` in sum, mean, max, min."""
     if not _initialized():
         return [float(v) for v in values]
+    WATCH.arrive()
     device = device or _collective_device()
     t = torch.tensor(values, dtype=torch.float64, device=device)
     reduce_op = {
@@ -158,6 +229,7 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     The ``all_reduce`` that ``ppo.algorithms`` takes to compute batch statistics over all ranks.
     """
     if _initialized():
+        WATCH.arrive()
         dist.all_reduce(t)
     return t
 
@@ -173,6 +245,7 @@ def all_reduce_tensors(values: dict[str, torch.Tensor], op: str = "sum") -> dict
     keys = sorted(values)
     stacked = torch.stack([values[k].detach().to(torch.float64).reshape(()) for k in keys])
     if _initialized():
+        WATCH.arrive()
         if dist.get_backend() != "nccl":
             stacked = stacked.cpu()
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
@@ -229,6 +302,7 @@ def _reduction_of(key: str) -> str:
 def barrier() -> None:
     """Wait for all ranks (a no-op for one rank)."""
     if _initialized():
+        WATCH.arrive()
         dist.barrier()
 
 
@@ -236,6 +310,7 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     """Send a picklable object from ``src`` to every rank."""
     if not _initialized():
         return obj
+    WATCH.arrive()
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
@@ -245,6 +320,7 @@ def all_gather_object(obj: object) -> list[object]:
     """Every rank's picklable object, in rank order."""
     if not _initialized():
         return [obj]
+    WATCH.arrive()
     out: list[object] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out

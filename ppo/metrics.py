@@ -23,7 +23,7 @@ import torch
 from ppo import models
 from ppo.batch import Batch
 from ppo.config import PPOConfig
-from ppo.distributed import DistInfo, all_reduce_scalar, all_reduce_scalars, all_reduce_tensors
+from ppo.distributed import WATCH, DistInfo, all_reduce_scalar, all_reduce_scalars, all_reduce_tensors
 
 logger = logging.getLogger("ppo")
 
@@ -144,13 +144,16 @@ def verl_training_flops(config: Any, seq_lens_sum: float, seq_lens_sq_sum: float
 
 
 class Timer:
-    """Accumulates wall-clock seconds per phase as ``timing_s/<name>``."""
+    """Accumulates wall-clock seconds per phase as ``timing_s/<name>``, and tells ``distributed.WATCH``
+    which phase (of step ``step``) this rank is in, for the error of a collective that times out."""
 
-    def __init__(self) -> None:
+    def __init__(self, step: int | None = None) -> None:
         self.times: dict[str, float] = {}
+        self.step = step
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
+        WATCH.enter(name, self.step)
         start = time.perf_counter()
         try:
             yield

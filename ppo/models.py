@@ -102,12 +102,27 @@ def _where(expanded: str) -> str:
 
 
 def _check_path(path: str, config_key: str) -> str:
-    """Expand ``~``; fail now, naming the config key, when a local-looking path does not exist."""
+    """Expand ``~``; fail now, naming the config key, when a local-looking path does not exist. A path
+    into the demo's ``assets/`` (``make assets`` writes it) is local whether or not ``assets`` exists
+    yet: read as a hub id it would cost a minute of retries and blame the hub."""
     expanded = os.path.expanduser(str(path))
     if os.path.exists(expanded):
         if not os.path.isdir(expanded):
             raise ModelPathError(f"{config_key}={path!r} is a file; it must be a save_pretrained folder")
         return expanded
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assets = os.path.join(repo, "assets")
+    if (
+        os.path.normpath(expanded).split(os.sep)[0] == "assets"
+        or os.path.commonpath([os.path.abspath(expanded), assets]) == assets
+    ):
+        in_repo = os.path.join(repo, expanded)  # an absolute path stays itself
+        how = (
+            f"it exists at {in_repo}: run from the repository's root, {repo}"
+            if os.path.isdir(in_repo) and os.getcwd() != repo
+            else "the demo's models are built by `make assets` (about 5 minutes on 2 cores), in the repository's root"
+        )
+        raise ModelPathError(f"{config_key}={path!r}: no such folder (looked for {_where(expanded)}); {how}")
     if _looks_local(str(path)):
         raise ModelPathError(
             f"{config_key}={path!r}: no such folder (looked for {_where(expanded)}). "

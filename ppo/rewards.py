@@ -128,8 +128,9 @@ def default_compute_score(
     )
 
 
-def load_custom_function(spec: str) -> Callable[..., Any]:
-    """Import ``module.path:function`` or ``path/to/file.py:function`` and return the function.
+def load_custom_function(spec: str, key: str = "reward.custom_function") -> Callable[..., Any]:
+    """Import ``module.path:function`` or ``path/to/file.py:function`` and return the function (or class:
+    ``rollout.multi_turn.env``); errors name ``key``.
 
     Raises RewardError for a malformed spec, a missing file or module, a missing attribute (with the
     closest names) or an attribute that is not callable. Errors raised by the module's own code while
@@ -138,17 +139,17 @@ def load_custom_function(spec: str) -> Callable[..., Any]:
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
         raise RewardError(
-            f"reward.custom_function={spec!r} must look like module.path:function or path/to/file.py:function"
+            f"{key}={spec!r} must look like module.path:function or path/to/file.py:function"
         )
     if target.endswith(".py") or "/" in target or "\\" in target:
         path = Path(target)
         if not path.is_file():
-            raise RewardError(f"reward.custom_function={spec!r}: file {path} does not exist")
+            raise RewardError(f"{key}={spec!r}: file {path} does not exist")
         # A name that is the same in every process, so objects from the module unpickle on any rank.
         module_name = "ppo_custom_reward_" + re.sub(r"\W", "_", str(path.resolve()))
         module_spec = importlib.util.spec_from_file_location(module_name, path)
         if module_spec is None or module_spec.loader is None:
-            raise RewardError(f"reward.custom_function={spec!r}: cannot import {path} as a Python file")
+            raise RewardError(f"{key}={spec!r}: cannot import {path} as a Python file")
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[module_name] = module  # so pickling and dataclasses inside it work
         try:
@@ -156,7 +157,7 @@ def load_custom_function(spec: str) -> Callable[..., Any]:
         except Exception as e:
             del sys.modules[module_name]
             raise RewardError(
-                f"reward.custom_function={spec!r}: importing {path} raised {type(e).__name__}: {e}"
+                f"{key}={spec!r}: importing {path} raised {type(e).__name__}: {e}"
             ) from e
     else:
         try:
@@ -165,21 +166,21 @@ def load_custom_function(spec: str) -> Callable[..., Any]:
             if e.name is None or not (target == e.name or target.startswith(e.name + ".")):
                 raise  # the module exists but one of its own imports is missing
             raise RewardError(
-                f"reward.custom_function={spec!r}: no module named {e.name!r} (is it on PYTHONPATH?)"
+                f"{key}={spec!r}: no module named {e.name!r} (is it on PYTHONPATH?)"
             ) from e
         except Exception as e:
             raise RewardError(
-                f"reward.custom_function={spec!r}: importing {target} raised {type(e).__name__}: {e}"
+                f"{key}={spec!r}: importing {target} raised {type(e).__name__}: {e}"
             ) from e
     if not hasattr(module, name):
         public = [k for k in vars(module) if not k.startswith("_") and callable(getattr(module, k))]
         close = difflib.get_close_matches(name, public, n=3)
         hint = f"; did you mean {' or '.join(close)}?" if close else f"; it defines {sorted(public)}"
-        raise RewardError(f"reward.custom_function={spec!r}: {target} has no attribute {name!r}{hint}")
+        raise RewardError(f"{key}={spec!r}: {target} has no attribute {name!r}{hint}")
     fn = getattr(module, name)
     if not callable(fn):
         raise RewardError(
-            f"reward.custom_function={spec!r}: {target}.{name} is a {type(fn).__name__}, not a function"
+            f"{key}={spec!r}: {target}.{name} is a {type(fn).__name__}, not a function"
         )
     return fn
 
@@ -442,3 +443,18 @@ def rule_scores(scorer: RuleScorer, records: list[PromptRecord], texts: list[str
         )
 
     return agree_on_failure(score_all, RewardError)
+
+
+def overlong_penalty(
+    response_lengths: torch.Tensor, *, max_response_length: int, buffer_len: int, penalty_factor: float
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al., arXiv:2503.14476, eq. 13; verl's DAPO reward manager):
+    ``min(-(L - (L_max - buffer_len)) / buffer_len · penalty_factor, 0)`` for a response of ``L`` tokens
+    (EOS included), added to its score. 0 up to ``L_max - buffer_len`` tokens, then falling linearly to
+    ``-penalty_factor`` at ``L_max``: with ``L_max = 8``, a buffer of 4 and factor 1, lengths 4, 5, 6, 8
+    get 0, -0.25, -0.5, -1.0.
+
+    Shapes: ``response_lengths [B]`` (any number type); returns ``[B]`` float32.
+    """
+    excess = response_lengths.float() - (max_response_length - buffer_len)
+    return (-excess / buffer_len * penalty_factor).clamp(max=0.0)

@@ -16,7 +16,9 @@ Error boundary: an expected failure (bad config, data, model path, checkpoint, r
 I/O error) ends as one line on rank 0 and exit code 2; an unexpected exception prints its traceback
 once and exits with 1. Ranks other than 0 wait a moment before reporting, so that when every rank
 fails alike, torchrun (which stops the others as soon as one rank exits) keeps only rank 0's report,
-and when a single rank fails, its report is still printed.
+and when a single rank fails, its report is still printed. Under torchrun the report also goes to the
+rank's error file (``ERROR_FILE``), so that torchrun's failure summary names it as the root cause
+(torchrun itself then exits with 1, whatever the rank's code).
 
 Every rank runs every function here; the ones that write files do so on rank 0 only.
 """
@@ -41,6 +43,7 @@ import numpy as np
 import torch
 import transformers
 from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ppo import attention, checkpoint_files, data, lora, models, rewards, run_folder, sharding, ulysses
@@ -57,13 +60,15 @@ from ppo.config import (
     StageConfig,
     validate_stage,
 )
-from ppo.config_loader import parse_cli, to_dict, to_yaml
+from ppo.config_loader import config_error, parse_cli, print_config, to_dict, to_yaml
 from ppo.distributed import (
+    WATCH,
     DistInfo,
     all_reduce_scalar,
     broadcast_object,
     destroy_distributed,
     init_distributed,
+    is_collective_timeout,
     make_mesh,
     setup_logging,
 )
@@ -93,6 +98,32 @@ EXPECTED_ERRORS = (
 REPORT_DELAY_S = 10.0
 """How long ranks other than 0 wait before reporting a failure (see the module docstring)."""
 
+
+class ErrorFile(ErrorHandler):
+    """This rank's torchrun error file (``TORCHELASTIC_ERROR_FILE``, which torchrun sets for each worker),
+    in the format of torch.distributed.elastic's ``ErrorHandler``: torchrun's failure summary shows the
+    root cause's file ("traceback : ...") instead of a link to its docs. Without torchrun nothing is
+    written. ``record`` (below) writes the exceptions that escape ``main``; ``main`` writes the failures
+    it reports itself with ``write``: the one-line message, or a traceback."""
+
+    def initialize(self) -> None:
+        # torch's enables faulthandler on sys.stderr, and warns when that has no file descriptor (a
+        # captured stderr): only where it has one.
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            sys.stderr.fileno()
+            super().initialize()
+
+    def write(self, message: str, details: str | None = None) -> None:
+        """Record ``message`` (and ``details``, a traceback, shown in its place) as this rank's failure."""
+        path = self._get_error_file_path()
+        if path:
+            stamp = str(int(time.time()))
+            info = {"py_callstack": details or message, "timestamp": stamp}
+            self._write_error_file(path, json.dumps({"message": {"message": message, "extraInfo": info}}))
+
+
+ERROR_FILE = ErrorFile()
+
 # ----------------------------------------------------------------------------------------------------
 # Entry point and set-up
 # ----------------------------------------------------------------------------------------------------
@@ -108,44 +139,51 @@ def main(
 
     ``--print-config`` prints the resolved config and exits (validated for ``--world-size`` if given).
     """
+    return record(_main, error_handler=ERROR_FILE)(argv, cls, train, description)
+
+
+def _main(
+    argv: list[str] | None,
+    cls: type[AnyConfig],
+    train: Callable[[AnyConfig, DistInfo], None],
+    description: str,
+) -> int:
     try:
         cfg, args = parse_cli(argv, cls, description=description)
-        if args.print_config:
-            world_size = args.world_size
-            if world_size is None and isinstance(cfg, PPOConfig):
-                world_size = cfg.trainer.planned_world_size
-            if world_size is not None:
-                validate_config(cfg, world_size)
-            print(to_yaml(cfg), end="")
-            return 0
     except ConfigError as e:
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank parses: one report, rank 0's
-            print(f"config error: {e}", file=sys.stderr)
-        return 2
+        ERROR_FILE.write(f"config error: {one_line(e)}", f"config error: {e}")  # a list stays a list
+        return config_error(e)
+    if args.print_config:
+        return print_config(cfg, args)
     try:
         info = init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout_s)
     except RuntimeError as e:  # trainer.device=cuda without a GPU, ranks that never join
         print(f"error: {one_line(e)}", file=sys.stderr)
+        ERROR_FILE.write(one_line(e))
         return 2
     setup_logging(info.is_main)
     quiet_other_ranks(info)
     try:
         validate_config(cfg, info.world_size)
-        if info.is_main and isinstance(cfg, PPOConfig):
-            for warning in cfg.warnings():
+        if info.is_main:
+            for warning in [*args.notes, *(cfg.warnings() if isinstance(cfg, PPOConfig) else [])]:
                 logger.warning("%s", warning)
         train(cfg, info)
     except EXPECTED_ERRORS as e:
         message = one_line(e)
-        report(info, lambda: logger.error("%s", message))
+        report(info, lambda: failed(message))
         return 2
     except KeyboardInterrupt:  # a second Ctrl-C: out at once, no traceback
         if info.is_main:
             logger.warning("interrupted; the last complete checkpoint is intact (trainer.resume_mode=auto)")
         return 130
-    except Exception:
+    except Exception as e:
+        if is_collective_timeout(e):  # where every rank was, not gloo's or NCCL's internals
+            message = WATCH.describe_timeout(info.world_size, e)
+            report(info, lambda: failed(message))
+            return 1
         text = traceback.format_exc()
-        report(info, lambda: logger.error("unexpected error on rank %d:\n%s", info.rank, text))
+        report(info, lambda: failed(f"unexpected error on rank {info.rank}", text))
         return 1
     finally:
         if info.is_main:
@@ -168,6 +206,13 @@ def one_line(error: BaseException) -> str:
     if isinstance(error, OSError) and not isinstance(error, models.ModelPathError) and error.filename:
         text = f"{error.strerror or text}: {error.filename}"
     return " | ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
+def failed(message: str, details: str | None = None) -> None:
+    """Log a fatal error (``details``, a traceback, after ``message``) and record it in torchrun's error
+    file."""
+    logger.error("%s", message if details is None else f"{message}:\n{details}")
+    ERROR_FILE.write(message, details)
 
 
 def report(info: DistInfo, log: Callable[[], None]) -> None:

@@ -80,7 +80,7 @@ def train_stage(
     timed_out = False
     while state.step < num_steps and not (stopped or timed_out):
         state.step += 1
-        timer = Timer()
+        timer = Timer(state.step)
         with timer("step"):
             with timer("update"):
                 metrics, tokens = step(next(loader))
@@ -109,6 +109,9 @@ def train_stage(
         progress.update(state.step, metrics, force=any(k.startswith(("val/", "rm/")) for k in metrics))
         if save_due(state.step, num_steps, t.save_freq) or stopped or timed_out:
             checkpointer.save(state.step)
+        else:
+            checkpointer.poll()
+    checkpointer.wait()
     if stopped:
         log_stopped(state.step, stop.name)
     elif timed_out:

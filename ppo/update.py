@@ -28,6 +28,12 @@ LossFn = Callable[[torch.Tensor, dict[str, float]], tuple[torch.Tensor, dict[str
 """``(micro-batch row indices, global counts) -> (loss, metric contributions)``: the loss is this
 micro-batch's share of the mini-batch's global loss; each metric is its share of the mini-batch value."""
 
+MiniBatchHook = Callable[[torch.Tensor, int], None]
+"""``(mini-batch row indices, update number) -> None``, run on every rank before a mini-batch's
+micro-batches (it may run collectives): to decide, once per mini-batch and over all ranks, what its
+loss closure then reads (Clip-Cov's and KL-Cov's tokens). The update number counts the call's
+mini-batches over its epochs from 0."""
+
 
 def mini_batches(num_seqs: int, num_mini: int, shuffle: bool, sp: ulysses.SPGroup) -> list[torch.Tensor]:
     """Split this rank's sequences into ``num_mini`` equal mini-batches, shuffled by the rank's RNG
@@ -57,6 +63,7 @@ def optimize(
     shuffle: bool,
     sp: ulysses.SPGroup,
     early_stop_kl: float = 0.0,
+    before_mini_batch: MiniBatchHook | None = None,
 ) -> dict[str, float]:
     """``role.ppo_epochs`` passes over the batch in ``num_mini`` mini-batches; per mini-batch, gradient
     accumulation over token-budget micro-batches, then one optimizer step.
@@ -65,6 +72,8 @@ def optimize(
     and ``shard_model`` makes FSDP sum gradients over ranks, so the reduced gradient is exactly the
     global mini-batch's. The metrics of a mini-batch are reduced once, so the early-stop decision (on
     ``<prefix>/ppo_kl``) is the same on every rank. A non-finite gradient norm skips that update.
+    ``before_mini_batch`` (``MiniBatchHook``) runs before each mini-batch's micro-batches, so that what
+    it decides cannot depend on how the mini-batch is split.
     """
     sums: dict[str, float] = {}
     grad_norms: list[float] = []
@@ -74,6 +83,8 @@ def optimize(
         for idx in mini_batches(len(batch.records), num_mini, shuffle, sp):
             idx = idx.to(batch.response_mask.device)
             counts = global_counts(batch.response_mask[idx])
+            if before_mini_batch is not None:
+                before_mini_batch(idx, updates)
             contributions: dict[str, torch.Tensor] = {}
             for sel in micro_batches(batch, idx, role):
                 loss, parts = loss_fn(sel, counts)

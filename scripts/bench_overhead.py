@@ -61,7 +61,7 @@ NUM_MINI_BATCHES = 2
 OUR_PHASES = ("gen", "old_log_prob", "ref", "values", "reward", "adv", "update_critic", "update_actor")
 TRL_REFERENCE_S = 0.21
 """TRL 1.12's step on this configuration with its gc.collect frozen out, measured on another machine
-(docs/perf_notes_cpu_step.md): what ours is compared with where TRL cannot run beside it."""
+(docs/cpu_step_profile.md): what ours is compared with where TRL cannot run beside it."""
 STEP_LINE = re.compile(r"\bstep (\d+)/(\d+)\b")
 """The trainer's per-step console line (``MetricsLogger``'s progress prefix)."""
 

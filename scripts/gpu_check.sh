@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of issue 12 (throughput) and issue 14 (LoRA): one prepared run that measures everything the
+# GPU check of throughput and LoRA memory: one prepared run that measures everything the
 # README's GPU tables hold and ends with one JSON line (scripts/gpu_summary.py). Nothing is downloaded:
 # models have the Qwen2.5 shapes and random weights (scripts/make_shaped_model.py), data and tokenizer
 # are the synthetic task's (scripts/make_tiny_assets.py). Every stage has its own time limit; a stage that

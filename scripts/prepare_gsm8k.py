@@ -3,6 +3,12 @@
     python scripts/prepare_gsm8k.py                                  # datasets.load_dataset("openai/gsm8k", "main")
     python scripts/prepare_gsm8k.py --local-dir ~/gsm8k --out data/gsm8k   # no network
 
+verl's flags (``examples/data_preprocess/gsm8k.py``) mean what they mean there: ``--local_save_dir`` and
+its older ``--local_dir`` (underscore) name the output folder, as ``--out`` does; ``--local_dataset_path``
+names a local copy of the input, as ``--local-dir`` (hyphen) does. An output folder that holds a raw
+copy of GSM8K is refused (the two spellings of "local dir" are easy to mix up). ``--hdfs_dir`` is
+refused: nothing is copied to HDFS here.
+
 ``--local-dir`` holds a copy of the data: the Hugging Face repository's Parquet files
 (``main/train-00000-of-00001.parquet``, ``main/test-...``), or JSON lines with ``question`` and
 ``answer`` (``train.jsonl``, ``test.jsonl`` as in openai/grade-school-math). Files are looked for in
@@ -182,14 +188,65 @@ def write_parquet(rows: list[dict[str, Any]], path: Path) -> None:
     tmp.replace(path)
 
 
+def raw_copy_in(folder: Path, subset: str) -> Path | None:
+    """A file of a raw GSM8K copy (``question`` and ``answer``, as ``--local-dir`` reads) in ``folder``, or
+    None: what must never be mistaken for the output folder."""
+    for split in SPLITS:
+        try:
+            path = find_split_file(folder, subset, split)
+        except GSM8KError:
+            continue
+        if path.suffix != ".parquet" or "question" in pq.read_schema(path).names:
+            return path
+    return None
+
+
+def _path(text: str) -> Path:
+    return Path(text).expanduser()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--local-dir", type=Path, default=None, help="a local copy (Parquet or jsonl)")
+    parser.add_argument(
+        "--local-dir",
+        "--local_dataset_path",
+        dest="local_dir",
+        type=_path,
+        default=None,
+        help="input: a local copy (Parquet or jsonl); verl's --local_dataset_path",
+    )
     parser.add_argument("--subset", default="main", help="GSM8K configuration: main or socratic")
-    parser.add_argument("--out", type=Path, default=Path(DEFAULT_OUT), help="output folder")
+    parser.add_argument(
+        "--out",
+        "--local_save_dir",
+        "--local_dir",
+        dest="out",
+        type=_path,
+        default=Path(DEFAULT_OUT),
+        help="output folder; verl's --local_save_dir and --local_dir (with an underscore: the output)",
+    )
+    parser.add_argument("--hdfs_dir", default=None, help="verl's copy to HDFS: refused here")
     args = parser.parse_args(argv)
+    if args.hdfs_dir is not None:
+        print(
+            f"error: --hdfs_dir {args.hdfs_dir}: nothing is copied to HDFS here; copy {args.out} yourself",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        raw = raw_copy_in(args.out, args.subset) if args.out.is_dir() else None
+    except (pa.ArrowException, OSError):
+        raw = None  # unreadable: not a copy this script could read either
+    if raw is not None:
+        print(
+            f"error: the output folder {args.out} holds a raw copy of GSM8K ({raw}): to read it, pass it with "
+            f"--local-dir (hyphen; verl's --local_dataset_path); name the output folder with --out (verl's "
+            f"--local_save_dir, or --local_dir with an underscore)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         if args.local_dir is not None:
             inputs = {}

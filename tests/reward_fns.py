@@ -45,11 +45,29 @@ def slow_after(
     data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None
 ) -> float:
     """``digit_score``, but the call after the first ``$PPO_TEST_FAST_CALLS`` of this process sleeps
-    ``$PPO_TEST_SLOW_S`` seconds: a step made slow from a known point on (signal tests)."""
+    ``$PPO_TEST_SLOW_S`` seconds: a step made slow from a known point on (signal tests); with
+    ``$PPO_TEST_SLOW_RANK``, on that rank only (a reward function that hangs on one rank)."""
     import os
     import time
 
     _calls["n"] += 1
+    rank = os.environ.get("RANK", "0")
+    if os.environ.get("PPO_TEST_SLOW_RANK", rank) != rank:
+        return digit_score(data_source, solution_str, ground_truth, extra_info)
     if _calls["n"] == int(os.environ.get("PPO_TEST_FAST_CALLS", "0")) + 1:
         time.sleep(float(os.environ.get("PPO_TEST_SLOW_S", "0")))
+    return digit_score(data_source, solution_str, ground_truth, extra_info)
+
+
+def hangs_on_seven(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    """``digit_score``, but a response that contains a 7 hangs forever, one with a 3 raises, and one with
+    a 5 returns text: a reward function with every failure a worker pool must survive."""
+    import time
+
+    if "7" in solution_str:
+        time.sleep(3600)
+    if "3" in solution_str:
+        raise ValueError("no threes")
+    if "5" in solution_str:
+        return "five"  # type: ignore[return-value]
     return digit_score(data_source, solution_str, ground_truth, extra_info)

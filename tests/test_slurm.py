@@ -24,6 +24,7 @@ STAGE_CONFIG = "configs/sft_demo.yaml"
 # Each fake appends its argv (one argument per line, then a separator) to $FAKE_LOG/<name>.
 FAKE_SRUN = """#!/usr/bin/env bash
 printf '%s\\n' "$@" >> "$FAKE_LOG/srun"; echo --- >> "$FAKE_LOG/srun"
+echo "$TORCH_NCCL_TRACE_BUFFER_SIZE $TORCH_NCCL_DUMP_ON_TIMEOUT ${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-}" > "$FAKE_LOG/srun_env"
 # Like a real job step, run until the job is requeued (the fake scontrol touches the marker), for at
 # most $FAKE_SRUN_WAIT ticks of 50 ms.
 if [[ -n ${FAKE_SRUN_WAIT:-} ]]; then
@@ -39,6 +40,11 @@ if [[ $1 == requeue ]]; then touch "$FAKE_LOG/requeued"; fi
 """
 FAKE_PYTHON = """#!/usr/bin/env bash
 printf '%s\\n' "$@" >> "$FAKE_LOG/python"; echo --- >> "$FAKE_LOG/python"
+# --print-config without --world-size resolves the run folder; a world size in $FAKE_PYTHON_BAD fails.
+if [[ " $* " != *" --world-size "* ]]; then printf 'trainer:\\n  output_dir: %s\\n' "$FAKE_LOG/run"; fi
+for ws in ${FAKE_PYTHON_BAD:-}; do
+    if [[ " $* " == *" --world-size $ws "* ]]; then echo "config error: $ws ranks do not fit" >&2; exit 2; fi
+done
 if [[ ${FAKE_PYTHON_RC:-0} != 0 ]]; then echo "config error: fake" >&2; fi
 exit "${FAKE_PYTHON_RC:-0}"
 """
@@ -168,10 +174,14 @@ def test_ppo_command(fakes: Path, nnodes: int) -> None:
         f"trainer.nnodes={nnodes}",
         "trainer.n_gpus_per_node=8",
     ]
-    # The config was validated for the job's world size before any rank started.
-    [check] = calls(fakes, "python")
+    # The config was validated for the job's world size before any rank started, then its run folder
+    # resolved: the NCCL flight recorder dumps there.
+    check, folder = calls(fakes, "python")
     assert check[:5] == ["train_ppo.py", "--config", PPO_CONFIG, "--print-config", "--world-size"]
     assert check[5] == str(8 * nnodes) and check[6:] == args[2:]
+    assert folder == ["train_ppo.py", "--config", PPO_CONFIG, "--print-config", *args[2:]]
+    trace = (fakes / "log" / "srun_env").read_text().split()
+    assert trace == ["2000", "1", str(fakes / "log" / "run" / "nccl_trace" / "rank_")]
 
 
 @pytest.mark.parametrize(
@@ -203,8 +213,33 @@ def test_gpus_per_node_with_a_type(fakes: Path) -> None:
 def test_precheck_failure_starts_nothing(fakes: Path) -> None:
     result = run_script("ppo.sbatch", [PPO_CONFIG], slurm_env(fakes, 4, FAKE_PYTHON_RC="2"))
     assert result.returncode == 2
-    assert "does not fit 4 node(s) x 8 GPU(s)" in result.stderr
+    assert (
+        "does not fit 32 ranks (4 node(s)) of 8 GPU(s) a node; nothing was started: config error: fake"
+        in result.stderr
+    )
     assert calls(fakes, "srun") == []
+
+
+def test_elastic_range_is_checked_for_every_world_size(fakes: Path) -> None:
+    """MIN_NODES=2 of 4 allocated nodes: torchrun may restart on 2, 3 or 4 nodes; every such world size
+    is validated before any rank starts, and the ones that do not fit are listed in one line."""
+    env = slurm_env(fakes, 4, MIN_NODES="2")
+    assert run_script("ppo.sbatch", [PPO_CONFIG], env).returncode == 0
+    [srun] = calls(fakes, "srun")
+    _, torchrun, args = parse_torchrun(srun, "train_ppo.py")
+    assert torchrun["nnodes"] == "2:4"
+    assert args[-2:] == ["trainer.nnodes=null", "trainer.n_gpus_per_node=null"]  # no fixed layout
+    checked = [
+        call[call.index("--world-size") + 1] for call in calls(fakes, "python") if "--world-size" in call
+    ]
+    assert checked == ["16", "24", "32"]
+
+    (fakes / "log" / "python").unlink()
+    result = run_script("ppo.sbatch", [PPO_CONFIG], {**env, "FAKE_PYTHON_BAD": "24 32"})
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "does not fit 24 ranks (3 node(s)),32 ranks (4 node(s)) of 8 GPU(s) a node" in result.stderr
+    assert "config error: 24 ranks do not fit" in result.stderr
+    assert len(calls(fakes, "srun")) == 1  # the first job's only
 
 
 def test_missing_config_and_usage(fakes: Path) -> None:

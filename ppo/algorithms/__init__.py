@@ -19,16 +19,23 @@ Typical use in the PPO loop::
                                 "token-mean", num_tokens=num_tokens_in_mini_batch)
 
 The package's modules, each pure torch: ``stats`` (masked mean and whitening), ``kl`` (KL estimators,
-exact KL, controllers), ``advantages`` (GAE, GRPO, RLOO), ``losses`` (aggregation, policy and value
-losses), ``preference`` (the DPO family's per-pair losses: DPO/cDPO, IPO, SimPO, KTO). Users import
-every name from ``ppo.algorithms`` itself.
+exact KL, controllers), ``advantages`` (GAE, GRPO, RLOO, REINFORCE++ and its baseline
+variant, OPO; DAPO's group filter), ``losses`` (aggregation; the vanilla, GSPO, Clip-Cov and KL-Cov
+policy losses and the covariance token selections; the value loss), ``correction`` (off-policy
+importance weights), ``preference`` (the DPO family's per-pair losses: DPO/cDPO, IPO, SimPO, KTO).
+Users import every name from ``ppo.algorithms`` itself.
 """
 
 from ppo.algorithms.advantages import (
     ADV_ESTIMATORS,
+    GROUP_ESTIMATORS,
     compute_gae,
     compute_grpo_advantages,
+    compute_opo_advantages,
+    compute_reinforce_plus_plus_advantages,
+    compute_reinforce_plus_plus_baseline_advantages,
     compute_rloo_advantages,
+    filter_groups,
 )
 from ppo.algorithms.correction import ROLLOUT_IS_LEVELS, mismatch_metrics, rollout_is_weights
 from ppo.algorithms.kl import (
@@ -39,26 +46,43 @@ from ppo.algorithms.kl import (
     full_kl,
     kl_penalty,
 )
-from ppo.algorithms.losses import LOSS_AGG_MODES, agg_loss, policy_loss, value_loss
+from ppo.algorithms.losses import (
+    LOSS_AGG_MODES,
+    POLICY_LOSS_MODES,
+    agg_loss,
+    clip_cov_selection,
+    kl_cov_selection,
+    policy_loss,
+    token_covariance,
+    value_loss,
+)
 from ppo.algorithms.preference import PREFERENCE_LOSSES, dpo_loss, ipo_loss, kto_loss, simpo_loss
 from ppo.algorithms.stats import masked_mean, masked_whiten
 
 __all__ = [
     "ADV_ESTIMATORS",
+    "GROUP_ESTIMATORS",
     "KL_KINDS",
     "LOSS_AGG_MODES",
+    "POLICY_LOSS_MODES",
     "PREFERENCE_LOSSES",
     "ROLLOUT_IS_LEVELS",
     "AdaptiveKLController",
     "FixedKLController",
     "agg_loss",
+    "clip_cov_selection",
     "compute_gae",
     "compute_grpo_advantages",
+    "compute_opo_advantages",
+    "compute_reinforce_plus_plus_advantages",
+    "compute_reinforce_plus_plus_baseline_advantages",
     "compute_rloo_advantages",
     "dpo_loss",
     "entropy_from_logits",
+    "filter_groups",
     "full_kl",
     "ipo_loss",
+    "kl_cov_selection",
     "kl_penalty",
     "kto_loss",
     "masked_mean",
@@ -67,5 +91,6 @@ __all__ = [
     "policy_loss",
     "rollout_is_weights",
     "simpo_loss",
+    "token_covariance",
     "value_loss",
 ]

@@ -1,4 +1,5 @@
-"""Advantage estimators: GAE with a critic, and the group baselines GRPO and RLOO.
+"""Advantage estimators: GAE with a critic; REINFORCE++ (discounted returns, whitened); the group
+baselines GRPO (and Dr. GRPO), RLOO, REINFORCE++-baseline and OPO; DAPO's group filter.
 
 Shapes: ``token_rewards``, ``values``, ``response_mask`` ``[B, T]``; per-sequence ``scores`` and
 ``group_ids`` ``[B]`` (the prompt each sequence answers).
@@ -10,9 +11,13 @@ import torch
 
 from ppo.algorithms.stats import masked_whiten
 
-ADV_ESTIMATORS = ("gae", "grpo", "rloo")
-"""Advantage estimators: :func:`compute_gae` (with a critic), :func:`compute_grpo_advantages`,
-:func:`compute_rloo_advantages`."""
+ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo")
+"""Advantage estimators (verl's names): :func:`compute_gae` (with a critic), :func:`compute_grpo_advantages`,
+:func:`compute_rloo_advantages`, :func:`compute_reinforce_plus_plus_advantages`,
+:func:`compute_reinforce_plus_plus_baseline_advantages`, :func:`compute_opo_advantages`."""
+
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo")
+"""The estimators whose baseline is the other responses to the same prompt."""
 
 
 @torch.no_grad()
@@ -136,3 +141,122 @@ def compute_rloo_advantages(
     scale = count / (count - 1).clamp(min=1)
     advantages = torch.where(count > 1, scores * scale - mean * scale, scores)
     return advantages.unsqueeze(-1) * response_mask.to(scores.dtype)
+
+
+@torch.no_grad()
+def compute_reinforce_plus_plus_advantages(
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    *,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu, "REINFORCE++", arXiv:2501.03262), verl's ``reinforce_plus_plus`` estimator.
+
+    The discounted return of the token rewards (the score on the last token minus any in-reward KL
+    penalty), backward over positions t = T-1 .. 0 from ``G = 0``::
+
+        if m_t:  G = r_t + γ · G          # else G carries over unchanged
+        R_t = G · m_t
+
+    then ``A = masked_whiten(R)`` over every valid token of the batch (over every rank's tokens with
+    ``all_reduce``, see :func:`masked_whiten`), 0 outside the mask. verl zeroes the running return at a
+    masked position instead of carrying it; the two agree on right-padded responses and differ only
+    where a mask has holes (tool output inside a response), which carry the return here as GAE does.
+    No gradient flows through the result.
+
+    Shapes: ``token_rewards [B, T]``, ``response_mask [B, T]``; returns ``(advantages [B, T], returns
+    [B, T])`` in at least fp32.
+    """
+    dtype = torch.promote_types(token_rewards.dtype, torch.float32)
+    rewards = token_rewards.to(dtype)
+    mask = response_mask.bool()
+    running = torch.zeros(rewards.shape[0], dtype=dtype, device=rewards.device)
+    returns = torch.zeros_like(rewards)
+    for t in reversed(range(rewards.shape[1])):
+        running = torch.where(mask[:, t], rewards[:, t] + gamma * running, running)
+        returns[:, t] = running
+    zero = torch.zeros((), dtype=dtype, device=rewards.device)
+    returns = torch.where(mask, returns, zero)
+    advantages = masked_whiten(returns, mask, all_reduce=all_reduce)
+    return torch.where(mask, advantages, zero), returns
+
+
+@torch.no_grad()
+def compute_reinforce_plus_plus_baseline_advantages(
+    scores: torch.Tensor,
+    group_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """REINFORCE++-baseline (arXiv:2501.03262), verl's ``reinforce_plus_plus_baseline`` estimator.
+
+    ``A_i = s_i - mean_g`` (a group of one has baseline 0), broadcast over the response tokens, then
+    whitened with :func:`masked_whiten` over every valid token of the batch (all ranks with
+    ``all_reduce``), 0 outside the mask. Unlike GRPO there is no division by the group's std: the
+    batch-wide whitening sets the scale. A group whose scores are all equal gets ``-μ/σ`` after the
+    whitening (the batch mean shifted out), not 0.
+
+    Shapes: ``scores [B]``, ``group_ids [B]``, ``response_mask [B, T]``; returns ``[B, T]`` in at least
+    fp32.
+    """
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    count, mean, _ = _group_stats(scores, group_ids)
+    centered = scores - torch.where(count > 1, mean, torch.zeros_like(mean))
+    mask = response_mask.bool()
+    tokens = centered.unsqueeze(-1).expand(mask.shape)
+    advantages = masked_whiten(tokens, mask, all_reduce=all_reduce)
+    return torch.where(mask, advantages, torch.zeros((), dtype=scores.dtype, device=scores.device))
+
+
+@torch.no_grad()
+def compute_opo_advantages(
+    scores: torch.Tensor,
+    group_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> torch.Tensor:
+    """OPO (Hao et al., "On-Policy RL with Optimal Reward Baseline", arXiv:2505.23585), verl's ``opo``.
+
+    The baseline of a group is its scores weighted by response length, ``b_g = Σ_j |y_j| s_j / Σ_j |y_j|``
+    with ``|y_j|`` the valid tokens of response j (the variance-optimal baseline when the gradient norm
+    grows with length); ``A_i = s_i - b_g``, broadcast over the response tokens and multiplied by the
+    mask. A group of one (or whose responses are all empty) has baseline 0. No whitening, no std.
+
+    Example: scores ``[1, 0]`` of lengths ``[2, 6]``: ``b = (2·1 + 6·0) / 8 = 0.25``, so
+    ``A = [0.75, -0.25]``.
+
+    Shapes: ``scores [B]``, ``group_ids [B]``, ``response_mask [B, T]``; returns ``[B, T]`` in at least
+    fp32.
+    """
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    lengths = response_mask.sum(-1).to(scores.dtype)
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    zeros = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device)
+    count = zeros.index_add(0, inverse, torch.ones_like(scores))[inverse]
+    total_len = zeros.index_add(0, inverse, lengths)[inverse]
+    weighted = zeros.index_add(0, inverse, lengths * scores)[inverse]
+    baseline = torch.where((count > 1) & (total_len > 0), weighted / total_len.clamp(min=1), 0.0)
+    return (scores - baseline).unsqueeze(-1) * response_mask.to(scores.dtype)
+
+
+def filter_groups(values: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """DAPO's dynamic-sampling filter (Yu et al., arXiv:2503.14476; verl's ``filter_groups``): which
+    rows belong to a group whose ``values`` are not all equal (a group of one is kept, as verl keeps it).
+
+    A group of equal values carries no signal for a group baseline (every advantage 0), so DAPO drops
+    it and samples more prompts. Exact equality (verl: ``std > 0``). Shapes: ``values [B]``,
+    ``group_ids [B]``; returns ``[B]`` bool.
+    """
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    values = values.to(torch.float64)
+    high = torch.full((num_groups,), -torch.inf, dtype=values.dtype, device=values.device)
+    low = torch.full((num_groups,), torch.inf, dtype=values.dtype, device=values.device)
+    high = high.scatter_reduce(0, inverse, values, "amax")
+    low = low.scatter_reduce(0, inverse, values, "amin")
+    count = torch.zeros(num_groups, dtype=torch.long, device=values.device).index_add(
+        0, inverse, torch.ones_like(inverse)
+    )
+    return ((high > low) | (count == 1))[inverse]

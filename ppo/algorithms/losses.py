@@ -1,9 +1,11 @@
-"""PPO's losses and their aggregation: the clipped policy loss (with dual clip), the clipped value
-loss, and ``agg_loss``, whose optional global counts make gradient accumulation and data parallelism
-exact.
+"""PPO's losses and their aggregation: the clipped policy loss (vanilla with dual clip, GSPO,
+Clip-Cov, KL-Cov, and the token selections of the last two), the clipped value loss, and ``agg_loss``,
+whose optional global counts make gradient accumulation and data parallelism exact.
 
 Shapes: ``[B, T]`` over response tokens with ``response_mask [B, T]``.
 """
+
+from collections.abc import Callable
 
 import torch
 
@@ -38,9 +40,12 @@ def agg_loss(
     - ``"token-mean"``: ``Σ_b S_b / num_tokens``; ``num_tokens`` defaults to ``Σ m``;
     - ``"seq-mean-token-sum"``: ``Σ_b S_b / num_seqs``;
     - ``"seq-mean-token-mean"``: ``Σ_b (S_b / max(Σ_t m[b, t], 1)) / num_seqs``;
-    - ``"seq-mean-token-sum-norm"`` (Dr. GRPO's constant normalizer):
-      ``Σ_b (S_b / loss_scale_factor) / num_seqs``, with ``loss_scale_factor`` defaulting to ``T``
-      (``loss_mat.shape[-1]``, the padded response length), as in current verl.
+    - ``"seq-mean-token-sum-norm"`` (Dr. GRPO's constant normalizer, Liu et al. arXiv:2503.20783):
+      ``Σ_b S_b / loss_scale_factor``, with ``loss_scale_factor`` defaulting to ``T``
+      (``loss_mat.shape[-1]``, the padded response length): verl's ``agg_loss`` formula (v0.4.0 on;
+      v0.7.0 added the ``loss_scale_factor`` argument). No division by the number of sequences: the
+      loss is a sum over the mini-batch's sequences, so its scale (and the gradient norm that
+      ``grad_clip`` compares) grows with the batch. ``num_tokens`` and ``num_seqs`` are not used.
 
     ``num_seqs`` defaults to the number of rows with at least one valid token, so a fully masked row
     contributes 0 and is not counted. Denominators below 1 are taken as 1: an all-masked batch gives 0.
@@ -48,9 +53,9 @@ def agg_loss(
 
     Exact accumulation: pass ``num_tokens`` / ``num_seqs`` counted over the whole mini-batch (all
     micro-batches on all ranks); then the sum of this function over the micro-batches equals its value
-    on the mini-batch at once, for every mode. For ``"seq-mean-token-sum-norm"`` with micro-batches
-    padded to different lengths, also pass a fixed ``loss_scale_factor`` (e.g. the max response length)
-    so that every micro-batch divides by the same T.
+    on the mini-batch at once, for every mode. ``"seq-mean-token-sum-norm"`` is a plain sum and needs no
+    count; with micro-batches padded to different lengths pass a fixed ``loss_scale_factor`` (e.g. the
+    max response length) so that every micro-batch divides by the same T.
 
     Shapes: ``loss_mat [B, T]``, ``response_mask [B, T]``; returns a scalar tensor.
     """
@@ -63,12 +68,16 @@ def agg_loss(
         raise ValueError(f"unknown loss_agg_mode {mode!r}; valid modes: {', '.join(LOSS_AGG_MODES)}")
     tokens_per_seq = mask.sum(dim=-1)
     seqs = _denominator(num_seqs, (tokens_per_seq > 0).sum())
+    if mode == "seq-mean-token-sum-norm":
+        scale = float(loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+        return token_sums.sum() / scale
     if mode == "seq-mean-token-sum":
         return token_sums.sum() / seqs
-    if mode == "seq-mean-token-mean":
-        return (token_sums / tokens_per_seq.clamp(min=1)).sum() / seqs
-    scale = float(loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor)
-    return (token_sums / scale).sum() / seqs
+    return (token_sums / tokens_per_seq.clamp(min=1)).sum() / seqs  # seq-mean-token-mean
+
+
+POLICY_LOSS_MODES = ("vanilla", "gspo", "clip_cov", "kl_cov")
+"""The policy losses of :func:`policy_loss` (verl's ``actor.policy_loss.loss_mode`` names)."""
 
 
 def policy_loss(
@@ -82,52 +91,198 @@ def policy_loss(
     loss_agg_mode: str,
     *,
     is_weights: torch.Tensor | None = None,
+    loss_mode: str = "vanilla",
+    cov_mask: torch.Tensor | None = None,
+    ppo_kl_coef: float = 0.1,
     **counts: int | float | torch.Tensor | None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate loss with asymmetric clipping and dual clip (verl's ``vanilla`` loss).
+    """The clipped policy-gradient loss of ``loss_mode`` (verl's ``actor.policy_loss.loss_mode``).
 
-    ``ρ = exp(clamp(logprobs - old_logprobs, -20, 20))`` and, per token::
+    ``δ = clamp(logprobs - old_logprobs, -20, 20)``, ``ρ = exp(δ)``, ``A`` the advantages, ``w`` the
+    detached off-policy weights ``is_weights [B, T]`` (``correction.rollout_is_weights``; 1 when None),
+    ``counts`` agg_loss's ``num_tokens``, ``num_seqs`` and ``loss_scale_factor``. Per token:
+
+    - ``"vanilla"``, PPO with asymmetric clip and dual clip (Schulman et al. 2017; Ye et al. 2020)::
 
         l1 = -A · ρ
-        l2 = -A · clamp(ρ, 1 - clip_ratio_low, 1 + clip_ratio_high)     # Schulman et al., 2017
-        l  = max(l1, l2)
-        l  = min(l, -A · clip_ratio_c)   where A < 0                    # dual clip, Ye et al., 2020
+        l2 = -A · clamp(ρ, 1 - clip_ratio_low, 1 + clip_ratio_high)
+        l  = max(l1, l2);   l = min(l, -A · clip_ratio_c) where A < 0
 
-    then ``loss = agg_loss(w · l, response_mask, loss_agg_mode, **counts)``; ``counts`` are agg_loss's
-    ``num_tokens``, ``num_seqs`` and ``loss_scale_factor``; ``w`` the detached off-policy weights
-    ``is_weights [B, T]`` (``correction.rollout_is_weights``), 1 when None.
+      then ``agg_loss(w · l, mask, loss_agg_mode)``.
+    - ``"gspo"`` (Zheng et al., "Group Sequence Policy Optimization", arXiv:2507.18071): one ratio per
+      sequence, ``s_i = exp(mean_t δ_i,t)`` over its valid tokens, in the token form
+      ``s_i,t = sg(s_i) · π_t / sg(π_t)`` (log clamped at 10), so every token of a sequence has the same
+      value and the gradient ``s_i ∇log π_t``; ``l = max(-A s_i,t, -A clamp(s_i,t, 1 - low, 1 + high))``
+      with no dual clip, aggregated ``"seq-mean-token-mean"`` whatever ``loss_agg_mode`` (as verl). With
+      the on-policy shortcut (``old_logprobs = logprobs.detach()``) ``s_i,t = 1`` and the gradient is
+      vanilla's with ``seq-mean-token-mean``. The sequence mean needs the whole row: under sequence
+      parallelism the trainer gathers each row's log-probs over the group first
+      (``ulysses.packed_logprobs``), so the mean is the sequence's, not a slice's.
+    - ``"clip_cov"`` (Cui et al., "The Entropy Mechanism of RL for Reasoning LMs", arXiv:2505.22617):
+      vanilla's clipped ``max(l1, l2)`` without dual clip, times 0 on the tokens of ``cov_mask`` that
+      the clip has not already cut (their gradient is detached; :func:`clip_cov_selection` picks them).
+    - ``"kl_cov"`` (same paper): no clip; ``l = -A · ρ + ppo_kl_coef · |δ|`` on the tokens of
+      ``cov_mask`` (:func:`kl_cov_selection`), ``-A · ρ`` elsewhere.
 
-    Metrics (detached scalar tensors, masked means over this call's tokens):
-    ``pg_clipfrac`` = fraction with ``l2 > l1``; ``pg_clipfrac_lower`` = fraction with ``A < 0`` and
-    ``max(l1, l2) > -A · clip_ratio_c``; ``ppo_kl`` = mean of ``-(clamped log-ratio)``, i.e. the k1
-    estimate of KL(π_old ‖ π).
+    Metrics (detached scalar tensors, masked means over this call's tokens): ``pg_clipfrac`` = share
+    with ``l2 > l1``; ``pg_clipfrac_lower`` = share where the dual clip bound (vanilla only, else 0);
+    ``ppo_kl`` = mean of ``-δ`` (the k1 estimate of KL(π_old ‖ π)); with a ``cov_mask`` also
+    ``pg_covfrac`` = share of tokens whose loss Clip-Cov zeroed or KL-Cov penalized.
 
-    Shapes: ``logprobs``, ``old_logprobs``, ``advantages``, ``response_mask`` all ``[B, T]``; returns
-    ``(scalar loss, {"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"})``. Raises ValueError unless
-    ``clip_ratio_c > 1``.
+    Shapes: ``logprobs``, ``old_logprobs``, ``advantages``, ``response_mask``, ``cov_mask`` all
+    ``[B, T]``; returns ``(scalar loss, metrics)``. Raises ValueError unless ``clip_ratio_c > 1``, for an
+    unknown mode, and for ``clip_cov`` / ``kl_cov`` without a ``cov_mask``.
     """
     if not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c (dual-clip bound) must be > 1, got {clip_ratio_c}")
+    if loss_mode not in POLICY_LOSS_MODES:
+        raise ValueError(f"unknown loss_mode {loss_mode!r}; valid: {', '.join(POLICY_LOSS_MODES)}")
+    if loss_mode in ("clip_cov", "kl_cov") and cov_mask is None:
+        raise ValueError(f"loss_mode={loss_mode} needs cov_mask (clip_cov_selection / kl_cov_selection)")
+    mask = response_mask.bool()
+    zero = torch.zeros((), dtype=advantages.dtype, device=advantages.device)
     log_ratio = torch.clamp(logprobs - old_logprobs, min=-20.0, max=20.0)
-    ratio = log_ratio.exp()
+    metrics: dict[str, torch.Tensor] = {}
+    agg_mode = loss_agg_mode
+    if loss_mode == "gspo":
+        seq_log_ratio = masked_mean(torch.where(mask, logprobs - old_logprobs, zero), mask, dim=-1)
+        log_seq_ratio = logprobs - logprobs.detach() + seq_log_ratio.detach().unsqueeze(-1)
+        ratio = torch.clamp(log_seq_ratio, max=10.0).exp()
+        agg_mode = "seq-mean-token-mean"
+    else:
+        ratio = log_ratio.exp()
     pg_losses1 = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    clipped = pg_losses2 > pg_losses1
     clip_pg_losses = torch.maximum(pg_losses1, pg_losses2)
-    pg_losses3 = -advantages * clip_ratio_c
-    negative = advantages < 0
-    pg_losses = torch.where(negative, torch.minimum(clip_pg_losses, pg_losses3), clip_pg_losses)
+    dual = torch.zeros_like(mask)
+    if loss_mode == "vanilla":
+        pg_losses3 = -advantages * clip_ratio_c
+        negative = advantages < 0
+        dual = (clip_pg_losses > pg_losses3) & negative
+        pg_losses = torch.where(negative, torch.minimum(clip_pg_losses, pg_losses3), clip_pg_losses)
+    elif loss_mode == "gspo":
+        pg_losses = clip_pg_losses
+    elif loss_mode == "clip_cov":
+        detached = cov_mask.bool() & mask & ~clipped
+        pg_losses = torch.where(detached, zero, clip_pg_losses)
+        metrics["pg_covfrac"] = masked_mean(detached.float(), mask)
+    else:  # kl_cov
+        penalized = cov_mask.bool() & mask
+        pg_losses = pg_losses1 + torch.where(penalized, ppo_kl_coef * log_ratio.abs(), zero)
+        clipped = torch.zeros_like(mask)
+        metrics["pg_covfrac"] = masked_mean(penalized.float(), mask)
     if is_weights is not None:
         pg_losses = pg_losses * is_weights
-    loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **counts)
+    loss = agg_loss(pg_losses, response_mask, agg_mode, **counts)
     with torch.no_grad():
-        metrics = {
-            "pg_clipfrac": masked_mean((pg_losses2 > pg_losses1).float(), response_mask),
-            "pg_clipfrac_lower": masked_mean(
-                ((clip_pg_losses > pg_losses3) & negative).float(), response_mask
-            ),
-            "ppo_kl": masked_mean(-log_ratio, response_mask),
-        }
-    return loss, metrics
+        metrics["pg_clipfrac"] = masked_mean(clipped.float(), mask)
+        metrics["pg_clipfrac_lower"] = masked_mean(dual.float(), mask)
+        metrics["ppo_kl"] = masked_mean(-log_ratio, mask)
+    return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+@torch.no_grad()
+def token_covariance(
+    advantages: torch.Tensor,
+    logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Each token's contribution to the covariance of advantage and log-prob (the quantity whose sum
+    drives the change of the policy's entropy, arXiv:2505.22617): ``(A_t - Ā)(log π_t - mean log π)``,
+    the means over the masked tokens of the batch (of every rank's tokens with ``all_reduce``, which sums
+    a tensor over ranks), 0 outside the mask.
+
+    Example: ``A = [1, -1]``, ``log π = [-1, -3]``: means 0 and -2, covariances ``[1, 1]``.
+
+    Shapes: ``advantages``, ``logprobs``, ``response_mask`` ``[B, T]``; returns ``[B, T]`` float64.
+    """
+    reduce = all_reduce or (lambda t: t)
+    mask = response_mask.bool()
+    a = torch.where(mask, advantages.double(), 0.0)
+    lp = torch.where(mask, logprobs.double(), 0.0)
+    sum_a, sum_lp, n = reduce(torch.stack([a.sum(), lp.sum(), mask.sum().double()])).unbind()
+    n = n.clamp(min=1)
+    cov = (a - sum_a / n) * (lp - sum_lp / n)
+    return torch.where(mask, cov, 0.0)
+
+
+def _global_count(response_mask: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor]) -> int:
+    return int(round(float(reduce(response_mask.bool().sum().double().reshape(1))[0])))
+
+
+@torch.no_grad()
+def clip_cov_selection(
+    cov: torch.Tensor,
+    response_mask: torch.Tensor,
+    token_ids: torch.Tensor,
+    *,
+    ratio: float,
+    lb: float,
+    ub: float,
+    generator: torch.Generator,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Clip-Cov's tokens (arXiv:2505.22617; verl's ``clip_cov``): ``max(int(ratio · N), 1)`` tokens drawn
+    uniformly, without replacement, from the valid tokens with ``lb < cov < ub`` (all of them if fewer),
+    ``N`` the number of valid tokens.
+
+    The draw is over the whole batch of every rank and independent of how it is split: each token is
+    named by its ``token_ids`` (unique, the same on any rank layout), the candidates' ids are gathered
+    (``all_gather`` concatenates a 1-D tensor over ranks; ``all_reduce`` sums one) and sorted, and
+    ``torch.randperm(len, generator=generator)`` picks from that list. Give every rank a generator in
+    the same state.
+
+    Shapes: ``cov``, ``response_mask``, ``token_ids`` (int64) ``[B, T]``; returns ``[B, T]`` bool.
+    """
+    reduce = all_reduce or (lambda t: t)
+    gather = all_gather or (lambda t: t)
+    mask = response_mask.bool()
+    candidate = mask & (cov > lb) & (cov < ub)
+    wanted = max(int(ratio * _global_count(mask, reduce)), 1)
+    ids = torch.sort(gather(token_ids[candidate].cpu())).values
+    chosen = ids[torch.randperm(ids.numel(), generator=generator)[:wanted]]
+    return candidate & torch.isin(token_ids, chosen.to(token_ids.device))
+
+
+@torch.no_grad()
+def kl_cov_selection(
+    cov: torch.Tensor,
+    response_mask: torch.Tensor,
+    token_ids: torch.Tensor,
+    *,
+    ratio: float,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """KL-Cov's tokens (arXiv:2505.22617; verl's ``kl_cov``): the ``max(int(ratio · N), 1)`` valid tokens
+    of largest ``cov`` (``N`` valid tokens), ties broken by the smaller ``token_ids``.
+
+    Over the whole batch of every rank, independent of its split: each rank's own top candidates
+    (``cov``, id) are gathered (``all_gather`` concatenates a 1-D tensor over ranks, ``all_reduce`` sums
+    one) and the global top is taken from them.
+
+    Shapes: ``cov``, ``response_mask``, ``token_ids`` (int64) ``[B, T]``; returns ``[B, T]`` bool.
+    """
+    reduce = all_reduce or (lambda t: t)
+    gather = all_gather or (lambda t: t)
+    mask = response_mask.bool()
+    wanted = max(int(ratio * _global_count(mask, reduce)), 1)
+    values, ids = cov[mask].double().cpu(), token_ids[mask].cpu()
+    local = _top(values, ids, wanted)  # the global top is among the ranks' own tops
+    values, ids = gather(values[local]), gather(ids[local])
+    chosen = ids[_top(values, ids, wanted)]
+    return mask & torch.isin(token_ids, chosen.to(token_ids.device))
+
+
+def _top(values: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest ``values``, ties by the smaller id (a total order)."""
+    by_id = torch.sort(ids, stable=True).indices
+    by_value = torch.sort(values[by_id], descending=True, stable=True).indices
+    return by_id[by_value][:k]
 
 
 def value_loss(

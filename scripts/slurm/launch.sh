@@ -20,7 +20,13 @@
 #   MAX_RESTARTS    torchrun --max-restarts (default 3 when RESUMABLE, else 0)
 #   MAX_REQUEUES    stop requeueing after this many restarts of the job (default 20)
 #   PRECHECK        1 (default): validate the config for the job's world size before starting ranks
+#   MIN_NODES       elastic restarts: torchrun --nnodes=MIN_NODES:<allocated nodes>, so a job whose node
+#                   died restarts on the nodes left (resuming on the smaller world); the config is checked
+#                   for every world size of the range, and the node layout keys are left unset
 #   PYTHON, TORCHRUN  interpreters (default: the repository's .venv, else what is on PATH)
+#
+# The NCCL flight recorder is on (TORCH_NCCL_TRACE_BUFFER_SIZE, TORCH_NCCL_DUMP_ON_TIMEOUT): when a
+# collective times out, each rank dumps its last collectives to <run folder>/nccl_trace/rank_<n>.
 set -euo pipefail
 
 log() {
@@ -69,6 +75,11 @@ launch() {
     local gpus=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-8}}}
     gpus=${gpus##*:}
     local world_size=$((nnodes * gpus))
+    local min_nodes=${MIN_NODES:-$nnodes}
+    if ((min_nodes < 1 || min_nodes > nnodes)); then
+        echo "launch: MIN_NODES=$min_nodes must be between 1 and the $nnodes allocated node(s)" >&2
+        exit 2
+    fi
 
     # The first host of the allocation runs the c10d store. mapfile reads all of scontrol's output
     # (a `| head -n1` could SIGPIPE scontrol on a long node list, which pipefail turns into a failure).
@@ -100,17 +111,43 @@ launch() {
     fi
     overrides+=("$@")
     if ((NODE_OVERRIDES)); then
-        overrides+=("trainer.nnodes=$nnodes" "trainer.n_gpus_per_node=$gpus")
+        if ((min_nodes < nnodes)); then  # the world size varies: no fixed layout to hold the run to
+            overrides+=("trainer.nnodes=null" "trainer.n_gpus_per_node=null")
+        else
+            overrides+=("trainer.nnodes=$nnodes" "trainer.n_gpus_per_node=$gpus")
+        fi
     fi
 
     # Fail in seconds on this node, not after every rank has loaded its model, when the batch sizes do
-    # not divide over this world size; the message names the keys to change.
+    # not divide over a world size the job may run on (each node count of an elastic range); the
+    # message names the sizes that do not fit and, for the first, the keys to change.
     if [[ ${PRECHECK:-1} == 1 ]]; then
-        if ! "$python" "$ENTRY" --config "$config" --print-config --world-size "$world_size" \
-            "${overrides[@]}" >/dev/null; then
-            echo "launch: $config does not fit $nnodes node(s) x $gpus GPU(s); nothing was started" >&2
+        local -a bad=()
+        local first_error="" n
+        for ((n = min_nodes; n <= nnodes; n++)); do
+            local err
+            if ! err=$("$python" "$ENTRY" --config "$config" --print-config --world-size $((n * gpus)) \
+                "${overrides[@]}" 2>&1 >/dev/null); then
+                bad+=("$((n * gpus)) ranks ($n node(s))")
+                [[ -n $first_error ]] || first_error=$(tail -n 1 <<<"$err")
+            fi
+        done
+        if ((${#bad[@]})); then
+            local IFS=", "
+            echo "launch: $config does not fit ${bad[*]} of $gpus GPU(s) a node; nothing was started: $first_error" >&2
             exit 2
         fi
+    fi
+
+    # The run folder (for the NCCL flight recorder's dumps), as the entry resolves it.
+    local run_dir
+    run_dir=$("$python" "$ENTRY" --config "$config" --print-config "${overrides[@]}" 2>/dev/null |
+        sed -n 's/^  output_dir: *//p' | head -n 1) || true
+    export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
+    export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+    if [[ -n $run_dir ]]; then
+        mkdir -p "$run_dir/nccl_trace"
+        export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$run_dir/nccl_trace/rank_}
     fi
 
     # One task per node holds all of the node's CPUs: srun does not inherit sbatch's --cpus-per-task on
@@ -122,7 +159,7 @@ launch() {
     local -a cmd=(
         "${step[@]}"
         "$torchrun"
-        --nnodes="$nnodes"
+        --nnodes="$([[ $min_nodes -lt $nnodes ]] && echo "$min_nodes:$nnodes" || echo "$nnodes")"
         --nproc_per_node="$gpus"
         --rdzv_id="$SLURM_JOB_ID"
         --rdzv_backend=c10d

@@ -1,0 +1,71 @@
+"""The import structure: modules import downward only, type-level imports (``if TYPE_CHECKING:``)
+included, so the step's data types sit below everything that uses them and ``Run`` stays at the top."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+
+def imports_of(path: Path, modules: set[str]) -> set[str]:
+    """The project modules ``path`` imports (``import a.b``, ``from a import b``, ``from a.b import c``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name:
+                found.add(name)
+    return found
+
+
+def module_graph() -> dict[str, set[str]]:
+    """``{module: modules it imports}`` over ``ppo``, ``kernels`` and ``train_ppo``."""
+    files = {"train_ppo": ROOT / "train_ppo.py"}
+    for package in ("ppo", "kernels"):
+        for path in (ROOT / package).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            files[name] = path
+    names = set(files)
+    return {name: imports_of(path, names) - {name} for name, path in files.items()}
+
+
+def test_no_import_circle() -> None:
+    graph = module_graph()
+    # A package imports its own modules (ppo.algorithms re-exports its parts): not an upward arrow.
+    graph = {m: {d for d in deps if not d.startswith(m + ".")} for m, deps in graph.items()}
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            cycle = path[path.index(module) :] + [module]
+            raise AssertionError(f"import circle: {' -> '.join(cycle)}")
+        if module in done:
+            return
+        for dep in sorted(graph[module]):
+            visit(dep, [*path, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
+def test_only_the_top_takes_run() -> None:
+    """``Run`` (what a PPO run is made of) is imported by train_ppo and validation only."""
+    takers = {m for m, deps in module_graph().items() if "ppo.build" in deps}
+    assert takers == {"train_ppo", "ppo.validation"}
+
+
+def test_the_math_is_pure_torch() -> None:
+    """``ppo.algorithms`` imports nothing of the project but itself."""
+    for module, deps in module_graph().items():
+        if module.startswith("ppo.algorithms"):
+            assert all(d.startswith("ppo.algorithms") for d in deps), (module, deps)
