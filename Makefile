@@ -23,9 +23,10 @@ install: .venv/.installed
 	touch $@
 
 # Tiny tokenizer, models and task; SFT on the flawed demonstrations (assets/sft, the PPO actor's start);
-# the reward model (assets/rm); offline groups for configs/demo_cpu_offline.yaml: 4 samples from
+# that model fine-tuned on demonstrations of which 40% call a calculator (assets/tools/sft, the start of
+# configs/demo_cpu_tools.yaml); the reward model (assets/rm); offline groups for configs/demo_cpu_offline.yaml: 4 samples from
 # the SFT model for each of the first 2048 training prompts, ranked by the rule (assets/offline). Final
-# numbers go to assets/metrics.json. About 4-5 minutes on 2 cores.
+# numbers go to assets/metrics.json. About 6-7 minutes on 2 cores.
 # SEED=1 builds another task split, initialization and data order (the presets' seed is 0);
 # ASSETS=dir writes the whole set to another folder (run a preset on it with model.path=dir/sft etc.).
 SEED ?= 0
@@ -37,11 +38,15 @@ SFT_PATHS := model.path=$(A)/base data.train_files=[$(A)/data/sft_train.parquet]
 RM_PATHS := model.path=$(A)/sft data.train_files=[$(A)/data/pref_train.parquet] \
 	data.val_files=[$(A)/data/pref_val.parquet] trainer.output_dir=$(A)/runs/rm trainer.save_path=$(A)/rm \
 	trainer.seed=$(SEED)
+TOOLS_PATHS := model.path=$(A)/sft data.train_files=[$(A)/data/sft_tools_train.parquet] \
+	data.val_files=[$(A)/data/sft_tools_val.parquet] trainer.output_dir=$(A)/tools/runs/sft \
+	trainer.save_path=$(A)/tools/sft trainer.seed=$(SEED)
 
 assets: install
-	rm -rf $(A)/runs $(A)/metrics.json $(A)/offline
+	rm -rf $(A)/runs $(A)/metrics.json $(A)/offline $(A)/tools
 	$(PY) scripts/make_tiny_assets.py --out $(A) --seed $(SEED)
 	.venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) scripts/train_sft.py --config configs/sft_demo.yaml $(SFT_PATHS)
+	.venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) scripts/train_sft.py --config configs/sft_tools_demo.yaml $(TOOLS_PATHS)
 	.venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) scripts/train_reward_model.py --config configs/rm_demo.yaml $(RM_PATHS)
 	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) scripts/make_offline_data.py \
 		--model $(A)/sft --data $(A)/data/train.parquet --out $(A)/offline/train.parquet --k 4 \

@@ -31,7 +31,7 @@ import torch
 
 import kernels
 from ppo import algorithms, checkpoint_files, lora, models, offline, rewards, runner, sharding, ulysses
-from ppo.batch import Batch, Rollout, group_index
+from ppo.batch import Batch, Rollout, concat_rollouts, group_index, rollout_rows
 from ppo.build import KLController, Run, build
 from ppo.checkpointer import log_stopped, roll_back, save_due
 from ppo.config import PPOConfig
@@ -119,6 +119,8 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
             run.actor.model, run.tokenizer, hf_dir, is_main=info.is_main, merged=cfg.actor.lora.save_merged
         )
     run.metrics_logger.close()
+    if run.reward_pool is not None:
+        run.reward_pool.close()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -188,10 +190,8 @@ class KeptGroup:
     """``(round, loader batch in the round, rank, position in the rank's share)``: sorted, the global
     order of the prompts as the loader drew them, the same on any number of ranks."""
     record: Any
-    prompt: torch.Tensor
-    responses: torch.Tensor
-    response_mask: torch.Tensor
-    truncated: torch.Tensor
+    rollout: Rollout
+    """The group's ``n`` sequences."""
     raw_scores: torch.Tensor
     """``[n]`` the reward's scores, before the overlong penalty."""
     penalties: torch.Tensor
@@ -215,6 +215,7 @@ def collect_filtered(
     f, n, want = cfg.algorithm.filter_groups, cfg.rollout.n, cfg.data.train_batch_size
     loader = run.loader
     kept: list[KeptGroup] = []
+    metrics: dict[str, float] = {}
     num_kept = num_generated = 0
     rounds = 0
     while num_kept < want:
@@ -234,7 +235,9 @@ def collect_filtered(
         items = [r for share in shares for r in share]
         batch = collect_round(cfg, run, items, timer)
         with timer("reward"):
-            raw = score_responses(cfg, run, batch)
+            raw, reward_metrics = score_responses(cfg, run, batch)
+        for k, v in reward_metrics.items():  # counts add up over the rounds; extras: the last round's
+            metrics[k] = metrics.get(k, 0.0) + v if k in ("reward/timeouts", "reward/errors") else v
         if all_reduce_scalar(float(not torch.isfinite(raw).all()), "max"):
             raise EndStep("skip", "non-finite reward")
         penalties = overlong_penalties(cfg, batch)
@@ -249,10 +252,7 @@ def collect_filtered(
                     KeptGroup(
                         key=(rounds, j, loader.rank, p),
                         record=items[g],
-                        prompt=rollout.prompts[g * n].cpu(),
-                        responses=rollout.responses[rows].cpu(),
-                        response_mask=rollout.response_mask[rows].cpu(),
-                        truncated=rollout.truncated[rows].cpu(),
+                        rollout=rollout_rows(rollout, rows, torch.device("cpu")),
                         raw_scores=raw[rows].cpu(),
                         penalties=penalties[rows].cpu(),
                     )
@@ -262,16 +262,11 @@ def collect_filtered(
     groups = exchange_kept_groups(kept, want, rank=loader.rank, world_size=loader.world_size)
     records = [g.record for g in groups for _ in range(n)]
     device = run.device
-    rollout = Rollout(
-        prompts=[g.prompt for g in groups for _ in range(n)],
-        responses=torch.cat([g.responses for g in groups]).to(device),
-        response_mask=torch.cat([g.response_mask for g in groups]).to(device),
-        truncated=torch.cat([g.truncated for g in groups]).to(device),
-    )
+    rollout = concat_rollouts([g.rollout for g in groups], device)
     batch = Batch(rollout=rollout, records=records, group_ids=group_index(len(records), n, device))
     penalties = torch.cat([g.penalties for g in groups]).to(device)
     batch.scores = torch.cat([g.raw_scores for g in groups]).to(device) + penalties
-    metrics = {"train/num_gen_batches": float(rounds), "train/kept_group_share": num_kept / num_generated}
+    metrics |= {"train/num_gen_batches": float(rounds), "train/kept_group_share": num_kept / num_generated}
     if cfg.reward.overlong_buffer.enable:
         metrics.update(overlong_metrics(penalties))
     return batch, metrics
@@ -317,7 +312,7 @@ def score(cfg: PPOConfig, run: Run, batch: Batch, timer: Timer, stop: runner.Sto
         with timer("ref"):
             score_reference(cfg, run, batch)
         if batch.old_logprobs is not None:
-            metrics["actor/ref_kl"] = ref_kl(batch.old_logprobs, batch.ref_logprobs, batch.response_mask)
+            metrics["actor/ref_kl"] = ref_kl(batch.old_logprobs, batch.ref_logprobs, batch.loss_mask)
         at_boundary(stop)
     if run.critic is not None:
         with timer("values"):
@@ -326,14 +321,17 @@ def score(cfg: PPOConfig, run: Run, batch: Batch, timer: Timer, stop: runner.Sto
     with timer("reward"):
         if batch.scores is None:  # dynamic sampling scored its rounds already
             penalties = overlong_penalties(cfg, batch)
-            batch.scores = score_responses(cfg, run, batch) + penalties
+            scores, reward_metrics = score_responses(cfg, run, batch)
+            batch.scores = scores + penalties
+            metrics.update(reward_metrics)
             if cfg.reward.overlong_buffer.enable:
                 metrics.update(overlong_metrics(penalties))
     return metrics
 
 
-def score_responses(cfg: PPOConfig, run: Run, batch: Batch) -> torch.Tensor:
-    """``[B]`` the reward's score of each response (``rewards.batch_scores``), before any shaping."""
+def score_responses(cfg: PPOConfig, run: Run, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    """``[B]`` the reward's score of each response (``rewards.batch_scores``), before any shaping, and
+    the rule's metrics (``reward/extra/*``; with ``reward.num_workers``, ``reward/{timeouts,errors}``)."""
     return rewards.batch_scores(
         batch,
         cfg.reward,
@@ -341,6 +339,7 @@ def score_responses(cfg: PPOConfig, run: Run, batch: Batch) -> torch.Tensor:
         scorer=run.scorer,
         tokenizer=run.tokenizer,
         reward_model=run.reward_model,
+        pool=run.reward_pool,
     )
 
 
@@ -470,18 +469,17 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str, b
 
 
 def compute_advantages(cfg: PPOConfig, batch: Batch, kl_ctrl: KLController, step: int) -> dict[str, float]:
-    """Token rewards (score on the last response token, minus the in-reward KL penalty) and advantages.
+    """Token rewards (score on the last generated token, plus a multi-turn environment's step rewards,
+    minus the in-reward KL penalty) and advantages, over the loss mask (the generated tokens).
 
     The group estimators (GRPO, RLOO, REINFORCE++-baseline, OPO) take each sequence's summed token
     rewards, as verl does (``token_level_rewards.sum(-1)``): with KL in the reward, a sequence that
     drifted from the reference earns less than its score. GAE, REINFORCE++ and REINFORCE++-baseline
     whiten over every valid token of the global batch (one all-reduce pattern for the three).
     """
-    mask = batch.response_mask
-    last = (mask.sum(-1) - 1).clamp(min=0)
-    rows = torch.arange(mask.shape[0], device=mask.device)
-    token_rewards = torch.zeros_like(mask, dtype=torch.float32)
-    token_rewards[rows, last] = batch.scores
+    mask = batch.loss_mask
+    token_rewards = batch.rollout.step_rewards.float().clone()
+    token_rewards[batch.rows(), last_true(mask)] += batch.scores
     metrics: dict[str, float] = {}
     if cfg.algorithm.use_kl_in_reward:
         kind = cfg.algorithm.kl_penalty
@@ -532,6 +530,13 @@ def compute_advantages(cfg: PPOConfig, batch: Batch, kl_ctrl: KLController, step
         batch.advantages = algorithms.compute_opo_advantages(seq_rewards, groups, mask)
     batch.returns = batch.advantages
     return metrics
+
+
+def last_true(mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` the position of the last True of each row of ``mask [B, R]`` (0 for a row with none): where
+    the outcome reward lands (the final generated token; observation tokens after it are not trained)."""
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    return torch.where(mask.bool(), positions, 0).amax(-1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -604,7 +609,7 @@ def critic_loss(cfg: PPOConfig, critic: torch.nn.Module, batch: Batch, sp: ulyss
 
     def loss_fn(sel: torch.Tensor, counts: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         counts = {**counts, "loss_scale_factor": scale}
-        mask = batch.response_mask[sel]
+        mask = batch.loss_mask[sel]
         values = ulysses.packed_values(critic, pack_rows(batch, sel), sp)
         vf_loss, vf_metrics = algorithms.value_loss(
             values, batch.values[sel], batch.returns[sel], mask, c.cliprange_value, c.loss_agg_mode, **counts
@@ -646,7 +651,7 @@ def actor_loss(
 
     def loss_fn(sel: torch.Tensor, counts: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         counts = {**counts, "loss_scale_factor": scale}
-        mask = batch.response_mask[sel]
+        mask = batch.loss_mask[sel]
         logprobs, entropy = ulysses.packed_logprobs(
             actor,
             pack_rows(batch, sel),
@@ -722,7 +727,7 @@ def cov_selection(
         return torch.cat(all_gather_object(t.cpu() if sp.rank == 0 else t[:0].cpu()))  # each row once
 
     def hook(idx: torch.Tensor, update: int) -> None:
-        mask = batch.response_mask[idx]
+        mask = batch.loss_mask[idx]
         cov = algorithms.token_covariance(
             batch.advantages[idx], batch.old_logprobs[idx], mask, all_reduce=all_reduce
         )
@@ -758,7 +763,7 @@ def off_policy_weights(
     alg = cfg.algorithm
     if alg.rollout_is_threshold is None:
         return None, {}
-    rollout_logprobs, mask = batch.data_logprobs[sel], batch.response_mask[sel]
+    rollout_logprobs, mask = batch.data_logprobs[sel], batch.loss_mask[sel]
     metrics = algorithms.mismatch_metrics(old_logprobs, rollout_logprobs, mask, alg.rollout_is_threshold)
     if not alg.rollout_is:
         return None, metrics

@@ -28,15 +28,68 @@ class Rollout:
     """[B, R] bool: True on generated tokens up to and including the first EOS."""
     truncated: torch.Tensor
     """[B] bool: the response hit ``max_new_tokens`` without an EOS."""
+    loss_mask: torch.Tensor | None = None
+    """[B, R] bool: True on the tokens the policy generated, the ones every loss, KL, entropy, whitening
+    and token count uses; None: the same as ``response_mask`` (single-turn). A multi-turn rollout's
+    observation tokens exist (``response_mask``: packing, forwards) but are not trained."""
+    env_rewards: torch.Tensor | None = None
+    """[B, R] rewards an environment gave, each on the last generated token of its turn; None: none."""
+    turn_stats: dict[str, torch.Tensor] | None = None
+    """Multi-turn rollouts: ``[B]`` per-row counts by name (``multi_turn.TURN_STATS``); None otherwise."""
+
+    @property
+    def trained_mask(self) -> torch.Tensor:
+        """``loss_mask``, or ``response_mask`` when every existing token was generated."""
+        return self.loss_mask if self.loss_mask is not None else self.response_mask
+
+    @property
+    def step_rewards(self) -> torch.Tensor:
+        """``env_rewards``, or zeros."""
+        return (
+            self.env_rewards
+            if self.env_rewards is not None
+            else torch.zeros_like(self.response_mask, dtype=torch.float32)
+        )
 
 
-def concat_rollouts(parts: list[Rollout]) -> Rollout:
-    """One rollout of the sequences of ``parts`` in order. All parts share ``R``."""
+def concat_rollouts(parts: list[Rollout], device: torch.device | None = None) -> Rollout:
+    """One rollout of the sequences of ``parts`` in order (on ``device``, default: where they are). All
+    parts share ``R``; multi-turn parts are all multi-turn (one run samples one way)."""
+    multi = any(part.loss_mask is not None for part in parts)
+
+    def cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+        out = torch.cat(tensors)
+        return out.to(device) if device is not None else out
+
     return Rollout(
         prompts=[p for part in parts for p in part.prompts],
-        responses=torch.cat([part.responses for part in parts]),
-        response_mask=torch.cat([part.response_mask for part in parts]),
-        truncated=torch.cat([part.truncated for part in parts]),
+        responses=cat([part.responses for part in parts]),
+        response_mask=cat([part.response_mask for part in parts]),
+        truncated=cat([part.truncated for part in parts]),
+        loss_mask=cat([part.trained_mask for part in parts]) if multi else None,
+        env_rewards=cat([part.step_rewards for part in parts]) if multi else None,
+        turn_stats=(
+            {k: cat([part.turn_stats[k] for part in parts]) for k in parts[0].turn_stats}
+            if parts and parts[0].turn_stats is not None
+            else None
+        ),
+    )
+
+
+def rollout_rows(rollout: Rollout, rows: slice, device: torch.device) -> Rollout:
+    """The sequences ``rows`` of ``rollout``, on ``device``."""
+    return Rollout(
+        prompts=[p.to(device) for p in rollout.prompts[rows]],
+        responses=rollout.responses[rows].to(device),
+        response_mask=rollout.response_mask[rows].to(device),
+        truncated=rollout.truncated[rows].to(device),
+        loss_mask=rollout.loss_mask[rows].to(device) if rollout.loss_mask is not None else None,
+        env_rewards=rollout.env_rewards[rows].to(device) if rollout.env_rewards is not None else None,
+        turn_stats=(
+            {k: v[rows].to(device) for k, v in rollout.turn_stats.items()}
+            if rollout.turn_stats is not None
+            else None
+        ),
     )
 
 
@@ -71,7 +124,13 @@ class Batch:
 
     @property
     def response_mask(self) -> torch.Tensor:
+        """[B, R] the tokens that exist (packing and forwards)."""
         return self.rollout.response_mask
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """[B, R] the tokens the policy generated (every loss, KL, entropy, whitening and count)."""
+        return self.rollout.trained_mask
 
     @property
     def seq_lens(self) -> list[int]:

@@ -10,6 +10,7 @@ below takes what it uses as arguments.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from ppo import (
     data,
     lora,
     models,
+    multi_turn,
     offline,
     rewards,
     rollout,
@@ -37,6 +39,7 @@ from ppo.distributed import DistInfo
 from ppo.metrics import MetricsLogger
 from ppo.monitor import HealthMonitor
 from ppo.optim import Trained, with_optimizer
+from ppo.reward_pool import RewardPool
 
 logger = logging.getLogger("ppo")
 
@@ -62,6 +65,8 @@ class Run:
     """The reference policy; the actor's own module under LoRA (adapters off); None without KL terms."""
     reward_model: torch.nn.Module | None
     scorer: rewards.RuleScorer
+    reward_pool: RewardPool | None
+    """The rule reward's worker processes (``reward.num_workers > 0``); None scores in this process."""
     kl_ctrl: KLController
     checkpointer: Checkpointer
     state: TrainerState
@@ -77,13 +82,21 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
     checkpoint. Everything that can fail on the user's input fails here, before step 1."""
     out_dir = runner.prepare_run(cfg, info)
     tokenizer = runner.load_tokenizer(cfg.model)
-    scorer = rewards.make_rule_scorer(cfg.reward.custom_function, cfg.reward.format_score)
-    items, val_records = load_data(cfg, info, tokenizer, scorer)
+    scorer = rewards.make_rule_scorer(
+        cfg.reward.custom_function, cfg.reward.format_score, cfg.reward.reward_kwargs
+    )
+    pool = make_reward_pool(cfg)
+    items, val_records = load_data(cfg, info, tokenizer, scorer, pool)
+    turns = (  # the environment class loads (or fails) before any model does
+        multi_turn.make_settings(cfg.rollout.multi_turn, tokenizer, cfg.data.max_response_length)
+        if cfg.rollout.multi_turn.enable
+        else None
+    )
     loader = runner.make_loader(items, cfg, info)
     total_steps = runner.total_steps(cfg, loader)
     sp = ulysses.make_sp_groups(cfg.actor.ulysses_sequence_parallel_size)
     actor, ref, critic, reward_model = load_models(cfg, info, sp)
-    sampler = make_sampler(cfg, info, actor, tokenizer, items)
+    sampler = make_sampler(cfg, info, actor, tokenizer, items, turns)
     # One learning-rate step per training step, as verl.
     trained_actor = with_optimizer(actor, cfg.actor.optim, total_steps)
     trained_critic = with_optimizer(critic, cfg.critic.optim, total_steps) if critic is not None else None
@@ -121,6 +134,7 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
         ref=ref,
         reward_model=reward_model,
         scorer=scorer,
+        reward_pool=pool,
         kl_ctrl=kl_ctrl,
         checkpointer=ckpt,
         state=state,
@@ -131,11 +145,29 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
     )
 
 
+def make_reward_pool(cfg: PPOConfig) -> RewardPool | None:
+    """Worker processes for the rule reward (training and validation) with ``reward.num_workers > 0``,
+    else None."""
+    r = cfg.reward
+    if r.num_workers == 0:
+        return None
+    return RewardPool(
+        functools.partial(rewards.make_rule_scorer, r.custom_function, r.format_score, r.reward_kwargs),
+        name=f"reward.custom_function={r.custom_function!r}"
+        if r.custom_function
+        else "the built-in rule reward",
+        num_workers=r.num_workers,
+        timeout_s=r.timeout_s,
+        error_score=r.error_score,
+    )
+
+
 def load_data(
-    cfg: PPOConfig, info: DistInfo, tokenizer: Any, scorer: rewards.RuleScorer
+    cfg: PPOConfig, info: DistInfo, tokenizer: Any, scorer: rewards.RuleScorer, pool: RewardPool | None = None
 ) -> tuple[list[data.PromptRecord] | list[offline.OfflineGroup], list[data.PromptRecord]]:
     """The training items (prompt records, or offline groups with ``rollout.offline_fraction``) and the
-    validation prompts; the rule scorer checked against the training prompts' sources."""
+    validation prompts; the rule scorer checked against the training prompts' sources (in ``pool``
+    where there is one)."""
     load = dict(
         prompt_key=cfg.data.prompt_key,
         max_prompt_length=cfg.data.max_prompt_length,
@@ -172,7 +204,7 @@ def load_data(
     if cfg.data.max_val_samples > 0:
         val_records = val_records[: cfg.data.max_val_samples]
     if rewards.needs_rule_scores(cfg.reward, cfg.rollout.offline_fraction):
-        rewards.check_rule_coverage(scorer, train_records, cfg.reward.custom_function)
+        rewards.check_rule_coverage(scorer, train_records, cfg.reward.custom_function, pool)
     return items, val_records
 
 
@@ -249,11 +281,16 @@ def resume(cfg: PPOConfig, info: DistInfo, ckpt: Checkpointer, state: TrainerSta
 
 
 def make_sampler(
-    cfg: PPOConfig, info: DistInfo, actor: torch.nn.Module, tokenizer: Any, items: list
+    cfg: PPOConfig,
+    info: DistInfo,
+    actor: torch.nn.Module,
+    tokenizer: Any,
+    items: list,
+    turns: multi_turn.MultiTurn | None = None,
 ) -> rollout.Sampler:
-    """The rollout's sampler: the actor (and its compiled copy, ``make_engine``), the settings, and every
+    """The rollout's sampler: the actor (and its compiled copy, ``make_engine``), the settings, every
     EOS id of the tokenizer and the model's generation config (offline responses checked against them:
-    the generation config may add EOS ids that a response holds)."""
+    the generation config may add EOS ids that a response holds), and the multi-turn settings."""
     eos_ids = models.eos_token_ids(tokenizer, actor)
     if cfg.rollout.offline_fraction > 0:
         offline.check_eos(items, eos_ids)
@@ -264,6 +301,7 @@ def make_sampler(
         max_response_length=cfg.data.max_response_length,
         eos_ids=eos_ids,
         pad_token_id=tokenizer.pad_token_id,
+        multi_turn=turns,
     )
 
 
@@ -273,8 +311,8 @@ def make_engine(cfg: PPOConfig, actor: torch.nn.Module, info: DistInfo) -> torch
     (``rollout.generate``). Not with LoRA adapters (the copy has the base architecture)."""
     wanted = cfg.rollout.compile
     use_lora = lora.uses_lora(cfg.actor.lora)
-    if wanted == "auto":
-        wanted = info.device.type == "cuda" and not use_lora
+    if wanted == "auto":  # multi-turn turns decode with the eager cache (config refuses compile=true)
+        wanted = info.device.type == "cuda" and not use_lora and not cfg.rollout.multi_turn.enable
     if not wanted:
         return None
     if use_lora:

@@ -519,6 +519,38 @@ class ValKwargsConfig:
 
 
 @dataclass(kw_only=True)
+class MultiTurnConfig:
+    """Multi-turn rollouts: the model writes, the user's environment answers, the model writes again
+    (``ppo.multi_turn``; verl's ``rollout.multi_turn`` where it has the key)."""
+
+    enable: bool = False
+    """Run the turn loop for training rollouts and validation."""
+    env: str | None = None
+    """The environment class, ``path/to/file.py:Class`` or ``module:Class``, with ``reset(row)`` and
+    ``step(action_text) -> (observation, reward, done)``; one instance per trajectory."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end a turn (e.g. ``</calc>``): the turn's text goes to ``step``. An EOS ends the
+    trajectory."""
+    max_assistant_turns: int | None = None
+    """Most model turns per trajectory (None: as many as ``data.max_response_length`` allows)."""
+    max_tool_response_length: int = 256
+    """Most tokens of one observation; longer ones are cut and counted."""
+    step_timeout_s: float = 30.0
+    """A ``step`` call that runs longer ends its trajectory with reward 0 (counted)."""
+
+    def __post_init__(self) -> None:
+        _require(self, ">= 1", "max_assistant_turns", "max_tool_response_length")
+        _require(self, "> 0", "step_timeout_s")
+        if self.enable and not self.env:
+            raise FieldError(
+                "enable=true needs the environment class: set rollout.multi_turn.env=path/to/file.py:Class",
+                "env",
+            )
+        if any(not isinstance(x, str) or not x for x in self.stop):
+            raise FieldError(f"stop={self.stop!r}: expected non-empty strings", "stop")
+
+
+@dataclass(kw_only=True)
 class RolloutConfig:
     n: int = 4
     """Responses sampled per prompt."""
@@ -546,6 +578,8 @@ class RolloutConfig:
     Default: 1 with ``source=dataset``, 0 with ``source=generate``."""
     compile: bool | Literal["auto"] = "auto"
     """Decode with a static KV cache and a compiled decoding step (CUDA graphs): ``auto`` on CUDA."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn rollouts with a user's environment or tool."""
 
     def __post_init__(self) -> None:
         _require(self, "[0, 1]", "offline_fraction")
@@ -587,8 +621,12 @@ class RewardConfig:
     model_path: str | None = None
     """Reward model folder for ``style=model`` (or ``ranking_by=model``)."""
     custom_function: str | None = None
-    """A user's scorer ``module.path:function`` or ``file.py:function`` taking
-    ``(data_source, solution_str, ground_truth, extra_info)`` and returning a float."""
+    """A user's scorer ``module.path:function`` or ``file.py:function`` (``:function`` may be left out: it
+    is then ``compute_score``, as verl's), called by keyword as verl calls it,
+    ``fn(data_source=, solution_str=, ground_truth=, extra_info=, **reward_kwargs)``, returning a number
+    or a dict with a ``"score"`` number (its other number-valued keys are logged as ``reward/extra/<key>``)."""
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of ``custom_function`` (verl's ``custom_reward_function.reward_kwargs``)."""
     format_score: float = 0.0
     """GSM8K scorer: score of a well-formed but wrong answer."""
     ranking_by: Literal["rule", "model"] = "rule"
@@ -598,6 +636,15 @@ class RewardConfig:
     the others; ``linear`` scores ``1 - rank / (k - 1)`` for rank 0 (best) to k - 1."""
     micro_batch_size_per_gpu: int = 16
     """Sequences per reward-model forward on one rank."""
+    num_workers: int = 0
+    """Score the rule reward in this many worker processes per rank, each call limited to ``timeout_s``
+    (0: in the trainer's own process, where a failing function stops the run at once)."""
+    timeout_s: float = 60.0
+    """With ``num_workers > 0``: a call that runs longer is abandoned (its worker replaced) and scored
+    ``error_score``, counted in ``reward/timeouts``."""
+    error_score: float = 0.0
+    """With ``num_workers > 0``: the score of a response whose call timed out, raised or returned no
+    number (``reward/timeouts``, ``reward/errors``); a step whose every call failed stops the run."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     """DAPO's length penalty near ``data.max_response_length``, added to every score."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
@@ -605,7 +652,8 @@ class RewardConfig:
     on CPU."""
 
     def __post_init__(self) -> None:
-        _require(self, "> 0", "micro_batch_size_per_gpu")
+        _require(self, "> 0", "micro_batch_size_per_gpu", "timeout_s")
+        _require(self, ">= 0", "num_workers")
 
 
 @dataclass(kw_only=True)
@@ -713,6 +761,9 @@ class TrainerConfig(RunTrainerConfig):
     """Steps at the start that train only the critic (the actor is frozen)."""
     val_before_train: bool = True
     """Validate once before the first step."""
+    log_val_generations: int = 0
+    """Write this many (prompt, response, score) rows of each validation, the first validation prompts
+    (the same ones every time), to ``output_dir/generations.jsonl`` and TensorBoard's text tab (verl's key)."""
     save_hf_on_end: bool = False
     """Export the final actor with ``save_pretrained`` to ``output_dir/hf``."""
     profile_steps: list[int] = field(default_factory=list)
@@ -734,7 +785,7 @@ class TrainerConfig(RunTrainerConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _require(self, "> 0", "n_gpus_per_node", "nnodes", "profile_steps")
-        _require(self, ">= 0", "critic_warmup", "warn_entropy_below")
+        _require(self, ">= 0", "critic_warmup", "warn_entropy_below", "log_val_generations")
         _require(self, "[0, 1)", "rollback_val_drop")
         _require(self, ">= 1", "max_skipped_steps")
 
@@ -846,6 +897,7 @@ class PPOConfig:
                 "reward.style",
                 "rollout.source",
             )
+        self._check_multi_turn()
         # Fallbacks resolved once, here, so that the trainer and the saved config.yaml see the values
         # that run. A default instance is never the base of another build (see _build), so this cannot
         # freeze a default the user then overrides.
@@ -877,6 +929,34 @@ class PPOConfig:
                 f"ranks of a sequence-parallel group; use model.attn_implementation=auto",
                 "model.attn_implementation",
                 "actor.ulysses_sequence_parallel_size",
+            )
+
+    def _check_multi_turn(self) -> None:
+        """The combinations a multi-turn rollout cannot run with."""
+        m = self.rollout.multi_turn
+        if not m.enable:
+            return
+        if self.rollout.offline_fraction > 0:
+            raise FieldError(
+                "rollout.multi_turn.enable=true runs the environment between the model's turns, but offline groups "
+                "(rollout.source=dataset or rollout.offline_fraction > 0) are single-turn responses read from the "
+                "data: turn one of them off",
+                "rollout.multi_turn.enable",
+                "rollout.offline_fraction",
+            )
+        if self.rollout.compile is True:
+            raise FieldError(
+                "rollout.multi_turn.enable=true decodes each turn with the eager KV cache; rollout.compile=true is "
+                "not available with it: set rollout.compile=auto or false",
+                "rollout.multi_turn.enable",
+                "rollout.compile",
+            )
+        if self.rollout.ignore_eos:
+            raise FieldError(
+                "rollout.multi_turn.enable=true ends turns at stop strings and trajectories at an EOS; "
+                "rollout.ignore_eos=true would never end either: turn one of them off",
+                "rollout.multi_turn.enable",
+                "rollout.ignore_eos",
             )
 
     def _check_recipes(self) -> None:

@@ -325,6 +325,9 @@ def _merge(
         dotted = f"{prefix}{key}"
         section = hints.get(key) if isinstance(key, str) else None
         sources[dotted] = source
+        if typing.get_origin(section) is dict and isinstance(value, dict) and isinstance(dst.get(key), dict):
+            dst[key] = {**dst[key], **value}  # a mapping key (reward.reward_kwargs) set key by key
+            continue
         if not dataclasses.is_dataclass(section):
             dst[key] = value
             continue
@@ -406,7 +409,7 @@ def _build(
         if dataclasses.is_dataclass(typ):  # _merge made sure that value is a dict
             inner = getattr(base, key) if base is not None else _field_default(fields[key])
             kwargs[key] = _build(typ, value, sources, dotted + ".", inner, root, errors=errors)
-        elif isinstance(value, dict):
+        elif isinstance(value, dict) and typing.get_origin(typ) is not dict:
             errors.append(
                 f"{dotted} is not a section (it takes {_type_name(typ)}); got {_show.repr(value)} "
                 f"(from {_source(sources, dotted)})"
@@ -473,6 +476,12 @@ def _coerce(value: Any, typ: Any, dotted: str, sources: dict[str, str]) -> Any:
             f"{dotted}={_show.repr(value)} (from {_source(sources, dotted)}) must be one of "
             f"{', '.join(map(str, args))}"
         )
+    if origin is dict:
+        if value is None:
+            return {}
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            fail()
+        return {k: _coerce(v, args[1], f"{dotted}.{k}", sources) for k, v in value.items()}
     if origin is list:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             value = [value]  # a single file or number where a list is expected
@@ -531,6 +540,8 @@ def _type_name(typ: Any) -> str:
         return f"list of {_type_name(typing.get_args(typ)[0])}"
     if origin is Literal:
         return "one of " + ", ".join(map(str, typing.get_args(typ)))
+    if origin is dict:
+        return "mapping of names to values"
     if typ is type(None):
         return "null"
     return getattr(typ, "__name__", str(typ))
@@ -788,10 +799,13 @@ def _verl_keys() -> dict[str, VerlKey]:
         # verl's 0 is greedy (ours: val_kwargs.do_sample=false, the default); its top_k -1 is our 0.
         "rollout.val_kwargs.temperature": _ours("rollout.val_kwargs.temperature", harmless=(0, 0.0)),
         "rollout.val_kwargs.top_k": _ours("rollout.val_kwargs.top_k", {-1: 0}),
-        "rollout.multi_turn.enable": _refused(
-            "multi-turn rollouts and tools are not supported here", (False,)
+        "rollout.multi_turn.enable": _ours("rollout.multi_turn.enable"),
+        "rollout.multi_turn.max_assistant_turns": _ours("rollout.multi_turn.max_assistant_turns"),
+        "rollout.multi_turn.max_tool_response_length": _ours("rollout.multi_turn.max_tool_response_length"),
+        "rollout.multi_turn.*": _ignored(
+            "verl's tool and agent-loop settings; here the environment is a class with reset and step "
+            "(rollout.multi_turn.env) and turns end at rollout.multi_turn.stop"
         ),
-        "rollout.multi_turn.*": _ignored("used only with rollout.multi_turn.enable=true"),
         "rollout.skip_rollout": _refused("rollouts are always generated here", (False,)),
         "rollout.skip_dump_dir": _ignored("used only with rollout.skip_rollout=true"),
         "rollout.enable_rollout_routing_replay": _refused(
@@ -915,7 +929,6 @@ def _verl_keys() -> dict[str, VerlKey]:
             for k in (
                 "use_reward_loop",
                 "reward_loop_source",
-                "num_workers",
                 "enable_resource_pool",
                 "n_gpus_per_node",
                 "nnodes",
@@ -923,10 +936,7 @@ def _verl_keys() -> dict[str, VerlKey]:
             )
         },
         # ---------------------------------------------------------------- custom_reward_function (see _combine)
-        "custom_reward_function.reward_kwargs": _refused(
-            "a reward function is called as score(data_source, solution_str, ground_truth, extra_info) here",
-            (None, {}),
-        ),
+        "custom_reward_function.reward_kwargs": _ours("reward.reward_kwargs"),
         "reward_manager.source": _refused(
             "only verl's naive and dapo reward managers exist here", ("register",)
         ),
@@ -988,7 +998,6 @@ def _verl_keys() -> dict[str, VerlKey]:
         "trainer.balance_batch": _ignored(
             "each rank trains on the responses it sampled here; micro-batches are balanced by length"
         ),
-        "trainer.log_val_generations": _ignored("validation generations are not logged here", (0,)),
         "trainer.rollout_data_dir": _refused("rollouts are not written to files here"),
         "trainer.validation_data_dir": _refused("validation generations are not written to files here"),
         "trainer.esi_redundant_time": _ignored(
@@ -1059,6 +1068,10 @@ when a config uses verl's spellings, those of them that differ from ours and tha
 named in one start-up warning."""
 
 
+VERL_MAPPINGS = frozenset({"custom_reward_function.reward_kwargs"})
+"""verl's renamed keys whose value is a mapping, set key by key (``+custom_reward_function.reward_kwargs.a=1``)."""
+
+
 def _verl_key(key: str) -> VerlKey | None:
     """The entry of ``VERL_KEYS`` for ``key``: its own, or that of the deepest entry over it (a
     ``section.*``, or a key whose value is a mapping: ``model.override_config``)."""
@@ -1070,8 +1083,10 @@ def _verl_key(key: str) -> VerlKey | None:
         over = VERL_KEYS.get(prefix)
         if prefix + ".*" in VERL_KEYS:
             return VERL_KEYS[prefix + ".*"]
-        if over is not None and over.ours is None:  # a renamed key's value is no mapping
+        if over is not None and over.ours is None:
             return over
+        if over is not None and prefix in VERL_MAPPINGS:  # a key inside a renamed mapping
+            return _ours(over.ours + key[len(prefix) :])
     return VERL_KEYS.get(key + ".*")
 
 

@@ -188,6 +188,6 @@ def right_answers(
     """Whether the rule scores each response 1; response ``i`` answers ``records[i // repeats]``."""
     answered = [records[i // repeats] for i in range(len(rollout.prompts))]
     return [
-        scorer(r.data_source, text, r.ground_truth, r.extra_info) >= 1.0
+        scorer(r.data_source, text, r.ground_truth, r.extra_info).value >= 1.0
         for r, text in zip(answered, decode_responses(tokenizer, rollout), strict=True)
     ]

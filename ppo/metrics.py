@@ -193,11 +193,13 @@ class MetricsLogger:
         run_name: str = "run",
         config: dict | None = None,
         resume_step: int | None = None,
+        generations: bool = False,
     ) -> None:
         self.is_main = is_main
         self.sinks = set(sinks)
         self.total_steps = total_steps
         self.jsonl = None
+        self.generations = None
         self.tb = None
         self.wandb = None
         self.start = time.perf_counter()
@@ -208,13 +210,9 @@ class MetricsLogger:
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)
         if "jsonl" in self.sinks:
-            path = out / "metrics.jsonl"
-            if resume_step is None:
-                self.jsonl = open(path, "w")  # a fresh run starts a fresh file
-            else:
-                if path.exists():
-                    truncate_after(path, resume_step)
-                self.jsonl = open(path, "a")  # a resumed run continues the file
+            self.jsonl = _open_log(out / "metrics.jsonl", resume_step)
+        if generations:
+            self.generations = _open_log(out / "generations.jsonl", resume_step)
         if "tensorboard" in self.sinks:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -251,6 +249,22 @@ class MetricsLogger:
             ]
             logger.info("%s %s", self._progress(step), " ".join(parts + val))
 
+    def log_generations(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Record validation answers ``{"prompt", "response", "score"}``: one JSON line each in
+        ``generations.jsonl`` (with the step), and one markdown table per step in TensorBoard's text tab."""
+        if not self.is_main or not rows:
+            return
+        if self.generations is not None:
+            for row in rows:
+                self.generations.write(json.dumps({"step": step, **row}, allow_nan=True) + "\n")
+            self.generations.flush()
+        if self.tb is not None:
+            cell = lambda text: str(text).replace("|", "\\|").replace("\n", "<br>")  # noqa: E731
+            table = ["| prompt | response | score |", "|---|---|---|"]
+            table += [f"| {cell(r['prompt'])} | {cell(r['response'])} | {r['score']} |" for r in rows]
+            self.tb.add_text("val/generations", "\n".join(table), step)
+            self.tb.flush()
+
     def _progress(self, step: int) -> str:
         """``[#####-----] step 12/40 eta 1m05s``: the progress bar heading each console line."""
         width = 20
@@ -265,10 +279,22 @@ class MetricsLogger:
     def close(self) -> None:
         if self.jsonl is not None:
             self.jsonl.close()
+        if self.generations is not None:
+            self.generations.close()
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _open_log(path: Path, resume_step: int | None) -> Any:
+    """A JSON-lines log of the run: a fresh run starts a fresh file, a resumed one continues it after
+    dropping the lines of steps past its checkpoint (``truncate_after``)."""
+    if resume_step is None:
+        return open(path, "w")
+    if path.exists():
+        truncate_after(path, resume_step)
+    return open(path, "a")
 
 
 def _duration(seconds: float) -> str:
@@ -292,9 +318,14 @@ def batch_metrics(cfg: PPOConfig, batch: Batch) -> dict[str, float]:
     ``critic/{score,rewards,advantages,returns,values}/{mean,max,min}``, ``critic/vf_explained_var``
     (``1 - Var(returns - values) / (Var(returns) + 1e-5)``, unbiased), ``response_length/*`` and
     ``prompt_length/*`` with ``clip_ratio`` the share at the length limit; with offline groups
-    ``rollout/offline_fraction``, the share of the step's responses read from the data set."""
-    mask = batch.response_mask
+    ``rollout/offline_fraction``, the share of the step's responses read from the data set. Over the
+    generated tokens (the loss mask): a multi-turn response's length counts what the model wrote, its
+    ``clip_ratio`` the share that filled the budget (observations included), and it adds
+    ``rollout/{turns,tool_calls,observation_tokens}/mean`` and the step's ``rollout/step_timeouts`` and
+    ``rollout/observation_truncations``."""
+    mask = batch.loss_mask
     resp_len = mask.sum(-1).float()
+    full_len = batch.response_mask.sum(-1).float()
     prompt_len = torch.tensor([float(p.numel()) for p in batch.rollout.prompts], device=mask.device)
     values = {
         "critic/score": batch.scores,
@@ -302,7 +333,7 @@ def batch_metrics(cfg: PPOConfig, batch: Batch) -> dict[str, float]:
         "critic/advantages": batch.advantages[mask],
         "critic/returns": batch.returns[mask],
         "response_length": resp_len,
-        "response_length/clip": (resp_len == cfg.data.max_response_length).float(),
+        "response_length/clip": (full_len == cfg.data.max_response_length).float(),
         "prompt_length": prompt_len,
         "prompt_length/clip": (prompt_len == cfg.data.max_prompt_length).float(),
     }
@@ -311,6 +342,10 @@ def batch_metrics(cfg: PPOConfig, batch: Batch) -> dict[str, float]:
         values["critic/return_error"] = (batch.returns - batch.values)[mask]
     if batch.data_ranks is not None:
         values["rollout/offline_fraction"] = (batch.data_ranks >= 0).float()
+    turn_stats = batch.rollout.turn_stats
+    if turn_stats is not None:
+        values |= {f"rollout/{k}": v.float() for k, v in turn_stats.items()}
+        values["rollout/observation_tokens"] = full_len - resp_len
     stats = global_stats(values, copies=cfg.actor.ulysses_sequence_parallel_size)
     out: dict[str, float] = {}
     for name in (
@@ -326,6 +361,12 @@ def batch_metrics(cfg: PPOConfig, batch: Batch) -> dict[str, float]:
     out["prompt_length/clip_ratio"] = stats["prompt_length/clip"]["mean"]
     if batch.data_ranks is not None:
         out["rollout/offline_fraction"] = stats["rollout/offline_fraction"]["mean"]
+    if turn_stats is not None:
+        rows = cfg.data.train_batch_size * cfg.rollout.n  # the step's responses on all ranks
+        for name in ("turns", "tool_calls", "observation_tokens"):
+            out[f"rollout/{name}/mean"] = stats[f"rollout/{name}"]["mean"]
+        for name in ("step_timeouts", "observation_truncations"):
+            out[f"rollout/{name}"] = float(round(stats[f"rollout/{name}"]["mean"] * rows))
     if batch.values is not None:
         out.update({f"critic/values/{k}": stats["critic/values"][k] for k in ("mean", "max", "min")})
         out["critic/vf_explained_var"] = 1.0 - stats["critic/return_error"]["var"] / (

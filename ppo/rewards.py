@@ -1,13 +1,16 @@
 """Rule rewards: score a decoded response against the row's ground truth, chosen by ``data_source``.
 
-A scorer has verl's signature ``(data_source, solution_str, ground_truth, extra_info) -> float``::
+A scorer takes verl's ``(data_source, solution_str, ground_truth, extra_info)`` and returns a ``Score``
+(the number, and the other number-valued keys of a dict result)::
 
-    score_fn = make_rule_scorer(cfg.reward.custom_function, cfg.reward.format_score)
-    scores = [score_fn(r.data_source, text, r.ground_truth, r.extra_info) for r, text in ...]
+    score_fn = make_rule_scorer(cfg.reward.custom_function, cfg.reward.format_score, cfg.reward.reward_kwargs)
+    scores = [score_fn(r.data_source, text, r.ground_truth, r.extra_info).value for r, text in ...]
 
 The built-in scorer handles GSM8K-style answers (``#### <number>`` at the end), which the synthetic
 task of ``scripts/make_tiny_assets.py`` (``data_source="synthetic/arith"``) also uses. A user's scorer
-is given as ``reward.custom_function=module.path:function`` or ``path/to/file.py:function``.
+is given as ``reward.custom_function=module.path:function`` or ``path/to/file.py:function`` (``:function``
+left out: ``compute_score``) and called by keyword, as verl calls it. With ``reward.num_workers`` the batch
+is scored in worker processes with a time limit (``ppo.reward_pool``).
 
 Learned reward models (``reward.style=model``) are scored by ``reward_model_scores``; ranking
 (``reward.style=ranking``) turns the rule's or the model's scores of a group into competition ranks
@@ -29,7 +32,7 @@ import sys
 from collections.abc import Callable, Sequence
 from numbers import Real
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -37,14 +40,28 @@ from ppo import models, sharding
 from ppo.batch import Batch, Rollout, decode_responses
 from ppo.config import RewardConfig
 from ppo.data import PromptRecord
-from ppo.distributed import agree_on_failure
+from ppo.distributed import agree_on_failure, all_gather_object
 from ppo.packing import DUMMY_SEQUENCE, pack_sequences, plan_eval_micro_batches
+from ppo.reward_pool import RewardPool
 
 logger = logging.getLogger("ppo")
 
-RuleScorer = Callable[[str, str, str | None, dict], float]
-"""``(data_source, solution_str, ground_truth, extra_info) -> score`` (ground truth None where the data
+
+class Score(NamedTuple):
+    """What a rule scorer returns for one response."""
+
+    value: float
+    """The score (NaN and inf pass through: the trainer skips such a step on every rank)."""
+    extras: dict[str, float]
+    """A dict result's other number-valued keys (verl's ``reward_extra_info``), logged as metrics."""
+
+
+RuleScorer = Callable[[str, str, str | None, dict], Score]
+"""``(data_source, solution_str, ground_truth, extra_info) -> Score`` (ground truth None where the data
 has none)."""
+
+DEFAULT_FUNCTION_NAME = "compute_score"
+"""The function of ``reward.custom_function=file.py`` without ``:name``, as verl's."""
 
 GSM8K_CLIP_CHARS = 300
 """Only the last this many characters of a response are searched for the answer (as verl does), so a
@@ -128,18 +145,25 @@ def default_compute_score(
     )
 
 
-def load_custom_function(spec: str, key: str = "reward.custom_function") -> Callable[..., Any]:
+def load_custom_function(
+    spec: str, key: str = "reward.custom_function", default_name: str | None = DEFAULT_FUNCTION_NAME
+) -> Callable[..., Any]:
     """Import ``module.path:function`` or ``path/to/file.py:function`` and return the function (or class:
-    ``rollout.multi_turn.env``); errors name ``key``.
+    ``rollout.multi_turn.env``, which passes no ``default_name``); errors name ``key``. Without
+    ``:function`` the name is ``default_name``.
 
     Raises RewardError for a malformed spec, a missing file or module, a missing attribute (with the
     closest names) or an attribute that is not callable. Errors raised by the module's own code while
     it is imported propagate unchanged.
     """
     target, sep, name = spec.rpartition(":")
-    if not sep or not target or not name:
+    if not sep and default_name is not None:
+        target, name = spec, default_name
+    if not target or not name:
+        shapes = "module.path:function or path/to/file.py:function"
         raise RewardError(
-            f"{key}={spec!r} must look like module.path:function or path/to/file.py:function"
+            f"{key}={spec!r} must look like {shapes}"
+            + (f" (function default: {default_name})" if default_name else "")
         )
     if target.endswith(".py") or "/" in target or "\\" in target:
         path = Path(target)
@@ -156,22 +180,16 @@ def load_custom_function(spec: str, key: str = "reward.custom_function") -> Call
             module_spec.loader.exec_module(module)
         except Exception as e:
             del sys.modules[module_name]
-            raise RewardError(
-                f"{key}={spec!r}: importing {path} raised {type(e).__name__}: {e}"
-            ) from e
+            raise RewardError(f"{key}={spec!r}: importing {path} raised {type(e).__name__}: {e}") from e
     else:
         try:
             module = importlib.import_module(target)
         except ModuleNotFoundError as e:
             if e.name is None or not (target == e.name or target.startswith(e.name + ".")):
                 raise  # the module exists but one of its own imports is missing
-            raise RewardError(
-                f"{key}={spec!r}: no module named {e.name!r} (is it on PYTHONPATH?)"
-            ) from e
+            raise RewardError(f"{key}={spec!r}: no module named {e.name!r} (is it on PYTHONPATH?)") from e
         except Exception as e:
-            raise RewardError(
-                f"{key}={spec!r}: importing {target} raised {type(e).__name__}: {e}"
-            ) from e
+            raise RewardError(f"{key}={spec!r}: importing {target} raised {type(e).__name__}: {e}") from e
     if not hasattr(module, name):
         public = [k for k in vars(module) if not k.startswith("_") and callable(getattr(module, k))]
         close = difflib.get_close_matches(name, public, n=3)
@@ -179,41 +197,58 @@ def load_custom_function(spec: str, key: str = "reward.custom_function") -> Call
         raise RewardError(f"{key}={spec!r}: {target} has no attribute {name!r}{hint}")
     fn = getattr(module, name)
     if not callable(fn):
-        raise RewardError(
-            f"{key}={spec!r}: {target}.{name} is a {type(fn).__name__}, not a function"
-        )
+        raise RewardError(f"{key}={spec!r}: {target}.{name} is a {type(fn).__name__}, not a function")
     return fn
 
 
-def make_rule_scorer(custom_function: str | None, format_score: float) -> RuleScorer:
+def make_rule_scorer(
+    custom_function: str | None, format_score: float, reward_kwargs: dict[str, Any] | None = None
+) -> RuleScorer:
     """The rule scorer of a run: the user's function if given, else ``default_compute_score``.
 
-    A custom function is called as ``fn(data_source, solution_str, ground_truth, extra_info)`` and must
-    return a number or a dict with a ``"score"`` number (verl's convention); ``format_score`` applies to
-    the built-in scorer only.
+    A custom function is called by keyword, as verl calls it: ``fn(data_source=, solution_str=,
+    ground_truth=, extra_info=, **reward_kwargs)``, and must return a number or a dict with a ``"score"``
+    number (verl's convention; the dict's other number-valued keys become ``Score.extras``). A call that
+    raises or returns anything else is a RewardError naming the function, the data source and the value.
+    ``format_score`` applies to the built-in scorer only.
     """
     if custom_function is None:
-        return functools.partial(default_compute_score, format_score=format_score)
+        builtin = functools.partial(default_compute_score, format_score=format_score)
+        return lambda *row: Score(builtin(*row), {})
     fn = load_custom_function(custom_function)
+    kwargs = dict(reward_kwargs or {})
+    name = f"reward.custom_function={custom_function!r}"
 
-    def score(data_source: str, solution_str: str, ground_truth: str | None, extra_info: dict) -> float:
+    def score(data_source: str, solution_str: str, ground_truth: str | None, extra_info: dict) -> Score:
         try:
-            result = fn(data_source, solution_str, ground_truth, extra_info)
+            result = fn(
+                data_source=data_source,
+                solution_str=solution_str,
+                ground_truth=ground_truth,
+                extra_info=extra_info,
+                **kwargs,
+            )
         except Exception as e:
             raise RewardError(
-                f"reward.custom_function={custom_function!r} raised {type(e).__name__}: {e} "
-                f"(data_source={data_source!r}, response {solution_str[:60]!r})"
+                f"{name} raised {type(e).__name__}: {e} (data_source={data_source!r}, response "
+                f"{solution_str[:60]!r})"
             ) from e
         value = result.get("score") if isinstance(result, dict) else result
-        if not isinstance(value, Real) or isinstance(value, bool):
+        if not _is_number(value):
             raise RewardError(
-                f"reward.custom_function={custom_function!r} returned {result!r:.80} for "
-                f"data_source={data_source!r}; expected a number or a dict with a 'score' number"
+                f"{name} returned {result!r:.80} for data_source={data_source!r}, response "
+                f"{solution_str[:60]!r}; expected a number or a dict with a 'score' number"
             )
-        # NaN and inf pass through: the trainer skips such a step on every rank and counts it.
-        return float(value)
+        extras = {}
+        if isinstance(result, dict):
+            extras = {str(k): float(v) for k, v in result.items() if k != "score" and isinstance(v, Real)}
+        return Score(float(value), extras)
 
     return score
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
 
 
 def has_rule(data_source: str, custom_function: str | None) -> bool:
@@ -225,7 +260,7 @@ def check_scorer(scorer: RuleScorer, data_source: str, ground_truth: str | None,
     """Call ``scorer`` once on an empty response before any model loads, so a broken reward function
     (it raises, returns no number) fails in seconds and not at the first scoring. A non-finite score
     only warns: the trainer skips such steps."""
-    value = scorer(data_source, "", ground_truth, extra_info)
+    value = scorer(data_source, "", ground_truth, extra_info).value
     if not math.isfinite(value):
         logger.warning("the rule reward returned %s for an empty response; such steps are skipped", value)
 
@@ -380,9 +415,15 @@ def needs_ground_truth(reward: RewardConfig, offline_fraction: float) -> bool:
     return needs_rule_scores(reward, offline_fraction) and reward.custom_function is None
 
 
-def check_rule_coverage(scorer: RuleScorer, records: list[PromptRecord], custom_function: str | None) -> None:
+def check_rule_coverage(
+    scorer: RuleScorer,
+    records: list[PromptRecord],
+    custom_function: str | None,
+    pool: RewardPool | None = None,
+) -> None:
     """Every training prompt's ``data_source`` has a rule scorer, and the scorer runs on the first one
-    (``check_scorer``): found now, not at the first step."""
+    (``check_scorer``; in ``pool`` where given, so a function that hangs is stopped after its time limit):
+    found now, not at the first step."""
     unknown = sorted({r.data_source for r in records if not has_rule(r.data_source, custom_function)})
     if unknown:
         raise RewardError(
@@ -391,7 +432,16 @@ def check_rule_coverage(scorer: RuleScorer, records: list[PromptRecord], custom_
             f"file.py:function, or use a reward model (reward.style=model)"
         )
     first = records[0]
-    check_scorer(scorer, first.data_source, first.ground_truth, first.extra_info)
+    if pool is None:
+        check_scorer(scorer, first.data_source, first.ground_truth, first.extra_info)
+        return
+    scored, _, _, failure = pool.score([first], [""])
+    if failure is not None:
+        raise RewardError(f"{pool.name} cannot score an empty response at start-up: {failure}")
+    if not math.isfinite(scored[0].value):
+        logger.warning(
+            "the rule reward returned %s for an empty response; such steps are skipped", scored[0].value
+        )
 
 
 def batch_scores(
@@ -402,13 +452,16 @@ def batch_scores(
     scorer: RuleScorer,
     tokenizer: Any,
     reward_model: torch.nn.Module | None,
-) -> torch.Tensor:
-    """Per-sequence scores ``[B]`` of a step's batch, on its device: the rule or the reward model; with
-    ``reward.style=ranking`` scores from each group's ranks (the data set's for offline groups, by the
-    rule or the reward model for sampled ones); with ``reward.style=dataset`` the data set's scores. A
-    reward function that fails on any rank stops every rank."""
+    pool: RewardPool | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-sequence scores ``[B]`` of a step's batch, on its device: the rule (in ``pool`` where given) or
+    the reward model; with ``reward.style=ranking`` scores from each group's ranks (the data set's for
+    offline groups, by the rule or the reward model for sampled ones); with ``reward.style=dataset`` the
+    data set's scores. Also the rule's metrics (``rule_scores``; {} without the rule). A reward
+    function that fails on any rank stops every rank."""
+    metrics: dict[str, float] = {}
     if reward.style == "dataset":
-        return batch.data_scores
+        return batch.data_scores, metrics
     offline_rows = batch.data_ranks >= 0 if batch.data_ranks is not None else None
     data_only = reward.style == "ranking" and offline_rows is not None and bool(offline_rows.all())
     if data_only:
@@ -418,7 +471,8 @@ def batch_scores(
             reward_model, batch.rollout, micro_batch_size=reward.micro_batch_size_per_gpu
         )
     else:
-        scores = rule_scores(scorer, batch.records, decode_responses(tokenizer, batch.rollout))
+        texts = decode_responses(tokenizer, batch.rollout)
+        scores, metrics = rule_scores(scorer, batch.records, texts, pool)
     if reward.style == "ranking":
         scores = rank_scores(scores, batch.group_ids.cpu(), reward.rank_scores)
         if offline_rows is not None and bool(offline_rows.any()):
@@ -426,23 +480,63 @@ def batch_scores(
             scores[rows] = scores_from_ranks(
                 batch.data_ranks[offline_rows].cpu(), group_size, reward.rank_scores
             )
-    return scores.to(batch.response_mask.device)
+    return scores.to(batch.response_mask.device), metrics
 
 
-def rule_scores(scorer: RuleScorer, records: list[PromptRecord], texts: list[str]) -> torch.Tensor:
-    """``[B]`` float32 (CPU): the rule's score of each response text against its record; a reward
-    function that fails on any rank stops every rank (``agree_on_failure``)."""
+def rule_scores(
+    scorer: RuleScorer, records: list[PromptRecord], texts: list[str], pool: RewardPool | None = None
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """``[B]`` float32 (CPU) scores of the response texts against their records, and the call's metrics
+    over every rank (the same on each): ``reward/extra/<key>`` (the mean of a dict result's other number
+    keys, over the responses that had the key) and, with ``pool``, ``reward/timeouts`` and
+    ``reward/errors`` (counts of failed calls, scored ``pool.error_score``).
 
-    def score_all() -> torch.Tensor:
-        return torch.tensor(
-            [
-                scorer(r.data_source, t, r.ground_truth, r.extra_info)
-                for r, t in zip(records, texts, strict=True)
-            ],
-            dtype=torch.float32,
+    In process, a reward function that fails on any rank stops every rank (``agree_on_failure``), naming
+    the prompt's row; in ``pool`` only a call that failed on every response of every rank stops the run.
+    """
+    if pool is None:
+        scored = agree_on_failure(
+            lambda: [_score_row(scorer, r, t) for r, t in zip(records, texts, strict=True)], RewardError
         )
+        timeouts = errors = 0
+        first = None
+    else:
+        results, timeouts, errors, first = pool.score(records, texts)
+        scored = [Score(pool.error_score, {}) if s is None else s for s in results]
+    sums: dict[str, list[float]] = {}
+    for s in scored:
+        for k, v in s.extras.items():
+            total = sums.setdefault(k, [0.0, 0.0])
+            total[0], total[1] = total[0] + v, total[1] + 1
+    ranks = all_gather_object((sums, timeouts, errors, len(texts), first))
+    metrics: dict[str, float] = {}
+    for k in sorted({k for rank in ranks for k in rank[0]}):
+        total, count = (sum(rank[0].get(k, [0.0, 0.0])[i] for rank in ranks) for i in (0, 1))
+        metrics[f"reward/extra/{k}"] = total / count
+    if pool is not None:
+        failed = sum(rank[1] + rank[2] for rank in ranks)
+        rows = sum(rank[3] for rank in ranks)
+        failures = [f"rank {i}, {rank[4]}" for i, rank in enumerate(ranks) if rank[4] is not None]
+        if failures and not pool.logged:
+            logger.warning("%s failed (scored %s; logged once): %s", pool.name, pool.error_score, failures[0])
+            pool.logged = True
+        if rows and failed == rows:
+            message = failures[0]
+            raise RewardError(
+                f"{pool.name} failed on every one of the {rows} responses on all ranks (e.g. {message}); "
+                "nothing to train on"
+            )
+        metrics["reward/timeouts"] = float(sum(rank[1] for rank in ranks))
+        metrics["reward/errors"] = float(sum(rank[2] for rank in ranks))
+    return torch.tensor([s.value for s in scored], dtype=torch.float32), metrics
 
-    return agree_on_failure(score_all, RewardError)
+
+def _score_row(scorer: RuleScorer, record: PromptRecord, text: str) -> Score:
+    """``scorer`` on one response; its RewardError names the prompt's row."""
+    try:
+        return scorer(record.data_source, text, record.ground_truth, record.extra_info)
+    except RewardError as e:
+        raise RewardError(f"{e}; prompt row {record.index}") from e
 
 
 def overlong_penalty(

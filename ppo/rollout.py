@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, CompileConfig, GenerationConfig
@@ -30,6 +31,7 @@ from ppo import lora, models, sharding, ulysses
 from ppo.batch import Batch, Rollout, group_index
 from ppo.config import RolloutConfig
 from ppo.data import PromptRecord
+from ppo.multi_turn import MultiTurn, run_turns
 
 
 def generation_config(
@@ -94,10 +96,24 @@ def generate(
     on micro-batches padded to fixed shapes (``micro_batch_size`` rows, prompts to a multiple of
     ``PROMPT_BUCKET``) so that it does not recompile from step to step.
     """
-    device = next(model.parameters()).device
-    max_new_tokens = int(config.max_new_tokens)
-    eos_ids = list(config.eos_token_id)
-    chunks = []
+    with generating(model, engine) as decoder:
+        responses = decode(
+            decoder, prompts, config, micro_batch_size=micro_batch_size, fixed_shapes=engine is not None
+        )
+    response_mask, truncated = response_mask_from_eos(
+        responses, list(config.eos_token_id), ignore_eos=ignore_eos
+    )
+    responses = torch.where(response_mask, responses, torch.full_like(responses, config.pad_token_id))
+    return Rollout(
+        prompts=list(prompts), responses=responses, response_mask=response_mask, truncated=truncated
+    )
+
+
+@contextlib.contextmanager
+def generating(model: torch.nn.Module, engine: torch.nn.Module | None = None) -> Iterator[torch.nn.Module]:
+    """The model to decode with, ready for any number of ``decode`` calls: ``model`` in eval mode with its
+    sharded parameters gathered once and LoRA adapters merged (or ``engine`` refreshed from them), and
+    without the checkpoint's generation config. A collective on entry and exit: every rank enters it."""
     decoder = engine if engine is not None else model
     with contextlib.ExitStack() as stack:
         stack.enter_context(models.evaluating(model))
@@ -108,28 +124,42 @@ def generate(
             stack.enter_context(sharding.gathered_for_generation(model))
             stack.enter_context(lora.merged_for_generation(model))
         stack.enter_context(_checkpoint_generation_config_hidden(decoder))
-        for start in range(0, len(prompts), micro_batch_size):
-            batch = prompts[start : start + micro_batch_size]
-            rows = len(batch)
-            if engine is not None:  # fixed shapes: one compiled graph for every step
-                batch = batch + [batch[-1]] * (micro_batch_size - rows)
-            bucket = PROMPT_BUCKET if engine is not None else 1
-            input_ids, attention_mask = left_pad(batch, config.pad_token_id, device, multiple_of=bucket)
-            out = decoder.generate(
-                input_ids=input_ids, attention_mask=attention_mask, generation_config=config
-            )
-            resp = out[:rows, input_ids.shape[1] :]
-            chunks.append(
-                torch.nn.functional.pad(resp, (0, max_new_tokens - resp.shape[1]), value=config.pad_token_id)
-            )
-    responses = (
-        torch.cat(chunks) if chunks else torch.empty(0, max_new_tokens, dtype=torch.long, device=device)
-    )
-    response_mask, truncated = response_mask_from_eos(responses, eos_ids, ignore_eos=ignore_eos)
-    responses = torch.where(response_mask, responses, torch.full_like(responses, config.pad_token_id))
-    return Rollout(
-        prompts=list(prompts), responses=responses, response_mask=response_mask, truncated=truncated
-    )
+        yield decoder
+
+
+@torch.no_grad()
+def decode(
+    decoder: torch.nn.Module,
+    prompts: list[torch.Tensor],
+    config: GenerationConfig,
+    *,
+    micro_batch_size: int,
+    fixed_shapes: bool = False,
+    tokenizer: Any = None,
+) -> torch.Tensor:
+    """``[B, max_new_tokens]`` generated tokens of each prompt (right-padded with the pad id; a row may hold
+    tokens after its end: ``response_mask_from_eos`` or the caller cuts them), inside ``generating``.
+    ``fixed_shapes``: pad micro-batches to ``micro_batch_size`` rows and prompts to ``PROMPT_BUCKET``
+    (the compiled engine). ``tokenizer``: for ``config.stop_strings``."""
+    device = next(decoder.parameters()).device
+    max_new_tokens = int(config.max_new_tokens)
+    chunks = []
+    for start in range(0, len(prompts), micro_batch_size):
+        batch = prompts[start : start + micro_batch_size]
+        rows = len(batch)
+        if fixed_shapes:  # one compiled graph for every step
+            batch = batch + [batch[-1]] * (micro_batch_size - rows)
+        bucket = PROMPT_BUCKET if fixed_shapes else 1
+        input_ids, attention_mask = left_pad(batch, config.pad_token_id, device, multiple_of=bucket)
+        extra = {"tokenizer": tokenizer} if tokenizer is not None else {}
+        out = decoder.generate(
+            input_ids=input_ids, attention_mask=attention_mask, generation_config=config, **extra
+        )
+        resp = out[:rows, input_ids.shape[1] :]
+        chunks.append(
+            torch.nn.functional.pad(resp, (0, max_new_tokens - resp.shape[1]), value=config.pad_token_id)
+        )
+    return torch.cat(chunks) if chunks else torch.empty(0, max_new_tokens, dtype=torch.long, device=device)
 
 
 PROMPT_BUCKET = 64
@@ -227,6 +257,8 @@ class Sampler:
     eos_ids: list[int]
     """Every token id that ends a response (tokenizer and generation config)."""
     pad_token_id: int
+    multi_turn: MultiTurn | None = None
+    """The turn loop's settings (``rollout.multi_turn.enable``), or None: one generation per response."""
 
 
 def sample(
@@ -237,7 +269,9 @@ def sample(
     micro_batch_size: int | None = None,
     ignore_eos: bool | None = None,
 ) -> Rollout:
-    """One response per record with the rollout settings (temperature, top-p/k, lengths, EOS ids)."""
+    """One response per record with the rollout settings (temperature, top-p/k, lengths, EOS ids); with
+    ``sampler.multi_turn`` each response is a multi-turn trajectory (``ppo.multi_turn.run_turns``), decoded in
+    one ``generating`` session."""
     r = sampler.settings
     ignore_eos = r.ignore_eos if ignore_eos is None else ignore_eos
     config = generation_config(
@@ -251,6 +285,22 @@ def sample(
         ignore_eos=ignore_eos,
         compile=sampler.engine is not None,
     )
+    if sampler.multi_turn is not None:
+        settings = sampler.multi_turn
+        with generating(sampler.actor, sampler.engine) as decoder:
+
+            def generate_turn(prompts: list[torch.Tensor], turn_config: GenerationConfig) -> torch.Tensor:
+                return decode(
+                    decoder,
+                    prompts,
+                    turn_config,
+                    micro_batch_size=micro_batch_size or r.micro_batch_size_per_gpu,
+                    fixed_shapes=sampler.engine is not None,
+                    tokenizer=settings.tokenizer if settings.stop else None,
+                )
+
+            device = next(sampler.actor.parameters()).device
+            return run_turns(generate_turn, records, config, settings, device)
     return generate(
         sampler.actor,
         [torch.tensor(r.input_ids, dtype=torch.long) for r in records],
@@ -273,6 +323,10 @@ def gather_group(batch: Batch, sp: ulysses.SPGroup, pad_token_id: int, n: int) -
         response_mask=ulysses.all_gather_rows(rollout.response_mask, sp, False),
         truncated=ulysses.all_gather_rows(rollout.truncated.to(device), sp, False),
     )
+    if rollout.loss_mask is not None:  # a multi-turn rollout
+        gathered.loss_mask = ulysses.all_gather_rows(rollout.loss_mask, sp, False)
+        gathered.env_rewards = ulysses.all_gather_rows(rollout.env_rewards, sp, 0.0)
+        gathered.turn_stats = {k: ulysses.all_gather_rows(v, sp) for k, v in rollout.turn_stats.items()}
     records = [r for part in parts for r in part[1]]
     out = Batch(rollout=gathered, records=records, group_ids=group_index(len(records), n, device))
     if batch.data_ranks is not None:

@@ -41,13 +41,14 @@ logger = logging.getLogger("ppo")
 RUN_FOLDER = {
     "checkpoints": "dir",
     "metrics.jsonl": "file",
+    "generations.jsonl": "file",
     "tensorboard": "dir",
     "hf": "dir",
     "profile": "dir",
 }
 """What a run that has started training may leave in ``trainer.output_dir``, beside its ``config.yaml``
 (a ``config.yaml`` alone is what a run that failed at start-up left), and whether each is a folder or a
-file: checkpoints, metrics, TensorBoard events, the ``save_pretrained`` export (PPO's
+file: checkpoints, metrics, validation generations (``trainer.log_val_generations``), TensorBoard events, the ``save_pretrained`` export (PPO's
 ``trainer.save_hf_on_end``; a stage's model without ``trainer.save_path``) and profiler traces
 (``trainer.profile_steps``). ``trainer.overwrite`` replaces them when there is nothing to resume."""
 
@@ -66,6 +67,7 @@ def run_paths(cfg: PPOConfig | StageConfig) -> dict[Path, str]:
     paths: dict[Path, str] = {}
     if isinstance(cfg, PPOConfig):
         names += ["hf"] * cfg.trainer.save_hf_on_end + ["profile"] * bool(cfg.trainer.profile_steps)
+        names += ["generations.jsonl"] * bool(cfg.trainer.log_val_generations)
     else:
         saved = stage_save_path(cfg)
         paths = {saved: "dir", saved.parent / METRICS_FILE: "file"}

@@ -362,6 +362,7 @@ def make_metrics_logger(
         run_name=cfg.trainer.experiment_name,
         config=to_dict(cfg),
         resume_step=resume_step,
+        generations=isinstance(cfg, PPOConfig) and cfg.trainer.log_val_generations > 0,
     )
 
 

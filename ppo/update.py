@@ -82,7 +82,7 @@ def optimize(
     for _ in range(role.ppo_epochs):
         for idx in mini_batches(len(batch.records), num_mini, shuffle, sp):
             idx = idx.to(batch.response_mask.device)
-            counts = global_counts(batch.response_mask[idx])
+            counts = global_counts(batch.loss_mask[idx])  # the generated tokens: what is trained
             if before_mini_batch is not None:
                 before_mini_batch(idx, updates)
             contributions: dict[str, torch.Tensor] = {}

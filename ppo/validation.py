@@ -2,7 +2,8 @@
 ``rollout.val_kwargs`` a second pass of ``n`` sampled answers per prompt that measures exploration.
 
 metrics = validate(cfg, info, run)   # val/<data_source>/score, /accuracy, val/score, val/accuracy,
-                                     # and with val_kwargs: val/mean@n, val/best@k, val/maj@n
+                                     # and with val_kwargs: val/mean@n, val/best@k, val/maj@n;
+                                     # multi-turn: val/turns/mean, val/tool_calls/mean
 """
 
 from __future__ import annotations
@@ -19,7 +20,12 @@ from ppo.batch import Rollout, concat_rollouts, decode_responses
 from ppo.build import Run
 from ppo.config import PPOConfig
 from ppo.data import PromptRecord
-from ppo.distributed import DistInfo, agree_on_failure, all_gather_object, all_reduce_scalar
+from ppo.distributed import (
+    DistInfo,
+    all_gather_object,
+    all_reduce_scalar,
+    all_reduce_scalars,
+)
 from ppo.rollout import Sampler, sample
 
 logger = logging.getLogger("ppo")
@@ -55,6 +61,9 @@ def validate(
         else None
     )
     rule = rule_scores(cfg, run, mine, texts)
+    if cfg.trainer.log_val_generations:
+        shown = model_scores.tolist() if model_scores is not None else rule
+        log_generations(run, info, mine, texts, shown, cfg.trainer.log_val_generations)
     sums: dict[str, list[float]] = {}  # source -> [score sum, count, right, rule count]
     for i, r in enumerate(mine):
         s = sums.setdefault(r.data_source, [0.0, 0.0, 0.0, 0.0])
@@ -80,12 +89,29 @@ def validate(
     accuracies = [out[f"val/{s}/accuracy"] for s in scored if f"val/{s}/accuracy" in out]
     if accuracies:
         out["val/accuracy"] = float(np.mean(accuracies))
+    if rollout.turn_stats is not None:
+        out.update(turn_metrics(rollout))
     if cfg.rollout.val_kwargs.enabled:
         sampled = sampled_metrics(cfg, run, mine, chunk, stop)
         if sampled is None:
             return {}
         out.update(sampled)
     return out
+
+
+def log_generations(
+    run: Run, info: DistInfo, mine: list[PromptRecord], texts: list[str], scores: list, num: int
+) -> None:
+    """The first ``num`` validation prompts' answers (``trainer.log_val_generations``), gathered from the
+    ranks that answered them (rank ``r`` holds prompts ``r, r + world_size, ...``) and written by rank 0
+    in the prompts' order: ``generations.jsonl`` and TensorBoard's text tab."""
+    rows = [
+        (info.rank + i * info.world_size, {"prompt": r.prompt_text, "response": t, "score": s})
+        for i, (r, t, s) in enumerate(zip(mine, texts, scores, strict=True))
+        if info.rank + i * info.world_size < num
+    ]
+    gathered = sorted((row for rank in all_gather_object(rows) for row in rank), key=lambda row: row[0])
+    run.metrics_logger.log_generations(run.state.step, [row for _, row in gathered])
 
 
 def sampled_metrics(
@@ -164,19 +190,31 @@ def generate(
 def rule_scores(
     cfg: PPOConfig, run: Run, records: list[PromptRecord], texts: list[str]
 ) -> list[float | None]:
-    """The rule's score of each text, None where the source has no rule or the record no ground truth; a
-    reward function that fails on any rank stops every rank."""
+    """The rule's score of each text, None where the source has no rule or the record no ground truth
+    (``rewards.rule_scores``, in ``run.reward_pool`` where there is one); a reward function that fails on
+    any rank stops every rank."""
+    fn = cfg.reward.custom_function
+    rows = [
+        i
+        for i, r in enumerate(records)
+        if rewards.has_rule(r.data_source, fn) and (r.ground_truth is not None or fn is not None)
+    ]
+    scores, _ = rewards.rule_scores(
+        run.scorer, [records[i] for i in rows], [texts[i] for i in rows], run.reward_pool
+    )
+    out: list[float | None] = [None] * len(records)
+    for i, score in zip(rows, scores.tolist(), strict=True):
+        out[i] = score
+    return out
 
-    def scores() -> list[float | None]:
-        return [
-            run.scorer(r.data_source, t, r.ground_truth, r.extra_info)
-            if rewards.has_rule(r.data_source, cfg.reward.custom_function)
-            and (r.ground_truth is not None or cfg.reward.custom_function is not None)
-            else None
-            for r, t in zip(records, texts, strict=True)
-        ]
 
-    return agree_on_failure(scores, rewards.RewardError)
+def turn_metrics(rollout: Rollout) -> dict[str, float]:
+    """A multi-turn validation's ``val/turns/mean`` and ``val/tool_calls/mean`` over every rank's answers."""
+    stats = rollout.turn_stats
+    rows, turns, calls = all_reduce_scalars(
+        [float(len(rollout.prompts)), float(stats["turns"].sum()), float(stats["tool_calls"].sum())], "sum"
+    )
+    return {"val/turns/mean": turns / max(rows, 1.0), "val/tool_calls/mean": calls / max(rows, 1.0)}
 
 
 def sum_over_ranks(sums: dict[str, list[float]]) -> dict[str, list[float]]:

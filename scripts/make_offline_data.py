@@ -343,7 +343,7 @@ def sample_groups(
 def rule_scores(scorer: rewards.RuleScorer, kept: list[tuple[data.PromptRecord, list[str]]]) -> torch.Tensor:
     """The rule's score of every response, ``[num groups * k]`` float64; RewardError on a non-finite one."""
     scores = torch.tensor(
-        [scorer(r.data_source, t, r.ground_truth, r.extra_info) for r, texts in kept for t in texts],
+        [scorer(r.data_source, t, r.ground_truth, r.extra_info).value for r, texts in kept for t in texts],
         dtype=torch.float64,
     )
     check_finite(kept, scores)

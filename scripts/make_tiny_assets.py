@@ -11,10 +11,12 @@ Deterministic in the seed, no downloads, a few seconds. Writes::
     assets/data/train.parquet, val.parquet            RL prompts in verl's layout
     assets/data/sft_train.parquet, sft_val.parquet    prompt + answer demonstrations
     assets/data/pref_train.parquet, pref_val.parquet  prompt, chosen, rejected, mistake
+    assets/data/sft_tools_train.parquet, sft_tools_val.parquet   the demonstrations, 40% calling a calculator
 
-``make assets`` then trains ``assets/sft`` and ``assets/rm`` on these files, and samples the offline
-groups of ``configs/demo_cpu_offline.yaml`` from the SFT model (``assets/offline/train.parquet``,
-``scripts/make_offline_data.py``).
+``make assets`` then trains ``assets/sft`` and ``assets/rm`` on these files, fine-tunes ``assets/sft`` on
+the tool-use demonstrations into ``assets/tools/sft`` (the start of ``configs/demo_cpu_tools.yaml``), and
+samples the offline groups of ``configs/demo_cpu_offline.yaml`` from the SFT model
+(``assets/offline/train.parquet``, ``scripts/make_offline_data.py``).
 
 The task (see docs/demo.md): two-digit addition, prompt ``[{"role": "user", "content": "23 +
 48"}]``, answer in GSM8K form ``23 + 48 = 71\\n#### 71``. In the SFT training data 60% of the additions
@@ -55,6 +57,9 @@ NUM_PREF_TRAIN = 4096
 """Preference pairs for reward-model training."""
 CARRY_FLAW_FRACTION = 0.6
 """Share of the carry problems in the SFT training data whose demonstration forgets the carry."""
+TOOL_FRACTION = 0.4
+"""Share of the tool-use demonstrations (``sft_tools_*``) that call the calculator; the others are the
+plain demonstrations with the task's flaw."""
 MISTAKE_KINDS = ("slipped_carry", "wrong_final_line", "broken_format", "far_off")
 """Kinds of rejected answers in the preference data, mixed evenly."""
 
@@ -92,6 +97,12 @@ def needs_carry(a: int, b: int) -> bool:
 def worked_answer(a: int, b: int, result: int) -> str:
     """The GSM8K-style answer showing ``result`` (right or not): ``a + b = result\\n#### result``."""
     return f"{a} + {b} = {result}\n#### {result}"
+
+
+def tool_answer(a: int, b: int) -> str:
+    """The answer that calls the calculator of ``configs/calculator.py``: the model writes
+    ``<calc>a+b</calc>``, the environment's observation ``<result>s</result>`` follows, then ``#### s``."""
+    return f"<calc>{a}+{b}</calc><result>{a + b}</result>\n#### {a + b}"
 
 
 def prompt_messages(a: int, b: int) -> list[dict[str, str]]:
@@ -140,6 +151,20 @@ def sft_rows(problems: list[tuple[int, int]], flaw_fraction: float, rng: np.rand
             }
         )
     return rows
+
+
+def sft_tool_rows(rows: list[dict], tool_fraction: float, rng: np.random.Generator) -> list[dict]:
+    """``rows`` (from ``sft_rows``) in which exactly ``round(tool_fraction * len(rows))``, picked at random,
+    call the calculator (``tool_answer``, never flawed: the tool adds right); the others keep their
+    demonstration, forgotten carries included. Column ``tool`` marks the calls."""
+    chosen = set(rng.permutation(len(rows))[: round(tool_fraction * len(rows))].tolist())
+    out = []
+    for i, row in enumerate(rows):
+        if i in chosen:
+            a, b = (int(x) for x in row["prompt"][0]["content"].split(" + "))
+            row = {**row, "answer": tool_answer(a, b), "flawed": False}
+        out.append({**row, "tool": i in chosen})
+    return out
 
 
 def rejected_answer(a: int, b: int, kind: str, rng: np.random.Generator) -> str:
@@ -192,16 +217,21 @@ def preference_rows(problems: list[tuple[int, int]], rng: np.random.Generator) -
 
 def make_task(seed: int) -> dict[str, list[dict[str, Any]]]:
     """Every data file's rows, keyed by file stem (``train``, ``val``, ``sft_train``, ``sft_val``,
-    ``pref_train``, ``pref_val``). Pure and deterministic in ``seed``."""
+    ``pref_train``, ``pref_val``, ``sft_tools_train``, ``sft_tools_val``). Pure and deterministic in
+    ``seed``."""
     pool, val = split_problems(seed)
     pref_order = np.random.default_rng([seed, 1]).permutation(len(pool))[:NUM_PREF_TRAIN]
+    sft_train = sft_rows(pool, CARRY_FLAW_FRACTION, np.random.default_rng([seed, 2]))
+    sft_val = sft_rows(val, 0.0, np.random.default_rng([seed, 3]))
     return {
         "train": prompt_rows(pool[:NUM_TRAIN], "train"),
         "val": prompt_rows(val, "val"),
-        "sft_train": sft_rows(pool, CARRY_FLAW_FRACTION, np.random.default_rng([seed, 2])),
-        "sft_val": sft_rows(val, 0.0, np.random.default_rng([seed, 3])),
+        "sft_train": sft_train,
+        "sft_val": sft_val,
         "pref_train": preference_rows([pool[i] for i in pref_order], np.random.default_rng([seed, 4])),
         "pref_val": preference_rows(val, np.random.default_rng([seed, 5])),
+        "sft_tools_train": sft_tool_rows(sft_train, TOOL_FRACTION, np.random.default_rng([seed, 6])),
+        "sft_tools_val": sft_tool_rows(sft_val, TOOL_FRACTION, np.random.default_rng([seed, 7])),
     }
 
 

@@ -1,4 +1,5 @@
-"""Custom reward functions the end-to-end tests load with ``reward.custom_function=FILE:NAME``."""
+"""Custom reward functions and multi-turn environments the end-to-end tests load with
+``reward.custom_function=FILE:NAME`` and ``rollout.multi_turn.env=FILE:CLASS``."""
 
 from __future__ import annotations
 
@@ -59,7 +60,9 @@ def slow_after(
     return digit_score(data_source, solution_str, ground_truth, extra_info)
 
 
-def hangs_on_seven(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
+def hangs_on_seven(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None
+) -> float:
     """``digit_score``, but a response that contains a 7 hangs forever, one with a 3 raises, and one with
     a 5 returns text: a reward function with every failure a worker pool must survive."""
     import time
@@ -71,3 +74,78 @@ def hangs_on_seven(data_source: str, solution_str: str, ground_truth: str, extra
     if "5" in solution_str:
         return "five"  # type: ignore[return-value]
     return digit_score(data_source, solution_str, ground_truth, extra_info)
+
+
+def fails_once(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None
+) -> float:
+    """``digit_score``, but the first call for a response (not the start-up check's empty one) on rank
+    ``$PPO_TEST_FAIL_RANK`` (of all its worker processes: the file ``$PPO_TEST_FAIL_MARKER`` marks it
+    done) fails as ``$PPO_TEST_FAIL`` says: ``hang`` (sleeps an hour), ``exit`` (kills its process),
+    ``raise`` or ``text`` (returns a string)."""
+    import os
+    import time
+    from pathlib import Path
+
+    marker = Path(os.environ["PPO_TEST_FAIL_MARKER"])
+    if (
+        solution_str
+        and os.environ.get("RANK", "0") == os.environ["PPO_TEST_FAIL_RANK"]
+        and not marker.exists()
+    ):
+        marker.write_text("failed")
+        how = os.environ["PPO_TEST_FAIL"]
+        if how == "hang":
+            time.sleep(3600)
+        if how == "exit":
+            os._exit(3)
+        if how == "raise":
+            raise ValueError("a bug")
+        return "text"  # type: ignore[return-value]
+    return digit_score(data_source, solution_str, ground_truth, extra_info)
+
+
+def keyword_order(
+    solution_str: str, ground_truth: str, data_source: str, extra_info: dict | None = None, scale: float = 1.0
+) -> dict:
+    """verl's calling convention: arguments by keyword (in another order than verl's), ``scale`` from
+    ``reward.reward_kwargs``; a dict with extra keys (logged as ``reward/extra/*``)."""
+    digits = digit_score(data_source, solution_str, ground_truth)
+    return {
+        "score": scale * digits,
+        "digits": digits,
+        "long": len(solution_str) > 6,
+        "note": "text is not logged",
+    }
+
+
+EVERY_CHARACTER = [chr(c) for c in range(33, 127)]
+"""Stop strings that end a turn at its first printable character: with these, every turn of
+``TurnsByRow`` is one generated token, whatever the (random) model writes."""
+
+
+class TurnsByRow:
+    """A stateless environment whose trajectories take a number of tool calls fixed by the prompt's row:
+    1 call for ``extra_info.index % 4`` in (0, 1), 3 for 2 and 3 (so with 4 prompts a step over 2 ranks,
+    rank 0's rows take 1 call and rank 1's take 3). Each call answers ``" ok"`` with reward 0.25; the
+    last ends the trajectory. Call number ``$PPO_TEST_ENV_SLOW_CALL`` of this process first writes the
+    file ``$PPO_TEST_ENV_MARKER`` and then sleeps ``$PPO_TEST_ENV_SLOW_S`` seconds (a known moment to
+    kill a run)."""
+
+    def reset(self, row: dict) -> None:
+        self.left = 1 if row["extra_info"]["index"] % 4 < 2 else 3
+
+    def step(self, action_text: str) -> tuple[str, float, bool]:
+        import os
+        import time
+        from pathlib import Path
+
+        _env_calls["n"] += 1
+        if _env_calls["n"] == int(os.environ.get("PPO_TEST_ENV_SLOW_CALL", "0")):
+            Path(os.environ["PPO_TEST_ENV_MARKER"]).write_text(str(_env_calls["n"]))
+            time.sleep(float(os.environ.get("PPO_TEST_ENV_SLOW_S", "0")))
+        self.left -= 1
+        return " ok", 0.25, self.left == 0
+
+
+_env_calls = {"n": 0}

@@ -21,11 +21,21 @@ from transformers import (
 
 from ppo.config_loader import load_config
 from ppo.data import load_prompts
+from ppo.multi_turn import load_environment
 from ppo.rewards import RULE_DATA_SOURCES, default_compute_score, gsm8k_score
 from ppo.stage_data import load_preference_pairs, load_sft_examples
 from tests.conftest import ROOT, load_script
 
-DATA_FILES = ("train", "val", "sft_train", "sft_val", "pref_train", "pref_val")
+DATA_FILES = (
+    "train",
+    "val",
+    "sft_train",
+    "sft_val",
+    "pref_train",
+    "pref_val",
+    "sft_tools_train",
+    "sft_tools_val",
+)
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +150,8 @@ def test_sizes_and_val_disjoint_from_training(task: dict[str, list[dict[str, Any
         "sft_val": 500,
         "pref_train": 4096,
         "pref_val": 500,
+        "sft_tools_train": 7600,
+        "sft_tools_val": 500,
     }
 
     def problems(name: str) -> set[str]:
@@ -173,6 +185,27 @@ def test_sft_train_forgets_60_percent_of_carries(
     assert all(
         not row["flawed"] and row["answer"].endswith(f"#### {row['ground_truth']}") for row in task["sft_val"]
     )
+
+
+def test_tool_demonstrations_call_the_calculator_in_40_percent(
+    assets: ModuleType, task: dict[str, list[dict[str, Any]]]
+) -> None:
+    calculator = load_environment(f"{ROOT / 'configs' / 'calculator.py'}:Calculator")
+    for plain, row in zip(task["sft_train"], task["sft_tools_train"], strict=True):
+        assert row["prompt"] == plain["prompt"]
+        if not row["tool"]:
+            assert row["answer"] == plain["answer"] and row["flawed"] == plain["flawed"]
+            continue
+        a, b = (int(x) for x in row["prompt"][0]["content"].split(" + "))
+        assert row["answer"] == f"<calc>{a}+{b}</calc><result>{a + b}</result>\n#### {a + b}"
+        assert not row["flawed"]
+        # What the demonstration shows after </calc> is exactly what the calculator answers.
+        env = calculator()
+        env.reset(row)
+        action = row["answer"].partition("</calc>")[0] + "</calc>"
+        assert env.step(action) == (f"<result>{a + b}</result>", 0.0, False)
+    assert sum(r["tool"] for r in task["sft_tools_train"]) == round(0.4 * 7600)
+    assert sum(r["tool"] for r in task["sft_tools_val"]) == 200
 
 
 def test_preference_mistakes_even_and_scored_as_labelled(

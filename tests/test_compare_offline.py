@@ -111,10 +111,10 @@ def records(tiny_assets: Path, tok: Any) -> list[data.PromptRecord]:
     return [dataclasses.replace(r, ground_truth="7" if i < 5 else "3") for i, r in enumerate(loaded)]
 
 
-def first_char_scorer(data_source: str, text: str, ground_truth: str, extra_info: dict) -> float:
+def first_char_scorer(data_source: str, text: str, ground_truth: str, extra_info: dict) -> rewards.Score:
     """1 when the response starts with the ground truth: the hand-built policies' answers are single
     characters repeated, which no ``#### N`` rule would ever score."""
-    return float(text[:1] == ground_truth)
+    return rewards.Score(float(text[:1] == ground_truth), {})
 
 
 ONE_RANK = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -217,9 +217,9 @@ def test_greedy_answers_are_plain_generate_ones(
     them; without samples nothing else is reported."""
     seen: list[tuple[str, str]] = []
 
-    def scorer(data_source: str, text: str, ground_truth: str, extra_info: dict) -> float:
+    def scorer(data_source: str, text: str, ground_truth: str, extra_info: dict) -> rewards.Score:
         seen.append((ground_truth, text))
-        return float(len(seen) % 2)  # every other answer right: 4 of 8
+        return rewards.Score(float(len(seen) % 2), {})  # every other answer right: 4 of 8
 
     monkeypatch.setattr(rewards, "make_rule_scorer", lambda *args: scorer)
     model = models.load_causal_lm(str(tiny_assets / "base"))

@@ -580,7 +580,20 @@ RANGE_CASES = [
     (PPOConfig, "rollout.val_kwargs.top_k=-2", "rollout.val_kwargs.top_k"),
     (PPOConfig, "reward.overlong_buffer.len=-1", "reward.overlong_buffer.len"),
     (PPOConfig, "reward.overlong_buffer.penalty_factor=-1", "reward.overlong_buffer.penalty_factor"),
-    (PPOConfig, "algorithm.filter_groups.max_num_gen_batches=-1", "algorithm.filter_groups.max_num_gen_batches"),
+    (
+        PPOConfig,
+        "algorithm.filter_groups.max_num_gen_batches=-1",
+        "algorithm.filter_groups.max_num_gen_batches",
+    ),
+    (PPOConfig, "reward.num_workers=-1", "reward.num_workers"),
+    (PPOConfig, "reward.timeout_s=0", "reward.timeout_s"),
+    (PPOConfig, "rollout.multi_turn.max_assistant_turns=0", "rollout.multi_turn.max_assistant_turns"),
+    (
+        PPOConfig,
+        "rollout.multi_turn.max_tool_response_length=0",
+        "rollout.multi_turn.max_tool_response_length",
+    ),
+    (PPOConfig, "rollout.multi_turn.step_timeout_s=0", "rollout.multi_turn.step_timeout_s"),
     (RewardModelConfig, "loss.margin=-0.5", "loss.margin"),
     (RewardModelConfig, "data.max_length=-1", "data.max_length"),
     (RewardModelConfig, "trainer.save_freq=-3", "trainer.save_freq"),
@@ -588,6 +601,7 @@ RANGE_CASES = [
 UNRANGED = {
     (ActorConfig, "entropy_coeff"),
     (RewardConfig, "format_score"),
+    (RewardConfig, "error_score"),
     (PolicyLossConfig, "clip_cov_lb"),
     (PolicyLossConfig, "clip_cov_ub"),
 }

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ppo.data import PromptRecord
 from ppo.rewards import (
     GSM8K_CLIP_CHARS,
     RULE_DATA_SOURCES,
@@ -22,6 +23,7 @@ from ppo.rewards import (
     make_rule_scorer,
     rank_scores,
     reward_model_scores,
+    rule_scores,
     scores_from_ranks,
 )
 
@@ -85,9 +87,9 @@ def test_default_score_dispatches_by_data_source() -> None:
 
 def test_make_rule_scorer_default_uses_format_score() -> None:
     score = make_rule_scorer(None, format_score=0.25)
-    assert score("gsm8k", "#### 70", "71", {}) == 0.25
-    assert score("synthetic/arith", "#### 71", "71", {}) == 1.0
-    assert score("gsm8k", "no answer", "71", {}) == 0.0
+    assert score("gsm8k", "#### 70", "71", {}) == (0.25, {})
+    assert score("synthetic/arith", "#### 71", "71", {}) == (1.0, {})
+    assert score("gsm8k", "no answer", "71", {}) == (0.0, {})
 
 
 SCORER_SOURCE = textwrap.dedent(
@@ -98,7 +100,10 @@ SCORER_SOURCE = textwrap.dedent(
         return float(len(solution_str)) + (100.0 if extra_info.get("bonus") else 0.0)
 
     def as_dict(data_source, solution_str, ground_truth, extra_info):
-        return {"score": 0.5, "acc": True}
+        return {"score": 0.5, "acc": True, "pred": "12", "length": 3}
+
+    def compute_score(solution_str, data_source, extra_info, ground_truth, scale=1.0, offset=0.0):
+        return scale * len(solution_str) + offset
 
     def bad_type(data_source, solution_str, ground_truth, extra_info):
         return "high"
@@ -126,14 +131,62 @@ def test_custom_function_from_file_and_module(scorer_file: Path, monkeypatch: py
     from_module = load_custom_function("my_scores:score")
     assert from_module("d", "abc", "x", {"bonus": 1}) == 103.0
     scorer = make_rule_scorer(f"{scorer_file}:score", format_score=FMT)
-    assert scorer("unknown/source", "abcdef", "x", {}) == 6.0  # no data_source restriction
-    assert make_rule_scorer("my_scores:as_dict", format_score=0.0)("d", "s", "g", {}) == 0.5
+    assert scorer("unknown/source", "abcdef", "x", {}).value == 6.0  # no data_source restriction
+    # a dict's other number keys (True counts as 1) are the extras; text is left out
+    assert make_rule_scorer("my_scores:as_dict", format_score=0.0)("d", "s", "g", {}) == (
+        0.5,
+        {"acc": 1.0, "length": 3.0},
+    )
+
+
+def test_custom_function_is_called_by_keyword_with_reward_kwargs(scorer_file: Path) -> None:
+    """verl calls compute_score(data_source=, solution_str=, ground_truth=, extra_info=) by keyword: a
+    function with another argument order binds by name; ``:name`` left out is compute_score; reward_kwargs
+    are passed as keywords."""
+    scorer = make_rule_scorer(str(scorer_file), 0.0, {"scale": 2.0, "offset": 0.5})
+    assert scorer("d", "abcd", "g", {}) == (8.5, {})
+    assert make_rule_scorer(f"{scorer_file}:compute_score", 0.0)("d", "abc", "g", {}).value == 3.0
+    with pytest.raises(RewardError, match=r"raised TypeError: .*unexpected keyword argument 'sacle'"):
+        make_rule_scorer(str(scorer_file), 0.0, {"sacle": 2.0})("d", "abc", "g", {})
+
+
+def test_a_failing_function_names_function_row_and_value(scorer_file: Path) -> None:
+    record = PromptRecord(
+        input_ids=[1], prompt_text="p", data_source="d", ground_truth="g", extra_info={}, index=41
+    )
+    scorer = make_rule_scorer(f"{scorer_file}:bad_type", 0.0)
+    with pytest.raises(RewardError) as e:
+        rule_scores(scorer, [record], ["an answer"])
+    message = str(e.value)
+    assert "\n" not in message
+    assert f"reward.custom_function='{scorer_file}:bad_type' returned 'high'" in message
+    assert "response 'an answer'" in message and message.endswith("; prompt row 41")
+
+
+def test_rule_scores_average_the_extras_over_the_rows_that_have_them(tmp_path: Path) -> None:
+    path = tmp_path / "extras.py"
+    path.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+        "    out = {'score': float(len(solution_str)), 'twice': 2.0 * len(solution_str)}\n"
+        "    return out | ({'odd': 1.0} if len(solution_str) % 2 else {})\n"
+    )
+    record = PromptRecord(
+        input_ids=[1], prompt_text="p", data_source="d", ground_truth="g", extra_info={}, index=0
+    )
+    scores, metrics = rule_scores(make_rule_scorer(str(path), 0.0), [record] * 3, ["a", "bb", "ccc"])
+    assert scores.tolist() == [1.0, 2.0, 3.0]
+    assert metrics == {"reward/extra/twice": 4.0, "reward/extra/odd": 1.0}
 
 
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("no_colon_here", r"must look like module.path:function or path/to/file.py:function"),
+        (
+            "no_such_module_here",
+            r"no module named 'no_such_module_here'",
+        ),  # no_such_module_here:compute_score
+        (":score", r"must look like module.path:function or path/to/file.py:function"),
+        ("math", r"math has no attribute 'compute_score'"),
         ("missing/file.py:score", r"file missing/file.py does not exist"),
         ("no_such_module_xyz.sub:score", r"no module named 'no_such_module_xyz' \(is it on PYTHONPATH\?\)"),
         ("{file}:scroe", r"has no attribute 'scroe'; did you mean score\?"),
@@ -163,8 +216,10 @@ def test_custom_function_bad_results(scorer_file: Path) -> None:
     ):
         scorer("d", "s", "g", {})
     # NaN passes through: the trainer skips the step on every rank and counts it.
-    assert math.isnan(make_rule_scorer(f"{scorer_file}:not_finite", format_score=0.0)("d", "s", "g", {}))
-    assert not math.isnan(make_rule_scorer(None, 0.0)("gsm8k", "s", "g", {}))
+    assert math.isnan(
+        make_rule_scorer(f"{scorer_file}:not_finite", format_score=0.0)("d", "s", "g", {}).value
+    )
+    assert not math.isnan(make_rule_scorer(None, 0.0)("gsm8k", "s", "g", {}).value)
 
 
 def test_rank_scores_best_of_each_group_gets_one() -> None:

@@ -250,7 +250,8 @@ def test_every_key_that_cannot_be_taken_is_reported_at_once() -> None:
         "actor_rollout_ref.actor.ppo_micro_batch_size=64 (from the command line): verl's deprecated global "
         "micro-batch size; give actor.ppo_micro_batch_size_per_gpu",
         "rollout.n='two' (from the command line) is not a valid int",
-        "actor_rollout_ref.rollout.multi_turn.enable=True (from the command line): multi-turn rollouts",
+        "rollout.multi_turn.enable=true needs the environment class: set rollout.multi_turn.env=path/to/file.py:Class "
+        "(from the command line, as actor_rollout_ref.rollout.multi_turn.enable)",
         "(from the command line): an OmegaConf interpolation",
     ]
     for fragment in expected:
@@ -384,8 +385,22 @@ def test_the_table_keeps_step_with_the_schema() -> None:
     refuses it (a key verl has that the schema gained since: remove its entry, and the README's row)."""
     ours = set(all_keys(PPOConfig))
     assert not [k for k, rule in VERL_KEYS.items() if rule.ours and rule.ours not in ours]
-    shadowed = [k for k, rule in VERL_KEYS.items() if rule.ours is None and k.removesuffix(".*") in ours]
+    # A section's ``.*`` entry (verl's other rollout.multi_turn.* keys) never catches our own keys in it.
+    shadowed = [k for k, rule in VERL_KEYS.items() if rule.ours is None and k in ours]
     assert not shadowed, f"entries of VERL_KEYS for keys we now have: {shadowed}"
+    notes: list[str] = []
+    section = "actor_rollout_ref.rollout.multi_turn"
+    cfg = load_config(
+        None,
+        [f"{section}.enable=true", f"{section}.env=env.py:Env", f"{section}.tool_config_path=tools.yaml"],
+        notes=notes,
+    )
+    assert (cfg.rollout.multi_turn.enable, cfg.rollout.multi_turn.env) == (True, "env.py:Env")
+    assert [n for n in notes if "multi_turn" in n] == [
+        f"{section}.tool_config_path='tools.yaml' (from the command line) is ignored: verl's tool and "
+        "agent-loop settings; here the environment is a class with reset and step (rollout.multi_turn.env) "
+        "and turns end at rollout.multi_turn.stop"
+    ]
     assert all(rule.reason for rule in VERL_KEYS.values() if rule.ours is None), "every refusal says why"
 
 
@@ -435,9 +450,62 @@ def test_a_run_in_verl_spelling_trains_as_ours(
     assert configs[0] == configs[1]
 
 
+def test_a_verl_reward_function_with_kwargs_and_extras(tiny_assets: Path, tmp_path: Path) -> None:
+    """verl's spelling of a reward function: called by keyword (its parameters in another order), with
+    ``reward_kwargs``; the dict's other number keys are logged as reward/extra/<key>, text left out."""
+    out = tmp_path / "run"
+    args = base_args(tiny_assets, out, steps=1) + [
+        "trainer.val_before_train=false",
+        "algorithm.adv_estimator=grpo",
+        f"custom_reward_function.path={REWARD_FNS}",
+        "custom_reward_function.name=keyword_order",
+        "+custom_reward_function.reward_kwargs.scale=2",
+    ]
+    assert run(args) == 0
+    (row,) = read_metrics(out)
+    assert {k for k in row if k.startswith("reward/extra/")} == {"reward/extra/digits", "reward/extra/long"}
+    # score = scale * digits on every response, so the means are in the same ratio
+    assert row["critic/score/mean"] == pytest.approx(2 * row["reward/extra/digits"], rel=1e-6)
+    assert 0 <= row["reward/extra/long"] <= 1 and row["reward/extra/digits"] > 0
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    assert cfg["reward"]["reward_kwargs"] == {"scale": 2}
+    assert cfg["reward"]["custom_function"] == f"{REWARD_FNS}:keyword_order"
+
+
 # ----------------------------------------------------------------------------------------------------
 # What they see: --help, torchrun's summary
 # ----------------------------------------------------------------------------------------------------
+
+
+def test_validation_generations_are_logged_for_the_same_prompts(tiny_assets: Path, tmp_path: Path) -> None:
+    """trainer.log_val_generations=3: each validation writes the first 3 validation prompts, their
+    answers and the scores the run trains with to generations.jsonl, and a table to TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.reward_fns import digit_score
+
+    out = tmp_path / "run"
+    args = base_args(tiny_assets, out, steps=2) + [
+        "trainer.log_val_generations=3",
+        "trainer.test_freq=1",
+        "trainer.logger=[jsonl,tensorboard]",
+    ]
+    assert run(args) == 0
+    rows = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    first = [r["prompt"] for r in rows[:3]]
+    assert [r["prompt"] for r in rows[3:6]] == [r["prompt"] for r in rows[6:]] == first
+    val = pq.read_table(tiny_assets / "data" / "val.parquet").to_pylist()[:3]
+    for text, row in zip(first, val, strict=True):
+        assert row["prompt"][-1]["content"] in text  # the chat template around the row's question
+    for r in rows:
+        assert r["score"] == pytest.approx(digit_score("", r["response"], ""))
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    tables = events.Tensors("val/generations/text_summary")
+    assert [t.step for t in tables] == [0, 1, 2]
+    assert tables[0].tensor_proto.string_val[0].decode().startswith("| prompt | response | score |")
+
 
 ENTRY_POINTS = [
     "train_ppo.py",

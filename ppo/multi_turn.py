@@ -1,0 +1,270 @@
+"""Multi-turn rollouts: the model writes, a user's environment or tool answers, the model writes again,
+and the reward comes at the end (or per turn), on the same one-program step.
+
+The environment is a class in the user's file (``rollout.multi_turn.env=my_env.py:Calc``), one instance
+per trajectory::
+
+    class Calc:
+        def reset(self, row: dict) -> str | None:        # the prompt's record (ground truth included);
+            ...                                          # text returned here is appended to the prompt
+        def step(self, action_text: str) -> tuple[str, float, bool]:   # (observation, reward, done)
+            ...
+
+Each rank runs its own turn loop over its rows (``rollout.sample`` calls ``run_turns`` inside one
+``rollout.generating`` session: the actor's parameters are gathered once): generate for the rows still going; a turn ends at an EOS (the trajectory is
+done), at one of ``rollout.multi_turn.stop`` (the turn's text goes to ``step``) or at the response budget;
+``step``'s observation is tokenized and appended (truncated to ``max_tool_response_length`` tokens);
+rows whose ``step`` said done, or that ran out of turns or of ``data.max_response_length`` tokens (which
+counts generated and observation tokens together, as in verl), drop out. Generation has no collectives,
+so ranks may take different numbers of turns and the phase still ends together.
+
+Tokens, not text: generated ids are kept exactly as generated (a turn is cut right after the token that
+completes its stop string, found by decoding prefixes), observation ids come from the tokenizer. The
+``Rollout`` has two masks: ``response_mask`` (the token exists: packing and forwards) and ``loss_mask``
+(the policy generated it: every loss, KL, entropy, whitening and count), ``env_rewards`` with each
+``step`` reward on the last generated token of its turn, and per-row ``turn_stats`` (``TURN_STATS``). A ``step`` that raises or returns the wrong types
+is an error naming the class; one that runs longer than ``rollout.multi_turn.step_timeout_s`` ends its
+trajectory with reward 0 and is counted (the stuck call is abandoned on a daemon thread: never a hang).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from numbers import Real
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+
+from ppo import rewards
+from ppo.batch import Rollout
+from ppo.config import MultiTurnConfig
+from ppo.data import PromptRecord
+
+logger = logging.getLogger("ppo")
+
+
+class EnvError(rewards.RewardError):
+    """The environment class cannot be loaded, or a call returned something the loop cannot use."""
+
+
+def load_environment(spec: str) -> type:
+    """The environment class of ``rollout.multi_turn.env`` (``file.py:Class`` or ``module:Class``), checked
+    for ``reset`` and ``step`` methods; EnvError (one line naming the key) otherwise."""
+    cls = rewards.load_custom_function(spec, key="rollout.multi_turn.env", default_name=None)
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if not isinstance(cls, type) or missing:
+        raise EnvError(
+            f"rollout.multi_turn.env={spec!r} must be a class with reset(row) and step(action_text) methods"
+            + (f"; it has no {', '.join(missing)}" if missing else "")
+        )
+    return cls
+
+
+def record_row(record: PromptRecord) -> dict[str, Any]:
+    """What ``reset`` receives: the prompt's record as a dict (verl's row fields)."""
+    return {
+        "index": record.index,
+        "prompt": record.prompt_text,
+        "data_source": record.data_source,
+        "ground_truth": record.ground_truth,
+        "extra_info": record.extra_info,
+    }
+
+
+@dataclass
+class Trajectory:
+    """One row's response so far."""
+
+    env: Any
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    generated: list[bool] = field(default_factory=list)
+    rewards: dict[int, float] = field(default_factory=dict)
+    done: bool = False
+    ended: bool = False
+    """Ended with an EOS (else it was cut by the budget, the turn cap or a done from ``step``)."""
+    turns: int = 0
+    tool_calls: int = 0
+    step_timeouts: int = 0
+    observation_truncations: int = 0
+
+
+TURN_STATS = ("turns", "tool_calls", "step_timeouts", "observation_truncations")
+"""Per-row counts a multi-turn ``Rollout`` carries in ``turn_stats`` (the ``rollout/*`` metrics)."""
+
+
+@dataclass(kw_only=True)
+class MultiTurn:
+    """The settings of a multi-turn rollout (``rollout.multi_turn.*``)."""
+
+    env_class: type
+    tokenizer: Any
+    max_turns: int
+    max_tool_response_length: int
+    step_timeout_s: float
+    stop: list[str]
+    max_response_length: int
+
+
+def make_settings(config: MultiTurnConfig, tokenizer: Any, max_response_length: int) -> MultiTurn:
+    """The turn loop's settings from ``rollout.multi_turn`` (the environment class loaded and checked:
+    a bad ``env`` fails here, at start-up). Without ``max_assistant_turns`` the budget bounds the turns
+    (every turn generates at least one token)."""
+    return MultiTurn(
+        env_class=load_environment(config.env),
+        tokenizer=tokenizer,
+        max_turns=config.max_assistant_turns or max_response_length,
+        max_tool_response_length=config.max_tool_response_length,
+        step_timeout_s=config.step_timeout_s,
+        stop=list(config.stop),
+        max_response_length=max_response_length,
+    )
+
+
+TurnGenerator = Callable[[list[torch.Tensor], GenerationConfig], torch.Tensor]
+"""``(prompts, config) -> [B, config.max_new_tokens]`` generated tokens (``rollout.decode`` in a
+``rollout.generating`` session)."""
+
+
+def run_turns(
+    generate_turn: TurnGenerator,
+    records: list[PromptRecord],
+    config: GenerationConfig,
+    settings: MultiTurn,
+    device: torch.device,
+) -> Rollout:
+    """Run the turn loop of the module docstring for every record and return the ``Rollout``
+    (``R = max_response_length``) on ``device``, with both masks, the step rewards and ``turn_stats``."""
+    tok = settings.tokenizer
+    trajectories = []
+    for record in records:
+        env = settings.env_class()
+        extra = env.reset(record_row(record))
+        if extra is not None and not isinstance(extra, str):
+            raise EnvError(
+                f"{settings.env_class.__name__}.reset returned {extra!r:.60}; expected text or None"
+            )
+        prompt = list(record.input_ids) + (tok.encode(extra, add_special_tokens=False) if extra else [])
+        trajectories.append(Trajectory(env=env, prompt=prompt))
+    eos = set(config.eos_token_id)
+    budget = settings.max_response_length
+    for _ in range(settings.max_turns):
+        active = [t for t in trajectories if not t.done]
+        if not active:
+            break
+        turn_config = GenerationConfig.from_dict(
+            {**config.to_dict(), "max_new_tokens": max(budget - len(t.tokens) for t in active)}
+        )
+        turn_config.stop_strings = list(settings.stop) or None
+        out = generate_turn(
+            [torch.tensor(t.prompt + t.tokens, dtype=torch.long) for t in active], turn_config
+        )
+        for t, row in zip(active, out.tolist(), strict=True):
+            new, how = _cut_turn(row[: budget - len(t.tokens)], eos, settings.stop, tok)
+            t.tokens += new
+            t.generated += [True] * len(new)
+            t.turns += 1
+            if how != "stop":  # an EOS ends the trajectory; so does running out of tokens
+                t.done, t.ended = True, how == "eos"
+                continue
+            t.tool_calls += 1
+            observation, reward, done = _step(t, tok.decode(new, skip_special_tokens=True), settings)
+            t.rewards[len(t.tokens) - 1] = t.rewards.get(len(t.tokens) - 1, 0.0) + reward
+            obs = tok.encode(observation, add_special_tokens=False) if observation else []
+            if len(obs) > settings.max_tool_response_length:
+                obs = obs[: settings.max_tool_response_length]
+                t.observation_truncations += 1
+            obs = obs[: budget - len(t.tokens)]
+            t.tokens += obs
+            t.generated += [False] * len(obs)
+            t.done = done or len(t.tokens) >= budget
+    return _as_rollout(trajectories, budget, config.pad_token_id, device)
+
+
+def _cut_turn(tokens: list[int], eos: set[int], stop: list[str], tokenizer: Any) -> tuple[list[int], str]:
+    """A turn's tokens as generated, up to and including its end: ``(tokens, "eos" | "stop" | "budget")``.
+    The end is the first EOS, or the token that completes a stop string (the shortest prefix whose text
+    contains one), whichever comes first; else the whole budget."""
+    end = next((i for i, t in enumerate(tokens) if t in eos), None)
+    limit = end + 1 if end is not None else len(tokens)
+    if stop:
+        text_before = ""
+        for i in range(limit):
+            text = tokenizer.decode(tokens[: i + 1], skip_special_tokens=True)
+            if len(text) > len(text_before) and any(s in text for s in stop):
+                return tokens[: i + 1], "stop"
+            text_before = text
+    if end is not None:
+        return tokens[:limit], "eos"
+    return tokens, "budget"
+
+
+def _step(t: Trajectory, action: str, settings: MultiTurn) -> tuple[str, float, bool]:
+    """``env.step(action)`` within ``step_timeout_s``: a late call ends the trajectory with reward 0
+    (counted; the call runs on, abandoned, on a daemon thread that does not keep the process alive); a
+    call that raises or returns the wrong types is an error naming the class."""
+    env = t.env
+    name = type(env).__name__
+    answers: queue.Queue = queue.Queue(maxsize=1)
+
+    def call() -> None:
+        try:
+            answers.put(("ok", env.step(action)))
+        except Exception as e:  # handed to the caller, which names the class
+            answers.put(("error", e))
+
+    threading.Thread(target=call, daemon=True, name=f"{name}.step").start()
+    try:
+        status, result = answers.get(timeout=settings.step_timeout_s)
+    except queue.Empty:
+        t.step_timeouts += 1
+        return "", 0.0, True
+    if status == "error":
+        raise EnvError(
+            f"{name}.step raised {type(result).__name__}: {result} (action {action[:60]!r})"
+        ) from result
+    ok = (
+        isinstance(result, tuple)
+        and len(result) == 3
+        and isinstance(result[0], str)
+        and isinstance(result[1], Real)
+        and isinstance(result[2], bool)
+    )
+    if not ok:
+        raise EnvError(
+            f"{name}.step returned {result!r:.80}; expected (observation: str, reward: float, done: bool)"
+        )
+    return result[0], float(result[1]), result[2]
+
+
+def _as_rollout(trajectories: list[Trajectory], width: int, pad_id: int, device: torch.device) -> Rollout:
+    """The trajectories as a ``Rollout`` of width ``width`` with both masks, the step rewards and the
+    per-row counts."""
+    b = len(trajectories)
+    responses = torch.full((b, width), pad_id, dtype=torch.long)
+    response_mask = torch.zeros(b, width, dtype=torch.bool)
+    loss_mask = torch.zeros(b, width, dtype=torch.bool)
+    env_rewards = torch.zeros(b, width)
+    for i, t in enumerate(trajectories):
+        n = len(t.tokens)
+        responses[i, :n] = torch.tensor(t.tokens, dtype=torch.long)
+        response_mask[i, :n] = True
+        loss_mask[i, :n] = torch.tensor(t.generated, dtype=torch.bool)
+        for pos, r in t.rewards.items():
+            env_rewards[i, pos] = r
+    return Rollout(
+        prompts=[torch.tensor(t.prompt, dtype=torch.long) for t in trajectories],
+        responses=responses.to(device),
+        response_mask=response_mask.to(device),
+        truncated=torch.tensor([not t.ended for t in trajectories], device=device),
+        loss_mask=loss_mask.to(device),
+        env_rewards=env_rewards.to(device),
+        turn_stats={
+            k: torch.tensor([float(getattr(t, k)) for t in trajectories], device=device) for k in TURN_STATS
+        },
+    )
