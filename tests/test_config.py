@@ -586,6 +586,7 @@ RANGE_CASES = [
         "algorithm.filter_groups.max_num_gen_batches",
     ),
     (PPOConfig, "reward.num_workers=-1", "reward.num_workers"),
+    (PPOConfig, "trainer.log_val_generations=-1", "trainer.log_val_generations"),
     (PPOConfig, "reward.timeout_s=0", "reward.timeout_s"),
     (PPOConfig, "rollout.multi_turn.max_assistant_turns=0", "rollout.multi_turn.max_assistant_turns"),
     (
