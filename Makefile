@@ -1,7 +1,7 @@
 # Two commands: `make demo` and `make test`. Both start with `make install`.
 PY := .venv/bin/python
-# Where no CUDA is present, torch's CPU build is installed. Set TORCH_INDEX to a CPU wheel index
-# (e.g. --index-url https://download.pytorch.org/whl/cpu) on machines whose pip would pick a CUDA build.
+# torch comes from PyPI (whose Linux wheel carries CUDA libraries); an installed CUDA build is kept. Set
+# TORCH_INDEX='--index-url https://download.pytorch.org/whl/cpu' for the smaller CPU-only wheel.
 TORCH_VERSION := 2.13.0
 TORCH_INDEX ?=
 NPROC ?= 2

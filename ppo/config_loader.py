@@ -614,6 +614,9 @@ def _from_verl(
             # error, actor_rollout_ref.rollout.top_k=-1 our 0), or ours since the table was written.
             rule = None
         shown = f"{leaf.given}={_show.repr(leaf.value)} (from {leaf.source})"
+        if isinstance(leaf.value, str) and "${" in leaf.value:  # any key: verl's YAML files have them
+            errors.append(f"{shown}: an OmegaConf interpolation, which is not resolved here; give the value")
+            continue
         if rule is None:
             if leaf.parts[0] in VERL_ONLY:
                 close = closest_keys(key, list(VERL_KEYS) + all_keys(cls))
@@ -626,9 +629,7 @@ def _from_verl(
             continue
         verl_spelled |= rule.ours != key or leaf.given != key
         value = leaf.value
-        if isinstance(value, str) and "${" in value:
-            errors.append(f"{shown}: an OmegaConf interpolation, which is not resolved here; give the value")
-        elif _among(value, rule.harmless):
+        if _among(value, rule.harmless):
             continue
         elif rule.ours is not None:
             value = rule.values.get(value, value) if isinstance(value, Hashable) else value

@@ -79,6 +79,9 @@ PACKED = "sequences are always packed without padding here"
 COMPILE = "it compiles verl's log-prob computation; here the chunked kernels (actor.kernels) compute it"
 ENTROPY = "the entropy is always computed in chunks here, without the full logits (actor.kernels)"
 SEEDED = "everything is seeded from trainer.seed here"
+OVERLONG_LOGGED = (
+    "the overlong penalty is always logged here (reward/overlong_penalty, reward/overlong_ratio)"
+)
 STRATEGY = "this trainer shards with FSDP2 (fully_shard per decoder layer)"
 DTYPES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 """verl's short dtype names."""
@@ -382,6 +385,16 @@ def _verl_keys() -> dict[str, VerlKey]:
         "reward.reward_manager": _refused(
             "only verl's naive and dapo reward managers (one score per response) exist here",
             ("naive", "dapo"),
+        ),
+        # verl's newer DAPO scripts pass the overlong buffer to the reward manager as keyword arguments.
+        **{
+            f"reward.reward_kwargs.overlong_buffer_cfg.{k}": renamed_to(f"reward.overlong_buffer.{k}")
+            for k in ("enable", "len", "penalty_factor")
+        },
+        "reward.reward_kwargs.overlong_buffer_cfg.log": _ignored(OVERLONG_LOGGED),
+        "reward.overlong_buffer.log": _ignored(OVERLONG_LOGGED),
+        "reward.reward_kwargs.max_resp_len": _ignored(
+            "the overlong penalty's maximum length is data.max_response_length here"
         ),
         "reward.launch_reward_fn_async": _ignored("the reward function runs in the training processes here"),
         "reward.sandbox_fusion.url": _refused("no sandbox runs code here"),

@@ -87,7 +87,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="the Parquet file to write")
     parser.add_argument("--from-pairs", type=Path, help="convert this preference file (no model needed)")
     parser.add_argument("--model", help="policy folder (save_pretrained) to sample from")
-    parser.add_argument("--data", type=Path, nargs="+", help="Parquet prompt files in verl's layout")
+    parser.add_argument(
+        "--data",
+        type=Path,
+        nargs="+",
+        help="prompt files in verl's layout (Parquet, JSON lines, JSON or a saved dataset)",
+    )
     parser.add_argument("--prompt-key", default="prompt", help="column of the prompts (default: prompt)")
     parser.add_argument("--k", type=int, default=4, help="responses per prompt, >= 2 (rollout.n)")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1)")
@@ -508,7 +513,7 @@ def concatenate_shards(
             f"no prompt got {meta['k']} usable samples (not empty, ended within --max-response-length="
             f"{meta['max_response_length']}); raise --max-response-length or --max-rounds"
         )
-    inputs = [row for path in meta["data"] for row in data.read_parquet(Path(path), required=[])]
+    inputs = [row for path in meta["data"] for row in data.read_rows(Path(path), required=[])]
     rows = [{**inputs[g.pop("index")], **g} for g in groups]
     write_atomic(pa.Table.from_pylist(rows), out)
     scores = np.array([r["scores"] for r in rows])

@@ -1,10 +1,13 @@
-"""Plot a run's main curves from its metrics.jsonl into one PNG.
+"""Plot a run's main curves from its metrics.jsonl into one PNG, or several runs side by side.
 
     python scripts/plot_run.py outputs/run              # writes outputs/run/curves.png
     python scripts/plot_run.py outputs/run --out x.png
+    python scripts/plot_run.py outputs/a outputs/b --out ab.png     # one line per run in every panel
 
 Panels: validation accuracy, training score, KL to the reference (and its coefficient), response
-length, policy loss and clip fraction, entropy; a panel is skipped when the run has none of its keys.
+length, policy loss and clip fraction, entropy, and for multi-turn runs the tool calls per trajectory;
+a panel is skipped when no run has any of its keys. With several runs each line is labelled with the
+run folder's name (and the key, where a panel has several).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ PANELS = [
     ("response length", ["response_length/mean"]),
     ("policy loss / clip fraction", ["actor/pg_loss", "actor/pg_clipfrac"]),
     ("entropy", ["actor/entropy"]),
+    ("tool calls per trajectory", ["rollout/tool_calls/mean", "val/tool_calls/mean"]),
 ]
 
 
@@ -36,9 +40,10 @@ def read_rows(run_dir: Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot(rows: list[dict[str, float]], out: Path, title: str) -> int:
-    """Draw the panels that have data; returns how many were drawn."""
-    panels = [(name, [k for k in keys if any(k in r for r in rows)]) for name, keys in PANELS]
+def plot(runs: dict[str, list[dict[str, float]]], out: Path, title: str) -> int:
+    """Draw the panels that have data, one line per run and key; returns how many were drawn."""
+    every = [r for rows in runs.values() for r in rows]
+    panels = [(name, [k for k in keys if any(k in r for r in every)]) for name, keys in PANELS]
     panels = [(name, keys) for name, keys in panels if keys]
     if not panels:
         raise ValueError("no known metrics in the run")
@@ -46,20 +51,29 @@ def plot(rows: list[dict[str, float]], out: Path, title: str) -> int:
     rows_n = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.2 * rows_n), squeeze=False)
     for ax, (name, keys) in zip(axes.flat, panels, strict=False):
-        for key in keys:
-            pts = [(r["step"], r[key]) for r in rows if key in r]
-            ax.plot(
-                [p[0] for p in pts],
-                [p[1] for p in pts],
-                marker="o" if len(pts) < 30 else None,
-                ms=3,
-                label=key,
-            )
+        lines = 0
+        for r_index, (run, rows) in enumerate(runs.items()):
+            for k_index, key in enumerate(keys):
+                pts = [(r["step"], r[key]) for r in rows if key in r]
+                if not pts:
+                    continue
+                label = key if len(runs) == 1 else run if len(keys) == 1 else f"{run}: {key}"
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    # one colour per run (per key with one run), one line style per key
+                    color=f"C{(r_index if len(runs) > 1 else k_index) % 10}",
+                    linestyle=("-", "--", ":")[k_index % 3] if len(runs) > 1 else "-",
+                    marker="o" if len(pts) < 30 else None,
+                    ms=3,
+                    label=label,
+                )
+                lines += 1
         ax.set_title(name)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if len(keys) > 1:
-            ax.legend(fontsize=7)
+        if lines > 1:
+            ax.legend(fontsize=6)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.suptitle(title)
@@ -73,17 +87,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--out", type=Path, default=None, help="PNG path (default RUN_DIR/curves.png)")
+    parser.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="PNG path (default RUN_DIR/curves.png; required with several runs)",
+    )
+    parser.add_argument("--title", default=None, help="figure title (default: the run folder)")
     args = parser.parse_args(argv)
+    if len(args.run_dirs) > 1 and args.out is None:
+        print("error: --out is required with several run folders", file=sys.stderr)
+        return 2
+    names = [d.name for d in args.run_dirs]
+    if len(set(names)) < len(names):
+        names = [str(d) for d in args.run_dirs]  # same folder names: label them by path
     try:
-        rows = read_rows(args.run_dir)
-        out = args.out or args.run_dir / "curves.png"
-        n = plot(rows, out, title=str(args.run_dir))
+        runs = {name: read_rows(d) for name, d in zip(names, args.run_dirs, strict=True)}
+        out = args.out or args.run_dirs[0] / "curves.png"
+        n = plot(runs, out, title=args.title or ", ".join(names))
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {out} ({n} panels, {len(rows)} steps)")
+    steps = max(len(rows) for rows in runs.values())
+    print(f"wrote {out} ({n} panels, {len(runs)} run(s), up to {steps} rows)")
     return 0
 
 

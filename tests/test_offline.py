@@ -506,6 +506,18 @@ def test_script_samples_scores_and_ranks(one_rank_groups: Path, prompts: Path, t
 
 
 @pytest.mark.slow
+def test_script_reads_json_lines_prompts_as_parquet(
+    one_rank_groups: Path, policy: Path, prompts: Path, tmp_path: Path
+) -> None:
+    """The same prompts as JSON lines give the same groups, the input's columns kept."""
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in pq.read_table(prompts).to_pylist()))
+    out = tmp_path / "groups.parquet"
+    assert make_offline_data.main(script_args(policy, jsonl, out)) == 0
+    assert pq.read_table(out).to_pylist() == pq.read_table(one_rank_groups).to_pylist()
+
+
+@pytest.mark.slow
 def test_script_is_deterministic_and_resumes_per_shard(
     one_rank_groups: Path, policy: Path, prompts: Path, tmp_path: Path, capfd: Any
 ) -> None:

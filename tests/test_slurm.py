@@ -125,7 +125,7 @@ def sbatch_headers(script: Path) -> list[str]:
 
 
 def test_found_all_scripts() -> None:
-    assert {p.name for p in SCRIPTS} == {"ppo.sbatch", "sft.sbatch", "reward_model.sbatch"}
+    assert {p.name for p in SCRIPTS} == {"ppo.sbatch", "sft.sbatch", "reward_model.sbatch", "dpo.sbatch"}
 
 
 @pytest.mark.parametrize("script", [*SCRIPTS, SLURM / "launch.sh"], ids=lambda p: p.name)
@@ -186,7 +186,11 @@ def test_ppo_command(fakes: Path, nnodes: int) -> None:
 
 @pytest.mark.parametrize(
     ("script", "entry"),
-    [("sft.sbatch", "scripts/train_sft.py"), ("reward_model.sbatch", "scripts/train_reward_model.py")],
+    [
+        ("sft.sbatch", "scripts/train_sft.py"),
+        ("reward_model.sbatch", "scripts/train_reward_model.py"),
+        ("dpo.sbatch", "scripts/train_dpo.py"),
+    ],
 )
 def test_stage_commands(fakes: Path, script: str, entry: str) -> None:
     env = slurm_env(fakes, 4, MASTER_PORT="31337")

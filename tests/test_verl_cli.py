@@ -451,6 +451,45 @@ def test_a_run_in_verl_spelling_trains_as_ours(
     assert configs[0] == configs[1]
 
 
+def test_an_interpolation_is_refused_in_any_key() -> None:
+    """OmegaConf's ${...} is not resolved here: refused in our keys as in verl's, never taken literally."""
+    with pytest.raises(ConfigError) as e:
+        load_config(
+            None, ["trainer.experiment_name=${trainer.project_name}", "trainer.default_local_dir=out/${x}"]
+        )
+    lines = str(e.value).splitlines()
+    assert lines[0] == "2 problems:"
+    assert all(
+        "an OmegaConf interpolation, which is not resolved here; give the value" in line for line in lines[1:]
+    )
+
+
+def test_the_overlong_buffer_as_reward_manager_kwargs() -> None:
+    """verl's newer DAPO scripts give the overlong buffer as the reward manager's keyword arguments: they
+    turn on ours (not the reward function's kwargs); log and max_resp_len are named as ignored."""
+    notes: list[str] = []
+    cfg = load_config(
+        None,
+        [
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.len=4",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.log=False",
+            "+reward_model.reward_kwargs.max_resp_len=512",
+            "data.max_response_length=512",
+        ],
+        notes=notes,
+    )
+    o = cfg.reward.overlong_buffer
+    assert (o.enable, o.len, o.penalty_factor, cfg.reward.reward_kwargs) == (True, 4, 0.5, {})
+    ignored = [n for n in notes if "is ignored" in n]
+    assert (
+        len(ignored) == 2
+        and "overlong_buffer_cfg.log=False" in ignored[0]
+        and "max_resp_len=512" in ignored[1]
+    )
+
+
 def test_a_verl_reward_function_with_kwargs_and_extras(tiny_assets: Path, tmp_path: Path) -> None:
     """verl's spelling of a reward function: called by keyword (its parameters in another order), with
     ``reward_kwargs``; the dict's other number keys are logged as reward/extra/<key>, text left out."""
