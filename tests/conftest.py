@@ -202,12 +202,13 @@ def has_metrics(out: Path) -> Callable[[], bool]:
 
 
 def torchrun(
-    script: Path | str, *args: object, nproc: int = 2, timeout: float = 600
+    script: Path | str, *args: object, nproc: int = 2, timeout: float = 600, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     """``script args`` on ``nproc`` gloo ranks under ``torch.distributed.run``, one CPU thread each, from
-    the repository root with the repository importable; stdout and stderr captured."""
+    the repository root with the repository importable (and ``env`` added to the environment); stdout and
+    stderr captured."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run(
         [*cmd, str(script), *map(str, args)],
         capture_output=True,

@@ -4,7 +4,6 @@ background checkpoints in test_async_save.py."""
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -27,13 +26,7 @@ def test_a_hang_names_its_phase_and_the_rank_that_did_not_arrive(tiny_assets: Pa
         "trainer.dist_timeout_s=10",
     ]
     env = {"PPO_TEST_SLOW_S": "60", "PPO_TEST_FAST_CALLS": str(1 + 4), "PPO_TEST_SLOW_RANK": "1"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        proc = torchrun(ROOT / "train_ppo.py", *args, timeout=300)
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    proc = torchrun(ROOT / "train_ppo.py", *args, timeout=300, env=env)
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if "a collective timed out" in line]
     assert lines, proc.stderr[-3000:]

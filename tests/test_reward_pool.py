@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -108,13 +107,7 @@ def test_a_reward_function_that_fails_on_one_of_two_ranks(
         "trainer.dist_timeout_s=60",
     ]
     env = {"PPO_TEST_FAIL": how, "PPO_TEST_FAIL_RANK": "1", "PPO_TEST_FAIL_MARKER": str(tmp_path / "failed")}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        proc = torchrun(ROOT / "train_ppo.py", *args, timeout=300)
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    proc = torchrun(ROOT / "train_ppo.py", *args, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [r for r in read_metrics(out) if "reward/timeouts" in r]
     counted = "reward/timeouts" if how == "hang" else "reward/errors"
