@@ -15,10 +15,10 @@ order, then the ways a step ends early (stop, rollback, skip), handled in one pl
 
 from __future__ import annotations
 
-from ppo import config_loader
+from ppo import cli
 
 if __name__ == "__main__":  # --help and --print-config answer here, before torch and transformers load
-    config_loader.answer_early(None, __doc__, "PPOConfig")
+    cli.answer_early(None, __doc__, "PPOConfig")
 
 # The imports below follow the early answer on purpose:
 # ruff: noqa: E402

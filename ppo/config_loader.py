@@ -2,7 +2,6 @@
 overrides from the command line, into the schema of ``ppo.config``::
 
     cfg = load_config("configs/demo_cpu.yaml", ["actor.optim.lr=1e-5", "rollout.n=4"])
-    cfg, args = parse_cli(sys.argv[1:], PPOConfig)          # what every entry point does
     text = to_yaml(cfg)                                      # load_config reads it back to an equal config
 
 An override changes its key and nothing else: a section is built over the default its enclosing class
@@ -20,47 +19,29 @@ verl command line runs as it is: ``actor_rollout_ref.actor.optim.lr=1e-6`` is ``
 fraction) is accepted and named in a start-up warning (``notes``); one whose meaning this trainer cannot
 honour (``rollout.name=vllm``) is refused with the reason.
 
-Importing this module costs only argparse and PyYAML: ``ppo.config`` (and with it torch) loads with the
-first config, so an entry point answers ``--help`` before its heavy imports (``answer_early``).
+Importing this module costs only PyYAML: ``ppo.config`` (and with it torch) loads with the first config,
+so an entry point answers ``--help`` before its heavy imports (``ppo.cli.answer_early``). The keys of a
+schema are ``ppo.config_keys``; verl's table and its translation ``ppo.verl_keys``.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import difflib
 import math
-import os
-import reprlib
-import sys
 import types
 import typing
-from collections.abc import Hashable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
-from ppo.verl_keys import (
-    VERL_DEFAULTS,
-    VERL_KEYS,
-    VERL_MAPPINGS,
-    VERL_ONLY,
-    VERL_PARENTS,
-    VerlKey,
-    renamed,
-    renamed_to,
-)
+from ppo.config_keys import COMMAND_LINE, Leaf, all_keys, closest_keys, show
+from ppo.verl_keys import VERL_PARENTS, from_verl, renamed, verl_defaults
 
 if TYPE_CHECKING:
-    from ppo.config import ConfigError, PPOConfig
-
-# repr for error messages, cut short so that a huge value (a YAML alias bomb) stays one short line.
-_show = reprlib.Repr()
-_show.maxstring = _show.maxother = 80
+    pass
 
 C = typing.TypeVar("C")
-COMMAND_LINE = "the command line"
 
 
 class _Invalid(Exception):
@@ -93,7 +74,7 @@ def load_config(
     cls = cls or PPOConfig
     verl = cls is PPOConfig  # verl's keys are those of its PPO trainer
     descend = _sections(cls) | (VERL_PARENTS if verl else frozenset())
-    leaves: list[_Leaf] = []
+    leaves: list[Leaf] = []
     errors: list[str] = []
     if path is not None:
         path = Path(path)
@@ -120,7 +101,7 @@ def load_config(
     notes = notes if notes is not None else []
     verl_spelled = False
     if verl:
-        leaves, verl_spelled = _from_verl(leaves, cls, errors, notes)
+        leaves, verl_spelled = from_verl(leaves, cls, errors, notes)
     tree: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for leaf in leaves:
@@ -128,7 +109,7 @@ def load_config(
     cfg = _build(cls, tree, sources, prefix="", errors=errors)
     if errors:
         raise ConfigError(_problems(errors))
-    if verl_spelled and (note := _verl_defaults(cfg, leaves)):
+    if verl_spelled and (note := verl_defaults(cfg, leaves)):
         notes.append(note)
     return cfg
 
@@ -160,36 +141,6 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     return parts, value
 
 
-@dataclasses.dataclass
-class _Leaf:
-    """One value as given: a leaf key of the file or the command line, or a whole value under a key
-    that is no section."""
-
-    given: str
-    """The dotted key as written (verl's spelling, or ours)."""
-    parts: tuple[Any, ...]
-    """The key in this trainer's names (verl's section names renamed); parts of a YAML key may be any
-    scalar."""
-    value: Any
-    source: str
-    """The YAML file, or the command line."""
-
-    @property
-    def key(self) -> str:
-        return ".".join(map(str, self.parts))
-
-    @property
-    def label(self) -> str:
-        """Where the value came from, with the spelling it was given in when that was another."""
-        return self.source if self.given == self.key else f"{self.source}, as {self.given}"
-
-    def nested(self) -> dict[Any, Any]:
-        value = self.value
-        for part in reversed(self.parts[1:]):
-            value = {part: value}
-        return {self.parts[0]: value}
-
-
 def _sections(cls: type) -> frozenset[str]:
     """The dotted keys of ``cls`` that are sections."""
     hints = typing.get_type_hints(cls)
@@ -208,7 +159,7 @@ def _leaves(
     verl: bool,
     given: tuple[Any, ...] = (),
     spelled: int = 0,
-) -> list[_Leaf]:
+) -> list[Leaf]:
     """The leaves of a mapping from ``source``. Only the keys in ``descend`` (sections, and with
     ``verl`` the sections of verl's keys) and the first ``spelled`` levels (an override's dotted key)
     are walked into; any other value, a leaf or an unknown key, is taken whole for ``_build`` to check,
@@ -221,7 +172,7 @@ def _leaves(
         if isinstance(value, dict) and (len(path) < spelled or dotted in descend):
             out += _leaves(value, source, descend, verl, path, spelled)
         else:
-            out.append(_Leaf(".".join(map(str, path)), parts, value, source))
+            out.append(Leaf(".".join(map(str, path)), parts, value, source))
     return out
 
 
@@ -344,7 +295,7 @@ def _merge(
             continue
         if not isinstance(value, dict):
             errors.append(
-                f"{dotted} is a section; got {_show.repr(value)} (from {source}): set its keys, "
+                f"{dotted} is a section; got {show.repr(value)} (from {source}): set its keys, "
                 f"e.g. {dotted}.<key>=value"
             )
             continue
@@ -366,18 +317,6 @@ def _where(keys: list[str], sources: dict[str, str]) -> str:
     if len(set(found.values())) == 1:
         return f"from {found[keys[0]]}"
     return "; ".join(f"{k} from {s}" for k, s in found.items())
-
-
-def all_keys(cls: type, prefix: str = "") -> list[str]:
-    """Every dotted key of a config class, sections included."""
-    keys = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        dotted = f"{prefix}{f.name}"
-        keys.append(dotted)
-        if dataclasses.is_dataclass(hints[f.name]):
-            keys.extend(all_keys(hints[f.name], dotted + "."))
-    return keys
 
 
 def _build(
@@ -422,7 +361,7 @@ def _build(
             kwargs[key] = _build(typ, value, sources, dotted + ".", inner, root, errors=errors)
         elif isinstance(value, dict) and typing.get_origin(typ) is not dict:
             errors.append(
-                f"{dotted} is not a section (it takes {_type_name(typ)}); got {_show.repr(value)} "
+                f"{dotted} is not a section (it takes {_type_name(typ)}); got {show.repr(value)} "
                 f"(from {_source(sources, dotted)})"
             )
         else:
@@ -444,26 +383,13 @@ def _field_default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
-def closest_keys(dotted: str, keys: list[str], n: int = 3) -> list[str]:
-    """Valid keys closest to a wrong one: by the whole dotted name, then by its last part alone
-    (``actor.kl_coef`` finds ``actor.kl_loss_coef`` and ``algorithm.kl_ctrl.kl_coef``)."""
-    close = difflib.get_close_matches(dotted, keys, n=n, cutoff=0.6)
-    leaf = dotted.rpartition(".")[2]
-    by_leaf = {k.rpartition(".")[2]: [] for k in keys}
-    for k in keys:
-        by_leaf[k.rpartition(".")[2]].append(k)
-    for name in difflib.get_close_matches(leaf, list(by_leaf), n=n, cutoff=0.75):
-        close += [k for k in by_leaf[name] if k not in close]
-    return close[: n + 1]
-
-
 def _coerce(value: Any, typ: Any, dotted: str, sources: dict[str, str]) -> Any:
     """Convert ``value`` to ``typ`` (bool, int, float, str, Literal, Optional, list) or fail clearly.
     A float must be finite: NaN and ±inf are rejected for every float key."""
 
     def fail() -> typing.NoReturn:
         raise _Invalid(
-            f"{dotted}={_show.repr(value)} (from {_source(sources, dotted)}) is not a valid {_type_name(typ)}"
+            f"{dotted}={show.repr(value)} (from {_source(sources, dotted)}) is not a valid {_type_name(typ)}"
         )
 
     origin = typing.get_origin(typ)
@@ -484,7 +410,7 @@ def _coerce(value: Any, typ: Any, dotted: str, sources: dict[str, str]) -> Any:
         if value in args:
             return value
         raise _Invalid(
-            f"{dotted}={_show.repr(value)} (from {_source(sources, dotted)}) must be one of "
+            f"{dotted}={show.repr(value)} (from {_source(sources, dotted)}) must be one of "
             f"{', '.join(map(str, args))}"
         )
     if origin is dict:
@@ -531,7 +457,7 @@ def _coerce(value: Any, typ: Any, dotted: str, sources: dict[str, str]) -> Any:
             fail()
         if not math.isfinite(number):
             raise _Invalid(
-                f"{dotted}={_show.repr(value)} (from {_source(sources, dotted)}) must be a finite number"
+                f"{dotted}={show.repr(value)} (from {_source(sources, dotted)}) must be a finite number"
             )
         return number
     if typ is str:
@@ -558,191 +484,6 @@ def _type_name(typ: Any) -> str:
     return getattr(typ, "__name__", str(typ))
 
 
-# ----------------------------------------------------------------------------------------------------
-# verl's spellings (the table is ppo.verl_keys)
-# ----------------------------------------------------------------------------------------------------
-
-
-def _verl_key(key: str) -> VerlKey | None:
-    """The entry of ``VERL_KEYS`` for ``key``: its own, or that of the deepest entry over it (a
-    ``section.*``, or a key whose value is a mapping: ``model.override_config``)."""
-    if key in VERL_KEYS:
-        return VERL_KEYS[key]
-    parts = key.split(".")
-    for n in range(len(parts) - 1, 0, -1):
-        prefix = ".".join(parts[:n])
-        over = VERL_KEYS.get(prefix)
-        if prefix + ".*" in VERL_KEYS:
-            return VERL_KEYS[prefix + ".*"]
-        if over is not None and over.ours is None:
-            return over
-        if over is not None and prefix in VERL_MAPPINGS:  # a key inside a renamed mapping
-            return renamed_to(over.ours + key[len(prefix) :])
-    return VERL_KEYS.get(key + ".*")
-
-
-def _among(value: Any, values: tuple[Any, ...]) -> bool:
-    """``value in values`` where True is not 1 and False is not 0."""
-    return any(type(value) is type(v) and value == v for v in values) or (
-        isinstance(value, float) and any(type(v) is int and value == v for v in values)
-    )
-
-
-def _optional(cls: type, dotted: str) -> bool:
-    """Whether the field at ``dotted`` in ``cls`` takes null."""
-    typ: Any = cls
-    for part in dotted.split("."):
-        typ = typing.get_type_hints(typ)[part]
-    return type(None) in typing.get_args(typ)
-
-
-def _from_verl(
-    leaves: list[_Leaf], cls: type, errors: list[str], notes: list[str]
-) -> tuple[list[_Leaf], bool]:
-    """``leaves`` in our keys: verl's renamed (``VERL_KEYS``), those that change nothing here dropped
-    with a message in ``notes``, those that cannot be taken dropped with one in ``errors``. Our own keys
-    and unknown ones pass through (``_build`` names the unknown). Also whether any key was verl's."""
-    out = []
-    verl_spelled = False
-    our_keys = set(all_keys(cls))
-    ignored: dict[str, list[str]] = {}  # reason -> the keys it covers, for one warning each
-    for leaf in _combine(leaves, errors, notes):
-        key = leaf.key
-        rule = _verl_key(key)
-        if rule is not None and key in our_keys and (rule.ours is None or leaf.given == key):
-            # Our key, written our way (verl's values apply to verl's spelling: rollout.top_k=-1 is an
-            # error, actor_rollout_ref.rollout.top_k=-1 our 0), or ours since the table was written.
-            rule = None
-        shown = f"{leaf.given}={_show.repr(leaf.value)} (from {leaf.source})"
-        if isinstance(leaf.value, str) and "${" in leaf.value:  # any key: verl's YAML files have them
-            errors.append(f"{shown}: an OmegaConf interpolation, which is not resolved here; give the value")
-            continue
-        if rule is None:
-            if leaf.parts[0] in VERL_ONLY:
-                close = closest_keys(key, list(VERL_KEYS) + all_keys(cls))
-                hint = f"; did you mean {' or '.join(close)}?" if close else ""
-                errors.append(
-                    f"unknown config key {leaf.given!r} (from {leaf.source}): not a key of verl's{hint}"
-                )
-            else:
-                out.append(leaf)
-            continue
-        verl_spelled |= rule.ours != key or leaf.given != key
-        value = leaf.value
-        if _among(value, rule.harmless):
-            continue
-        elif rule.ours is not None:
-            value = rule.values.get(value, value) if isinstance(value, Hashable) else value
-            if value is None and not _optional(cls, rule.ours):
-                continue  # verl's null: "derive it"; here the field's default does
-            out.append(_Leaf(leaf.given, tuple(rule.ours.split(".")), value, leaf.source))
-        elif rule.ignored is True or (rule.ignored and _among(value, rule.ignored)):
-            ignored.setdefault(rule.reason, []).append(shown)
-        else:
-            errors.append(f"{shown}: {rule.reason}")
-    for reason, shown_keys in ignored.items():
-        notes.append(f"{', '.join(shown_keys)} {'is' if len(shown_keys) == 1 else 'are'} ignored: {reason}")
-    return out, verl_spelled
-
-
-def _verl_defaults(cfg: PPOConfig, leaves: list[_Leaf]) -> str | None:
-    """The warning that names the keys of ``VERL_DEFAULTS`` that this run uses, leaves unset and has
-    another default than verl's; None when there are none."""
-    given = {".".join(map(str, leaf.parts[:n])) for leaf in leaves for n in range(1, len(leaf.parts) + 1)}
-    unused = {"critic": not cfg.use_critic, "ref": not cfg.needs_reference}
-    defaults = type(cfg)()
-    differ = []
-    for key, verl_value in VERL_DEFAULTS.items():
-        mine: Any = defaults
-        for part in key.split("."):
-            mine = getattr(mine, part)
-        if key not in given and mine != verl_value and not unused.get(key.partition(".")[0]):
-            differ.append(f"{key}={mine} (verl: {verl_value})")
-    if not differ:
-        return None
-    return (
-        "verl's defaults differ from this trainer's for keys this config leaves unset: "
-        + ", ".join(differ)
-        + "; set them to train as verl would"
-    )
-
-
-def _combine(leaves: list[_Leaf], errors: list[str], notes: list[str]) -> list[_Leaf]:
-    """verl's keys whose meaning here takes two of them, as ours: ``custom_reward_function.path`` and
-    ``.name`` make ``reward.custom_function=path:name``; ``trainer.resume_mode=resume_path`` with
-    ``trainer.resume_from_path=P`` makes ``trainer.resume_mode=P``; ``max_actor_ckpt_to_keep`` and
-    ``max_critic_ckpt_to_keep`` make ``trainer.max_ckpt_to_keep``; ``optimizer_offload=true`` (or
-    ``grad_offload``) is what ``param_offload=true`` does here, so it is accepted beside it."""
-    last = {leaf.key: leaf for leaf in leaves}  # a later value of a key wins, as for every key
-    taken = {
-        "custom_reward_function.path",
-        "custom_reward_function.name",
-        "trainer.resume_from_path",
-        "trainer.max_actor_ckpt_to_keep",
-        "trainer.max_critic_ckpt_to_keep",
-    }
-    out = []
-    for leaf in leaves:
-        key = leaf.key
-        if key.endswith((".optimizer_offload", ".grad_offload")) and leaf.value is True:
-            fsdp = key.rpartition(".")[0]
-            role = fsdp.removesuffix(".fsdp_config").removesuffix(".model")
-            offload = [
-                last[k].value
-                for k in (f"{fsdp}.param_offload", f"{fsdp}.offload_policy", f"{role}.fsdp.param_offload")
-                if k in last
-            ]
-            if True in offload:
-                continue
-        if key == "trainer.resume_mode" and leaf.value == "resume_path":
-            path = last.get("trainer.resume_from_path")
-            if path is None or path.value is None:
-                errors.append(
-                    f"trainer.resume_mode=resume_path (from {leaf.source}) needs trainer.resume_from_path "
-                    f"(or give the checkpoint's path as trainer.resume_mode)"
-                )
-                continue
-            leaf = _Leaf(
-                "trainer.resume_mode and trainer.resume_from_path", leaf.parts, path.value, path.source
-            )
-        if key not in taken:
-            out.append(leaf)
-    path, name = last.get("custom_reward_function.path"), last.get("custom_reward_function.name")
-    if path is not None and path.value is not None:
-        function = name.value if name is not None and name.value is not None else "compute_score"
-        given = "custom_reward_function.path" + (" and .name" if name is not None else "")
-        spec = f"{os.path.expanduser(str(path.value))}:{function}"
-        out.append(_Leaf(given, ("reward", "custom_function"), spec, path.source))
-    elif name is not None and name.value not in (None, "compute_score"):
-        notes.append(
-            f"custom_reward_function.name={name.value!r} (from {name.source}) is ignored: no "
-            f"custom_reward_function.path names the file it is in"
-        )
-    resume_from = last.get("trainer.resume_from_path")
-    resume_mode = last.get("trainer.resume_mode")
-    if (
-        resume_from is not None
-        and resume_from.value is not None
-        and (resume_mode is None or resume_mode.value != "resume_path")
-    ):
-        notes.append(
-            f"trainer.resume_from_path={resume_from.value!r} (from {resume_from.source}) is ignored: as in verl, "
-            f"it is read only with trainer.resume_mode=resume_path"
-        )
-    keep = [
-        last[k] for k in ("trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep") if k in last
-    ]
-    keep = [leaf for leaf in keep if leaf.value is not None]
-    if len({repr(leaf.value) for leaf in keep}) > 1:
-        errors.append(
-            "trainer.max_actor_ckpt_to_keep and trainer.max_critic_ckpt_to_keep differ "
-            f"({keep[0].value} and {keep[1].value}): one checkpoint holds both here; set trainer.max_ckpt_to_keep"
-        )
-    elif keep:
-        out.append(_Leaf(keep[0].given, ("trainer", "max_ckpt_to_keep"), keep[0].value, keep[0].source))
-    return out
-
-
 def to_dict(cfg: Any) -> dict[str, Any]:
     """The config as plain nested dicts (for YAML and logging)."""
     return dataclasses.asdict(cfg)
@@ -751,106 +492,3 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 def to_yaml(cfg: Any) -> str:
     """The resolved config as YAML that ``load_config`` reads back to an equal config."""
     return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
-
-
-# ----------------------------------------------------------------------------------------------------
-# The command line every entry point shares
-# ----------------------------------------------------------------------------------------------------
-
-OVERRIDES_HELP = """\
-overrides: section.key=value, values parsed as YAML (true, [1,5], null, 1e-6); they win over --config.
-PPO also takes verl's spellings: actor_rollout_ref.actor.optim.lr=1e-6 is actor.optim.lr, and a verl
-key that changes nothing here (rollout.gpu_memory_utilization) is named in a start-up warning."""
-
-
-def command_line(description: str) -> argparse.ArgumentParser:
-    """The parser of every entry point: ``--config X.yaml``, ``key.sub=value`` overrides,
-    ``--print-config`` and ``--world-size N``; ``description`` (the script's docstring, examples
-    included) is shown as written."""
-    parser = argparse.ArgumentParser(
-        description=description,
-        epilog=OVERRIDES_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--config", default=None, help="YAML preset over the defaults")
-    parser.add_argument(
-        "--print-config", action="store_true", help="print the resolved config (validated) and exit"
-    )
-    parser.add_argument(
-        "--world-size",
-        type=int,
-        default=None,
-        help="with --print-config: validate for this many ranks (default: trainer.nnodes x "
-        "trainer.n_gpus_per_node where a preset sets them)",
-    )
-    parser.add_argument("overrides", nargs="*", help="section.key=value overrides (see below)")
-    return parser
-
-
-def parse_cli(
-    argv: list[str] | None, cls: type[C] | None = None, description: str = ""
-) -> tuple[C, argparse.Namespace]:
-    """The command line every entry point shares (``command_line``), loaded into ``cls`` (default
-    ``PPOConfig``). ``args.notes`` lists the keys that were accepted but do nothing here, for the caller
-    to log once."""
-    from ppo.config import ConfigError
-
-    args = command_line(description).parse_args(argv)
-    if args.world_size is not None and args.world_size < 1:
-        raise ConfigError(f"--world-size must be >= 1, got {args.world_size} (from {COMMAND_LINE})")
-    args.notes = []
-    return load_config(args.config, args.overrides, cls, notes=args.notes), args
-
-
-def print_config(cfg: Any, args: argparse.Namespace) -> int:
-    """``--print-config``: validate ``cfg`` for ``--world-size`` (a PPO preset's planned world size when
-    not given), print it as YAML and the start-up warnings a run would log (on stderr); the exit code
-    (0, or 2 with the problems on stderr)."""
-    from ppo.config import ConfigError, PPOConfig, validate_stage
-
-    try:
-        world_size = args.world_size
-        if world_size is None and isinstance(cfg, PPOConfig):
-            world_size = cfg.trainer.planned_world_size
-        if world_size is not None:
-            cfg.validate(world_size) if isinstance(cfg, PPOConfig) else validate_stage(cfg, world_size)
-    except ConfigError as e:
-        return config_error(e)
-    print(to_yaml(cfg), end="")
-    if _is_main():
-        for warning in [*args.notes, *(cfg.warnings() if isinstance(cfg, PPOConfig) else [])]:
-            print(f"warning: {warning}", file=sys.stderr)
-    return 0
-
-
-def config_error(error: ConfigError) -> int:
-    """Report a config error (on rank 0: under torchrun every rank parses alike); exit code 2."""
-    if _is_main():
-        print(f"config error: {error}", file=sys.stderr)
-    return 2
-
-
-def _is_main() -> bool:
-    return os.environ.get("RANK", "0") == "0"
-
-
-def answer_early(argv: list[str], description: str, schema: str) -> None:
-    """``--help`` and ``--print-config``, answered before an entry point imports torch and transformers
-    (seconds); exits when it answered, else returns and the run goes on. ``schema``: the name of the
-    entry point's config class in ``ppo.config``, which ``--print-config`` loads.
-
-    An entry point calls it first thing::
-
-        if __name__ == "__main__":
-            config_loader.answer_early(sys.argv[1:], __doc__, "PPOConfig")
-    """
-    args = command_line(description).parse_args(argv)  # --help, or a malformed command line, exits here
-    if not args.print_config:
-        return
-    import ppo.config
-
-    try:
-        cfg, args = parse_cli(argv, getattr(ppo.config, schema), description)
-    except ppo.config.ConfigError as e:
-        sys.exit(config_error(e))
-    sys.exit(print_config(cfg, args))

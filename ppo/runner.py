@@ -48,6 +48,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ppo import attention, checkpoint_files, data, lora, models, rewards, run_folder, sharding, ulysses
 from ppo.checkpoint_files import CheckpointError
+from ppo.cli import config_error, parse_cli, print_config
 from ppo.config import (
     ConfigError,
     DPOConfig,
@@ -60,7 +61,7 @@ from ppo.config import (
     StageConfig,
     validate_stage,
 )
-from ppo.config_loader import config_error, parse_cli, print_config, to_dict, to_yaml
+from ppo.config_loader import to_dict, to_yaml
 from ppo.distributed import (
     WATCH,
     DistInfo,

@@ -1,19 +1,26 @@
-"""verl's keys and what each means here: the table ``load_config`` translates a verl command line or YAML
-file with (``ppo.config_loader``).
+"""verl's keys and what each means here: the table, and the translation ``load_config`` applies with it
+to a verl command line or YAML file (``from_verl``, ``verl_defaults``).
 
 ``VERL_KEYS`` lists, in our section names (``VERL_SECTIONS`` renames verl's first), every key of verl's
 ``ppo_trainer.yaml`` (and older spellings its examples still use) that is not ours as it is: renamed to
 one of ours (``renamed_to``), accepted and ignored with a start-up warning because it changes nothing here
 (vLLM's memory fraction, Ray), or refused with the reason (``rollout.name=vllm``). Keys verl shares with
 us (``data.train_batch_size``) are not listed. Importing this module costs nothing but the standard
-library.
+library (``ppo.config`` is read for types only).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any
+import os
+import typing
+from collections.abc import Hashable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from ppo.config_keys import Leaf, all_keys, closest_keys, show
+
+if TYPE_CHECKING:
+    from ppo.config import PPOConfig
 
 VERL_SECTIONS = {
     "actor_rollout_ref.actor": "actor",
@@ -549,3 +556,186 @@ named in one start-up warning."""
 
 VERL_MAPPINGS = frozenset({"custom_reward_function.reward_kwargs"})
 """verl's renamed keys whose value is a mapping, set key by key (``+custom_reward_function.reward_kwargs.a=1``)."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# The translation
+# ----------------------------------------------------------------------------------------------------
+
+
+def _verl_key(key: str) -> VerlKey | None:
+    """The entry of ``VERL_KEYS`` for ``key``: its own, or that of the deepest entry over it (a
+    ``section.*``, or a key whose value is a mapping: ``model.override_config``)."""
+    if key in VERL_KEYS:
+        return VERL_KEYS[key]
+    parts = key.split(".")
+    for n in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:n])
+        over = VERL_KEYS.get(prefix)
+        if prefix + ".*" in VERL_KEYS:
+            return VERL_KEYS[prefix + ".*"]
+        if over is not None and over.ours is None:
+            return over
+        if over is not None and prefix in VERL_MAPPINGS:  # a key inside a renamed mapping
+            return renamed_to(over.ours + key[len(prefix) :])
+    return VERL_KEYS.get(key + ".*")
+
+
+def _among(value: Any, values: tuple[Any, ...]) -> bool:
+    """``value in values`` where True is not 1 and False is not 0."""
+    return any(type(value) is type(v) and value == v for v in values) or (
+        isinstance(value, float) and any(type(v) is int and value == v for v in values)
+    )
+
+
+def _optional(cls: type, dotted: str) -> bool:
+    """Whether the field at ``dotted`` in ``cls`` takes null."""
+    typ: Any = cls
+    for part in dotted.split("."):
+        typ = typing.get_type_hints(typ)[part]
+    return type(None) in typing.get_args(typ)
+
+
+def from_verl(leaves: list[Leaf], cls: type, errors: list[str], notes: list[str]) -> tuple[list[Leaf], bool]:
+    """``leaves`` in our keys: verl's renamed (``VERL_KEYS``), those that change nothing here dropped
+    with a message in ``notes``, those that cannot be taken dropped with one in ``errors``. Our own keys
+    and unknown ones pass through (``_build`` names the unknown). Also whether any key was verl's."""
+    out = []
+    verl_spelled = False
+    our_keys = set(all_keys(cls))
+    ignored: dict[str, list[str]] = {}  # reason -> the keys it covers, for one warning each
+    for leaf in _combine(leaves, errors, notes):
+        key = leaf.key
+        rule = _verl_key(key)
+        if rule is not None and key in our_keys and (rule.ours is None or leaf.given == key):
+            # Our key, written our way (verl's values apply to verl's spelling: rollout.top_k=-1 is an
+            # error, actor_rollout_ref.rollout.top_k=-1 our 0), or ours since the table was written.
+            rule = None
+        shown = f"{leaf.given}={show.repr(leaf.value)} (from {leaf.source})"
+        if isinstance(leaf.value, str) and "${" in leaf.value:  # any key: verl's YAML files have them
+            errors.append(f"{shown}: an OmegaConf interpolation, which is not resolved here; give the value")
+            continue
+        if rule is None:
+            if leaf.parts[0] in VERL_ONLY:
+                close = closest_keys(key, list(VERL_KEYS) + all_keys(cls))
+                hint = f"; did you mean {' or '.join(close)}?" if close else ""
+                errors.append(
+                    f"unknown config key {leaf.given!r} (from {leaf.source}): not a key of verl's{hint}"
+                )
+            else:
+                out.append(leaf)
+            continue
+        verl_spelled |= rule.ours != key or leaf.given != key
+        value = leaf.value
+        if _among(value, rule.harmless):
+            continue
+        elif rule.ours is not None:
+            value = rule.values.get(value, value) if isinstance(value, Hashable) else value
+            if value is None and not _optional(cls, rule.ours):
+                continue  # verl's null: "derive it"; here the field's default does
+            out.append(Leaf(leaf.given, tuple(rule.ours.split(".")), value, leaf.source))
+        elif rule.ignored is True or (rule.ignored and _among(value, rule.ignored)):
+            ignored.setdefault(rule.reason, []).append(shown)
+        else:
+            errors.append(f"{shown}: {rule.reason}")
+    for reason, shown_keys in ignored.items():
+        notes.append(f"{', '.join(shown_keys)} {'is' if len(shown_keys) == 1 else 'are'} ignored: {reason}")
+    return out, verl_spelled
+
+
+def verl_defaults(cfg: PPOConfig, leaves: list[Leaf]) -> str | None:
+    """The warning that names the keys of ``VERL_DEFAULTS`` that this run uses, leaves unset and has
+    another default than verl's; None when there are none."""
+    given = {".".join(map(str, leaf.parts[:n])) for leaf in leaves for n in range(1, len(leaf.parts) + 1)}
+    unused = {"critic": not cfg.use_critic, "ref": not cfg.needs_reference}
+    defaults = type(cfg)()
+    differ = []
+    for key, verl_value in VERL_DEFAULTS.items():
+        mine: Any = defaults
+        for part in key.split("."):
+            mine = getattr(mine, part)
+        if key not in given and mine != verl_value and not unused.get(key.partition(".")[0]):
+            differ.append(f"{key}={mine} (verl: {verl_value})")
+    if not differ:
+        return None
+    return (
+        "verl's defaults differ from this trainer's for keys this config leaves unset: "
+        + ", ".join(differ)
+        + "; set them to train as verl would"
+    )
+
+
+def _combine(leaves: list[Leaf], errors: list[str], notes: list[str]) -> list[Leaf]:
+    """verl's keys whose meaning here takes two of them, as ours: ``custom_reward_function.path`` and
+    ``.name`` make ``reward.custom_function=path:name``; ``trainer.resume_mode=resume_path`` with
+    ``trainer.resume_from_path=P`` makes ``trainer.resume_mode=P``; ``max_actor_ckpt_to_keep`` and
+    ``max_critic_ckpt_to_keep`` make ``trainer.max_ckpt_to_keep``; ``optimizer_offload=true`` (or
+    ``grad_offload``) is what ``param_offload=true`` does here, so it is accepted beside it."""
+    last = {leaf.key: leaf for leaf in leaves}  # a later value of a key wins, as for every key
+    taken = {
+        "custom_reward_function.path",
+        "custom_reward_function.name",
+        "trainer.resume_from_path",
+        "trainer.max_actor_ckpt_to_keep",
+        "trainer.max_critic_ckpt_to_keep",
+    }
+    out = []
+    for leaf in leaves:
+        key = leaf.key
+        if key.endswith((".optimizer_offload", ".grad_offload")) and leaf.value is True:
+            fsdp = key.rpartition(".")[0]
+            role = fsdp.removesuffix(".fsdp_config").removesuffix(".model")
+            offload = [
+                last[k].value
+                for k in (f"{fsdp}.param_offload", f"{fsdp}.offload_policy", f"{role}.fsdp.param_offload")
+                if k in last
+            ]
+            if True in offload:
+                continue
+        if key == "trainer.resume_mode" and leaf.value == "resume_path":
+            path = last.get("trainer.resume_from_path")
+            if path is None or path.value is None:
+                errors.append(
+                    f"trainer.resume_mode=resume_path (from {leaf.source}) needs trainer.resume_from_path "
+                    f"(or give the checkpoint's path as trainer.resume_mode)"
+                )
+                continue
+            leaf = Leaf(
+                "trainer.resume_mode and trainer.resume_from_path", leaf.parts, path.value, path.source
+            )
+        if key not in taken:
+            out.append(leaf)
+    path, name = last.get("custom_reward_function.path"), last.get("custom_reward_function.name")
+    if path is not None and path.value is not None:
+        function = name.value if name is not None and name.value is not None else "compute_score"
+        given = "custom_reward_function.path" + (" and .name" if name is not None else "")
+        spec = f"{os.path.expanduser(str(path.value))}:{function}"
+        out.append(Leaf(given, ("reward", "custom_function"), spec, path.source))
+    elif name is not None and name.value not in (None, "compute_score"):
+        notes.append(
+            f"custom_reward_function.name={name.value!r} (from {name.source}) is ignored: no "
+            f"custom_reward_function.path names the file it is in"
+        )
+    resume_from = last.get("trainer.resume_from_path")
+    resume_mode = last.get("trainer.resume_mode")
+    if (
+        resume_from is not None
+        and resume_from.value is not None
+        and (resume_mode is None or resume_mode.value != "resume_path")
+    ):
+        notes.append(
+            f"trainer.resume_from_path={resume_from.value!r} (from {resume_from.source}) is ignored: as in verl, "
+            f"it is read only with trainer.resume_mode=resume_path"
+        )
+    keep = [
+        last[k] for k in ("trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep") if k in last
+    ]
+    keep = [leaf for leaf in keep if leaf.value is not None]
+    if len({repr(leaf.value) for leaf in keep}) > 1:
+        errors.append(
+            "trainer.max_actor_ckpt_to_keep and trainer.max_critic_ckpt_to_keep differ "
+            f"({keep[0].value} and {keep[1].value}): one checkpoint holds both here; set trainer.max_ckpt_to_keep"
+        )
+    elif keep:
+        out.append(Leaf(keep[0].given, ("trainer", "max_ckpt_to_keep"), keep[0].value, keep[0].source))
+    return out

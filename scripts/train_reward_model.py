@@ -17,10 +17,10 @@ when the data has a ``mistake`` column. The model is saved with ``save_pretraine
 
 from __future__ import annotations
 
-from ppo import config_loader
+from ppo import cli
 
 if __name__ == "__main__":  # --help and --print-config answer here, before torch and transformers load
-    config_loader.answer_early(None, __doc__, "RewardModelConfig")
+    cli.answer_early(None, __doc__, "RewardModelConfig")
 
 # The imports below follow the early answer on purpose:
 # ruff: noqa: E402

@@ -15,10 +15,10 @@ when ``data.eval_prompt_files`` is set, its greedy and sampled answers are score
 
 from __future__ import annotations
 
-from ppo import config_loader
+from ppo import cli
 
 if __name__ == "__main__":  # --help and --print-config answer here, before torch and transformers load
-    config_loader.answer_early(None, __doc__, "SFTConfig")
+    cli.answer_early(None, __doc__, "SFTConfig")
 
 # The imports below follow the early answer on purpose:
 # ruff: noqa: E402

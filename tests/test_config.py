@@ -22,6 +22,7 @@ import yaml
 
 import train_ppo
 from ppo.algorithms import ADV_ESTIMATORS, KL_KINDS, LOSS_AGG_MODES
+from ppo.cli import parse_cli
 from ppo.config import (
     ActorConfig,
     AlgorithmConfig,
@@ -40,7 +41,8 @@ from ppo.config import (
     check_kl_kind,
     validate_stage,
 )
-from ppo.config_loader import all_keys, load_config, parse_cli, to_dict, to_yaml
+from ppo.config_keys import all_keys
+from ppo.config_loader import load_config, to_dict, to_yaml
 from tests.conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]

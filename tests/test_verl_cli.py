@@ -23,7 +23,8 @@ import yaml
 
 import train_ppo
 from ppo.config import ConfigError, PPOConfig
-from ppo.config_loader import all_keys, load_config, to_dict
+from ppo.config_keys import all_keys
+from ppo.config_loader import load_config, to_dict
 from ppo.verl_keys import VERL_KEYS
 from tests.conftest import (
     REWARD_FNS,

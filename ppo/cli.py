@@ -1,0 +1,120 @@
+"""The command line every entry point shares: ``--config X.yaml``, ``section.key=value`` overrides,
+``--print-config`` and ``--world-size``; the one-line config error; ``--help`` and ``--print-config``
+answered before torch loads (``answer_early``)::
+
+    cfg, args = parse_cli(sys.argv[1:], PPOConfig)          # what every entry point does
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import typing
+from typing import TYPE_CHECKING, Any
+
+from ppo.config_keys import COMMAND_LINE
+from ppo.config_loader import load_config, to_yaml
+
+if TYPE_CHECKING:
+    from ppo.config import ConfigError
+
+C = typing.TypeVar("C")
+
+OVERRIDES_HELP = """\
+overrides: section.key=value, values parsed as YAML (true, [1,5], null, 1e-6); they win over --config.
+PPO also takes verl's spellings: actor_rollout_ref.actor.optim.lr=1e-6 is actor.optim.lr, and a verl
+key that changes nothing here (rollout.gpu_memory_utilization) is named in a start-up warning."""
+
+
+def command_line(description: str) -> argparse.ArgumentParser:
+    """The parser of every entry point: ``--config X.yaml``, ``key.sub=value`` overrides,
+    ``--print-config`` and ``--world-size N``; ``description`` (the script's docstring, examples
+    included) is shown as written."""
+    parser = argparse.ArgumentParser(
+        description=description,
+        epilog=OVERRIDES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", default=None, help="YAML preset over the defaults")
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved config (validated) and exit"
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="with --print-config: validate for this many ranks (default: trainer.nnodes x "
+        "trainer.n_gpus_per_node where a preset sets them)",
+    )
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides (see below)")
+    return parser
+
+
+def parse_cli(
+    argv: list[str] | None, cls: type[C] | None = None, description: str = ""
+) -> tuple[C, argparse.Namespace]:
+    """The command line every entry point shares (``command_line``), loaded into ``cls`` (default
+    ``PPOConfig``). ``args.notes`` lists the keys that were accepted but do nothing here, for the caller
+    to log once."""
+    from ppo.config import ConfigError
+
+    args = command_line(description).parse_args(argv)
+    if args.world_size is not None and args.world_size < 1:
+        raise ConfigError(f"--world-size must be >= 1, got {args.world_size} (from {COMMAND_LINE})")
+    args.notes = []
+    return load_config(args.config, args.overrides, cls, notes=args.notes), args
+
+
+def print_config(cfg: Any, args: argparse.Namespace) -> int:
+    """``--print-config``: validate ``cfg`` for ``--world-size`` (a PPO preset's planned world size when
+    not given), print it as YAML and the start-up warnings a run would log (on stderr); the exit code
+    (0, or 2 with the problems on stderr)."""
+    from ppo.config import ConfigError, PPOConfig, validate_stage
+
+    try:
+        world_size = args.world_size
+        if world_size is None and isinstance(cfg, PPOConfig):
+            world_size = cfg.trainer.planned_world_size
+        if world_size is not None:
+            cfg.validate(world_size) if isinstance(cfg, PPOConfig) else validate_stage(cfg, world_size)
+    except ConfigError as e:
+        return config_error(e)
+    print(to_yaml(cfg), end="")
+    if _is_main():
+        for warning in [*args.notes, *(cfg.warnings() if isinstance(cfg, PPOConfig) else [])]:
+            print(f"warning: {warning}", file=sys.stderr)
+    return 0
+
+
+def config_error(error: ConfigError) -> int:
+    """Report a config error (on rank 0: under torchrun every rank parses alike); exit code 2."""
+    if _is_main():
+        print(f"config error: {error}", file=sys.stderr)
+    return 2
+
+
+def _is_main() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def answer_early(argv: list[str], description: str, schema: str) -> None:
+    """``--help`` and ``--print-config``, answered before an entry point imports torch and transformers
+    (seconds); exits when it answered, else returns and the run goes on. ``schema``: the name of the
+    entry point's config class in ``ppo.config``, which ``--print-config`` loads.
+
+    An entry point calls it first thing::
+
+        if __name__ == "__main__":
+            cli.answer_early(sys.argv[1:], __doc__, "PPOConfig")
+    """
+    args = command_line(description).parse_args(argv)  # --help, or a malformed command line, exits here
+    if not args.print_config:
+        return
+    import ppo.config
+
+    try:
+        cfg, args = parse_cli(argv, getattr(ppo.config, schema), description)
+    except ppo.config.ConfigError as e:
+        sys.exit(config_error(e))
+    sys.exit(print_config(cfg, args))
