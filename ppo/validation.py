@@ -14,6 +14,7 @@ import math
 from collections import Counter
 
 import numpy as np
+import torch
 
 from ppo import rewards, runner
 from ppo.batch import Rollout, concat_rollouts, decode_responses
@@ -46,7 +47,25 @@ def validate(
     Generation runs in chunks of ``data.val_batch_size`` sequences (over all ranks); before each, a stop
     signal (``stop``) ends validation at once with no metrics, so a long validation never outlasts the
     grace period between SIGTERM and SIGKILL.
+
+    Sampled answers draw from an RNG of their own, seeded by (``trainer.seed``, step, rank): validating,
+    and how often, never changes what training samples (the global RNG is left as it was), and a
+    validation's samples are the same whatever ran before it.
     """
+    devices = [info.device] if info.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(
+            (cfg.trainer.seed * 1_000_003 + run.state.step) * 1_000_003 + VAL_STREAM + info.rank
+        )
+        return _validate(cfg, info, run, stop)
+
+
+VAL_STREAM = 7919
+"""Offsets validation's RNG seed from every other stream derived from (seed, step)."""
+
+
+def _validate(cfg: PPOConfig, info: DistInfo, run: Run, stop: runner.StopRequest | None) -> dict[str, float]:
+    """``validate`` under its own RNG."""
     mine = run.val_records[info.rank :: info.world_size]
     chunk = max(1, cfg.data.val_batch_size // info.world_size)
     rollout = generate(run.sampler, mine, chunk, do_sample=cfg.rollout.val_do_sample, stop=stop)

@@ -54,6 +54,7 @@ from tests.conftest import (
     read_metrics,
     run,
     torchrun,
+    train,
     wait_until,
     write_parquet,
 )
@@ -823,3 +824,21 @@ def train_ppo_rows(
 ) -> list[dict[str, Any]]:
     assert run(base_args(tiny_assets, out, steps=steps) + overrides) == 0
     return read_metrics(out)
+
+
+def test_sampled_validation_leaves_training_as_it_was(tiny_assets: Path, tmp_path: Path) -> None:
+    """Validation samples from its own RNG: a run that validates with 4 sampled answers a prompt before
+    and after every step trains exactly as one that validates greedily (it used to draw from the
+    training stream, so turning on val_kwargs changed the run)."""
+    common = ["trainer.test_freq=1", "algorithm.adv_estimator=grpo", "rollout.n=2"]
+    plain = train(tiny_assets, tmp_path / "plain", *common)
+    sampled = train(
+        tiny_assets,
+        tmp_path / "sampled",
+        *common,
+        "rollout.val_kwargs.n=4",
+        "rollout.val_kwargs.do_sample=true",
+    )
+    assert any("val/best@4" in r for r in sampled)
+    drop = lambda rows: [{k: v for k, v in r.items() if not k.startswith("val")} for r in deterministic(rows)]  # noqa: E731
+    assert drop(plain) == drop(sampled)
