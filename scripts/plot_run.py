@@ -5,7 +5,8 @@
     python scripts/plot_run.py outputs/a outputs/b --out ab.png     # one line per run in every panel
 
 Panels: validation accuracy, training score, KL to the reference (and its coefficient), response
-length, policy loss and clip fraction, entropy, and for multi-turn runs the tool calls per trajectory;
+length, policy loss and clip fraction, entropy, for multi-turn runs the tool calls per trajectory, and
+with ``rollout.val_kwargs`` the share right, pass@n and majority vote of the n sampled answers;
 a panel is skipped when no run has any of its keys. With several runs each line is labelled with the
 run folder's name (and the key, where a panel has several).
 """
@@ -33,6 +34,14 @@ PANELS = [
 ]
 
 
+SAMPLED = {
+    "mean": "share right of {n} (mean@{n})",
+    "best": "pass@{n} (best@{n})",
+    "maj": "majority of {n} (maj@{n})",
+}
+"""The panels of ``rollout.val_kwargs`` validation, for the largest ``n`` the runs logged."""
+
+
 def read_rows(run_dir: Path) -> list[dict[str, float]]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
@@ -43,7 +52,9 @@ def read_rows(run_dir: Path) -> list[dict[str, float]]:
 def plot(runs: dict[str, list[dict[str, float]]], out: Path, title: str) -> int:
     """Draw the panels that have data, one line per run and key; returns how many were drawn."""
     every = [r for rows in runs.values() for r in rows]
-    panels = [(name, [k for k in keys if any(k in r for r in every)]) for name, keys in PANELS]
+    n = max((int(k.rpartition("@")[2]) for r in every for k in r if k.startswith("val/best@")), default=0)
+    sampled = [(SAMPLED[kind].format(n=n), [f"val/{kind}@{n}"]) for kind in SAMPLED]
+    panels = [(name, [k for k in keys if any(k in r for r in every)]) for name, keys in PANELS + sampled]
     panels = [(name, keys) for name, keys in panels if keys]
     if not panels:
         raise ValueError("no known metrics in the run")

@@ -389,11 +389,11 @@ def test_plot_run_writes_png(gae_run: Path, tmp_path: Path) -> None:
 
 def test_plot_run_draws_several_runs_side_by_side(tmp_path: Path) -> None:
     """Two run folders: one line per run in each panel that either has, --out required, the panel
-    count what the runs logged (validation accuracy; tool calls only in the multi-turn one)."""
+    count what the runs logged (validation accuracy; tool calls and pass@4 in one of them)."""
     script = load_script("plot_run")
     for name, rows in {
         "tools": [
-            {"step": 0, "val/accuracy": 0.7, "val/tool_calls/mean": 0.3},
+            {"step": 0, "val/accuracy": 0.7, "val/tool_calls/mean": 0.3, "val/best@2": 0.8, "val/best@4": 0.9},
             {"step": 1, "val/accuracy": 0.9},
         ],
         "plain": [{"step": 0, "val/accuracy": 0.6}, {"step": 1, "val/accuracy": 0.8}],
@@ -401,7 +401,7 @@ def test_plot_run_draws_several_runs_side_by_side(tmp_path: Path) -> None:
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     runs = {name: script.read_rows(tmp_path / name) for name in ("tools", "plain")}
-    assert script.plot(runs, tmp_path / "x.png", "t") == 2
+    assert script.plot(runs, tmp_path / "x.png", "t") == 3  # and pass@n for the largest n only
     out = tmp_path / "both.png"
     assert script.main([str(tmp_path / "tools"), str(tmp_path / "plain"), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
