@@ -393,7 +393,13 @@ def test_plot_run_draws_several_runs_side_by_side(tmp_path: Path) -> None:
     script = load_script("plot_run")
     for name, rows in {
         "tools": [
-            {"step": 0, "val/accuracy": 0.7, "val/tool_calls/mean": 0.3, "val/best@2": 0.8, "val/best@4": 0.9},
+            {
+                "step": 0,
+                "val/accuracy": 0.7,
+                "val/tool_calls/mean": 0.3,
+                "val/best@2": 0.8,
+                "val/best@4": 0.9,
+            },
             {"step": 1, "val/accuracy": 0.9},
         ],
         "plain": [{"step": 0, "val/accuracy": 0.6}, {"step": 1, "val/accuracy": 0.8}],
