@@ -226,19 +226,9 @@ def load_models(
         models.check_fused_lm_head(actor)
     ref = critic = reward_model = None
     if cfg.needs_reference:
-        if lora.uses_lora(cfg.actor.lora) and cfg.ref.model_path is None:
-            ref = actor  # every reference forward runs in lora.adapters_disabled
-        else:
-            ref = runner.build_model(
-                models.load_causal_lm,
-                cfg.model,
-                cfg.ref.fsdp,
-                info,
-                path=cfg.ref.model_path or cfg.model.path,
-                path_key="ref.model_path" if cfg.ref.model_path else "model.path",
-                trainable=False,
-                sequence_parallel=sp.size,
-            )
+        ref = runner.load_reference(
+            cfg.model, cfg.ref, cfg.actor.lora, info, actor, sequence_parallel=sp.size
+        )
     if cfg.use_critic:
         critic = runner.build_model(
             models.load_critic,

@@ -56,6 +56,8 @@ from ppo.config import (
     LoRAConfig,
     ModelConfig,
     PPOConfig,
+    PreferenceRefConfig,
+    RefConfig,
     RewardModelConfig,
     SFTConfig,
     StageConfig,
@@ -323,6 +325,32 @@ def build_model(
         # only cost time (a third of a tiny model's step on CPU, scripts/bench_overhead.py).
         return model.to(info.device)
     return sharding.shard_model(model, make_mesh(info, fsdp.fsdp_size), fsdp, device=info.device)
+
+
+def load_reference(
+    model_cfg: ModelConfig,
+    ref: RefConfig | PreferenceRefConfig,
+    lora_cfg: LoRAConfig,
+    info: DistInfo,
+    policy: nn.Module,
+    *,
+    sequence_parallel: int = 1,
+) -> nn.Module:
+    """The frozen reference policy: ``policy`` itself under LoRA without ``ref.model_path`` (every
+    reference forward then runs in ``lora.adapters_disabled``: no second copy is loaded), else
+    ``ref.model_path`` (default ``model.path``) loaded, sharded by ``ref.fsdp`` and frozen."""
+    if lora.uses_lora(lora_cfg) and ref.model_path is None:
+        return policy
+    return build_model(
+        models.load_causal_lm,
+        model_cfg,
+        ref.fsdp,
+        info,
+        path=ref.model_path or model_cfg.path,
+        path_key="ref.model_path" if ref.model_path else "model.path",
+        trainable=False,
+        sequence_parallel=sequence_parallel,
+    )
 
 
 def make_loader(records: Sequence[Any], cfg: PPOConfig | StageConfig, info: DistInfo) -> data.ShardedLoader:

@@ -252,17 +252,7 @@ def load_reference(cfg: DPOConfig, info: DistInfo, model: nn.Module) -> nn.Modul
         if cfg.ref.model_path is not None:
             logger.warning("ref.model_path=%s is not loaded: simpo is reference-free", cfg.ref.model_path)
         return None
-    if lora.uses_lora(cfg.lora) and cfg.ref.model_path is None:
-        return model
-    return runner.build_model(
-        models.load_causal_lm,
-        cfg.model,
-        cfg.ref.fsdp,
-        info,
-        path=cfg.ref.model_path or cfg.model.path,
-        path_key="ref.model_path" if cfg.ref.model_path else "model.path",
-        trainable=False,
-    )
+    return runner.load_reference(cfg.model, cfg.ref, cfg.lora, info, model)
 
 
 def describe_reference(cfg: DPOConfig, ref: nn.Module | None, model: nn.Module) -> str:
