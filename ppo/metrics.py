@@ -259,9 +259,8 @@ class MetricsLogger:
                 self.generations.write(json.dumps({"step": step, **row}, allow_nan=True) + "\n")
             self.generations.flush()
         if self.tb is not None:
-            cell = lambda text: str(text).replace("|", "\\|").replace("\n", "<br>")  # noqa: E731
             table = ["| prompt | response | score |", "|---|---|---|"]
-            table += [f"| {cell(r['prompt'])} | {cell(r['response'])} | {r['score']} |" for r in rows]
+            table += [f"| {_cell(r['prompt'])} | {_cell(r['response'])} | {r['score']} |" for r in rows]
             self.tb.add_text("val/generations", "\n".join(table), step)
             self.tb.flush()
 
@@ -285,6 +284,11 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _cell(text: Any) -> str:
+    """Text as one cell of a markdown table (pipes escaped, line breaks as <br>)."""
+    return str(text).replace("|", "\\|").replace("\n", "<br>")
 
 
 def _open_log(path: Path, resume_step: int | None) -> Any:

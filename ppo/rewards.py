@@ -260,7 +260,11 @@ def check_scorer(scorer: RuleScorer, data_source: str, ground_truth: str | None,
     """Call ``scorer`` once on an empty response before any model loads, so a broken reward function
     (it raises, returns no number) fails in seconds and not at the first scoring. A non-finite score
     only warns: the trainer skips such steps."""
-    value = scorer(data_source, "", ground_truth, extra_info).value
+    _warn_if_not_finite(scorer(data_source, "", ground_truth, extra_info).value)
+
+
+def _warn_if_not_finite(value: float) -> None:
+    """The start-up check's warning: a non-finite score of the empty response (such steps are skipped)."""
     if not math.isfinite(value):
         logger.warning("the rule reward returned %s for an empty response; such steps are skipped", value)
 
@@ -438,10 +442,7 @@ def check_rule_coverage(
     scored, _, _, failure = pool.score([first], [""])
     if failure is not None:
         raise RewardError(f"{pool.name} cannot score an empty response at start-up: {failure}")
-    if not math.isfinite(scored[0].value):
-        logger.warning(
-            "the rule reward returned %s for an empty response; such steps are skipped", scored[0].value
-        )
+    _warn_if_not_finite(scored[0].value)
 
 
 def batch_scores(
@@ -503,31 +504,35 @@ def rule_scores(
     else:
         results, timeouts, errors, first = pool.score(records, texts)
         scored = [Score(pool.error_score, {}) if s is None else s for s in results]
-    sums: dict[str, list[float]] = {}
+    extras: dict[str, list[float]] = {}
     for s in scored:
         for k, v in s.extras.items():
-            total = sums.setdefault(k, [0.0, 0.0])
-            total[0], total[1] = total[0] + v, total[1] + 1
-    ranks = all_gather_object((sums, timeouts, errors, len(texts), first))
+            extras.setdefault(k, []).append(v)
+    mine = {
+        "extras": {k: (sum(v), len(v)) for k, v in extras.items()},  # key -> (sum, count) on this rank
+        "timeouts": timeouts,
+        "errors": errors,
+        "rows": len(texts),
+        "first": first,
+    }
+    ranks: list[dict[str, Any]] = all_gather_object(mine)  # type: ignore[assignment]
     metrics: dict[str, float] = {}
-    for k in sorted({k for rank in ranks for k in rank[0]}):
-        total, count = (sum(rank[0].get(k, [0.0, 0.0])[i] for rank in ranks) for i in (0, 1))
-        metrics[f"reward/extra/{k}"] = total / count
+    for k in sorted({k for rank in ranks for k in rank["extras"]}):
+        parts = [rank["extras"][k] for rank in ranks if k in rank["extras"]]
+        metrics[f"reward/extra/{k}"] = sum(p[0] for p in parts) / sum(p[1] for p in parts)
     if pool is not None:
-        failed = sum(rank[1] + rank[2] for rank in ranks)
-        rows = sum(rank[3] for rank in ranks)
-        failures = [f"rank {i}, {rank[4]}" for i, rank in enumerate(ranks) if rank[4] is not None]
+        timeouts, errors = (sum(rank[key] for rank in ranks) for key in ("timeouts", "errors"))
+        rows = sum(rank["rows"] for rank in ranks)
+        failures = [f"rank {i}, {rank['first']}" for i, rank in enumerate(ranks) if rank["first"] is not None]
         if failures and not pool.logged:
             logger.warning("%s failed (scored %s; logged once): %s", pool.name, pool.error_score, failures[0])
             pool.logged = True
-        if rows and failed == rows:
-            message = failures[0]
+        if rows and timeouts + errors == rows:
             raise RewardError(
-                f"{pool.name} failed on every one of the {rows} responses on all ranks (e.g. {message}); "
+                f"{pool.name} failed on every one of the {rows} responses on all ranks (e.g. {failures[0]}); "
                 "nothing to train on"
             )
-        metrics["reward/timeouts"] = float(sum(rank[1] for rank in ranks))
-        metrics["reward/errors"] = float(sum(rank[2] for rank in ranks))
+        metrics["reward/timeouts"], metrics["reward/errors"] = float(timeouts), float(errors)
     return torch.tensor([s.value for s in scored], dtype=torch.float32), metrics
 
 
