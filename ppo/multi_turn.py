@@ -192,13 +192,19 @@ def _cut_turn(tokens: list[int], eos: set[int], stop: list[str], tokenizer: Any)
     contains one), whichever comes first; else the whole budget."""
     end = next((i for i, t in enumerate(tokens) if t in eos), None)
     limit = end + 1 if end is not None else len(tokens)
-    if stop:
-        text_before = ""
-        for i in range(limit):
-            text = tokenizer.decode(tokens[: i + 1], skip_special_tokens=True)
-            if len(text) > len(text_before) and any(s in text for s in stop):
-                return tokens[: i + 1], "stop"
-            text_before = text
+
+    def stops(n: int) -> bool:  # the text of the first n tokens holds a stop string
+        text = tokenizer.decode(tokens[:n], skip_special_tokens=True)
+        return any(s in text for s in stop)
+
+    if stop and stops(limit):
+        # The shortest such prefix, by bisection: a prefix's text holds a stop string whenever a shorter
+        # one's does, so a few decodes find it (one decode per token would be quadratic in the turn).
+        lo, hi = 1, limit
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if stops(mid) else (mid + 1, hi)
+        return tokens[:lo], "stop"
     if end is not None:
         return tokens[:limit], "eos"
     return tokens, "budget"
