@@ -7,7 +7,8 @@
 Reads the run's resolved ``config.yaml`` from the checkpoint, builds the models from ``model.path`` (and
 ``critic.model_path``) as the trainer did (with their LoRA adapters, if any), loads the checkpoint's
 weights (any world size: DCP reshards) and writes folders with the tokenizer: the actor to ``OUT_DIR``, the
-critic to ``OUT_DIR/critic``.
+critic to ``OUT_DIR/critic``. A folder that already holds files (another model, an earlier export) is
+refused unless ``--overwrite`` is given, which names what it replaces before writing.
 
 A model trained with LoRA is written either merged (``W + (alpha / r) B A`` in every adapted layer: a plain
 ``save_pretrained`` folder, loaded with ``AutoModelForCausalLM.from_pretrained(OUT_DIR)``) or as its
@@ -34,12 +35,43 @@ from ppo.distributed import DistInfo, destroy_distributed, init_distributed, mak
 logger = logging.getLogger("ppo")
 
 
-def export(ckpt_dir: Path, out_dir: Path, *, with_critic: bool = False, merged: bool | None = None) -> None:
+def claim_out_dir(out_dir: Path, *, with_critic: bool, overwrite: bool) -> None:
+    """Refuse an ``out_dir`` (or ``out_dir/critic``) that holds files unless ``overwrite``; with it, log
+    which files the export replaces. Checked before anything loads."""
+    folders = [out_dir] + ([out_dir / "critic"] if with_critic else [])
+    for folder in folders:
+        if folder.exists() and not folder.is_dir():
+            raise checkpoint_files.CheckpointError(f"{folder} is a file: the export writes a folder there")
+    held = [p for folder in folders if folder.is_dir() for p in sorted(folder.iterdir())]
+    held = [p for p in held if p != out_dir / "critic" or not with_critic]
+    if not held:
+        return
+    names = ", ".join(str(p.relative_to(out_dir)) for p in held[:8]) + (
+        f" and {len(held) - 8} more" if len(held) > 8 else ""
+    )
+    if not overwrite:
+        raise checkpoint_files.CheckpointError(
+            f"{out_dir} already holds files ({names}): choose another folder, or pass --overwrite to "
+            "write the export over them"
+        )
+    logger.warning("--overwrite: the export writes over %s in %s", names, out_dir)
+
+
+def export(
+    ckpt_dir: Path,
+    out_dir: Path,
+    *,
+    with_critic: bool = False,
+    merged: bool | None = None,
+    overwrite: bool = False,
+) -> None:
     """Write the checkpoint's actor (and critic) as Hugging Face folders (collective).
 
     ``merged``: for LoRA models, the merged model (True) or the adapter folder (False); ``None`` follows
-    each role's ``lora.save_merged`` in the checkpoint's config.
+    each role's ``lora.save_merged`` in the checkpoint's config. ``overwrite``: write into folders that
+    already hold files (refused otherwise).
     """
+    claim_out_dir(out_dir, with_critic=with_critic, overwrite=overwrite)
     if not (ckpt_dir / "config.yaml").is_file():
         raise checkpoint_files.CheckpointError(
             f"{ckpt_dir} has no config.yaml: is it a checkpoint folder (step_N)?"
@@ -111,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("out_dir", type=Path, help="where the Hugging Face folder goes")
     parser.add_argument("--critic", action="store_true", help="also export the critic to OUT_DIR/critic")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into OUT_DIR even if it already holds files (a model there is replaced)",
+    )
     form = parser.add_mutually_exclusive_group()
     form.add_argument(
         "--merged",
@@ -132,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     if not checkpoint_files.is_complete(ckpt_dir):  # a run folder: take its latest complete checkpoint
         ckpt_dir = checkpoint_files.find_resume_dir(ckpt_dir, "auto") or ckpt_dir
     try:
-        export(ckpt_dir, args.out_dir, with_critic=args.critic, merged=args.merged)
+        export(ckpt_dir, args.out_dir, with_critic=args.critic, merged=args.merged, overwrite=args.overwrite)
     except (checkpoint_files.CheckpointError, ConfigError, FileNotFoundError) as e:
         logger.error("%s", e)
         return 2
