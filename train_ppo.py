@@ -45,9 +45,9 @@ from ppo.distributed import (
 )
 from ppo.metrics import Timer, batch_metrics, perf_metrics, profiled
 from ppo.packing import micro_batches, pack_rows, unpack
+from ppo.periodic_validation import validate
 from ppo.rollout import gather_group, sample
 from ppo.update import LossFn, MiniBatchHook, optimize
-from ppo.validation import validate
 
 logger = logging.getLogger("ppo")
 

@@ -4,7 +4,7 @@ checkpointer, and the resume. Everything that can fail on the user's input fails
 
     run = build(cfg, info)      # then train_ppo.train runs the steps
 
-``Run`` is the top of the library: only ``train_ppo.py`` and ``ppo.validation`` take it; every function
+``Run`` is the top of the library: only ``train_ppo.py`` and ``ppo.periodic_validation`` take it; every function
 below takes what it uses as arguments.
 """
 

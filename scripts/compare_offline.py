@@ -23,7 +23,7 @@ What it does, in order:
    schedule and its own learning rate (``METHODS``; the same across its three strengths), and all run
    ``--steps`` optimizer steps.
 2. One ``torchrun`` of this script's ``--evaluate`` mode on all final models and the SFT model (start-up
-   paid once): ``ppo.evaluation.answer_metrics`` on the ``--val-file`` prompts (500 in the demo), with
+   paid once): ``ppo.model_eval.answer_metrics`` on the ``--val-file`` prompts (500 in the demo), with
    the SFT model as the reference.
 3. Writes into ``OUT``: ``table.md``, ``frontier.png``, ``results.json`` (every number, the settings and
    the commands), and prints the table.
@@ -38,7 +38,7 @@ Columns of ``table.md``:
 - ``gain``: accuracy minus the SFT model's, measured here the same way;
 - ``KL``: ``KL(π ‖ π_SFT)`` in nats per response: the mean of ``Σ_t log π − log π_SFT`` over
   ``EVAL_SAMPLES`` responses per prompt sampled from the model at temperature 1, ± its standard error
-  (unbiased on the model's own samples: ``ppo.evaluation``);
+  (unbiased on the model's own samples: ``ppo.model_eval``);
 - ``train time``: wall seconds of the training command (torchrun start-up, loading and saving
   included; ``results.json`` also has ``loop_s``, the seconds in the training steps).
 
@@ -333,10 +333,10 @@ def steps_and_loop_time(method: Method, out_dir: Path) -> tuple[int, float]:
 
 def evaluate(out: Path) -> int:
     """Measure the SFT model and every run's final model listed in ``out/plan.json``; rank 0 writes
-    ``out/eval.json``: ``{"sft": metrics, run id: metrics}`` (``ppo.evaluation.answer_metrics``)."""
+    ``out/eval.json``: ``{"sft": metrics, run id: metrics}`` (``ppo.model_eval.answer_metrics``)."""
     import torch
 
-    from ppo import data, evaluation, models, runner
+    from ppo import data, model_eval, models, runner
     from ppo.config import FSDPConfig, ModelConfig
     from ppo.distributed import destroy_distributed, init_distributed, setup_logging
 
@@ -362,7 +362,7 @@ def evaluate(out: Path) -> int:
         for name, path in [("sft", plan["sft"])] + [(r["id"], r["model"]) for r in plan["runs"]]:
             start = time.perf_counter()
             model = ref if name == "sft" else load(path)
-            results[name] = evaluation.answer_metrics(model, tokenizer, records, info, **measure)
+            results[name] = model_eval.answer_metrics(model, tokenizer, records, info, **measure)
             results[name]["eval_s"] = time.perf_counter() - start
             if info.is_main:
                 m = results[name]

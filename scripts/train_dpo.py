@@ -50,8 +50,8 @@ from transformers import PreTrainedTokenizerBase
 from ppo import (
     algorithms,
     data,
-    evaluation,
     lora,
+    model_eval,
     models,
     run_folder,
     runner,
@@ -488,14 +488,14 @@ def evaluate_answers(
 ) -> dict[str, float]:
     """``val/accuracy``: the share of ``data.eval_prompt_files`` prompts whose greedy answer (at most
     ``data.max_response_length`` tokens) the rule reward scores 1; ``val/num_prompts``. The greedy part
-    of ``ppo.evaluation.answer_metrics``, with PPO's prompt and response lengths."""
+    of ``ppo.model_eval.answer_metrics``, with PPO's prompt and response lengths."""
     records = data.load_prompts(
         cfg.data.eval_prompt_files,
         tokenizer,
         max_prompt_length=cfg.data.max_prompt_length,
         apply_chat_template=cfg.data.apply_chat_template,
     )
-    return evaluation.answer_metrics(
+    return model_eval.answer_metrics(
         model,
         tokenizer,
         records,

@@ -30,7 +30,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 import kernels
-from ppo import data, evaluation, models, run_folder, runner, stage_data, stage_loop
+from ppo import data, model_eval, models, run_folder, runner, stage_data, stage_loop
 from ppo.config import SFTConfig
 from ppo.distributed import DistInfo, all_reduce_scalars
 from ppo.optim import with_optimizer
@@ -199,7 +199,7 @@ def evaluate_answers(
     model: nn.Module, tokenizer: PreTrainedTokenizerBase, cfg: SFTConfig, info: DistInfo
 ) -> dict[str, float]:
     """Rule-reward accuracy of greedy answers, and of ``NUM_EVAL_SAMPLES`` samples at temperature 1
-    (``ppo.evaluation.answer_metrics``), each answer cut where the longest prompt reaches
+    (``ppo.model_eval.answer_metrics``), each answer cut where the longest prompt reaches
     ``data.max_length``.
 
     ``val/accuracy``: greedy answers right; ``val/sample_accuracy``: the chance that one sample is right
@@ -213,7 +213,7 @@ def evaluate_answers(
     )
     mine = runner.my_share(records, info)
     longest = int(all_reduce_scalars([max((len(r.input_ids) for r in mine), default=0)], "max")[0])
-    return evaluation.answer_metrics(
+    return model_eval.answer_metrics(
         model,
         tokenizer,
         records,

@@ -1,4 +1,4 @@
-"""Tests of ``ppo/evaluation.py`` (answer accuracy and the KL to a reference on the policy's own samples)
+"""Tests of ``ppo/model_eval.py`` (answer accuracy and the KL to a reference on the policy's own samples)
 and of ``scripts/compare_offline.py`` (inputs, commands, table, frontier, plot).
 
 The KL is checked on policies built by hand whose next-token distribution is the same at every position,
@@ -23,7 +23,7 @@ import torch
 import yaml
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from ppo import data, evaluation, models, rewards
+from ppo import data, model_eval, models, rewards
 from ppo.distributed import DistInfo
 from ppo.rollout import generate, generation_config
 from tests.conftest import Checks, assert_check, load_script, tiny_config, worker_results
@@ -130,7 +130,7 @@ def test_sequence_log_ratio_by_hand() -> None:
     ref_logprobs = torch.tensor([[-1.0, -1.0, -1.0], [-0.3, -0.1, -5.0]])
     mask = torch.tensor([[True, True, True], [True, True, False]])
     # row 0: 0.5 + 0 - 1.0 = -0.5 (one sample may be negative); row 1: 0.2 - 0.1 = 0.1, padding ignored
-    assert evaluation.sequence_log_ratio(logprobs, ref_logprobs, mask) == pytest.approx([-0.5, 0.1], abs=1e-7)
+    assert model_eval.sequence_log_ratio(logprobs, ref_logprobs, mask) == pytest.approx([-0.5, 0.1], abs=1e-7)
 
 
 def test_log_probs_of_the_hand_built_policies_are_exact(
@@ -149,26 +149,26 @@ def test_log_probs_of_the_hand_built_policies_are_exact(
     rollout = generate(policies["p"], prompts, config)
     assert rollout.response_mask.all()  # never EOS: 8 tokens each
     assert set(rollout.responses.unique().tolist()) == {a, b}
-    ratio = evaluation.sequence_log_ratio(
-        evaluation.response_logprobs(policies["p"], rollout),
-        evaluation.response_logprobs(policies["q"], rollout),
+    ratio = model_eval.sequence_log_ratio(
+        model_eval.response_logprobs(policies["p"], rollout),
+        model_eval.response_logprobs(policies["q"], rollout),
         rollout.response_mask,
     )
     sevens = (rollout.responses == a).sum(-1).double()
     expected = sevens * LN(1.5) + (RESPONSE_TOKENS - sevens) * LN(0.5)
     assert torch.allclose(ratio.double(), expected, atol=1e-5)
     # a token budget of one sequence's length: one forward per sequence, the same log-probs
-    one_by_one = evaluation.response_logprobs(
+    one_by_one = model_eval.response_logprobs(
         policies["p"], rollout, max_tokens=len(prompts[0]) + RESPONSE_TOKENS
     )
-    assert torch.allclose(one_by_one, evaluation.response_logprobs(policies["p"], rollout), atol=1e-6)
+    assert torch.allclose(one_by_one, model_eval.response_logprobs(policies["p"], rollout), atol=1e-6)
 
 
 def test_answer_metrics_kl_and_accuracy_match_the_hand_values(
     tok: Any, policies: dict[str, LlamaForCausalLM], records: list, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(rewards, "make_rule_scorer", lambda *args: first_char_scorer)
-    m = evaluation.answer_metrics(
+    m = model_eval.answer_metrics(
         policies["p"],
         tok,
         records,
@@ -196,7 +196,7 @@ def test_a_model_equal_to_its_reference_has_kl_exactly_zero(
     model = models.load_causal_lm(str(tiny_assets / "base"))
     copy = models.load_causal_lm(str(tiny_assets / "base"))
     for ref in (model, copy):  # the same module, and the same weights loaded twice
-        m = evaluation.answer_metrics(
+        m = model_eval.answer_metrics(
             model, tok, records, ONE_RANK, max_new_tokens=12, num_samples=2, seed=0, ref=ref
         )
         assert m["val/kl_to_ref"] == 0.0 and m["val/kl_to_ref_stderr"] == 0.0
@@ -204,7 +204,7 @@ def test_a_model_equal_to_its_reference_has_kl_exactly_zero(
     with torch.no_grad():  # and a reference that differs: the same check now sees a KL
         for p in copy.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    m = evaluation.answer_metrics(
+    m = model_eval.answer_metrics(
         model, tok, records, ONE_RANK, max_new_tokens=12, num_samples=2, seed=0, ref=copy
     )
     assert m["val/kl_to_ref"] > 0.0
@@ -223,7 +223,7 @@ def test_greedy_answers_are_plain_generate_ones(
 
     monkeypatch.setattr(rewards, "make_rule_scorer", lambda *args: scorer)
     model = models.load_causal_lm(str(tiny_assets / "base"))
-    m = evaluation.answer_metrics(model, tok, records, ONE_RANK, max_new_tokens=10, seed=0)
+    m = model_eval.answer_metrics(model, tok, records, ONE_RANK, max_new_tokens=10, seed=0)
     assert m == {"val/accuracy": 0.5, "val/num_prompts": 8}
     for r, (truth, text) in zip(records, seen, strict=True):
         ids = torch.tensor([r.input_ids])
@@ -234,7 +234,7 @@ def test_greedy_answers_are_plain_generate_ones(
 
 def test_kl_needs_samples(tok: Any, policies: dict[str, LlamaForCausalLM], records: list) -> None:
     with pytest.raises(ValueError, match="num_samples"):
-        evaluation.answer_metrics(
+        model_eval.answer_metrics(
             policies["p"], tok, records, ONE_RANK, max_new_tokens=4, seed=0, ref=policies["q"]
         )
 
@@ -293,16 +293,16 @@ def _worker(root: Path, out: Path) -> None:
             for n in ("p", "q")
         )
         measure = dict(max_new_tokens=RESPONSE_TOKENS, num_samples=NUM_SAMPLES, seed=0)
-        same = evaluation.answer_metrics(p, tokenizer, recs, info, **measure, ref=p)
+        same = model_eval.answer_metrics(p, tokenizer, recs, info, **measure, ref=p)
         record("kl_equal_models", same["val/kl_to_ref"] == 0.0, same)
-        m = evaluation.answer_metrics(p, tokenizer, recs, info, **measure, ref=q)
+        m = model_eval.answer_metrics(p, tokenizer, recs, info, **measure, ref=q)
         record("greedy_accuracy", m["val/accuracy"] == 5 / 8, m)
         record("num_prompts", m["val/num_prompts"] == 8, m)
         stderr = KL_STD_PER_SEQUENCE / math.sqrt(8 * NUM_SAMPLES)
         record("kl_hand_value", abs(m["val/kl_to_ref"] - KL_PER_SEQUENCE) < 4 * stderr, m)
         record("sample_accuracy", abs(m["val/sample_accuracy"] - 0.5625) < 4 * 0.019, m)
         # Uneven shares: 7 prompts, 4 on rank 0 and 3 on rank 1 (greedy: 5 of 7 right) ...
-        m = evaluation.answer_metrics(p, tokenizer, recs[:7], info, **measure, ref=q)
+        m = model_eval.answer_metrics(p, tokenizer, recs[:7], info, **measure, ref=q)
         record("greedy_accuracy_uneven", m["val/accuracy"] == 5 / 7 and m["val/num_prompts"] == 7, m)
         # ... and one forward per sequence, 3 on rank 0 and 1 on rank 1: rank 1 joins two more forwards
         # with the dummy sequence, and every log-ratio is still n_7 ln 1.5 + n_3 ln 0.5.
@@ -317,9 +317,9 @@ def _worker(root: Path, out: Path) -> None:
         )
         rollout = generate(p, prompts, config)
         budget = max(len(t) for t in prompts) + RESPONSE_TOKENS
-        ratio = evaluation.sequence_log_ratio(
-            evaluation.response_logprobs(p, rollout, max_tokens=budget),
-            evaluation.response_logprobs(q, rollout, max_tokens=budget),
+        ratio = model_eval.sequence_log_ratio(
+            model_eval.response_logprobs(p, rollout, max_tokens=budget),
+            model_eval.response_logprobs(q, rollout, max_tokens=budget),
             rollout.response_mask,
         )
         sevens = (rollout.responses == a).sum(-1).double()

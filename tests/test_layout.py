@@ -61,7 +61,7 @@ def test_no_import_circle() -> None:
 def test_only_the_top_takes_run() -> None:
     """``Run`` (what a PPO run is made of) is imported by train_ppo and validation only."""
     takers = {m for m, deps in module_graph().items() if "ppo.build" in deps}
-    assert takers == {"train_ppo", "ppo.validation"}
+    assert takers == {"train_ppo", "ppo.periodic_validation"}
 
 
 def test_the_math_is_pure_torch() -> None:

@@ -324,7 +324,7 @@ def test_validation_stops_between_chunks(tiny_assets: Path, tmp_path: Path, one_
     kept and saved by step 6), instead of running on past the SIGTERM-to-SIGKILL grace period."""
     from ppo.build import build
     from ppo.config_loader import load_config
-    from ppo.validation import validate
+    from ppo.periodic_validation import validate
 
     cfg = load_config(None, base_args(tiny_assets, tmp_path, steps=1) + ["data.val_batch_size=2"])
     run_ = build(cfg, one_rank)

@@ -44,8 +44,8 @@ from ppo.algorithms import (
 )
 from ppo.config import ConfigError
 from ppo.config_loader import load_config
+from ppo.periodic_validation import k_values, majority_correct, pass_at_k, prediction
 from ppo.rewards import overlong_penalty
-from ppo.validation import k_values, majority_correct, pass_at_k, prediction
 from tests.conftest import (
     ROOT,
     base_args,

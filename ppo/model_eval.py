@@ -1,5 +1,8 @@
-"""How good a policy's answers are, and how far it moved from a reference: greedy and sampled accuracy by
-the rule reward, pass@k, and KL(π ‖ π_ref) on the policy's own samples.
+"""A bare model measured outside any run (unlike ``ppo.periodic_validation``, PPO's in-loop validation).
+
+How good a policy's answers are, and how far it moved from a reference: greedy and sampled accuracy by
+the rule reward, pass@k, and KL(π ‖ π_ref) on the policy's own samples. It takes a model, a tokenizer and
+prompt records, nothing of a training run: HF ``generate`` on the model itself, the rule reward only.
 
     metrics = answer_metrics(model, tokenizer, records, info, max_new_tokens=28, num_samples=4, seed=0,
                              ref=sft_model)

@@ -1,5 +1,9 @@
-"""Validation: greedy (or sampled) answers to the validation prompts, scored as the run scores; with
-``rollout.val_kwargs`` a second pass of ``n`` sampled answers per prompt that measures exploration.
+"""PPO's validation inside the training loop, on the run's ``Run`` (unlike ``ppo.model_eval``, a bare model).
+
+Every ``trainer.test_freq`` steps ``train_ppo.py`` asks for it: greedy (or sampled) answers to the
+validation prompts from the run's own sampler, scored as the run scores (its reward model, or the rule in
+its reward pool); stop signals end it between chunks. With ``rollout.val_kwargs`` a second pass of ``n``
+sampled answers per prompt measures exploration.
 
 metrics = validate(cfg, info, run)   # val/<data_source>/score, /accuracy, val/score, val/accuracy,
                                      # and with val_kwargs: val/mean@n, val/best@k, val/maj@n;
