@@ -94,6 +94,19 @@ def is_complete(path: Path) -> bool:
     return (path / COMPLETE).is_file() and (path / "dcp" / ".metadata").is_file()
 
 
+def complete_checkpoints(out_dir: Path) -> list[Path]:
+    """The run folder's complete checkpoints, oldest first (no warning about incomplete ones)."""
+    root = checkpoints_dir(out_dir)
+    return sorted(
+        p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp") and is_complete(p)
+    )
+
+
+def step_of(path: Path) -> int:
+    """The step of a checkpoint folder ``step_00000042`` (42)."""
+    return int(path.name.removeprefix("step_"))
+
+
 def find_resume_dir(out_dir: Path, resume_mode: str) -> Path | None:
     """The checkpoint to resume from: ``disable`` -> none; ``auto`` -> the newest complete one in the
     run folder (none if there is none); otherwise ``resume_mode`` is a checkpoint path."""
@@ -281,9 +294,15 @@ def _failures_named(out_dir: Path, step: int) -> Iterator[None]:
     try:
         yield
     except (OSError, CheckpointException) as e:
+        saved = complete_checkpoints(out_dir)
+        then = (
+            f"the previous checkpoint (step {step_of(saved[-1])}) is intact: free space or fix the folder, "
+            "then rerun with trainer.resume_mode=auto to resume from it"
+            if saved
+            else "there is no earlier checkpoint: free space or fix the folder, then rerun"
+        )
         raise CheckpointError(
-            f"saving checkpoint step {step} in {checkpoints_dir(out_dir)} failed ({_dcp_error(e)}); the "
-            f"previous checkpoint is intact: free space or fix the folder, then resume"
+            f"saving checkpoint step {step} in {checkpoints_dir(out_dir)} failed ({_dcp_error(e)}); {then}"
         ) from None
 
 

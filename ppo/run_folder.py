@@ -229,7 +229,9 @@ def _refuse_writing_inputs(cfg: PPOConfig | StageConfig) -> None:
 
 
 def _claim_run_folder(cfg: PPOConfig | StageConfig, out_dir: Path) -> None:
-    """Resume, refuse, or (with ``trainer.overwrite`` and nothing to resume) replace an earlier run."""
+    """Resume, refuse, or (with ``trainer.overwrite`` and nothing to resume) replace an earlier run.
+    Checkpoints that would be lost are named (their steps) in the refusal, which offers
+    ``trainer.resume_mode=auto`` first, and in the warning logged before ``overwrite`` deletes them."""
     t = cfg.trainer
     found = [name for name in RUN_FOLDER if (out_dir / name).exists()]
     if not found:
@@ -237,31 +239,48 @@ def _claim_run_folder(cfg: PPOConfig | StageConfig, out_dir: Path) -> None:
     resumable = t.resume_mode != "disable" and bool(
         checkpoint_files.resume_candidates(out_dir, t.resume_mode)
     )
+    saved = checkpoint_files.complete_checkpoints(out_dir)
     if resumable:
         if t.overwrite:
             logger.warning(
                 "trainer.overwrite=true is not applied: %s holds checkpoints and trainer.resume_mode=%s resumes "
-                "them (to start over, set trainer.resume_mode=disable with trainer.overwrite=true)",
+                "them (to start over and delete %s, set trainer.resume_mode=disable with trainer.overwrite=true)",
                 out_dir,
                 t.resume_mode,
+                describe_checkpoints(saved),
             )
         return
     if t.overwrite:
+        what = ", ".join(
+            describe_checkpoints(saved) if name == "checkpoints" and saved else name for name in found
+        )
+        logger.warning("trainer.overwrite=true: deleting the earlier run's %s in %s", what, out_dir)
         for name in found:
             path = out_dir / name
             shutil.rmtree(path) if path.is_dir() else path.unlink()
-        logger.warning(
-            "trainer.overwrite=true: deleted the earlier run's %s in %s", ", ".join(found), out_dir
-        )
         return
+    if saved:
+        # The checkpoints are intact: resuming is the way out that loses nothing, so it comes first.
+        raise CheckpointError(
+            f"trainer.output_dir={out_dir} holds {describe_checkpoints(saved)} and trainer.resume_mode="
+            f"{t.resume_mode} does not resume them: set trainer.resume_mode=auto to resume from step "
+            f"{checkpoint_files.step_of(saved[-1])}, or choose another trainer.output_dir (trainer.overwrite=true "
+            f"would delete those checkpoints and {', '.join(n for n in found if n != 'checkpoints') or 'nothing else'})"
+        )
     if t.resume_mode == "disable":
         why = "trainer.resume_mode=disable starts a fresh one"
     else:
         why = f"it has no checkpoint to resume (trainer.resume_mode={t.resume_mode}), so its files would be replaced"
     raise CheckpointError(
         f"trainer.output_dir={out_dir} already holds a run ({', '.join(found)}) and {why}: choose another "
-        f"trainer.output_dir, or set trainer.overwrite=true to replace it"
+        f"trainer.output_dir, or set trainer.overwrite=true to delete {', '.join(found)}"
     )
+
+
+def describe_checkpoints(saved: list[Path]) -> str:
+    """``"2 checkpoints (steps 4, 8)"``: what a run folder's complete checkpoints are, for a message."""
+    steps = ", ".join(str(checkpoint_files.step_of(p)) for p in saved)
+    return f"{len(saved)} checkpoint{'s' * (len(saved) != 1)} (step{'s' * (len(saved) != 1)} {steps})"
 
 
 def _claim_save_path(cfg: StageConfig, out_dir: Path) -> None:

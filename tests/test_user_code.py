@@ -3,11 +3,14 @@ and nothing a user had is replaced without an explicit request that says what it
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from ppo import checkpoint_files, run_folder
+from ppo.checkpoint_files import CheckpointError
 from ppo.config_loader import load_config, to_yaml
 from tests.conftest import load_script
 
@@ -57,3 +60,64 @@ def test_export_overwrite_names_what_it_replaces(tmp_path: Path, caplog: pytest.
     assert caplog.messages == [
         f"--overwrite: the export writes over model.safetensors, critic/config.json in {out}"
     ]
+
+
+# ----------------------------------------------------------------------------------------------------
+# A run folder with checkpoints: the advice that loses nothing comes first; what overwrite deletes is named
+# ----------------------------------------------------------------------------------------------------
+
+
+def run_folder_with_checkpoints(out: Path, steps: tuple[int, ...] = (2, 4)) -> None:
+    for step in steps:
+        ckpt = checkpoint_files.checkpoints_dir(out) / f"step_{step:08d}"
+        (ckpt / "dcp").mkdir(parents=True)
+        (ckpt / "dcp" / ".metadata").write_bytes(b"")
+        (ckpt / checkpoint_files.COMPLETE).write_text("")
+    (checkpoint_files.checkpoints_dir(out) / "latest").write_text(f"step_{steps[-1]:08d}")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+
+
+def folder_config(tiny_assets: Path, out: Path, *overrides: str) -> Any:
+    return load_config(None, [f"model.path={tiny_assets / 'base'}", f"trainer.output_dir={out}", *overrides])
+
+
+def test_a_fresh_start_on_checkpoints_offers_resume_first(tiny_assets: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    run_folder_with_checkpoints(out)
+    with pytest.raises(CheckpointError) as e:
+        run_folder.claim(folder_config(tiny_assets, out, "trainer.resume_mode=disable"))
+    assert str(e.value) == (
+        f"trainer.output_dir={out} holds 2 checkpoints (steps 2, 4) and trainer.resume_mode=disable does not "
+        "resume them: set trainer.resume_mode=auto to resume from step 4, or choose another "
+        "trainer.output_dir (trainer.overwrite=true would delete those checkpoints and metrics.jsonl)"
+    )
+    assert len(checkpoint_files.complete_checkpoints(out)) == 2
+
+
+def test_overwrite_names_the_checkpoints_before_deleting_them(
+    tiny_assets: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "run"
+    run_folder_with_checkpoints(out, steps=(3,))
+    warned_first = []
+    rmtree = run_folder.shutil.rmtree
+    monkeypatch.setattr(
+        run_folder.shutil, "rmtree", lambda path: (warned_first.append(bool(caplog.messages)), rmtree(path))
+    )
+    cfg = folder_config(tiny_assets, out, "trainer.resume_mode=disable", "trainer.overwrite=true")
+    with caplog.at_level("WARNING", logger="ppo"):
+        run_folder.claim(cfg)
+    assert caplog.messages == [
+        f"trainer.overwrite=true: deleting the earlier run's 1 checkpoint (step 3), metrics.jsonl in {out}"
+    ]
+    assert warned_first == [True] and not (out / "checkpoints").exists()
+
+
+def test_a_failed_save_names_the_intact_checkpoint_and_resume_mode(tmp_path: Path) -> None:
+    run_folder_with_checkpoints(tmp_path, steps=(2,))
+    with pytest.raises(CheckpointError) as e, checkpoint_files._failures_named(tmp_path, 3):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert str(e.value).endswith(
+        "the previous checkpoint (step 2) is intact: free space or fix the folder, then rerun with "
+        "trainer.resume_mode=auto to resume from it"
+    )
