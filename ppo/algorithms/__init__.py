@@ -23,12 +23,11 @@ exact KL, controllers), ``advantages`` (GAE, GRPO, RLOO, REINFORCE++ and its bas
 variant, OPO; DAPO's group filter), ``losses`` (aggregation; the vanilla, GSPO, Clip-Cov and KL-Cov
 policy losses and the covariance token selections; the value loss), ``correction`` (off-policy
 importance weights), ``preference`` (the DPO family's per-pair losses: DPO/cDPO, IPO, SimPO, KTO).
-Users import every name from ``ppo.algorithms`` itself.
+Users import every name from ``ppo.algorithms`` itself; the lists of allowed names (``ADV_ESTIMATORS``,
+``KL_KINDS``, ...) live in the dependency-free ``ppo.choices``, which the config schema reads too.
 """
 
 from ppo.algorithms.advantages import (
-    ADV_ESTIMATORS,
-    GROUP_ESTIMATORS,
     compute_gae,
     compute_grpo_advantages,
     compute_opo_advantages,
@@ -37,9 +36,8 @@ from ppo.algorithms.advantages import (
     compute_rloo_advantages,
     filter_groups,
 )
-from ppo.algorithms.correction import ROLLOUT_IS_LEVELS, mismatch_metrics, rollout_is_weights
+from ppo.algorithms.correction import mismatch_metrics, rollout_is_weights
 from ppo.algorithms.kl import (
-    KL_KINDS,
     AdaptiveKLController,
     FixedKLController,
     entropy_from_logits,
@@ -47,8 +45,6 @@ from ppo.algorithms.kl import (
     kl_penalty,
 )
 from ppo.algorithms.losses import (
-    LOSS_AGG_MODES,
-    POLICY_LOSS_MODES,
     agg_loss,
     clip_cov_selection,
     kl_cov_selection,
@@ -56,8 +52,17 @@ from ppo.algorithms.losses import (
     token_covariance,
     value_loss,
 )
-from ppo.algorithms.preference import PREFERENCE_LOSSES, dpo_loss, ipo_loss, kto_loss, simpo_loss
+from ppo.algorithms.preference import dpo_loss, ipo_loss, kto_loss, simpo_loss
 from ppo.algorithms.stats import masked_mean, masked_whiten
+from ppo.choices import (
+    ADV_ESTIMATORS,
+    GROUP_ESTIMATORS,
+    KL_KINDS,
+    LOSS_AGG_MODES,
+    POLICY_LOSS_MODES,
+    PREFERENCE_LOSSES,
+    ROLLOUT_IS_LEVELS,
+)
 
 __all__ = [
     "ADV_ESTIMATORS",

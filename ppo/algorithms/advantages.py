@@ -11,14 +11,6 @@ import torch
 
 from ppo.algorithms.stats import masked_whiten
 
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo")
-"""Advantage estimators (verl's names): :func:`compute_gae` (with a critic), :func:`compute_grpo_advantages`,
-:func:`compute_rloo_advantages`, :func:`compute_reinforce_plus_plus_advantages`,
-:func:`compute_reinforce_plus_plus_baseline_advantages`, :func:`compute_opo_advantages`."""
-
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo")
-"""The estimators whose baseline is the other responses to the same prompt."""
-
 
 @torch.no_grad()
 def compute_gae(

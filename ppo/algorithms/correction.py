@@ -14,10 +14,7 @@ Shapes: ``[B, T]`` over response tokens, ``response_mask [B, T]``.
 import torch
 
 from ppo.algorithms.stats import masked_mean
-
-ROLLOUT_IS_LEVELS = ("token", "sequence", "geometric")
-"""How token log-ratios combine into a weight: per token, their sum over the sequence (the product of
-the ratios), or their mean (the geometric mean)."""
+from ppo.choices import ROLLOUT_IS_LEVELS
 
 
 def rollout_is_weights(

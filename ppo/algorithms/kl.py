@@ -9,8 +9,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-"""Names of the per-token KL estimators of :func:`kl_penalty` (each may carry a ``+`` suffix)."""
+from ppo.choices import KL_KINDS
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:

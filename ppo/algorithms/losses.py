@@ -10,9 +10,7 @@ from collections.abc import Callable
 import torch
 
 from ppo.algorithms.stats import masked_mean
-
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-"""Names of the loss aggregation modes of :func:`agg_loss`."""
+from ppo.choices import LOSS_AGG_MODES, POLICY_LOSS_MODES
 
 
 def _denominator(count: int | float | torch.Tensor | None, default: torch.Tensor) -> torch.Tensor | float:
@@ -74,10 +72,6 @@ def agg_loss(
     if mode == "seq-mean-token-sum":
         return token_sums.sum() / seqs
     return (token_sums / tokens_per_seq.clamp(min=1)).sum() / seqs  # seq-mean-token-mean
-
-
-POLICY_LOSS_MODES = ("vanilla", "gspo", "clip_cov", "kl_cov")
-"""The policy losses of :func:`policy_loss` (verl's ``actor.policy_loss.loss_mode`` names)."""
 
 
 def policy_loss(

@@ -16,9 +16,6 @@ inputs are per-pair sequence quantities of the chosen (``w``) and rejected (``l`
 import torch
 import torch.nn.functional as F
 
-PREFERENCE_LOSSES = ("dpo", "ipo", "simpo", "kto")
-"""The losses of this module: ``loss.type`` of ``scripts/train_dpo.py``."""
-
 
 def dpo_loss(
     chosen_logratios: torch.Tensor,
