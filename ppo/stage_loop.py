@@ -1,13 +1,16 @@
-"""The training loop of the stages before PPO (SFT and the reward model): one batch, one optimizer step.
+"""How the stages before PPO (SFT, the reward model, DPO) start and loop: one batch, one optimizer step.
 
-Both stages differ only in how a batch becomes a loss (``step``) and in what validation measures
-(``validate``); the loop around them is this one: resume from the newest checkpoint, the per-step
-optimizer step and schedule, validation every ``trainer.test_freq`` steps, metrics, progress,
-checkpoints every ``trainer.save_freq`` steps and on a stop signal, the time cap. A stage run killed or
-preempted resumes exactly, like a PPO run::
+Every stage starts alike (``start_stage``: the run folder, the tokenizer, the training and validation
+data, the loader and the step count) and differs only in how a batch becomes a loss (``step``) and in
+what validation measures (``validate``); the loop around them is this one: resume from the newest
+checkpoint, the per-step optimizer step and schedule, validation every ``trainer.test_freq`` steps,
+metrics, progress, checkpoints every ``trainer.save_freq`` steps and on a stop signal, the time cap. A
+stage run killed or preempted resumes exactly, like a PPO run::
 
-    result = train_stage(cfg, info, out_dir, trained=trained, loader=loader, num_steps=num_steps,
-                         step=sft_step, validate=val_loss, progress_keys={"train/loss": "loss"})
+    start = start_stage(cfg, info, functools.partial(load_sft_examples, max_length=cfg.data.max_length))
+    result = train_stage(cfg, info, start.out_dir, trained=trained, loader=start.loader,
+                         num_steps=start.num_steps, step=sft_step, validate=val_loss,
+                         progress_keys={"train/loss": "loss"})
 """
 
 from __future__ import annotations
@@ -17,17 +20,67 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ppo import runner
 from ppo.checkpointer import TrainerState, log_stopped, make_checkpointer, save_due
 from ppo.config import StageConfig
-from ppo.data import ShardedLoader
+from ppo.data import Files, ShardedLoader
 from ppo.distributed import DistInfo
 from ppo.metrics import MetricsLogger, Timer
 from ppo.optim import Trained
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 logger = logging.getLogger("ppo")
+
+Loaded = TypeVar("Loaded")
+"""What a stage's data loader returns for a list of files (its examples, or a record that holds them)."""
+
+
+@dataclass(kw_only=True)
+class StageStart(Generic[Loaded]):
+    """What every stage run starts from (``start_stage``)."""
+
+    out_dir: Path
+    """The run folder, claimed (``runner.prepare_run``)."""
+    tokenizer: PreTrainedTokenizerBase
+    """``model.tokenizer_path``'s (default ``model.path``'s)."""
+    train: Loaded
+    """``load(data.train_files)``."""
+    val: Loaded | None
+    """``load(data.val_files)``; None without ``data.val_files``."""
+    loader: ShardedLoader
+    """This rank's share of each global batch of the training examples."""
+    num_steps: int
+    """``trainer.total_training_steps``, or ``total_epochs`` passes over the training examples."""
+
+
+def start_stage(
+    cfg: StageConfig,
+    info: DistInfo,
+    load: Callable[[Files, PreTrainedTokenizerBase], Loaded],
+    examples: Callable[[Loaded], list[Any]] | None = None,
+) -> StageStart[Loaded]:
+    """Claim the run folder, load the tokenizer, then the training and validation data with
+    ``load(files, tokenizer)`` (its warnings from rank 0 only), and the loader over the training examples
+    (``examples(train)``, or what ``load`` returned when it is the list itself)."""
+    out_dir = runner.prepare_run(cfg, info)
+    tokenizer = runner.load_tokenizer(cfg.model)
+    with runner.main_rank_logs(info):  # data warnings once, not once per rank
+        train = load(cfg.data.train_files, tokenizer)
+        val = load(cfg.data.val_files, tokenizer) if cfg.data.val_files else None
+    loader = runner.make_loader(examples(train) if examples is not None else train, cfg, info)
+    return StageStart(
+        out_dir=out_dir,
+        tokenizer=tokenizer,
+        train=train,
+        val=val,
+        loader=loader,
+        num_steps=runner.total_steps(cfg, loader),
+    )
+
 
 StepFn = Callable[[list[Any]], tuple[dict[str, float], float]]
 """``(this rank's examples of the step) -> (metrics, tokens over all ranks)``: runs the forward and

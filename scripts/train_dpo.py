@@ -39,6 +39,7 @@ if __name__ == "__main__":  # --help and --print-config answer here, before torc
 
 # The imports below follow the early answer on purpose:
 # ruff: noqa: E402
+import functools
 import logging
 import sys
 from dataclasses import dataclass
@@ -102,39 +103,36 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(cfg: DPOConfig, info: DistInfo) -> None:
     """The DPO run: pairs, policy and reference, the loop (resumable), the saved model, its accuracy."""
-    out_dir = runner.prepare_run(cfg, info)
-    tokenizer = runner.load_tokenizer(cfg.model)
-    load = dict(
-        pairs=cfg.data.pairs,
-        max_prompt_length=cfg.data.max_prompt_length,
-        max_response_length=cfg.data.max_response_length,
-        apply_chat_template=cfg.data.apply_chat_template,
+    start = stage_loop.start_stage(
+        cfg,
+        info,
+        functools.partial(
+            stage_data.load_dpo_pairs,
+            pairs=cfg.data.pairs,
+            max_prompt_length=cfg.data.max_prompt_length,
+            max_response_length=cfg.data.max_response_length,
+            apply_chat_template=cfg.data.apply_chat_template,
+        ),
+        examples=lambda loaded: loaded.pairs,
     )
-    with runner.main_rank_logs(info):  # data warnings once, not once per rank
-        train_data = stage_data.load_dpo_pairs(cfg.data.train_files, tokenizer, **load)
-        val_data = (
-            stage_data.load_dpo_pairs(cfg.data.val_files, tokenizer, **load) if cfg.data.val_files else None
-        )
-    val_pairs = val_data.pairs if val_data is not None else []
-    loader = runner.make_loader(train_data.pairs, cfg, info)
-    num_steps = runner.total_steps(cfg, loader)
+    val_pairs = start.val.pairs if start.val is not None else []
     model = runner.build_model(
         models.load_causal_lm, cfg.model, cfg.fsdp, info, lora_cfg=cfg.lora, lora_key="lora"
     )
     ref = load_reference(cfg, info, model)
-    trained = with_optimizer(model, cfg.optim, num_steps)
+    trained = with_optimizer(model, cfg.optim, start.num_steps)
     logger.info(
         "%s: world size %d on %s; %d train pairs (%s) from %d groups, %d tied groups skipped; %d val pairs; "
         "%d steps of %d pairs; reference: %s; %.2fM parameters, %.2fM trained",
         cfg.loss.type,
         info.world_size,
         info.device,
-        len(train_data.pairs),
+        len(start.train.pairs),
         cfg.data.pairs,
-        train_data.num_groups,
-        train_data.num_tied_groups,
+        start.train.num_groups,
+        start.train.num_tied_groups,
         len(val_pairs),
-        num_steps,
+        start.num_steps,
         cfg.data.train_batch_size,
         describe_reference(cfg, ref, model),
         models.count_parameters(model) / 1e6,
@@ -194,10 +192,10 @@ def train(cfg: DPOConfig, info: DistInfo) -> None:
     result = stage_loop.train_stage(
         cfg,
         info,
-        out_dir,
+        start.out_dir,
         trained=trained,
-        loader=loader,
-        num_steps=num_steps,
+        loader=start.loader,
+        num_steps=start.num_steps,
         step=dpo_step,
         validate=(lambda: evaluate_pairs(model, ref, val_pairs, cfg, info)) if val_pairs else None,
         progress_keys=PROGRESS_KEYS,
@@ -209,27 +207,27 @@ def train(cfg: DPOConfig, info: DistInfo) -> None:
     # Save the policy, then score its answers.
     path = run_folder.stage_save_path(cfg)
     if lora.uses_lora(cfg.lora):
-        lora.save_hf(model, tokenizer, path, is_main=info.is_main, merged=cfg.lora.save_merged)
+        lora.save_hf(model, start.tokenizer, path, is_main=info.is_main, merged=cfg.lora.save_merged)
         logger.info("saved %s (%s)", path, "merged" if cfg.lora.save_merged else "adapters")
     else:
-        runner.save_model(model, tokenizer, path, info)
+        runner.save_model(model, start.tokenizer, path, info)
     final: dict[str, object] = {
         "dpo_loss_type": cfg.loss.type,
         "dpo_steps": result.steps,
         "dpo_train_time_s": round(result.train_time_s, 1),
-        "dpo_train_pairs": len(train_data.pairs),
-        "dpo_train_groups": train_data.num_groups,
-        "dpo_train_tied_groups": train_data.num_tied_groups,
+        "dpo_train_pairs": len(start.train.pairs),
+        "dpo_train_groups": start.train.num_groups,
+        "dpo_train_tied_groups": start.train.num_tied_groups,
     }
-    if val_data is not None and "val/loss" in result.metrics:
+    if start.val is not None and "val/loss" in result.metrics:
         final.update(
-            dpo_val_tied_groups=val_data.num_tied_groups,
+            dpo_val_tied_groups=start.val.num_tied_groups,
             dpo_val_loss=round(result.metrics["val/loss"], 4),
             dpo_val_rewards_accuracy=round(result.metrics["val/rewards/accuracies"], 4),
             dpo_val_rewards_margin=round(result.metrics["val/rewards/margins"], 4),
         )
     if cfg.data.eval_prompt_files:
-        answers = evaluate_answers(model, tokenizer, cfg, info)
+        answers = evaluate_answers(model, start.tokenizer, cfg, info)
         result.metrics_logger.log(result.steps, answers)
         final.update(
             dpo_val_accuracy=round(answers["val/accuracy"], 4),

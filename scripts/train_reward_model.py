@@ -24,6 +24,7 @@ if __name__ == "__main__":  # --help and --print-config answer here, before torc
 
 # The imports below follow the early answer on purpose:
 # ruff: noqa: E402
+import functools
 import logging
 import sys
 
@@ -56,34 +57,32 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(cfg: RewardModelConfig, info: DistInfo) -> None:
     """The reward-model run: pairs, model, the loop (resumable), held-out accuracy, the saved model."""
-    out_dir = runner.prepare_run(cfg, info)
-    tokenizer = runner.load_tokenizer(cfg.model)
-    load = dict(max_length=cfg.data.max_length, apply_chat_template=cfg.data.apply_chat_template)
-    with runner.main_rank_logs(info):  # data warnings once, not once per rank
-        train_pairs = stage_data.load_preference_pairs(cfg.data.train_files, tokenizer, **load)
-        val_pairs = (
-            stage_data.load_preference_pairs(cfg.data.val_files, tokenizer, **load)
-            if cfg.data.val_files
-            else []
-        )
+    start = stage_loop.start_stage(
+        cfg,
+        info,
+        functools.partial(
+            stage_data.load_preference_pairs,
+            max_length=cfg.data.max_length,
+            apply_chat_template=cfg.data.apply_chat_template,
+        ),
+    )
+    val_pairs = start.val or []
     skipped = {
-        "train": count_rows(cfg.data.train_files) - len(train_pairs),
+        "train": count_rows(cfg.data.train_files) - len(start.train),
         "val": count_rows(cfg.data.val_files) - len(val_pairs),
     }
-    loader = runner.make_loader(train_pairs, cfg, info)
-    num_steps = runner.total_steps(cfg, loader)
     model = runner.build_model(models.load_reward_model, cfg.model, cfg.fsdp, info)
-    trained = with_optimizer(model, cfg.optim, num_steps)
+    trained = with_optimizer(model, cfg.optim, start.num_steps)
     logger.info(
         "reward model: world size %d on %s; %d train pairs (%d rows skipped), %d val pairs (%d skipped); "
         "%d steps of %d pairs; %.2fM parameters",
         info.world_size,
         info.device,
-        len(train_pairs),
+        len(start.train),
         skipped["train"],
         len(val_pairs),
         skipped["val"],
-        num_steps,
+        start.num_steps,
         cfg.data.train_batch_size,
         models.count_parameters(model) / 1e6,
     )
@@ -115,10 +114,10 @@ def train(cfg: RewardModelConfig, info: DistInfo) -> None:
     result = stage_loop.train_stage(
         cfg,
         info,
-        out_dir,
+        start.out_dir,
         trained=trained,
-        loader=loader,
-        num_steps=num_steps,
+        loader=start.loader,
+        num_steps=start.num_steps,
         step=rm_step,
         validate=(lambda: evaluate(model, val_pairs, cfg, info)) if val_pairs else None,
         progress_keys=PROGRESS_KEYS,
@@ -128,7 +127,7 @@ def train(cfg: RewardModelConfig, info: DistInfo) -> None:
         return
 
     # Save the model (PPO's reward.model_path) and its held-out numbers.
-    saved = runner.save_model(model, tokenizer, run_folder.stage_save_path(cfg), info)
+    saved = runner.save_model(model, start.tokenizer, run_folder.stage_save_path(cfg), info)
     final: dict[str, object] = {
         "rm_steps": result.steps,
         "rm_train_time_s": round(result.train_time_s, 1),

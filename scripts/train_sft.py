@@ -22,6 +22,7 @@ if __name__ == "__main__":  # --help and --print-config answer here, before torc
 
 # The imports below follow the early answer on purpose:
 # ruff: noqa: E402
+import functools
 import logging
 import sys
 
@@ -58,24 +59,24 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(cfg: SFTConfig, info: DistInfo) -> None:
     """The SFT run: data, model, the loop (resumable), the saved model and its final evaluation."""
-    out_dir = runner.prepare_run(cfg, info)
-    tokenizer = runner.load_tokenizer(cfg.model)
-    load = dict(max_length=cfg.data.max_length, apply_chat_template=cfg.data.apply_chat_template)
-    with runner.main_rank_logs(info):  # data warnings once, not once per rank
-        train_examples = stage_data.load_sft_examples(cfg.data.train_files, tokenizer, **load)
-        val_examples = (
-            stage_data.load_sft_examples(cfg.data.val_files, tokenizer, **load) if cfg.data.val_files else []
-        )
-    loader = runner.make_loader(train_examples, cfg, info)
-    num_steps = runner.total_steps(cfg, loader)
+    start = stage_loop.start_stage(
+        cfg,
+        info,
+        functools.partial(
+            stage_data.load_sft_examples,
+            max_length=cfg.data.max_length,
+            apply_chat_template=cfg.data.apply_chat_template,
+        ),
+    )
+    val_examples = start.val or []
     model = runner.build_model(models.load_causal_lm, cfg.model, cfg.fsdp, info)
-    trained = with_optimizer(model, cfg.optim, num_steps)
+    trained = with_optimizer(model, cfg.optim, start.num_steps)
     logger.info(
         "SFT: world size %d on %s; %d train examples (%d steps of %d), %d val examples; %.2fM parameters",
         info.world_size,
         info.device,
-        len(train_examples),
-        num_steps,
+        len(start.train),
+        start.num_steps,
         cfg.data.train_batch_size,
         len(val_examples),
         models.count_parameters(model) / 1e6,
@@ -107,10 +108,10 @@ def train(cfg: SFTConfig, info: DistInfo) -> None:
     result = stage_loop.train_stage(
         cfg,
         info,
-        out_dir,
+        start.out_dir,
         trained=trained,
-        loader=loader,
-        num_steps=num_steps,
+        loader=start.loader,
+        num_steps=start.num_steps,
         step=sft_step,
         validate=(lambda: {"val/loss": validation_loss(model, val_examples, cfg, info)})
         if val_examples
@@ -122,12 +123,12 @@ def train(cfg: SFTConfig, info: DistInfo) -> None:
         return
 
     # Save the model (the PPO actor's starting point), then score its answers.
-    saved = runner.save_model(model, tokenizer, run_folder.stage_save_path(cfg), info)
+    saved = runner.save_model(model, start.tokenizer, run_folder.stage_save_path(cfg), info)
     final = {"sft_steps": result.steps, "sft_train_time_s": round(result.train_time_s, 1)}
     if "val/loss" in result.metrics:
         final["sft_val_loss"] = round(result.metrics["val/loss"], 4)
     if cfg.data.eval_prompt_files:
-        answers = evaluate_answers(model, tokenizer, cfg, info)
+        answers = evaluate_answers(model, start.tokenizer, cfg, info)
         result.metrics_logger.log(result.steps, answers)
         final.update(
             sft_val_accuracy=round(answers["val/accuracy"], 4),
