@@ -42,6 +42,8 @@ def _serve(conn: Connection, make_scorer: Callable[[], Callable[..., Any]]) -> N
             answer = ("ok", scorer(*job))
         except Exception as e:  # the user's function: any failure becomes a counted error score
             answer = ("error", str(e)[:300])
+        except SystemExit as e:  # sys.exit() in the function, if the scorer let it through
+            answer = ("error", f"the reward function called sys.exit({e.code!r})")
         conn.send(answer)
 
 

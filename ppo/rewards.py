@@ -10,7 +10,10 @@ The built-in scorer handles GSM8K-style answers (``#### <number>`` at the end), 
 task of ``scripts/make_tiny_assets.py`` (``data_source="synthetic/arith"``) also uses. A user's scorer
 is given as ``reward.custom_function=module.path:function`` or ``path/to/file.py:function`` (``:function``
 left out: ``compute_score``) and called by keyword, as verl calls it. With ``reward.num_workers`` the batch
-is scored in worker processes with a time limit (``ppo.reward_pool``).
+is scored in worker processes with a time limit (``ppo.reward_pool``). In the trainer's process a function
+that raises or calls ``sys.exit()`` stops every rank with one line naming it, the rank and the prompt's
+row; ``os._exit()`` (or a crash of the interpreter) cannot be caught there and ends the rank: a function
+that may do that belongs in workers (``reward.num_workers > 0``), where it is a counted error.
 
 Learned reward models (``reward.style=model``) are scored by ``reward_model_scores``; ranking
 (``reward.style=ranking``) turns the rule's or the model's scores of a group into competition ranks
@@ -228,10 +231,12 @@ def make_rule_scorer(
                 extra_info=extra_info,
                 **kwargs,
             )
-        except Exception as e:
+        except KeyboardInterrupt:  # Ctrl-C while scoring: the trainer's own stop, not the function's
+            raise
+        except BaseException as e:  # sys.exit() too: a scorer must return, never end the trainer
             raise RewardError(
                 f"{name} raised {type(e).__name__}: {e} (data_source={data_source!r}, response "
-                f"{solution_str[:60]!r})"
+                f"{solution_str[:60]!r})" + (_EXIT_HINT if isinstance(e, SystemExit) else "")
             ) from e
         value = result.get("score") if isinstance(result, dict) else result
         if not _is_number(value):
@@ -245,6 +250,9 @@ def make_rule_scorer(
         return Score(float(value), extras)
 
     return score
+
+
+_EXIT_HINT = "; a reward function must return a score, not exit the process"
 
 
 def _is_number(value: Any) -> bool:
@@ -537,11 +545,13 @@ def rule_scores(
 
 
 def _score_row(scorer: RuleScorer, record: PromptRecord, text: str) -> Score:
-    """``scorer`` on one response; its RewardError names the prompt's row."""
+    """``scorer`` on one response; its RewardError names the prompt's row (and the rank, on several)."""
     try:
         return scorer(record.data_source, text, record.ground_truth, record.extra_info)
     except RewardError as e:
-        raise RewardError(f"{e}; prompt row {record.index}") from e
+        dist = torch.distributed
+        rank = f"rank {dist.get_rank()}: " if dist.is_initialized() and dist.get_world_size() > 1 else ""
+        raise RewardError(f"{rank}{e}; prompt row {record.index}") from e
 
 
 def overlong_penalty(

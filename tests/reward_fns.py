@@ -149,3 +149,16 @@ class TurnsByRow:
 
 
 _env_calls = {"n": 0}
+
+
+def exits(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    """A scorer that ends its process on a response (not the start-up check's empty one) on rank
+    ``$PPO_TEST_EXIT_RANK`` (default 0): ``sys.exit(0)``, or ``os._exit(0)`` with ``$PPO_TEST_HARD_EXIT``."""
+    import os
+    import sys
+
+    if solution_str and os.environ.get("RANK", "0") == os.environ.get("PPO_TEST_EXIT_RANK", "0"):
+        if os.environ.get("PPO_TEST_HARD_EXIT"):
+            os._exit(0)
+        sys.exit(0)
+    return digit_score(data_source, solution_str, ground_truth, extra_info)

@@ -4,6 +4,7 @@ and nothing a user had is replaced without an explicit request that says what it
 from __future__ import annotations
 
 import errno
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,10 @@ import pytest
 from ppo import checkpoint_files, run_folder
 from ppo.checkpoint_files import CheckpointError
 from ppo.config_loader import load_config, to_yaml
-from tests.conftest import load_script
+from ppo.data import PromptRecord
+from ppo.reward_pool import RewardPool
+from ppo.rewards import RewardError, make_rule_scorer, rule_scores
+from tests.conftest import REWARD_FNS, load_script
 
 export_hf = load_script("export_hf")
 
@@ -120,4 +124,47 @@ def test_a_failed_save_names_the_intact_checkpoint_and_resume_mode(tmp_path: Pat
     assert str(e.value).endswith(
         "the previous checkpoint (step 2) is intact: free space or fix the folder, then rerun with "
         "trainer.resume_mode=auto to resume from it"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# A reward function that exits: one line naming the function and the row, in process and in workers
+# ----------------------------------------------------------------------------------------------------
+
+
+def rows(n: int) -> list[PromptRecord]:
+    return [
+        PromptRecord(
+            input_ids=[1], prompt_text="p", data_source="d", ground_truth="g", extra_info={}, index=40 + i
+        )
+        for i in range(n)
+    ]
+
+
+def test_a_reward_function_calling_sys_exit_is_a_reward_error() -> None:
+    spec = f"{REWARD_FNS}:exits"
+    with pytest.raises(RewardError) as e:
+        rule_scores(make_rule_scorer(spec, 0.0), rows(2), ["", "an answer"])
+    assert str(e.value) == (
+        f"reward.custom_function={spec!r} raised SystemExit: 0 (data_source='d', response 'an answer'); a "
+        "reward function must return a score, not exit the process; prompt row 41"
+    )
+
+
+def test_a_reward_worker_calling_sys_exit_is_a_counted_error() -> None:
+    spec = f"{REWARD_FNS}:exits"
+    pool = RewardPool(
+        functools.partial(make_rule_scorer, spec, 0.0, {}),
+        name=f"reward.custom_function={spec!r}",
+        num_workers=1,
+        timeout_s=30.0,
+        error_score=-1.0,
+    )
+    try:
+        scored, timeouts, errors, first = pool.score(rows(2), ["", "an answer"])
+    finally:
+        pool.close()
+    assert (scored[1], timeouts, errors) == (None, 0, 1)
+    assert first is not None and first.startswith(
+        f"prompt row 41 (d): reward.custom_function={spec!r} raised SystemExit: 0"
     )
