@@ -1,7 +1,7 @@
-"""What bench_layout.py, bench_overhead.py and bench_sp.py share: their common command-line options, the
-actor / reference / critic they build from one seed, the clock of a phase over ranks, and the output
-(a table, or one JSON object per row). Not a benchmark itself; the models' configs, prompts and table
-printing come from bench_rollout.py.
+"""What the benchmarks share (none of them is imported by this module): the random models' configs and token
+ids, the actor / reference / critic built from one seed, random prompts, the common command-line options,
+the CPU threads and the clock of a phase over ranks, and the output (a table, or one JSON object per row).
+Not a benchmark itself.
 """
 
 from __future__ import annotations
@@ -16,17 +16,129 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, PreTrainedModel
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_rollout import fsdp_config, model_config, print_table  # noqa: E402
-
 from ppo import models, sharding  # noqa: E402
+from ppo.config import FSDPConfig, MixedPrecisionConfig  # noqa: E402
 from ppo.distributed import DistInfo, all_reduce_scalar, barrier, make_mesh  # noqa: E402
 
 T = TypeVar("T")
+
+PAD_ID, EOS_ID = 0, 2
+"""Token ids of the random models: prompts draw from ids >= 3."""
+
+
+def _qwen2_5(
+    *, hidden: int, mlp: int, layers: int, heads: int, kv_heads: int, vocab: int, tied: bool
+) -> PretrainedConfig:
+    """A Qwen2.5 model's architecture (its rotary base, norm epsilon and context length)."""
+    return Qwen2Config(
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
+    )
+
+
+MODEL_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
+    # A model of the CPU cost measurements in docs/platform.md: hidden 256, 4 layers, vocab 4096.
+    "tiny": lambda: LlamaConfig(
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=4096,
+        max_position_embeddings=4096,
+    ),
+    # Qwen2.5-0.5B's shapes (494M parameters, tied embeddings).
+    "0.5b": lambda: _qwen2_5(hidden=896, mlp=4864, layers=24, heads=14, kv_heads=2, vocab=151936, tied=True),
+    # Qwen2.5-1.5B's shapes (1.54B parameters, tied embeddings).
+    "1.5b": lambda: _qwen2_5(hidden=1536, mlp=8960, layers=28, heads=12, kv_heads=2, vocab=151936, tied=True),
+    # Qwen2.5-7B's shapes (7.6B parameters, untied embeddings).
+    "7b": lambda: _qwen2_5(hidden=3584, mlp=18944, layers=28, heads=28, kv_heads=4, vocab=152064, tied=False),
+}
+
+
+def model_config(name: str) -> PretrainedConfig:
+    """The config of ``--model-config`` with PPO's token ids and dropout off."""
+    if name not in MODEL_CONFIGS:
+        raise SystemExit(f"--model-config must be one of {', '.join(MODEL_CONFIGS)}, got {name!r}")
+    config = MODEL_CONFIGS[name]()
+    config.pad_token_id, config.eos_token_id, config.bos_token_id = PAD_ID, EOS_ID, 1
+    return config
+
+
+def fsdp_config(dtype: str) -> FSDPConfig:
+    """FSDP2 with the benchmark's compute dtype (fp32 master weights, as the trainer keeps them)."""
+    return FSDPConfig(mixed_precision=MixedPrecisionConfig(param_dtype=dtype, reduce_dtype="float32"))
+
+
+def causal_lm(args: argparse.Namespace, attn_implementation: str) -> PreTrainedModel:
+    """The policy on CPU in fp32: random weights from ``--model-config`` (the same seed for every call and
+    rank, since ``fully_shard`` keeps each rank's own slice), or ``--model-path``."""
+    if args.model_path:
+        return models.load_causal_lm(
+            args.model_path, attn_implementation=attn_implementation, config_key="--model-path"
+        )
+    torch.manual_seed(args.seed)
+    return AutoModelForCausalLM.from_config(
+        model_config(args.model_config), attn_implementation=attn_implementation
+    )
+
+
+def critic(args: argparse.Namespace, attn_implementation: str) -> PreTrainedModel:
+    """A critic (backbone + 1-output token head) from the same config or checkpoint as the policy."""
+    if args.model_path:
+        return models.load_critic(
+            args.model_path, attn_implementation=attn_implementation, config_key="--model-path"
+        )
+    torch.manual_seed(args.seed + 1)
+    config = model_config(args.model_config)
+    config.num_labels = 1
+    config.classifier_dropout = 0.0  # the head's dropout defaults to 0.1; PPO trains without dropout
+    return AutoModelForTokenClassification.from_config(config, attn_implementation=attn_implementation)
+
+
+def build_models(
+    args: argparse.Namespace, info: DistInfo, attn_implementation: str
+) -> dict[str, torch.nn.Module]:
+    """Actor, frozen reference (the actor's weights) and critic with ``attn_implementation``, each sharded
+    with FSDP2 in ``--dtype``. Random weights from ``--model-config`` (the same seed for every call and
+    rank), or ``--model-path``."""
+    nets = {
+        "actor": causal_lm(args, attn_implementation).train(),
+        "ref": causal_lm(args, attn_implementation).requires_grad_(False).eval(),
+        "critic": critic(args, attn_implementation).train(),
+    }
+    fsdp = fsdp_config(args.dtype)
+    return {
+        name: sharding.shard_model(net, make_mesh(info), fsdp, device=info.device)
+        for name, net in nets.items()
+    }
+
+
+def random_prompts(num: int, max_len: int, vocab_size: int, seed: int) -> list[torch.Tensor]:
+    """``num`` prompts of random tokens, lengths uniform in ``[max_len // 2, max_len]`` (so left
+    padding matters), the same on every rank for a given seed."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(max(1, max_len // 2), max_len + 1, (num,), generator=gen)
+    return [torch.randint(3, vocab_size, (int(n),), generator=gen) for n in lengths]
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +150,9 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """The models ``build_models`` makes, where they run, and the clock that times them."""
-    parser.add_argument("--model-config", default="tiny", help="tiny or 0.5b (random weights)")
+    parser.add_argument(
+        "--model-config", default="tiny", help=f"one of {', '.join(MODEL_CONFIGS)} (random weights)"
+    )
     parser.add_argument("--model-path", default=None, help="a save_pretrained folder instead")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -47,47 +161,27 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_models(
-    args: argparse.Namespace, info: DistInfo, attn_implementation: str
-) -> dict[str, torch.nn.Module]:
-    """Actor, frozen reference (the actor's weights) and critic with ``attn_implementation``, each sharded
-    with FSDP2 in ``--dtype``. Random weights from ``--model-config`` (the same seed for every call and
-    rank), or ``--model-path``."""
+def set_threads(threads: int) -> None:
+    """One CPU thread per rank by default, as torchrun sets: on a CPU shared with other processes an
+    OpenMP pool of several threads spins at every barrier and runs many times slower (measured 40x on
+    2 loaded cores), which would swamp what is being compared."""
+    if threads > 0:
+        torch.set_num_threads(threads)
 
-    def causal_lm() -> PreTrainedModel:
-        if args.model_path:
-            return models.load_causal_lm(
-                args.model_path, attn_implementation=attn_implementation, config_key="--model-path"
-            )
-        torch.manual_seed(args.seed)
-        config = model_config(args.model_config)
-        return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
 
-    def critic() -> PreTrainedModel:
-        if args.model_path:
-            return models.load_critic(
-                args.model_path, attn_implementation=attn_implementation, config_key="--model-path"
-            )
-        torch.manual_seed(args.seed + 1)
-        config = model_config(args.model_config)
-        config.num_labels = 1
-        config.classifier_dropout = 0.0  # the head's dropout defaults to 0.1; PPO trains without dropout
-        return AutoModelForTokenClassification.from_config(config, attn_implementation=attn_implementation)
-
-    nets = {
-        "actor": causal_lm().train(),
-        "ref": causal_lm().requires_grad_(False).eval(),
-        "critic": critic().train(),
-    }
-    fsdp = fsdp_config(args.dtype)
-    return {
-        name: sharding.shard_model(net, make_mesh(info), fsdp, device=info.device)
-        for name, net in nets.items()
-    }
+def resolve_clock(clock: str, device: torch.device) -> str:
+    """``auto``: CPU time on a CPU device (robust to other processes on a shared machine), else wall."""
+    if clock == "auto":
+        return "cpu" if device.type == "cpu" else "wall"
+    return clock
 
 
 def timed(fn: Callable[[], T], info: DistInfo, clock: str) -> tuple[float, T]:
-    """(seconds of ``fn()`` on the slowest rank by ``clock``, its result); ranks start together."""
+    """(seconds of ``fn()`` on the slowest rank, its result); every rank starts together.
+
+    ``clock``: ``wall`` (perf_counter), or ``cpu`` (this process's CPU time: on a CPU shared with other
+    processes it counts only the work done, not the time the scheduler gave to others).
+    """
     barrier()
     now = time.process_time if clock == "cpu" else time.perf_counter
     start = now()
@@ -105,3 +199,18 @@ def print_rows(rows: list[Any], as_json: bool) -> None:
             print(json.dumps(d))
     else:
         print_table(dicts, [f.name for f in dataclasses.fields(type(rows[0]))])
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    """A plain fixed-width table of ``rows`` (floats with 4 significant digits)."""
+
+    def fmt(v: object) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return "-" if v is None else str(v)
+
+    cells = [[fmt(r[c]) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True)))
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)))

@@ -69,8 +69,18 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import add_common_args, add_model_args, build_models, print_rows, timed  # noqa: E402
-from bench_rollout import EOS_ID, PAD_ID, random_prompts, resolve_clock, set_threads  # noqa: E402
+from bench_common import (  # noqa: E402
+    EOS_ID,
+    PAD_ID,
+    add_common_args,
+    add_model_args,
+    build_models,
+    print_rows,
+    random_prompts,
+    resolve_clock,
+    set_threads,
+    timed,
+)
 
 import kernels  # noqa: E402
 import train_ppo  # noqa: E402

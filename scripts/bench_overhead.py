@@ -53,8 +53,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import add_common_args, print_rows  # noqa: E402
-from bench_rollout import set_threads  # noqa: E402
+from bench_common import add_common_args, print_rows, set_threads  # noqa: E402
 
 NUM_MINI_BATCHES = 2
 """Optimizer steps per model per PPO epoch (mini-batches of the rollout)."""

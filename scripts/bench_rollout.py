@@ -39,76 +39,32 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoModelForTokenClassification,
-    LlamaConfig,
-    PretrainedConfig,
-    PreTrainedModel,
-    Qwen2Config,
-)
+from transformers import PreTrainedModel
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ppo import models, rollout, sharding  # noqa: E402
-from ppo.config import FSDPConfig, MixedPrecisionConfig  # noqa: E402
-from ppo.distributed import (  # noqa: E402
-    DistInfo,
-    all_reduce_scalar,
-    barrier,
-    destroy_distributed,
-    init_distributed,
-    make_mesh,
+from bench_common import (  # noqa: E402
+    EOS_ID,
+    PAD_ID,
+    add_common_args,
+    add_model_args,
+    causal_lm,
+    fsdp_config,
+    print_rows,
+    random_prompts,
+    resolve_clock,
+    set_threads,
+    timed,
 )
+
+from ppo import models, rollout, runner, sharding  # noqa: E402
+from ppo.distributed import DistInfo, all_reduce_scalar, destroy_distributed, init_distributed, make_mesh  # noqa: E402
 from ppo.rollout import generate, generation_config  # noqa: E402
-
-PAD_ID, EOS_ID = 0, 2
-"""Token ids of the random models: prompts draw from ids >= 3."""
-
-
-def _qwen2_5(
-    *, hidden: int, mlp: int, layers: int, heads: int, kv_heads: int, vocab: int, tied: bool
-) -> PretrainedConfig:
-    """A Qwen2.5 model's architecture (its rotary base, norm epsilon and context length)."""
-    return Qwen2Config(
-        hidden_size=hidden,
-        intermediate_size=mlp,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        vocab_size=vocab,
-        max_position_embeddings=32768,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=tied,
-    )
-
-
-MODEL_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
-    # A model of the CPU cost measurements in docs/platform.md: hidden 256, 4 layers, vocab 4096.
-    "tiny": lambda: LlamaConfig(
-        hidden_size=256,
-        intermediate_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=4096,
-        max_position_embeddings=4096,
-    ),
-    # Qwen2.5-0.5B's shapes (494M parameters, tied embeddings).
-    "0.5b": lambda: _qwen2_5(hidden=896, mlp=4864, layers=24, heads=14, kv_heads=2, vocab=151936, tied=True),
-    # Qwen2.5-1.5B's shapes (1.54B parameters, tied embeddings).
-    "1.5b": lambda: _qwen2_5(hidden=1536, mlp=8960, layers=28, heads=12, kv_heads=2, vocab=151936, tied=True),
-    # Qwen2.5-7B's shapes (7.6B parameters, untied embeddings).
-    "7b": lambda: _qwen2_5(hidden=3584, mlp=18944, layers=28, heads=28, kv_heads=4, vocab=152064, tied=False),
-}
 
 
 @dataclasses.dataclass
@@ -136,78 +92,6 @@ class Row:
     """Of ppo_rollout's time: gathering the parameters and releasing them (once per call)."""
     decode_ms: float
     """Milliseconds per decoding step: time_s / (new_tokens x micro-batches per rank)."""
-
-
-# ----------------------------------------------------------------------------------------------------
-# Shared with the other benchmarks: models from a config, the device, prompts
-# ----------------------------------------------------------------------------------------------------
-
-
-def model_config(name: str) -> PretrainedConfig:
-    """The config of ``--model-config`` with PPO's token ids and dropout off."""
-    if name not in MODEL_CONFIGS:
-        raise SystemExit(f"--model-config must be one of {', '.join(MODEL_CONFIGS)}, got {name!r}")
-    config = MODEL_CONFIGS[name]()
-    config.pad_token_id, config.eos_token_id, config.bos_token_id = PAD_ID, EOS_ID, 1
-    return config
-
-
-def build_causal_lm(args: argparse.Namespace, device: torch.device) -> PreTrainedModel:
-    """The policy on CPU in fp32: random weights from ``--model-config`` (same seed on every rank, since
-    ``fully_shard`` keeps each rank's own slice), or ``--model-path``."""
-    attn = models.resolve_attn_implementation("auto", device)
-    if args.model_path:
-        return models.load_causal_lm(args.model_path, attn_implementation=attn, config_key="--model-path")
-    torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_config(model_config(args.model_config), attn_implementation=attn)
-    return model.eval()
-
-
-def build_critic(args: argparse.Namespace, device: torch.device) -> PreTrainedModel:
-    """A critic (backbone + 1-output token head) from the same config or checkpoint as the policy."""
-    attn = models.resolve_attn_implementation("auto", device)
-    if args.model_path:
-        return models.load_critic(args.model_path, attn_implementation=attn, config_key="--model-path")
-    torch.manual_seed(args.seed + 1)
-    config = model_config(args.model_config)
-    config.num_labels = 1
-    config.classifier_dropout = 0.0  # the head's dropout defaults to 0.1; PPO trains without dropout
-    return AutoModelForTokenClassification.from_config(config, attn_implementation=attn)
-
-
-def fsdp_config(dtype: str) -> FSDPConfig:
-    """FSDP2 with the benchmark's compute dtype (fp32 master weights, as the trainer keeps them)."""
-    return FSDPConfig(mixed_precision=MixedPrecisionConfig(param_dtype=dtype, reduce_dtype="float32"))
-
-
-def random_prompts(num: int, max_len: int, vocab_size: int, seed: int) -> list[torch.Tensor]:
-    """``num`` prompts of random tokens, lengths uniform in ``[max_len // 2, max_len]`` (so left
-    padding matters), the same on every rank for a given seed."""
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(max(1, max_len // 2), max_len + 1, (num,), generator=gen)
-    return [torch.randint(3, vocab_size, (int(n),), generator=gen) for n in lengths]
-
-
-def rank_share(items: list, info: DistInfo) -> list:
-    """This rank's contiguous share of a global list (sizes differ by at most one)."""
-    per, extra = divmod(len(items), info.world_size)
-    start = info.rank * per + min(info.rank, extra)
-    return items[start : start + per + (info.rank < extra)]
-
-
-def print_table(rows: list[dict], columns: list[str]) -> None:
-    """A plain fixed-width table of ``rows`` (floats with 4 significant digits)."""
-
-    def fmt(v: object) -> str:
-        if isinstance(v, float):
-            return f"{v:.4g}"
-        return "-" if v is None else str(v)
-
-    cells = [[fmt(r[c]) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    print("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True)))
-    for row in cells:
-        print("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -274,32 +158,16 @@ def ppo_rollout(
     ).responses
 
 
-def timed(fn: Callable[[], torch.Tensor], device: torch.device, clock: str) -> tuple[float, torch.Tensor]:
-    """Seconds of ``fn()`` on the slowest rank (every rank starts together), and its result.
-
-    ``clock``: ``wall`` (perf_counter), or ``cpu`` (this process's CPU time: on a CPU shared with other
-    processes it counts only the work done, not the time the scheduler gave to others).
-    """
-    barrier()
-    now = time.process_time if clock == "cpu" else time.perf_counter
-    start = now()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elapsed = now() - start
-    return all_reduce_scalar(elapsed, "max"), out
-
-
 def run(args: argparse.Namespace, info: DistInfo) -> list[Row]:
     """Build both models, warm both paths up, then time them alternately ``--repeat`` times."""
     device = info.device
     clock = resolve_clock(args.clock, device)
-    model = build_causal_lm(args, device)
+    model = causal_lm(args, models.resolve_attn_implementation("auto", device)).eval()
     # The unsharded copy in the compute dtype: what FSDP's mixed precision computes in, too.
     plain = copy.deepcopy(model).to(device=device, dtype=sharding.torch_dtype(args.dtype)).eval()
     sharded = sharding.shard_model(model, make_mesh(info), fsdp_config(args.dtype), device=device)
     vocab = plain.config.get_text_config().vocab_size
-    prompts = rank_share(random_prompts(args.num_prompts, args.prompt_len, vocab, args.seed), info)
+    prompts = runner.my_share(random_prompts(args.num_prompts, args.prompt_len, vocab, args.seed), info)
 
     def run_hf(n: int = args.new_tokens, p: list[torch.Tensor] = prompts) -> torch.Tensor:
         if args.do_sample:
@@ -345,7 +213,7 @@ def run(args: argparse.Namespace, info: DistInfo) -> list[Row]:
     outputs: dict[str, torch.Tensor] = {}
     for _ in range(args.repeat):
         for name, fn in [*paths, ("gather", gather_only)]:
-            seconds, outputs[name] = timed(fn, device, clock)
+            seconds, outputs[name] = timed(fn, info, clock)
             best[name] = min(best[name], seconds)
 
     def match(name: str) -> float | None:
@@ -384,45 +252,20 @@ def run(args: argparse.Namespace, info: DistInfo) -> list[Row]:
     return rows
 
 
-def resolve_clock(clock: str, device: torch.device) -> str:
-    """``auto``: CPU time on a CPU device (robust to other processes on a shared machine), else wall."""
-    if clock == "auto":
-        return "cpu" if device.type == "cpu" else "wall"
-    return clock
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model-config", default="tiny", help=f"one of {', '.join(MODEL_CONFIGS)}")
-    parser.add_argument("--model-path", default=None, help="a save_pretrained folder instead")
+    add_common_args(parser)
+    add_model_args(parser)
     parser.add_argument("--num-prompts", type=int, default=32, help="prompts over all ranks")
     parser.add_argument("--prompt-len", type=int, default=32, help="longest prompt (shortest: half)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
     parser.add_argument("--micro-batch", type=int, default=32, help="prompts per generate call per rank")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--compiled", action="store_true", help="add the compiled rollout (ppo_compiled)")
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per path (best is kept)")
-    parser.add_argument(
-        "--clock", default="auto", choices=["auto", "wall", "cpu"], help="auto: cpu time on CPU, else wall"
-    )
-    parser.add_argument(
-        "--threads", type=int, default=1, help="torch CPU threads per rank (0: torch's default)"
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="one JSON object per row instead of a table")
     return parser.parse_args(argv)
-
-
-def set_threads(threads: int) -> None:
-    """One CPU thread per rank by default, as torchrun sets: on a CPU shared with other processes an
-    OpenMP pool of several threads spins at every barrier and runs many times slower (measured 40x on
-    2 loaded cores), which would swamp what is being compared."""
-    if threads > 0:
-        torch.set_num_threads(threads)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -434,12 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         destroy_distributed()
     if info.is_main:
-        dicts = [dataclasses.asdict(r) for r in rows]
-        if args.json:
-            for d in dicts:
-                print(json.dumps(d))
-        else:
-            print_table(dicts, [f.name for f in dataclasses.fields(Row)])
+        print_rows(rows, args.json)
+        if not args.json:
             ratio = rows[1].ratio
             verdict = "meets" if ratio >= 0.9 else "misses"
             print(f"ppo_rollout / hf_generate = {ratio:.3f}x tokens/s ({verdict} the 0.9x target)")

@@ -41,9 +41,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import add_common_args, add_model_args, build_models, print_rows, timed  # noqa: E402
+from bench_common import (  # noqa: E402
+    add_common_args,
+    add_model_args,
+    build_models,
+    print_rows,
+    resolve_clock,
+    set_threads,
+    timed,
+)
 from bench_kernels import cpu_peak_bytes, cuda_peak_bytes  # noqa: E402
-from bench_rollout import resolve_clock, set_threads  # noqa: E402
 
 from ppo import ulysses  # noqa: E402
 from ppo.attention import resolve_attn_implementation  # noqa: E402

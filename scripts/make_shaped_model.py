@@ -1,6 +1,6 @@
 """Write a model folder with a real model's shapes and random weights, for GPU checks without a download.
 
-The architecture comes from ``bench_rollout.MODEL_CONFIGS`` (``tiny``, ``0.5b``, ``1.5b``, ``7b``: the
+The architecture comes from ``bench_common.MODEL_CONFIGS`` (``tiny``, ``0.5b``, ``1.5b``, ``7b``: the
 Qwen2.5 shapes), the special token ids and the tokenizer from ``--tokenizer`` (the tiny character
 tokenizer of make_tiny_assets.py, so the synthetic task's Parquet files work as data). Weights are
 initialized on ``--device`` (a 7B model initializes in seconds on a GPU, minutes on a CPU) in
@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_rollout import MODEL_CONFIGS, model_config  # noqa: E402
+from bench_common import MODEL_CONFIGS, model_config  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
