@@ -410,9 +410,9 @@ AGG_EXPECTED = {
     "seq-mean-token-sum": 7.5,
     # (6/3 + 9/2) / 2 = (2 + 4.5) / 2 = 3.25
     "seq-mean-token-mean": 3.25,
-    # (6 + 9) / T with T = 3 (the width, when no loss_scale_factor is given) = 5: no division by the
-    # number of sequences (verl's formula)
-    "seq-mean-token-sum-norm": 5.0,
+    # (6 + 9) / 2 sequences / T with T = 3 (the width, when no loss_scale_factor is given) = 2.5
+    # (verl 0.9.1: the sequence mean, then the constant)
+    "seq-mean-token-sum-norm": 2.5,
 }
 
 
@@ -430,10 +430,12 @@ def test_agg_loss_explicit_counts_and_errors() -> None:
     loss_mat, mask = t64(AGG_LOSS), torch.tensor(AGG_MASK)
     # 15 / 10 tokens = 1.5
     close(agg_loss(loss_mat, mask, "token-mean", num_tokens=10), 1.5)
-    # 15 / 5 sequences = 3; (2 + 4.5) / 4 = 1.625; with loss_scale_factor 5: 15 / 5 = 3
+    # 15 / 5 sequences = 3; (2 + 4.5) / 4 = 1.625; with loss_scale_factor 5: 15 / 2 / 5 = 1.5, and
+    # with 5 sequences counted globally 15 / 5 / 5 = 0.6
     close(agg_loss(loss_mat, mask, "seq-mean-token-sum", num_seqs=torch.tensor(5)), 3.0)
     close(agg_loss(loss_mat, mask, "seq-mean-token-mean", num_seqs=4), 1.625)
-    close(agg_loss(loss_mat, mask, "seq-mean-token-sum-norm", loss_scale_factor=5), 3.0)
+    close(agg_loss(loss_mat, mask, "seq-mean-token-sum-norm", loss_scale_factor=5), 1.5)
+    close(agg_loss(loss_mat, mask, "seq-mean-token-sum-norm", num_seqs=5, loss_scale_factor=5), 0.6)
     with pytest.raises(ValueError, match="token-mean"):
         agg_loss(loss_mat, mask, "sum")
 
@@ -503,8 +505,6 @@ def test_micro_batch_accumulation_is_exact(mode: str) -> None:
     torch.testing.assert_close(total, full_loss.detach(), rtol=1e-12, atol=1e-12)
     for key in ("logprobs", "values"):
         torch.testing.assert_close(micro[key].grad, full[key].grad, rtol=1e-12, atol=1e-12)
-    if mode == "seq-mean-token-sum-norm":
-        return  # a sum over a constant divisor: no count to get wrong, so there is no naive variant
     # the check can fail: per-micro-batch normalization (no global counts) gives a different loss
     naive = sum(combined_loss(batch, rows, mode).item() for rows in (slice(0, 2), slice(2, 3), slice(3, 5)))
     assert abs(naive - full_loss.item()) > 1e-3

@@ -216,18 +216,20 @@ def test_filter_groups_keeps_groups_that_differ() -> None:
 # ----------------------------------------------------------------------------------------------------
 
 
-def test_seq_mean_token_sum_norm_divides_by_the_scale_factor_only() -> None:
+def test_seq_mean_token_sum_norm_is_the_sequence_mean_over_the_scale_factor() -> None:
     loss_mat = t64([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0], [0, 0, 0]])  # token sums 6 and 9
-    # (6 + 9) / T with T = 3 = 5: no division by the 2 sequences (verl's agg_loss since v0.4.0)
-    close(agg_loss(loss_mat, mask, "seq-mean-token-sum-norm"), 5.0)
-    # loss_scale_factor = 5 (actor.loss_scale_factor): 15 / 5 = 3, whatever num_seqs says
-    close(agg_loss(loss_mat, mask, "seq-mean-token-sum-norm", num_seqs=7, loss_scale_factor=5), 3.0)
-    # a plain sum: two micro-batches of the same T add up without any global count
+    # (6 + 9) / 2 sequences / T with T = 3 = 2.5 (verl 0.9.1's agg_loss; the empty row is no sequence)
+    close(agg_loss(loss_mat, mask, "seq-mean-token-sum-norm"), 2.5)
+    # loss_scale_factor = 5 (actor.loss_scale_factor), 6 sequences counted over the mini-batch:
+    # 15 / 6 / 5 = 0.5
+    close(agg_loss(loss_mat, mask, "seq-mean-token-sum-norm", num_seqs=6, loss_scale_factor=5), 0.5)
+    # two micro-batches of the same T with the global count (2) add up to the whole batch's loss
     halves = sum(
-        agg_loss(loss_mat[rows], mask[rows], "seq-mean-token-sum-norm") for rows in (slice(0, 1), slice(1, 3))
+        agg_loss(loss_mat[rows], mask[rows], "seq-mean-token-sum-norm", num_seqs=2)
+        for rows in (slice(0, 1), slice(1, 3))
     )
-    close(halves, 5.0)
+    close(halves, 2.5)
 
 
 def gspo_batch() -> dict[str, torch.Tensor]:
@@ -250,14 +252,20 @@ def test_gspo_by_hand() -> None:
     # s_0 = exp(mean(0.2, -0.1)) = e^0.05 = 1.051271 inside [0.8, 1.28]: -A · s = -1.051271 per token;
     # s_1 = s_2 = e^0.5 = 1.648721. Row 1 (A = 1): max(-1.648721, -1.28) = -1.28 (clipped, no gradient);
     # row 2 (A = -1): max(1.648721, 1.28) = 1.648721 (GSPO has no dual clip).
-    # seq-mean-token-mean whatever loss_agg_mode: (-1.051271 - 1.28 + 1.648721) / 3 = -0.227517
-    close(loss, (-math.exp(0.05) - 1.28 + math.exp(0.5)) / 3)
+    # token-mean over the 8 tokens (loss_agg_mode, as verl 0.9.1):
+    # (2 · -1.051271 + 3 · -1.28 + 3 · 1.648721) / 8 = -0.124502
+    close(loss, (-2 * math.exp(0.05) - 3 * 1.28 + 3 * math.exp(0.5)) / 8)
     loss.backward()
-    # d/d log π_t of -A · sg(s) · π_t / sg(π_t) is -A · s, then / |y_i| / 3 sequences
+    # d/d log π_t of -A · sg(s) · π_t / sg(π_t) is -A · s, then / 8 tokens
     g = b["logprobs"].grad
-    close(g[0], [-math.exp(0.05) / 2 / 3, -math.exp(0.05) / 2 / 3, 0.0])
+    close(g[0], [-math.exp(0.05) / 8, -math.exp(0.05) / 8, 0.0])
     close(g[1], [0.0, 0.0, 0.0])
-    close(g[2], [math.exp(0.5) / 3 / 3] * 3)
+    close(g[2], [math.exp(0.5) / 8] * 3)
+    # seq-mean-token-mean (the paper's aggregation): (-1.051271 - 1.28 + 1.648721) / 3 = -0.227517
+    seq_loss, _ = policy_loss(
+        b["logprobs"], b["old"], b["adv"], b["mask"], 0.2, 0.28, 3.0, "seq-mean-token-mean", loss_mode="gspo"
+    )
+    close(seq_loss, (-math.exp(0.05) - 1.28 + math.exp(0.5)) / 3)
     close(metrics["pg_clipfrac"], 3 / 8)  # row 1's three tokens of 8
     close(metrics["pg_clipfrac_lower"], 0.0)
     # the log of the sequence ratio is clamped at 10: a mean log-ratio of 11 gives e^10, not e^11
@@ -275,24 +283,29 @@ def test_gspo_by_hand() -> None:
     close(huge, -math.exp(10.0), atol=1e-3)
 
 
-def test_gspo_on_policy_gradient_is_vanillas_seq_mean_token_mean() -> None:
+def test_gspo_on_policy_gradient_is_vanillas() -> None:
+    """On policy, GSPO's ratio is 1 and its gradient is vanilla's under the same loss_agg_mode; the two
+    aggregations differ (the check can fail)."""
     gen = torch.Generator().manual_seed(3)
     mask = torch.arange(6)[None, :] < torch.tensor([6, 2, 4, 1])[:, None]
     adv = torch.randn(4, 1, generator=gen, dtype=torch.float64).expand(4, 6)
     grads = {}
-    for mode, agg in (("gspo", "token-mean"), ("vanilla", "seq-mean-token-mean")):
+    for mode, agg in (
+        ("gspo", "token-mean"),
+        ("vanilla", "token-mean"),
+        ("gspo", "seq-mean-token-mean"),
+        ("vanilla", "seq-mean-token-mean"),
+    ):
         logprobs = (
             -torch.rand(4, 6, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
         ).requires_grad_()
         loss, _ = policy_loss(logprobs, logprobs.detach(), adv, mask, 0.2, 0.28, 3.0, agg, loss_mode=mode)
         loss.backward()
-        grads[mode] = (loss.detach(), logprobs.grad)
-    torch.testing.assert_close(grads["gspo"], grads["vanilla"], rtol=0, atol=1e-12)
-    # the check can fail: vanilla's token-mean gradient weights long sequences more
-    logprobs = grads["vanilla"][1].new_zeros(4, 6).requires_grad_()
-    token_mean, _ = policy_loss(logprobs, logprobs.detach(), adv, mask, 0.2, 0.28, 3.0, "token-mean")
-    token_mean.backward()
-    assert not torch.allclose(logprobs.grad, grads["gspo"][1])
+        grads[mode, agg] = (loss.detach(), logprobs.grad)
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        torch.testing.assert_close(grads["gspo", agg], grads["vanilla", agg], rtol=0, atol=1e-12)
+    # token-mean weights long sequences more than seq-mean-token-mean
+    assert not torch.allclose(grads["gspo", "token-mean"][1], grads["gspo", "seq-mean-token-mean"][1])
 
 
 def cov_batch() -> dict[str, torch.Tensor]:

@@ -39,11 +39,10 @@ def agg_loss(
     - ``"seq-mean-token-sum"``: ``Σ_b S_b / num_seqs``;
     - ``"seq-mean-token-mean"``: ``Σ_b (S_b / max(Σ_t m[b, t], 1)) / num_seqs``;
     - ``"seq-mean-token-sum-norm"`` (Dr. GRPO's constant normalizer, Liu et al. arXiv:2503.20783):
-      ``Σ_b S_b / loss_scale_factor``, with ``loss_scale_factor`` defaulting to ``T``
-      (``loss_mat.shape[-1]``, the padded response length): verl's ``agg_loss`` formula (v0.4.0 on;
-      v0.7.0 added the ``loss_scale_factor`` argument). No division by the number of sequences: the
-      loss is a sum over the mini-batch's sequences, so its scale (and the gradient norm that
-      ``grad_clip`` compares) grows with the batch. ``num_tokens`` and ``num_seqs`` are not used.
+      ``Σ_b S_b / num_seqs / loss_scale_factor``, with ``loss_scale_factor`` defaulting to ``T``
+      (``loss_mat.shape[-1]``, the padded response length): verl 0.9.1's ``agg_loss``, the
+      sequence mean of ``"seq-mean-token-sum"`` divided by a constant, so the loss's scale does not
+      grow with the batch. ``num_tokens`` is not used.
 
     ``num_seqs`` defaults to the number of rows with at least one valid token, so a fully masked row
     contributes 0 and is not counted. Denominators below 1 are taken as 1: an all-masked batch gives 0.
@@ -51,9 +50,9 @@ def agg_loss(
 
     Exact accumulation: pass ``num_tokens`` / ``num_seqs`` counted over the whole mini-batch (all
     micro-batches on all ranks); then the sum of this function over the micro-batches equals its value
-    on the mini-batch at once, for every mode. ``"seq-mean-token-sum-norm"`` is a plain sum and needs no
-    count; with micro-batches padded to different lengths pass a fixed ``loss_scale_factor`` (e.g. the
-    max response length) so that every micro-batch divides by the same T.
+    on the mini-batch at once, for every mode. With micro-batches padded to different lengths, pass
+    ``"seq-mean-token-sum-norm"`` a fixed ``loss_scale_factor`` (e.g. the max response length) so that
+    every micro-batch divides by the same T.
 
     Shapes: ``loss_mat [B, T]``, ``response_mask [B, T]``; returns a scalar tensor.
     """
@@ -66,11 +65,11 @@ def agg_loss(
         raise ValueError(f"unknown loss_agg_mode {mode!r}; valid modes: {', '.join(LOSS_AGG_MODES)}")
     tokens_per_seq = mask.sum(dim=-1)
     seqs = _denominator(num_seqs, (tokens_per_seq > 0).sum())
-    if mode == "seq-mean-token-sum-norm":
-        scale = float(loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor)
-        return token_sums.sum() / scale
     if mode == "seq-mean-token-sum":
         return token_sums.sum() / seqs
+    if mode == "seq-mean-token-sum-norm":
+        scale = float(loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+        return token_sums.sum() / seqs / scale
     return (token_sums / tokens_per_seq.clamp(min=1)).sum() / seqs  # seq-mean-token-mean
 
 
@@ -107,9 +106,9 @@ def policy_loss(
       sequence, ``s_i = exp(mean_t δ_i,t)`` over its valid tokens, in the token form
       ``s_i,t = sg(s_i) · π_t / sg(π_t)`` (log clamped at 10), so every token of a sequence has the same
       value and the gradient ``s_i ∇log π_t``; ``l = max(-A s_i,t, -A clamp(s_i,t, 1 - low, 1 + high))``
-      with no dual clip, aggregated ``"seq-mean-token-mean"`` whatever ``loss_agg_mode`` (as verl). With
-      the on-policy shortcut (``old_logprobs = logprobs.detach()``) ``s_i,t = 1`` and the gradient is
-      vanilla's with ``seq-mean-token-mean``. The sequence mean needs the whole row: under sequence
+      with no dual clip, aggregated with ``loss_agg_mode`` as every mode (verl 0.9.1; the paper's
+      sequence-level aggregation is ``"seq-mean-token-mean"``). With the on-policy shortcut
+      (``old_logprobs = logprobs.detach()``) ``s_i,t = 1`` and the gradient is vanilla's. The sequence mean needs the whole row: under sequence
       parallelism the trainer gathers each row's log-probs over the group first
       (``ulysses.packed_logprobs``), so the mean is the sequence's, not a slice's.
     - ``"clip_cov"`` (Cui et al., "The Entropy Mechanism of RL for Reasoning LMs", arXiv:2505.22617):
@@ -137,12 +136,10 @@ def policy_loss(
     zero = torch.zeros((), dtype=advantages.dtype, device=advantages.device)
     log_ratio = torch.clamp(logprobs - old_logprobs, min=-20.0, max=20.0)
     metrics: dict[str, torch.Tensor] = {}
-    agg_mode = loss_agg_mode
     if loss_mode == "gspo":
         seq_log_ratio = masked_mean(torch.where(mask, logprobs - old_logprobs, zero), mask, dim=-1)
         log_seq_ratio = logprobs - logprobs.detach() + seq_log_ratio.detach().unsqueeze(-1)
         ratio = torch.clamp(log_seq_ratio, max=10.0).exp()
-        agg_mode = "seq-mean-token-mean"
     else:
         ratio = log_ratio.exp()
     pg_losses1 = -advantages * ratio
@@ -168,7 +165,7 @@ def policy_loss(
         metrics["pg_covfrac"] = masked_mean(penalized.float(), mask)
     if is_weights is not None:
         pg_losses = pg_losses * is_weights
-    loss = agg_loss(pg_losses, response_mask, agg_mode, **counts)
+    loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **counts)
     with torch.no_grad():
         metrics["pg_clipfrac"] = masked_mean(clipped.float(), mask)
         metrics["pg_clipfrac_lower"] = masked_mean(dual.float(), mask)
