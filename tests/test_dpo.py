@@ -198,8 +198,34 @@ def test_kto_by_hand() -> None:
     # 1 - σ(1 - (-2)) = 1 - σ(3) = 0.047426; their mean 0.158184
     loss = algorithms.kto_loss(torch.tensor([2.0]), torch.tensor([-2.0]), 1.0, beta=1.0)
     torch.testing.assert_close(loss, torch.tensor([0.158184]), atol=1e-6, rtol=0)
-    # a negative KL estimate clamps to 0: the loss at initialization stays 1/2
-    assert algorithms.kto_loss(torch.zeros(1), torch.zeros(1), -5.0, beta=1.0).item() == 0.5
+    # a negative KL estimate clamps to 0: with log-ratios 2 and -2, z = 0 gives 1 - σ(2) = 0.119203 for
+    # both responses; unclamped, z = -5 would give (1 - σ(7) + 1 - σ(-3)) / 2 = 0.476743
+    clamped = algorithms.kto_loss(torch.tensor([2.0]), torch.tensor([-2.0]), -5.0, beta=1.0)
+    torch.testing.assert_close(clamped, torch.tensor([0.119203]), atol=1e-6, rtol=0)
+
+
+def test_ipo_uses_summed_log_probs() -> None:
+    """IPO's margin is of log-ratios summed over tokens, not token means: sums that differ from the
+    means (2 and 4 tokens) at a margin away from 0."""
+    policy = dpo.PairLogps(
+        chosen=torch.tensor([-2.0]),
+        rejected=torch.tensor([-8.0]),
+        chosen_tokens=torch.tensor([2.0]),
+        rejected_tokens=torch.tensor([4.0]),
+    )
+    ref = dpo.PairLogps(
+        chosen=torch.tensor([-3.0]),
+        rejected=torch.tensor([-6.0]),
+        chosen_tokens=torch.tensor([2.0]),
+        rejected_tokens=torch.tensor([4.0]),
+    )
+    losses, _, _ = dpo.pair_losses(PreferenceLossConfig(type="ipo", beta=0.25), policy, ref, 0.0)
+    # log-ratios 1 and -2, margin 3, target 1/(2 · 0.25) = 2: (3 - 2)² = 1; with token means the margin
+    # would be 1/2 - (-2/4) = 1 and the loss (1 - 2)² = 1 too, so also check another β:
+    torch.testing.assert_close(losses, torch.tensor([1.0]))
+    losses, _, _ = dpo.pair_losses(PreferenceLossConfig(type="ipo", beta=0.5), policy, ref, 0.0)
+    # target 1: (3 - 1)² = 4 (token means: (1 - 1)² = 0)
+    torch.testing.assert_close(losses, torch.tensor([4.0]))
 
 
 # ----------------------------------------------------------------------------------------------------

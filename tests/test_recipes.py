@@ -380,6 +380,14 @@ def test_kl_cov_by_hand() -> None:
     close(loss, (-math.exp(0.2) + 0.1 - 1.0 + 1.0 + math.exp(-0.4)) / 4)
     close(metrics["pg_covfrac"], 0.25)
     close(metrics["pg_clipfrac"], 0.0)
+    # ratio 0.5 also penalizes token 3, whose log-ratio is negative: e^-0.4 + 0.5 · |-0.4| = 0.870320
+    # (without the absolute value it would be 0.470320)
+    both = kl_cov_selection(cov, b["mask"], b["ids"], ratio=0.5)
+    loss, _ = policy_loss(
+        logprobs, b["old"], b["adv"], b["mask"], 0.2, 0.2, 3.0, "token-mean",
+        loss_mode="kl_cov", cov_mask=both, ppo_kl_coef=0.5,
+    )  # fmt: skip
+    close(loss, (-math.exp(0.2) + 0.1 - 1.0 + 1.0 + math.exp(-0.4) + 0.2) / 4)
     with pytest.raises(ValueError, match="needs cov_mask"):
         policy_loss(logprobs, b["old"], b["adv"], b["mask"], 0.2, 0.2, 3.0, "token-mean", loss_mode="kl_cov")
 
