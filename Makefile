@@ -81,6 +81,23 @@ compare-offline: install
 test: install
 	$(PY) -m pytest -q
 
+# The math of ppo/algorithms against the released verl 0.9.1 (tests/test_parity_verl.py; README, "verl").
+# verl's wheel goes into .verl091/ without its dependencies, with only the small packages that importing
+# its core_algos and rollout_corr_helper needs (no ray, vllm or flash-attn); the tests put the folder on
+# sys.path and skip without it. Built once (a few seconds), then the parity tests run in seconds.
+VERL_SIDE := verl==0.9.1 tensordict==0.10.0 omegaconf==2.4.0 antlr4-python3-runtime==4.9.3 pyvers==0.2.3 \
+	cloudpickle==3.1.3 codetiming==1.4.0 orjson==3.13.0
+.PHONY: parity parity-env
+parity-env: .verl091/.installed
+
+.verl091/.installed: Makefile | install
+	rm -rf .verl091
+	$(PY) -m pip install -q --no-deps --target .verl091 $(VERL_SIDE)
+	touch $@
+
+parity: parity-env
+	$(PY) -m pytest -q tests/test_parity_verl.py
+
 # The inner loop: everything but the tests marked slow (2-rank runs, end-to-end trainer runs).
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
@@ -94,4 +111,4 @@ format: install
 	.venv/bin/ruff check --fix .
 
 clean:
-	rm -rf .venv assets outputs
+	rm -rf .venv .verl091 assets outputs

@@ -1,0 +1,362 @@
+"""The math of ``ppo.algorithms`` against the released verl 0.9.1 on the same random inputs.
+
+verl is imported from a side folder (``make parity`` builds ``.verl091/``: the wheel without its
+dependencies plus the few small packages that importing ``core_algos`` and ``rollout_corr_helper``
+needs); without it every test here skips. Inputs are dense and ragged, with masks that have holes and
+fully masked rows; losses are also summed over several micro-batch splits with the global counts, as
+the trainer does. Differences that are by design are named in the test that shows them.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from ppo import algorithms as ours
+
+SIDE = Path(__file__).resolve().parents[1] / ".verl091"
+
+
+def _import_verl() -> tuple[types.ModuleType, types.ModuleType] | None:
+    if not (SIDE / "verl").is_dir():
+        return None
+    sys.path.insert(0, str(SIDE))
+    # verl.protocol imports ray for type names only; importing the math needs no cluster
+    if "ray" not in sys.modules:
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            stub = types.ModuleType("ray")
+            stub.ObjectRef = type("ObjectRef", (), {})
+            sys.modules["ray"] = stub
+    from verl.trainer.ppo import core_algos, rollout_corr_helper
+
+    return core_algos, rollout_corr_helper
+
+
+_verl = _import_verl()
+pytestmark = pytest.mark.skipif(_verl is None, reason="verl 0.9.1 side environment absent: run `make parity`")
+if _verl is not None:
+    verl, verl_corr = _verl
+
+AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+SPLITS = [[8], [3, 5], [1, 2, 2, 3]]  # micro-batch sizes over 8 rows
+WIDTH = 7
+
+
+def batch(seed: int, ragged: bool = True) -> dict[str, torch.Tensor]:
+    """8 rows of 7 tokens; ragged: lengths 7, 3, 0 (fully masked), 5, 1, 7, 4, 6, with holes in rows 0
+    and 5 (multi-turn observation tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    if ragged:
+        lengths = torch.tensor([7, 3, 0, 5, 1, 7, 4, 6])
+        mask = torch.arange(WIDTH)[None, :] < lengths[:, None]
+        mask[0, 2:4] = False
+        mask[5, 1] = False
+    else:
+        mask = torch.ones(8, WIDTH, dtype=torch.bool)
+    old = -torch.rand(8, WIDTH, generator=gen, dtype=torch.float64) * 3
+    return {
+        "mask": mask,
+        "old": old,
+        "logprobs": old + 0.3 * torch.randn(8, WIDTH, generator=gen, dtype=torch.float64),
+        "ref": old + 0.5 * torch.randn(8, WIDTH, generator=gen, dtype=torch.float64),
+        "adv": torch.randn(8, WIDTH, generator=gen, dtype=torch.float64),
+        "values": torch.randn(8, WIDTH, generator=gen, dtype=torch.float64),
+        "old_values": torch.randn(8, WIDTH, generator=gen, dtype=torch.float64),
+        "returns": torch.randn(8, WIDTH, generator=gen, dtype=torch.float64),
+        "rewards": torch.randn(8, WIDTH, generator=gen, dtype=torch.float64),
+        "scores": torch.randint(0, 3, (8,), generator=gen).double(),
+        "groups": torch.tensor([0, 0, 0, 1, 1, 1, 2, 2]),
+    }
+
+
+def verl_counts(mask: torch.Tensor) -> dict[str, float]:
+    return {
+        "batch_num_tokens": float(mask.sum()),
+        "global_batch_size": float((mask.sum(-1) > 0).sum()),
+        "loss_scale_factor": WIDTH,
+    }
+
+
+def our_counts(mask: torch.Tensor) -> dict[str, float]:
+    return {
+        "num_tokens": float(mask.sum()),
+        "num_seqs": float((mask.sum(-1) > 0).sum()),
+        "loss_scale_factor": WIDTH,
+    }
+
+
+def split_sum(fn, sizes: list[int], n: int = 8):  # noqa: ANN001, ANN202
+    """Sum of ``fn(rows)`` over consecutive micro-batches of ``sizes``."""
+    starts = np.cumsum([0, *sizes])
+    assert starts[-1] == n
+    return sum(fn(slice(int(a), int(b))) for a, b in zip(starts[:-1], starts[1:], strict=True))
+
+
+# verl divides a row's token sum by (count + 1e-8) in seq-mean-token-mean: 1e-7 relative, not 1e-12
+def close(a: torch.Tensor | float, b: torch.Tensor | float, tol: float = 1e-7) -> None:
+    torch.testing.assert_close(torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64),
+                               rtol=tol, atol=tol)  # fmt: skip
+
+
+def actor_config(**policy_loss: float) -> object:
+    """What verl's policy losses read of an ``ActorConfig``, built without its checks."""
+    cfg = verl.ActorConfig.__new__(verl.ActorConfig)
+    fields = {
+        "clip_ratio": 0.2,
+        "clip_ratio_low": 0.2,
+        "clip_ratio_high": 0.28,
+        "clip_ratio_c": 3.0,
+        "policy_loss": SimpleNamespace(**policy_loss),
+        "global_batch_info": {},
+    }
+    for k, v in fields.items():
+        object.__setattr__(cfg, k, v)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------------
+# aggregation, policy and value losses, over micro-batch splits
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ragged", [True, False])
+@pytest.mark.parametrize("sizes", SPLITS)
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_agg_loss(mode: str, sizes: list[int], ragged: bool) -> None:
+    b = batch(0, ragged)
+    x = b["rewards"]
+    counts_v, counts_o = verl_counts(b["mask"]), our_counts(b["mask"])
+    theirs = split_sum(lambda r: verl.agg_loss(x[r], b["mask"][r].double(), mode, **counts_v), sizes)
+    mine = split_sum(lambda r: ours.agg_loss(x[r], b["mask"][r], mode, **counts_o), sizes)
+    close(mine, theirs)
+
+
+@pytest.mark.parametrize("sizes", SPLITS)
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("loss_mode", ["vanilla", "gspo"])
+def test_policy_loss_and_gradient(loss_mode: str, mode: str, sizes: list[int]) -> None:
+    b = batch(1)
+    mask, counts_v = b["mask"], verl_counts(b["mask"])
+    fn = verl.get_policy_loss_fn(loss_mode)
+    grads = {}
+    for who in ("verl", "ours"):
+        lp = b["logprobs"].clone().requires_grad_()
+
+        def one(r: slice, lp: torch.Tensor = lp, who: str = who) -> torch.Tensor:
+            if who == "verl":
+                cfg = actor_config()
+                cfg.global_batch_info.update(counts_v)
+                loss, _ = fn(b["old"][r], lp[r], b["adv"][r], mask[r].double(), mode, cfg)
+                return loss
+            loss, _ = ours.policy_loss(lp[r], b["old"][r], b["adv"][r], mask[r], 0.2, 0.28, 3.0, mode,
+                                       loss_mode=loss_mode, **our_counts(mask))  # fmt: skip
+            return loss
+
+        total = split_sum(one, sizes)
+        total.backward()
+        grads[who] = (total.detach(), lp.grad)
+    close(grads["ours"][0], grads["verl"][0])
+    close(grads["ours"][1], grads["verl"][1])
+
+
+@pytest.mark.parametrize("loss_mode", ["vanilla", "gspo"])
+def test_policy_loss_metrics(loss_mode: str) -> None:
+    b = batch(2)
+    mask = b["mask"]
+    # large log-ratios so that both clips act
+    lp = b["old"] + 5.0 * (b["logprobs"] - b["old"])
+    _, theirs = verl.get_policy_loss_fn(loss_mode)(
+        b["old"], lp, b["adv"], mask.double(), "token-mean", actor_config()
+    )
+    _, mine = ours.policy_loss(
+        lp, b["old"], b["adv"], mask, 0.2, 0.28, 3.0, "token-mean", loss_mode=loss_mode
+    )
+    for key in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"):
+        close(mine[key], theirs[f"actor/{key}"])
+    if loss_mode == "vanilla":
+        assert theirs["actor/pg_clipfrac"] > 0 and theirs["actor/pg_clipfrac_lower"] > 0  # both clips act
+
+
+def test_clip_cov_with_the_same_tokens() -> None:
+    """With every candidate chosen (ratio 1) both pick the same tokens: valid, unclipped, with
+    ``lb < cov < ub``, cov from the current log-probs. Named difference: verl's ``pg_clipfrac`` here is
+    the share of detached tokens, ours ``pg_covfrac`` (our ``pg_clipfrac`` is the clip's share)."""
+    b = batch(3)
+    mask, lp = b["mask"], b["logprobs"].clone().requires_grad_()
+    cfg = actor_config(clip_cov_ratio=1.0, clip_cov_lb=0.0, clip_cov_ub=2.0)
+    theirs, tm = verl.get_policy_loss_fn("clip_cov")(b["old"], lp, b["adv"], mask.double(), "token-mean", cfg)
+    cov = ours.token_covariance(b["adv"], lp.detach(), mask)
+    ids = torch.arange(mask.numel()).reshape(mask.shape)
+    chosen = ours.clip_cov_selection(cov, mask, ids, ratio=1.0, lb=0.0, ub=2.0, generator=torch.Generator())
+    mine, mm = ours.policy_loss(lp, b["old"], b["adv"], mask, 0.2, 0.28, 3.0, "token-mean",
+                                loss_mode="clip_cov", cov_mask=chosen)  # fmt: skip
+    close(mine, theirs)
+    g_theirs = torch.autograd.grad(theirs, lp, retain_graph=True)[0]
+    close(torch.autograd.grad(mine, lp)[0], g_theirs)
+    close(mm["pg_covfrac"], tm["actor/pg_clipfrac"])
+    close(mm["ppo_kl"], tm["actor/ppo_kl"])
+    assert 0 < tm["actor/pg_clipfrac"] < 1  # some tokens detached, not all
+
+
+def test_kl_cov_with_the_same_tokens() -> None:
+    """Top ``int(ratio · N)`` covariances, from the current log-probs. Named difference: verl's KL-Cov
+    logs ``ppo_kl`` as the mean ``|log-ratio|``, ours the k1 mean ``-log-ratio`` as every mode."""
+    b = batch(4)
+    mask, lp = b["mask"], b["logprobs"].clone().requires_grad_()
+    cfg = actor_config(kl_cov_ratio=0.2, ppo_kl_coef=0.1)
+    theirs, tm = verl.get_policy_loss_fn("kl_cov")(b["old"], lp, b["adv"], mask.double(), "token-mean", cfg)
+    cov = ours.token_covariance(b["adv"], lp.detach(), mask)
+    ids = torch.arange(mask.numel()).reshape(mask.shape)
+    chosen = ours.kl_cov_selection(cov, mask, ids, ratio=0.2)
+    mine, mm = ours.policy_loss(lp, b["old"], b["adv"], mask, 0.2, 0.28, 3.0, "token-mean",
+                                loss_mode="kl_cov", cov_mask=chosen, ppo_kl_coef=0.1)  # fmt: skip
+    close(mine, theirs)
+    g_theirs = torch.autograd.grad(theirs, lp, retain_graph=True)[0]
+    close(torch.autograd.grad(mine, lp)[0], g_theirs)
+    close(tm["actor/ppo_kl"], ours.masked_mean((lp.detach() - b["old"]).abs(), mask))
+
+
+@pytest.mark.parametrize("sizes", SPLITS)
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_value_loss(mode: str, sizes: list[int]) -> None:
+    b = batch(5)
+    mask = b["mask"]
+    c = verl_counts(mask)
+    theirs = split_sum(lambda r: verl.compute_value_loss(b["values"][r], b["returns"][r], b["old_values"][r],
+                                                         mask[r].double(), 0.2, mode, **c)[0], sizes)  # fmt: skip
+    mine = split_sum(lambda r: ours.value_loss(b["values"][r], b["old_values"][r], b["returns"][r], mask[r], 0.2,
+                                               mode, **our_counts(mask))[0], sizes)  # fmt: skip
+    close(mine, theirs)
+    _, clipfrac = verl.compute_value_loss(b["values"], b["returns"], b["old_values"], mask.double(), 0.2)
+    close(ours.value_loss(b["values"], b["old_values"], b["returns"], mask, 0.2, "token-mean")[1]["vf_clipfrac"],
+          clipfrac)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------
+# KL estimators
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kind", ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "abs+", "k3+", "low_var_kl+"]
+)
+def test_kl_penalty_value_and_gradient(kind: str) -> None:
+    b = batch(6)
+    lp_v, lp_o = b["logprobs"].clone().requires_grad_(), b["logprobs"].clone().requires_grad_()
+    theirs, mine = verl.kl_penalty(lp_v, b["ref"], kind), ours.kl_penalty(lp_o, b["ref"], kind)
+    close(mine, theirs)
+    (theirs * b["mask"]).sum().backward()
+    (mine * b["mask"]).sum().backward()
+    close(lp_o.grad, lp_v.grad)
+
+
+# ---------------------------------------------------------------------------------------------------
+# advantage estimators
+# ---------------------------------------------------------------------------------------------------
+
+
+def outcome_rewards(b: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Each row's score on its last valid token (where the trainer puts it)."""
+    mask = b["mask"]
+    last = (mask.long() * torch.arange(WIDTH)).argmax(-1)
+    rewards = torch.zeros(8, WIDTH, dtype=torch.float64)
+    rewards[torch.arange(8), last] = torch.where(mask.any(-1), b["scores"], 0.0)
+    return rewards
+
+
+@pytest.mark.parametrize("ragged", [True, False])
+def test_gae(ragged: bool) -> None:
+    b = batch(7, ragged)
+    mask = b["mask"]
+    adv_v, ret_v = verl.compute_gae_advantage_return(b["rewards"], b["values"], mask.double(), 0.99, 0.95)
+    adv_o, ret_o = ours.compute_gae(b["rewards"], b["values"], mask, 0.99, 0.95)
+    close(adv_o * mask, adv_v * mask)
+    close(ret_o * mask, ret_v * mask)
+
+
+@pytest.mark.parametrize("norm_by_std", [True, False], ids=["grpo", "drgrpo"])
+def test_grpo(norm_by_std: bool) -> None:
+    b = batch(8, ragged=False)
+    mask, index = b["mask"], b["groups"].numpy()
+    theirs, _ = verl.compute_grpo_outcome_advantage(outcome_rewards(b), mask.double(), index,
+                                                    norm_adv_by_std_in_grpo=norm_by_std)  # fmt: skip
+    close(ours.compute_grpo_advantages(b["scores"], b["groups"], mask, norm_by_std=norm_by_std), theirs, 1e-6)
+
+
+@pytest.mark.parametrize("name", ["rloo", "opo", "reinforce_plus_plus_baseline"])
+def test_group_estimators(name: str) -> None:
+    b = batch(9)
+    mask, index = b["mask"], b["groups"].numpy()
+    keep = mask.any(-1)  # verl counts a fully masked row in its group; the trainer never makes one
+    mask, index = mask[keep], index[keep.numpy()]
+    scores, groups = b["scores"][keep], b["groups"][keep]
+    rewards = outcome_rewards(b)[keep]
+    fn = verl.get_adv_estimator_fn(name)
+    theirs, _ = fn(token_level_rewards=rewards, response_mask=mask.double(), index=index, config=None)
+    mine = {
+        "rloo": ours.compute_rloo_advantages,
+        "opo": ours.compute_opo_advantages,
+        "reinforce_plus_plus_baseline": ours.compute_reinforce_plus_plus_baseline_advantages,
+    }[name](scores, groups, mask)
+    close(mine * mask, theirs * mask, 1e-6)
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_reinforce_plus_plus(gamma: float) -> None:
+    b = batch(10)
+    mask = b["mask"]
+    adv_v, ret_v = verl.compute_reinforce_plus_plus_outcome_advantage(b["rewards"], mask.double(),
+                                                                      config=SimpleNamespace(gamma=gamma))  # fmt: skip
+    adv_o, ret_o = ours.compute_reinforce_plus_plus_advantages(b["rewards"], mask, gamma)
+    close(adv_o * mask, adv_v * mask)
+    close(ret_o * mask, ret_v * mask)
+
+
+# ---------------------------------------------------------------------------------------------------
+# rollout correction
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_rollout_is_weights(level: str) -> None:
+    b = batch(11)
+    mask = b["mask"]
+    rollout = b["old"] + 0.4 * torch.randn(
+        8, WIDTH, generator=torch.Generator().manual_seed(0), dtype=torch.float64
+    )
+    log_ratio = b["old"] - rollout
+    theirs, metrics = verl_corr.compute_rollout_correction_weights(log_ratio, mask.double(), level, 2.0)
+    mine = ours.rollout_is_weights(b["old"], rollout, mask, level=level, threshold=2.0)
+    close(mine * mask, theirs * mask)
+    off = verl_corr.compute_offpolicy_metrics(b["old"], rollout, mask.double())
+    ours_m = ours.mismatch_metrics(b["old"], rollout, mask, threshold=2.0)
+    close(ours_m["mismatch_kl"], off["kl"])
+    close(ours_m["mismatch_k3_kl"], off["k3_kl"])
+    if level == "token":
+        close(ours_m["rollout_is_mean"], ours.masked_mean(torch.exp(log_ratio), mask))
+
+
+# ---------------------------------------------------------------------------------------------------
+# DAPO's group filter
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_filter_groups_as_dapo() -> None:
+    """verl's DAPO trainer keeps a prompt's group when its metric's std over the group is > 0, or when
+    the group has one response (recipe ``dapo_ray_trainer``)."""
+    values = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.3, 0.3, 0.3])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3, 4, 4, 4])
+    kept = {
+        int(g)
+        for g in groups.unique()
+        if values[groups == g].numel() == 1 or np.std(values[groups == g].numpy()) > 0
+    }
+    assert ours.filter_groups(values, groups).tolist() == [int(g) in kept for g in groups]
