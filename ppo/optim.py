@@ -1,17 +1,21 @@
 """AdamW with linear warm-up and constant or cosine decay: the one optimizer every stage uses, and the
-gradient clipping that precedes its step.
+gradient clipping and the skip of a non-finite update that make its step.
 
     actor = with_optimizer(model, cfg.actor.optim, total_steps)    # .model, .optimizer, .scheduler
+    grad_norm, skipped = optimizer_step(actor.model, actor.optimizer, cfg.actor.grad_clip)
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
 import torch
 
 from ppo.config import OptimConfig
+
+logger = logging.getLogger("ppo")
 
 
 def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:
@@ -83,3 +87,22 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
         for p in params:  # a Python scalar multiplies plain and DTensor gradients alike
             p.grad.mul_(coef)
     return norm_value
+
+
+def optimizer_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float
+) -> tuple[float, bool]:
+    """Clip the global gradient norm, step unless it is not finite, zero the gradients.
+
+    Returns ``(grad_norm before clipping, skipped)``. The norm is reduced over ranks, so every rank
+    makes the same skip decision. The learning-rate schedule is the caller's (PPO advances it once per
+    training step, whatever the number of optimizer steps in it).
+    """
+    grad_norm = clip_grad_norm(model, grad_clip)
+    skipped = not math.isfinite(grad_norm)
+    if skipped:
+        logger.warning("non-finite gradient norm (%s): this update is skipped on every rank", grad_norm)
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, skipped

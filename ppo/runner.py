@@ -1,4 +1,4 @@
-"""The one run harness of the three trainers: PPO (``train_ppo.py``), SFT and the reward model.
+"""The one run harness of the four trainers: PPO (``train_ppo.py``), SFT, the reward model and DPO.
 
 Every entry point is ``sys.exit(runner.main(argv, ConfigClass, train, __doc__))``; ``main`` parses the
 command line, joins the process group and calls ``train(cfg, info)`` inside the error boundary. The
@@ -10,7 +10,7 @@ pieces every ``train`` shares live here too, so they are written once::
         model = runner.build_model(models.load_causal_lm, cfg.model, cfg.fsdp, info, path_key="model.path")
         trained = with_optimizer(model, cfg.optim, num_steps)
         ...
-        grad_norm, skipped = runner.optimizer_step(model, trained.optimizer, cfg.trainer.grad_clip)
+        grad_norm, skipped = optimizer_step(model, trained.optimizer, cfg.trainer.grad_clip)  # ppo.optim
 
 Error boundary: an expected failure (bad config, data, model path, checkpoint, reward function, an
 I/O error) ends as one line on rank 0 and exit code 2; an unexpected exception prints its traceback
@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import signal
 import sys
@@ -40,7 +39,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
-import torch
 import transformers
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
@@ -76,16 +74,12 @@ from ppo.distributed import (
     setup_logging,
 )
 from ppo.metrics import MetricsLogger
-from ppo.optim import clip_grad_norm
+from ppo.step_end import TrainingError
 
 logger = logging.getLogger("ppo")
 
 AnyConfig = TypeVar("AnyConfig", PPOConfig, SFTConfig, RewardModelConfig, DPOConfig)
 """The config class of one of the entry points."""
-
-
-class TrainingError(RuntimeError):
-    """The run cannot go on (e.g. KL exploded again after every rollback); the message says why."""
 
 
 EXPECTED_ERRORS = (
@@ -402,27 +396,8 @@ def my_share(items: Sequence[Any], info: DistInfo) -> list[Any]:
 
 
 # ----------------------------------------------------------------------------------------------------
-# The optimizer step, progress, saving
+# Stopping, progress, saving
 # ----------------------------------------------------------------------------------------------------
-
-
-def optimizer_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float
-) -> tuple[float, bool]:
-    """Clip the global gradient norm, step unless it is not finite, zero the gradients.
-
-    Returns ``(grad_norm before clipping, skipped)``. The norm is reduced over ranks, so every rank
-    makes the same skip decision. The learning-rate schedule is the caller's (PPO advances it once per
-    training step, whatever the number of optimizer steps in it).
-    """
-    grad_norm = clip_grad_norm(model, grad_clip)
-    skipped = not math.isfinite(grad_norm)
-    if skipped:
-        logger.warning("non-finite gradient norm (%s): this update is skipped on every rank", grad_norm)
-    else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm, skipped
 
 
 class StopRequest:

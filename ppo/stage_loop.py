@@ -28,7 +28,7 @@ from ppo.config import StageConfig
 from ppo.data import Files, ShardedLoader
 from ppo.distributed import DistInfo
 from ppo.metrics import MetricsLogger, Timer
-from ppo.optim import Trained
+from ppo.optim import Trained, optimizer_step
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -139,7 +139,7 @@ def train_stage(
                 metrics, tokens = step(next(loader))
             lr = trained.optimizer.param_groups[0]["lr"]
             with timer("optimizer"):
-                grad_norm, skipped = runner.optimizer_step(trained.model, trained.optimizer, t.grad_clip)
+                grad_norm, skipped = optimizer_step(trained.model, trained.optimizer, t.grad_clip)
                 trained.scheduler.step()
             metrics.update(
                 {
