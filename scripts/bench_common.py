@@ -29,7 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ppo import models, sharding  # noqa: E402
 from ppo.config import FSDPConfig, MixedPrecisionConfig  # noqa: E402
-from ppo.distributed import DistInfo, all_reduce_scalar, barrier, make_mesh  # noqa: E402
+from ppo.distributed import (  # noqa: E402
+    DistInfo,
+    all_reduce_scalar,
+    barrier,
+    destroy_distributed,
+    init_distributed,
+    make_mesh,
+)
 
 T = TypeVar("T")
 
@@ -167,6 +174,19 @@ def set_threads(threads: int) -> None:
     2 loaded cores), which would swamp what is being compared."""
     if threads > 0:
         torch.set_num_threads(threads)
+
+
+def on_every_rank(
+    args: argparse.Namespace, run: Callable[[argparse.Namespace, DistInfo], T]
+) -> tuple[T, DistInfo]:
+    """``run(args, info)`` in the process group of ``--device`` (one process, or torchrun's), with
+    ``--threads`` CPU threads per rank; the group is torn down after, also on an error."""
+    set_threads(args.threads)
+    info = init_distributed(args.device, timeout_s=600)
+    try:
+        return run(args, info), info
+    finally:
+        destroy_distributed()
 
 
 def resolve_clock(clock: str, device: torch.device) -> str:

@@ -55,15 +55,15 @@ from bench_common import (  # noqa: E402
     add_model_args,
     causal_lm,
     fsdp_config,
+    on_every_rank,
     print_rows,
     random_prompts,
     resolve_clock,
-    set_threads,
     timed,
 )
 
 from ppo import models, rollout, runner, sharding  # noqa: E402
-from ppo.distributed import DistInfo, all_reduce_scalar, destroy_distributed, init_distributed, make_mesh  # noqa: E402
+from ppo.distributed import DistInfo, all_reduce_scalar, make_mesh  # noqa: E402
 from ppo.rollout import generate, generation_config  # noqa: E402
 
 
@@ -270,12 +270,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    set_threads(args.threads)
-    info = init_distributed(args.device, timeout_s=600)
-    try:
-        rows = run(args, info)
-    finally:
-        destroy_distributed()
+    rows, info = on_every_rank(args, run)
     if info.is_main:
         print_rows(rows, args.json)
         if not args.json:

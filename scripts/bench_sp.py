@@ -45,9 +45,9 @@ from bench_common import (  # noqa: E402
     add_common_args,
     add_model_args,
     build_models,
+    on_every_rank,
     print_rows,
     resolve_clock,
-    set_threads,
     timed,
 )
 from bench_kernels import cpu_peak_bytes, cuda_peak_bytes  # noqa: E402
@@ -58,8 +58,6 @@ from ppo.distributed import (  # noqa: E402
     DistInfo,
     all_reduce_scalar,
     barrier,
-    destroy_distributed,
-    init_distributed,
 )
 from ppo.packing import Packed, pack  # noqa: E402
 
@@ -187,12 +185,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    set_threads(args.threads)
-    info = init_distributed(args.device, timeout_s=600)
-    try:
-        rows = run_sp(args, info)
-    finally:
-        destroy_distributed()
+    rows, info = on_every_rank(args, run_sp)
     if info.is_main:
         print_rows(rows, args.json)
         if not args.json:

@@ -140,7 +140,7 @@ def test_padded_forwards_match_packed() -> None:
     args = bench_layout.parse_args(
         ["--num-seqs", "4", "--prompt-len", "10", "--max-response", "8", "--micro-batch", "2"]
     )
-    bench_rollout.set_threads(args.threads)
+    bench_common.set_threads(args.threads)
     info = init_distributed("cpu")
     try:
         results = {}
