@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kernels.dispatch import backend_unavailable
 from ppo import (
     algorithms,
     checkpointer,
@@ -80,6 +81,7 @@ class Run:
 def build(cfg: PPOConfig, info: DistInfo) -> Run:
     """Load the data and the models, build the optimizers and controllers, resume if there is a
     checkpoint. Everything that can fail on the user's input fails here, before step 1."""
+    check_machine(cfg, info.device)
     out_dir = runner.prepare_run(cfg, info)
     tokenizer = runner.load_tokenizer(cfg.model)
     scorer = rewards.make_rule_scorer(
@@ -143,6 +145,17 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
         monitor=monitor,
         sp=sp,
     )
+
+
+def check_machine(cfg: PPOConfig, device: torch.device) -> None:
+    """What the config asks of this machine, checked as the run starts (the schema imports no torch;
+    ``--print-config --world-size`` validates a preset for another machine): a forced ``actor.kernels``
+    backend must run on ``device``."""
+    reason = backend_unavailable(cfg.actor.kernels, device)
+    if reason is not None:
+        raise ConfigError(
+            f"actor.kernels={cfg.actor.kernels} cannot run here: {reason}; use actor.kernels=auto"
+        )
 
 
 def make_reward_pool(cfg: PPOConfig) -> RewardPool | None:

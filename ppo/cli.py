@@ -11,13 +11,12 @@ import argparse
 import os
 import sys
 import typing
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import ppo.config
+from ppo.config import ConfigError, PPOConfig, validate_stage
 from ppo.config_keys import COMMAND_LINE
 from ppo.config_loader import load_config, to_yaml
-
-if TYPE_CHECKING:
-    from ppo.config import ConfigError
 
 C = typing.TypeVar("C")
 
@@ -57,8 +56,6 @@ def parse_cli(
     """The command line every entry point shares (``command_line``), loaded into ``cls`` (default
     ``PPOConfig``). ``args.notes`` lists the keys that were accepted but do nothing here, for the caller
     to log once."""
-    from ppo.config import ConfigError
-
     args = command_line(description).parse_args(argv)
     if args.world_size is not None and args.world_size < 1:
         raise ConfigError(f"--world-size must be >= 1, got {args.world_size} (from {COMMAND_LINE})")
@@ -70,8 +67,6 @@ def print_config(cfg: Any, args: argparse.Namespace) -> int:
     """``--print-config``: validate ``cfg`` for ``--world-size`` (a PPO preset's planned world size when
     not given), print it as YAML and the start-up warnings a run would log (on stderr); the exit code
     (0, or 2 with the problems on stderr)."""
-    from ppo.config import ConfigError, PPOConfig, validate_stage
-
     try:
         world_size = args.world_size
         if world_size is None and isinstance(cfg, PPOConfig):
@@ -111,10 +106,8 @@ def answer_early(argv: list[str], description: str, schema: str) -> None:
     args = command_line(description).parse_args(argv)  # --help, or a malformed command line, exits here
     if not args.print_config:
         return
-    import ppo.config
-
     try:
         cfg, args = parse_cli(argv, getattr(ppo.config, schema), description)
-    except ppo.config.ConfigError as e:
+    except ConfigError as e:
         sys.exit(config_error(e))
     sys.exit(print_config(cfg, args))

@@ -19,8 +19,8 @@ verl command line runs as it is: ``actor_rollout_ref.actor.optim.lr=1e-6`` is ``
 fraction) is accepted and named in a start-up warning (``notes``); one whose meaning this trainer cannot
 honour (``rollout.name=vllm``) is refused with the reason.
 
-Importing this module costs only PyYAML: ``ppo.config`` (and with it torch) loads with the first config,
-so an entry point answers ``--help`` before its heavy imports (``ppo.cli.answer_early``). The keys of a
+Importing this module costs only PyYAML and the schema, which imports no torch, so an entry point
+answers ``--help`` and ``--print-config`` before its heavy imports (``ppo.cli.answer_early``). The keys of a
 schema are ``ppo.config_keys``; verl's table and its translation ``ppo.verl_keys``.
 """
 
@@ -31,15 +31,13 @@ import math
 import types
 import typing
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import yaml
 
+from ppo.config import ConfigError, FieldError, PPOConfig
 from ppo.config_keys import COMMAND_LINE, Leaf, all_keys, closest_keys, show
 from ppo.verl_keys import VERL_PARENTS, from_verl, renamed, verl_defaults
-
-if TYPE_CHECKING:
-    pass
 
 C = typing.TypeVar("C")
 
@@ -68,9 +66,6 @@ def load_config(
     wrong types, values out of range): one line for one problem, a list for several. verl keys that are
     accepted but do nothing here are appended to ``notes``, one message each, for the caller to log.
     """
-    # ppo.config imports torch: loaded here, with the first config, not when this module is imported.
-    from ppo.config import ConfigError, PPOConfig
-
     cls = cls or PPOConfig
     verl = cls is PPOConfig  # verl's keys are those of its PPO trainer
     descend = _sections(cls) | (VERL_PARENTS if verl else frozenset())
@@ -338,8 +333,6 @@ def _build(
     Every key or value that cannot be taken is appended to ``errors`` (all sections are checked); a
     section with a problem is not built, and None is returned in its place.
     """
-    from ppo.config import FieldError  # loaded already: cls is one of its classes
-
     root = root or cls
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}

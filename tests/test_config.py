@@ -197,9 +197,15 @@ def test_yaml_round_trip(tmp_path: Path) -> None:
 def test_every_field_has_a_docstring() -> None:
     # A docstring under each field is how users learn the keys: each annotated field in a class body
     # must be followed by a string statement.
-    tree = ast.parse((ROOT / "ppo" / "config.py").read_text())
+    classes = [
+        node
+        for path in sorted((ROOT / "ppo" / "config").glob("*.py"))
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.ClassDef)
+    ]
+    assert {"PPOConfig", "ActorConfig", "SFTConfig", "StageRunConfig"} <= {c.name for c in classes}
     missing = []
-    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+    for cls in classes:
         body = cls.body
         for k, stmt in enumerate(body):
             if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
@@ -639,34 +645,37 @@ def test_every_numeric_field_has_a_range_case() -> None:
 
 
 @pytest.mark.parametrize(
-    ("cls", "override"),
+    ("cls", "override", "expected"),
     [
-        (PPOConfig, "actor.fsdp.fsdp_size=-1"),
-        (PPOConfig, "actor.fsdp.fsdp_size=1"),
-        (PPOConfig, "actor.optim.lr_warmup_steps=-1"),
-        (PPOConfig, "actor.optim.betas=[0.0,0.5]"),
-        (PPOConfig, "actor.optim.min_lr_ratio=1"),
-        (PPOConfig, "data.max_val_samples=-1"),
-        (PPOConfig, "data.max_val_samples=1"),
-        (PPOConfig, "actor.clip_ratio_c=1.01"),
-        (PPOConfig, "actor.entropy_coeff=-0.01"),
-        (PPOConfig, "critic.ppo_epochs=null"),
-        (PPOConfig, "rollout.top_p=1"),
-        (PPOConfig, "rollout.top_k=0"),
-        (PPOConfig, "algorithm.gamma=0"),
-        (PPOConfig, "algorithm.rollback_lr_factor=1"),
-        (PPOConfig, "trainer.save_freq=-1"),
-        (PPOConfig, "trainer.test_freq=0"),
-        (PPOConfig, "trainer.seed=0"),
-        (PPOConfig, "trainer.max_ckpt_to_keep=0"),
-        (PPOConfig, "trainer.rollback_val_drop=0.99"),
-        (PPOConfig, "trainer.max_skipped_steps=1"),
-        (SFTConfig, "trainer.max_time_s=0"),
-        (RewardModelConfig, "loss.margin=0"),
+        (PPOConfig, "actor.fsdp.fsdp_size=-1", -1),
+        (PPOConfig, "actor.fsdp.fsdp_size=1", 1),
+        (PPOConfig, "actor.optim.lr_warmup_steps=-1", -1),
+        (PPOConfig, "actor.optim.betas=[0.0,0.5]", [0.0, 0.5]),
+        (PPOConfig, "actor.optim.min_lr_ratio=1", 1.0),
+        (PPOConfig, "data.max_val_samples=-1", -1),
+        (PPOConfig, "data.max_val_samples=1", 1),
+        (PPOConfig, "actor.clip_ratio_c=1.01", 1.01),
+        (PPOConfig, "actor.entropy_coeff=-0.01", -0.01),
+        (PPOConfig, "critic.ppo_epochs=null", 1),  # null: actor.ppo_epochs (default 1) fills it in
+        (PPOConfig, "rollout.top_p=1", 1.0),
+        (PPOConfig, "rollout.top_k=0", 0),
+        (PPOConfig, "algorithm.gamma=0", 0.0),
+        (PPOConfig, "algorithm.rollback_lr_factor=1", 1.0),
+        (PPOConfig, "trainer.save_freq=-1", -1),
+        (PPOConfig, "trainer.test_freq=0", 0),
+        (PPOConfig, "trainer.seed=0", 0),
+        (PPOConfig, "trainer.max_ckpt_to_keep=0", 0),
+        (PPOConfig, "trainer.rollback_val_drop=0.99", 0.99),
+        (PPOConfig, "trainer.max_skipped_steps=1", 1),
+        (SFTConfig, "trainer.max_time_s=0", 0.0),
+        (RewardModelConfig, "loss.margin=0", 0.0),
     ],
 )
-def test_boundary_values_are_accepted(cls: type, override: str) -> None:
-    load_config(None, [override], cls)
+def test_boundary_values_are_accepted(cls: type, override: str, expected: Any) -> None:
+    # The value at the edge of its range is taken as given (coerced to the field's type), not refused.
+    key = override.partition("=")[0]
+    value = flat(load_config(None, [override], cls))[key]
+    assert value == expected and type(value) is type(expected), (value, expected)
 
 
 def float_keys(cls: type) -> list[str]:
@@ -896,6 +905,47 @@ def test_print_config_reports_bad_override_without_traceback(
     assert f"{key}='[1,' (from the command line)" in err and "Traceback" not in err, err
     assert entry_main(cls)(["--print-config", "--world-size", "0"]) == 2
     assert "--world-size must be >= 1" in capsys.readouterr().err
+
+
+SCHEMA_IMPORTS = """\
+import sys
+import ppo.cli, ppo.config, ppo.config_loader
+from ppo.config import DPOConfig, PPOConfig
+cfg = ppo.config_loader.load_config("configs/demo_cpu.yaml", ["rollout.n=4"])
+cfg.validate(world_size=2)
+ppo.config_loader.to_yaml(cfg), cfg.warnings()
+ppo.config.validate_stage(ppo.config_loader.load_config(None, [], DPOConfig), 2)
+print(" ".join(m for m in ("torch", "transformers", "kernels", "numpy") if m in sys.modules))
+"""
+
+
+def test_the_schema_imports_nothing_heavy() -> None:
+    # --help and --print-config answer before torch loads; the machine check lives where a run starts.
+    out = subprocess.run(
+        [sys.executable, "-c", SCHEMA_IMPORTS], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", out.stdout  # no heavy module was imported
+
+
+@pytest.mark.parametrize(
+    ("cls", "sections"),
+    [
+        (PPOConfig, ["model", "data", "actor", "critic", "ref", "rollout", "reward", "algorithm", "trainer"]),
+        (SFTConfig, ["model", "data", "optim", "fsdp", "trainer"]),
+        (RewardModelConfig, ["model", "data", "optim", "fsdp", "trainer", "loss"]),
+        (DPOConfig, ["model", "data", "optim", "fsdp", "trainer", "ref", "loss", "lora"]),
+    ],
+)
+def test_dumped_config_keeps_its_layout(cls: type, sections: list[str], tmp_path: Path) -> None:
+    # config.yaml, written to every run folder and compared on resume: the sections in the order of
+    # the schema (the stages' shared sections first), read back to the same config and the same text.
+    text = to_yaml(load_config(None, [], cls))
+    assert list(yaml.safe_load(text)) == sections
+    assert text.startswith("model:\n  path: assets/")
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    assert to_yaml(load_config(path, [], cls)) == text
 
 
 def test_fallbacks_are_resolved_in_the_config(tmp_path: Path) -> None:

@@ -1,0 +1,564 @@
+"""The sections of a PPO run: data, actor, critic, reference, rollout, reward, algorithm, trainer, and
+the subsections they hold (LoRA, the policy loss, multi-turn, the KL controller, ...). Each checks its
+own values in ``__post_init__``; the rules that span sections live with the root, ``ppo.config.root``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ppo.choices import ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSS_MODES
+from ppo.config.errors import FieldError, _require, check_kl_kind
+from ppo.config.shared import FSDPConfig, OptimConfig, RunTrainerConfig
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    train_files: list[str] = field(default_factory=lambda: ["assets/data/train.parquet"])
+    """Parquet files of prompts in verl's layout (``prompt``, ``data_source``, ``reward_model``,
+    ``extra_info``)."""
+    val_files: list[str] = field(default_factory=lambda: ["assets/data/val.parquet"])
+    """Parquet files for validation (greedy generation, scored by the rule reward)."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt: a list of chat messages or a string."""
+    max_prompt_length: int = 64
+    """Prompts longer than this (in tokens, after the chat template) are dropped and counted."""
+    max_response_length: int = 32
+    """Most tokens generated per response."""
+    train_batch_size: int = 32
+    """Prompts per PPO step, over all ranks."""
+    gen_batch_size: int | None = None
+    """Prompts per generation round of dynamic sampling (``algorithm.filter_groups``; verl's key),
+    over all ranks: a multiple of ``train_batch_size`` (each round draws ``gen_batch_size /
+    train_batch_size`` batches from the loader). Default: ``train_batch_size``."""
+    val_batch_size: int = 256
+    """Prompts per validation generation batch, over all ranks; the whole val set is scored."""
+    max_val_samples: int = -1
+    """Use at most this many validation prompts (-1: all)."""
+    shuffle: bool = True
+    """Shuffle the training prompts each epoch (deterministic in ``trainer.seed`` and the epoch)."""
+    apply_chat_template: bool = True
+    """Render chat-message prompts with the tokenizer's chat template (string prompts are used as
+    they are)."""
+
+    def __post_init__(self) -> None:
+        if not self.train_files:
+            raise FieldError("train_files is empty: give at least one Parquet file", "train_files")
+        _require(
+            self,
+            "> 0",
+            "max_prompt_length",
+            "max_response_length",
+            "train_batch_size",
+            "gen_batch_size",
+            "val_batch_size",
+        )
+        _require(self, "-1 or > 0", "max_val_samples")
+
+
+@dataclass(kw_only=True)
+class LoRAConfig:
+    rank: int = 0
+    """LoRA rank r of the adapters (0: off, every weight trains)."""
+    alpha: float = 16.0
+    """Adapter scale numerator: a layer computes ``W x + (alpha / rank) * B A x``."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training (0 keeps the on-policy ratio exactly 1)."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Names (or name suffixes) of the linear layers that get adapters; ``all-linear``: every linear
+    layer of the decoder (not the LM head or the value head)."""
+    base_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Dtype of the frozen base weights (default ``model.dtype``); adapters (and a critic's value head)
+    keep ``model.dtype`` as their master copy."""
+    save_merged: bool = True
+    """Exports (``trainer.save_hf_on_end``, ``scripts/export_hf.py``) write the merged model, which loads
+    in plain transformers; false writes the adapter folder, which loads with peft."""
+
+    def __post_init__(self) -> None:
+        _require(self, ">= 0", "rank")
+        _require(self, "> 0", "alpha")
+        _require(self, "[0, 1)", "dropout")
+        if not self.target_modules:
+            raise FieldError(
+                "lora.target_modules is empty: name the layers that get adapters", "target_modules"
+            )
+
+
+@dataclass(kw_only=True)
+class PolicyLossConfig:
+    """Which policy loss the actor minimizes (verl's ``actor.policy_loss`` section)."""
+
+    loss_mode: Literal[POLICY_LOSS_MODES] = "vanilla"
+    """``vanilla``: PPO's clipped ratio with dual clip; ``gspo``: one clipped ratio per sequence, the
+    geometric mean of its token ratios (Zheng et al. 2025); ``clip_cov``: PPO without dual clip whose
+    loss is cut on a random share of the tokens of highest advantage-log-prob covariance; ``kl_cov``: no
+    clip, a KL penalty on the tokens of highest covariance (both Cui et al. 2025)."""
+    clip_cov_ratio: float = 0.0002
+    """``clip_cov``: share of the mini-batch's valid tokens whose gradient is cut, in (0, 1]."""
+    clip_cov_lb: float = 1.0
+    """``clip_cov``: tokens are drawn among those with covariance above this ..."""
+    clip_cov_ub: float = 5.0
+    """... and below this."""
+    kl_cov_ratio: float = 0.0002
+    """``kl_cov``: share of the mini-batch's valid tokens, those of largest covariance, that get the KL
+    penalty, in (0, 1]."""
+    ppo_kl_coef: float = 0.1
+    """``kl_cov``: weight of the penalty ``|log pi - log pi_old|`` on those tokens."""
+
+    def __post_init__(self) -> None:
+        _require(self, "(0, 1]", "clip_cov_ratio", "kl_cov_ratio")
+        _require(self, ">= 0", "ppo_kl_coef")
+        for key in ("clip_cov_lb", "clip_cov_ub"):
+            if not math.isfinite(getattr(self, key)):
+                raise FieldError(f"{key} must be finite, got {getattr(self, key)!r}", key)
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            raise FieldError(
+                f"clip_cov_lb={self.clip_cov_lb} must be below clip_cov_ub={self.clip_cov_ub}: no covariance "
+                f"lies between them",
+                "clip_cov_lb",
+                "clip_cov_ub",
+            )
+
+
+@dataclass(kw_only=True)
+class ActorConfig:
+    ppo_mini_batch_size: int = 16
+    """Prompts per optimizer step over all ranks (each brings ``rollout.n`` responses)."""
+    ppo_micro_batch_size_per_gpu: int = 8
+    """Sequences per forward/backward on one rank (ignored with ``use_dynamic_bsz``)."""
+    use_dynamic_bsz: bool = True
+    """Cut micro-batches by a token budget (balanced by length) instead of a fixed sequence count."""
+    ppo_max_token_len_per_gpu: int = 4096
+    """Token budget of one micro-batch on one rank with ``use_dynamic_bsz``."""
+    ppo_epochs: int = 1
+    """Passes over the rollout batch per step."""
+    shuffle: bool = True
+    """Shuffle sequences into mini-batches each epoch."""
+    clip_ratio: float = 0.2
+    """PPO clip range epsilon (both sides unless ``clip_ratio_low/high`` are set)."""
+    clip_ratio_low: float | None = None
+    """Lower clip: ratio >= 1 - clip_ratio_low; default: ``clip_ratio`` (filled in when the config is
+    built)."""
+    clip_ratio_high: float | None = None
+    """Upper clip: ratio <= 1 + clip_ratio_high; default: ``clip_ratio`` (filled in when the config is
+    built)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound on the loss for negative advantages (must be > 1)."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus: loss -= entropy_coeff * entropy."""
+    use_kl_loss: bool = False
+    """Add a KL-to-reference term to the actor loss (GRPO style)."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator of the loss: kl|k1, abs, mse|k2, low_var_kl|k3, each optionally with a ``+``."""
+    loss_agg_mode: Literal[LOSS_AGG_MODES] = "token-mean"
+    """How token losses become one number: ``token-mean`` (over the mini-batch's valid tokens),
+    ``seq-mean-token-sum``, ``seq-mean-token-mean`` (over its sequences), ``seq-mean-token-sum-norm``
+    (Dr. GRPO: the sum of every sequence's token sum divided by ``loss_scale_factor``)."""
+    loss_scale_factor: int | None = None
+    """The constant divisor of ``loss_agg_mode=seq-mean-token-sum-norm`` (verl's key; Dr. GRPO's
+    MAX_TOKENS); null: ``data.max_response_length``, the width responses are padded to."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """The policy loss (``loss_mode``) and its parameters."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables)."""
+    early_stop_kl: float = 0.0
+    """Skip the step's remaining updates once a mini-batch's mean ppo_kl exceeds this (0 disables)."""
+    kernels: Literal["auto", "triton", "torch", "reference"] = "auto"
+    """Log-prob/entropy kernel backend: auto picks Triton on CUDA and chunked PyTorch elsewhere."""
+    use_fused_kernels: bool = False
+    """Compute log-probs from the final hidden states and the LM head without building full logits."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Optimizer and learning-rate schedule."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Sharding of the actor."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters: with ``lora.rank > 0`` only they train, and the reference (unless
+    ``ref.model_path`` is set) is the actor with its adapters switched off."""
+    ulysses_sequence_parallel_size: int = 1
+    """Ulysses sequence parallelism: groups of this many consecutive ranks split each packed micro-batch
+    along the tokens and exchange heads around attention (for responses too long for one GPU)."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self,
+            "> 0",
+            "ppo_mini_batch_size",
+            "ppo_micro_batch_size_per_gpu",
+            "ppo_max_token_len_per_gpu",
+            "ppo_epochs",
+            "clip_ratio",
+            "clip_ratio_low",
+            "clip_ratio_high",
+        )
+        _require(self, "> 1", "clip_ratio_c")
+        _require(self, ">= 0", "kl_loss_coef", "grad_clip", "early_stop_kl")
+        _require(self, ">= 1", "ulysses_sequence_parallel_size")
+        _require(self, "> 0", "loss_scale_factor")
+        check_kl_kind(self.kl_loss_type, "kl_loss_type")
+
+
+@dataclass(kw_only=True)
+class CriticConfig:
+    model_path: str | None = None
+    """Where the critic starts; default: the actor's weights (``model.path``) with a fresh value head."""
+    ppo_mini_batch_size: int | None = None
+    """Prompts per critic optimizer step; default: ``actor.ppo_mini_batch_size`` (filled in when the
+    config is built)."""
+    ppo_micro_batch_size_per_gpu: int = 8
+    """Sequences per critic forward/backward on one rank (ignored with ``use_dynamic_bsz``)."""
+    use_dynamic_bsz: bool = True
+    """Token-budget micro-batches for the critic."""
+    ppo_max_token_len_per_gpu: int = 4096
+    """Token budget of one critic micro-batch on one rank."""
+    ppo_epochs: int | None = None
+    """Passes over the batch per step; default: ``actor.ppo_epochs`` (filled in when the config is
+    built)."""
+    cliprange_value: float = 0.5
+    """Value clipping: predictions move at most this far from the old values per update."""
+    loss_agg_mode: Literal[LOSS_AGG_MODES] = "token-mean"
+    """How token value losses become one number."""
+    grad_clip: float = 1.0
+    """Clip the critic's global gradient norm to this (0 disables)."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Critic optimizer and schedule."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Sharding of the critic."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters of the critic's backbone (its value head always trains)."""
+    ulysses_sequence_parallel_size: int | None = None
+    """Ulysses sequence parallelism of the critic; default: the actor's (filled in when the config is
+    built). The actor, critic and reference share one data layout, so the three must be equal."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self,
+            "> 0",
+            "ppo_mini_batch_size",
+            "ppo_micro_batch_size_per_gpu",
+            "ppo_max_token_len_per_gpu",
+            "ppo_epochs",
+            "cliprange_value",
+        )
+        _require(self, ">= 0", "grad_clip")
+        _require(self, ">= 1", "ulysses_sequence_parallel_size")
+
+
+@dataclass(kw_only=True)
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int = 16
+    """Sequences per reference forward on one rank (ignored with ``actor.use_dynamic_bsz``)."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Sharding of the frozen reference (``param_offload`` keeps it on CPU)."""
+    model_path: str | None = None
+    """Where the reference comes from; default: ``model.path`` (with actor LoRA: the actor itself with
+    its adapters switched off, so no second copy is loaded)."""
+    ulysses_sequence_parallel_size: int | None = None
+    """Ulysses sequence parallelism of the reference; default: the actor's (filled in when the config is
+    built)."""
+
+    def __post_init__(self) -> None:
+        _require(self, "> 0", "log_prob_micro_batch_size_per_gpu")
+        _require(self, ">= 1", "ulysses_sequence_parallel_size")
+
+
+@dataclass(kw_only=True)
+class ValKwargsConfig:
+    """Sampling of the validation pass that measures exploration (verl's ``rollout.val_kwargs``)."""
+
+    n: int = 1
+    """Answers per validation prompt; with ``n > 1`` or ``do_sample`` the validation also logs
+    ``val/mean@n``, ``val/best@k`` (unbiased pass@k, k = 1, 2, 4, ..., n) and ``val/maj@n``."""
+    do_sample: bool = False
+    """Sample those answers (else greedy: n identical answers)."""
+    temperature: float = 1.0
+    """Their sampling temperature."""
+    top_p: float = 1.0
+    """Their nucleus threshold (1 disables)."""
+    top_k: int = 0
+    """Their top-k (0 disables; verl's vLLM value -1 is 0 here)."""
+
+    def __post_init__(self) -> None:
+        _require(self, ">= 1", "n")
+        _require(self, "> 0", "temperature")
+        _require(self, "(0, 1]", "top_p")
+        _require(self, ">= 0", "top_k")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether validation runs the n-answer pass (beside the greedy one)."""
+        return self.n > 1 or self.do_sample
+
+
+@dataclass(kw_only=True)
+class MultiTurnConfig:
+    """Multi-turn rollouts: the model writes, the user's environment answers, the model writes again
+    (``ppo.multi_turn``; verl's ``rollout.multi_turn`` where it has the key)."""
+
+    enable: bool = False
+    """Run the turn loop for training rollouts and validation."""
+    env: str | None = None
+    """The environment class, ``path/to/file.py:Class`` or ``module:Class``, with ``reset(row)`` and
+    ``step(action_text) -> (observation, reward, done)``; one instance per trajectory."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end a turn (e.g. ``</calc>``): the turn's text goes to ``step``. An EOS ends the
+    trajectory."""
+    max_assistant_turns: int | None = None
+    """Most model turns per trajectory (None: as many as ``data.max_response_length`` allows)."""
+    max_tool_response_length: int = 256
+    """Most tokens of one observation; longer ones are cut and counted."""
+    step_timeout_s: float = 30.0
+    """A ``step`` call that runs longer ends its trajectory with reward 0 (counted)."""
+
+    def __post_init__(self) -> None:
+        _require(self, ">= 1", "max_assistant_turns", "max_tool_response_length")
+        _require(self, "> 0", "step_timeout_s")
+        if self.enable and not self.env:
+            raise FieldError(
+                "enable=true needs the environment class: set rollout.multi_turn.env=path/to/file.py:Class",
+                "env",
+            )
+        if any(not isinstance(x, str) or not x for x in self.stop):
+            raise FieldError(f"stop={self.stop!r}: expected non-empty strings", "stop")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    n: int = 4
+    """Responses sampled per prompt."""
+    temperature: float = 1.0
+    """Sampling temperature; also divides the logits when log-probs are scored."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1 disables)."""
+    top_k: int = 0
+    """Top-k sampling (0 disables)."""
+    do_sample: bool = True
+    """Sample (True) or decode greedily (False) during training rollouts."""
+    ignore_eos: bool = False
+    """Always generate ``data.max_response_length`` tokens (for benchmarks)."""
+    micro_batch_size_per_gpu: int = 64
+    """Sequences per ``generate`` call on one rank."""
+    val_do_sample: bool = False
+    """Validation decodes greedily unless this is set."""
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+    """A second validation pass of ``n`` answers per prompt (verl's key), for pass@k and majority vote."""
+    source: Literal["generate", "dataset"] = "generate"
+    """Where each step's responses come from: sampled from the actor, or read from the training file's
+    ``responses`` column (offline RLHF: no sampling in the loop; validation still generates)."""
+    offline_fraction: float | None = None
+    """Share of each step's prompt groups whose responses come from the data set; the rest are sampled.
+    Default: 1 with ``source=dataset``, 0 with ``source=generate``."""
+    compile: bool | Literal["auto"] = "auto"
+    """Decode with a static KV cache and a compiled decoding step (CUDA graphs): ``auto`` on CUDA."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn rollouts with a user's environment or tool."""
+
+    def __post_init__(self) -> None:
+        _require(self, "[0, 1]", "offline_fraction")
+        if self.source == "dataset" and self.offline_fraction not in (None, 1.0):
+            raise FieldError(
+                f"source=dataset reads every group from the data set, but rollout.offline_fraction="
+                f"{self.offline_fraction}: to mix sampled and offline groups use rollout.source=generate "
+                f"with rollout.offline_fraction in (0, 1)",
+                "offline_fraction",
+            )
+        _require(self, "> 0", "n", "temperature", "micro_batch_size_per_gpu")
+        _require(self, "(0, 1]", "top_p")
+        _require(self, ">= 0", "top_k")
+
+
+@dataclass(kw_only=True)
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment (Yu et al. 2025; verl's ``reward_model.overlong_buffer``)."""
+
+    enable: bool = False
+    """Add ``overlong_penalty`` to every response's score."""
+    len: int = 0
+    """The buffer: a response longer than ``data.max_response_length - len`` tokens (EOS included) is
+    penalized, linearly more up to ``-penalty_factor`` at ``data.max_response_length``."""
+    penalty_factor: float = 1.0
+    """The penalty at the maximum length (verl's yaml default is 0.0; its DAPO recipes use 1.0)."""
+
+    def __post_init__(self) -> None:
+        _require(self, ">= 0", "len", "penalty_factor")
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    style: Literal["rule", "model", "ranking", "dataset"] = "rule"
+    """``rule``: scorer chosen by ``data_source``; ``model``: a trained reward model; ``ranking``: scores
+    from the ranks of the ``rollout.n`` responses to a prompt (``rank_scores``), ranked by the data's
+    ``ranks`` column for offline groups and by ``ranking_by`` for sampled ones; ``dataset``: the
+    offline data's ``scores`` column."""
+    model_path: str | None = None
+    """Reward model folder for ``style=model`` (or ``ranking_by=model``)."""
+    custom_function: str | None = None
+    """A user's scorer ``module.path:function`` or ``file.py:function`` (``:function`` may be left out: it
+    is then ``compute_score``, as verl's), called by keyword as verl calls it,
+    ``fn(data_source=, solution_str=, ground_truth=, extra_info=, **reward_kwargs)``, returning a number
+    or a dict with a ``"score"`` number (its other number-valued keys are logged as ``reward/extra/<key>``)."""
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of ``custom_function`` (verl's ``custom_reward_function.reward_kwargs``)."""
+    format_score: float = 0.0
+    """GSM8K scorer: score of a well-formed but wrong answer."""
+    ranking_by: Literal["rule", "model"] = "rule"
+    """What ``style=ranking`` ranks sampled responses by."""
+    rank_scores: Literal["best", "linear"] = "best"
+    """``style=ranking``: ``best`` scores 1 for the best response of a group (ties share it) and 0 for
+    the others; ``linear`` scores ``1 - rank / (k - 1)`` for rank 0 (best) to k - 1."""
+    micro_batch_size_per_gpu: int = 16
+    """Sequences per reward-model forward on one rank."""
+    num_workers: int = 0
+    """Score the rule reward in this many worker processes per rank, each call limited to ``timeout_s``
+    (0: in the trainer's own process, where a failing function stops the run at once)."""
+    timeout_s: float = 60.0
+    """With ``num_workers > 0``: a call that runs longer is abandoned (its worker replaced) and scored
+    ``error_score``, counted in ``reward/timeouts``."""
+    error_score: float = 0.0
+    """With ``num_workers > 0``: the score of a response whose call timed out, raised or returned no
+    number (``reward/timeouts``, ``reward/errors``); a step whose every call failed stops the run."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """DAPO's length penalty near ``data.max_response_length``, added to every score."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Sharding of the reward model (``style=model`` or ``ranking_by=model``); ``param_offload`` keeps it
+    on CPU."""
+
+    def __post_init__(self) -> None:
+        _require(self, "> 0", "micro_batch_size_per_gpu", "timeout_s")
+        _require(self, ">= 0", "num_workers")
+
+
+@dataclass(kw_only=True)
+class KLControlConfig:
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """Fixed coefficient, or adaptive toward ``target_kl`` (Ziegler et al. 2019)."""
+    kl_coef: float = 0.001
+    """(Initial) KL coefficient."""
+    target_kl: float = 0.1
+    """Adaptive: the KL per sequence the controller steers to."""
+    horizon: int = 10000
+    """Adaptive: steps (in samples) over which the error is corrected."""
+    fixed_warmup_steps: int = 0
+    """Adaptive: keep the coefficient fixed for this many steps, then adapt."""
+
+    def __post_init__(self) -> None:
+        _require(self, ">= 0", "kl_coef", "fixed_warmup_steps")
+        _require(self, "> 0", "target_kl", "horizon")
+
+
+@dataclass(kw_only=True)
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (Yu et al. 2025; verl's ``algorithm.filter_groups``): groups whose responses
+    all score alike carry no signal for a group baseline; they are dropped and more prompts generated."""
+
+    enable: bool = False
+    """Drop such groups and generate ``data.gen_batch_size`` more prompts a round until
+    ``data.train_batch_size`` groups are left."""
+    metric: Literal["acc", "score", "seq_reward"] = "acc"
+    """What must differ within a group: ``acc`` (the rule's verdict, score >= 1), ``score`` (the score
+    before the overlong penalty) or ``seq_reward`` (the score with it)."""
+    max_num_gen_batches: int = 0
+    """Give up with an error after this many generation rounds in one step (0: no limit)."""
+
+    def __post_init__(self) -> None:
+        _require(self, ">= 0", "max_num_gen_batches")
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    adv_estimator: Literal[ADV_ESTIMATORS] = "gae"
+    """Advantages: ``gae`` with a critic; ``reinforce_plus_plus`` (discounted returns whitened over the
+    batch); the group baselines ``grpo``, ``rloo``, ``reinforce_plus_plus_baseline`` (minus the group
+    mean, whitened over the batch) and ``opo`` (minus the length-weighted group mean)."""
+    gamma: float = 1.0
+    """Discount factor of GAE and REINFORCE++."""
+    lam: float = 1.0
+    """GAE lambda."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide by the group's standard deviation."""
+    use_kl_in_reward: bool = False
+    """Subtract kl_coef * KL(actor || ref) from every token's reward."""
+    kl_penalty: str = "kl"
+    """KL estimator in the reward: kl|k1, abs, mse|k2, low_var_kl|k3, full."""
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """Controller of the in-reward KL coefficient."""
+    rollback_kl: float = 0.0
+    """Restore the last checkpoint when the step's KL to the reference exceeds this (0 disables)."""
+    rollback_lr_factor: float = 0.5
+    """Multiply the learning rates by this after a rollback."""
+    max_rollbacks: int = 3
+    """Stop after this many rollbacks in a row."""
+    rollout_is_threshold: float | None = None
+    """Importance weights between the policy an update starts from and the one that sampled the
+    responses (verl's key): for offline groups whose data has the sampler's ``logprobs``. A number
+    turns on their computation and ``mismatch/*`` metrics, and is the truncation ``C`` of the weights
+    ``min(pi_old / pi_data, C)``; null: off."""
+    rollout_is: bool = False
+    """Multiply each token's policy-gradient loss by its truncated weight (needs
+    ``rollout_is_threshold``); false computes the metrics only."""
+    rollout_is_level: Literal["token", "sequence", "geometric"] = "token"
+    """Weights per token, per sequence (the product of its token ratios), or their geometric mean."""
+    rollout_is_mode: Literal["truncate"] = "truncate"
+    """How weights above the threshold are bounded: truncated to it (verl's ``truncate``)."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """DAPO's dynamic sampling."""
+
+    def __post_init__(self) -> None:
+        if self.kl_penalty != "full":
+            check_kl_kind(self.kl_penalty, "kl_penalty")
+        _require(self, "> 1", "rollout_is_threshold")
+        if self.rollout_is and self.rollout_is_threshold is None:
+            raise FieldError(
+                "rollout_is=true applies importance weights, whose truncation rollout_is_threshold is unset "
+                "(e.g. 2.0)",
+                "rollout_is",
+                "rollout_is_threshold",
+            )
+        _require(self, "[0, 1]", "gamma", "lam")
+        _require(self, ">= 0", "rollback_kl", "max_rollbacks")
+        _require(self, "(0, 1]", "rollback_lr_factor")
+
+
+@dataclass(kw_only=True)
+class TrainerConfig(RunTrainerConfig):
+    """PPO's ``trainer`` section: the keys every run has, and PPO's own."""
+
+    n_gpus_per_node: int | None = None
+    """Ranks per node the preset is sized for (verl's key). With ``nnodes``, a run on another number of
+    ranks stops at start-up, and ``--print-config`` validates for ``nnodes * n_gpus_per_node``; unset:
+    any world size (torchrun's decides)."""
+    nnodes: int | None = None
+    """Nodes the preset is sized for (verl's key); see ``n_gpus_per_node``."""
+    critic_warmup: int = 0
+    """Steps at the start that train only the critic (the actor is frozen)."""
+    val_before_train: bool = True
+    """Validate once before the first step."""
+    log_val_generations: int = 0
+    """Write this many (prompt, response, score) rows of each validation, the first validation prompts
+    (the same ones every time), to ``output_dir/generations.jsonl`` and TensorBoard's text tab (verl's key)."""
+    save_hf_on_end: bool = False
+    """Export the final actor with ``save_pretrained`` to ``output_dir/hf``."""
+    profile_steps: list[int] = field(default_factory=list)
+    """Steps to record with the torch profiler (counted from 1)."""
+    warn_entropy_below: float = 0.0
+    """Warn when the policy entropy falls below this (0 disables)."""
+    rollback_val_drop: float = 0.0
+    """Roll back when the validation score falls this much (relative) below the best (0 disables)."""
+    max_skipped_steps: int = 3
+    """Stop with an error after this many steps in a row skipped for a non-finite reward."""
+
+    @property
+    def planned_world_size(self) -> int | None:
+        """``nnodes * n_gpus_per_node`` when either is set (the other counts as 1), else None."""
+        if self.nnodes is None and self.n_gpus_per_node is None:
+            return None
+        return (self.nnodes or 1) * (self.n_gpus_per_node or 1)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(self, "> 0", "n_gpus_per_node", "nnodes", "profile_steps")
+        _require(self, ">= 0", "critic_warmup", "warn_entropy_below", "log_val_generations")
+        _require(self, "[0, 1)", "rollback_val_drop")
+        _require(self, ">= 1", "max_skipped_steps")
