@@ -6,7 +6,7 @@ to a verl command line or YAML file (``from_verl``, ``verl_defaults``).
 one of ours (``renamed_to``), accepted and ignored with a start-up warning because it changes nothing here
 (vLLM's memory fraction, Ray), or refused with the reason (``rollout.name=vllm``). Keys verl shares with
 us (``data.train_batch_size``) are not listed. Importing this module costs nothing but the standard
-library (``ppo.config`` is read for types only).
+library and the schema (``ppo.config``, read for types only).
 """
 
 from __future__ import annotations
@@ -196,330 +196,305 @@ def _model(p: str, lora: str | None) -> dict[str, VerlKey]:
     return rules
 
 
-def _verl_keys() -> dict[str, VerlKey]:
-    """Every key of verl's PPO trainer (``verl/trainer/config/ppo_trainer.yaml`` and the files it
-    composes, plus the older spellings its examples still use) that is not ours as it is, in our
-    section names (``VERL_SECTIONS``)."""
-    keys: dict[str, VerlKey] = {
-        # ---------------------------------------------------------------- actor_rollout_ref.actor
-        "actor.strategy": _refused(STRATEGY, ("fsdp", "fsdp2")),
-        "actor.ppo_micro_batch_size": _global_micro("actor.ppo_micro_batch_size_per_gpu"),
-        "actor.rollout_n": _ignored("verl fills it in from rollout.n"),
-        "actor.use_remove_padding": _ignored(PACKED, (True,)),
-        "actor.use_torch_compile": _ignored(COMPILE),
-        "actor.entropy_from_logits_with_chunking": _ignored(ENTROPY),
-        "actor.entropy_checkpointing": _ignored(ENTROPY),
-        "actor.calculate_entropy": _ignored("the entropy is always computed and logged here (actor/entropy)"),
-        "actor.tau_pos": _ignored("a parameter of verl's SAPO loss, which this trainer does not have"),
-        "actor.tau_neg": _ignored("a parameter of verl's SAPO loss, which this trainer does not have"),
-        "actor.use_prefix_grouper": _refused("not available here", (False,)),
-        "actor.calculate_sum_pi_squared": _refused("not available here", (False,)),
-        "actor.sum_pi_squared_checkpointing": _ignored("used only with calculate_sum_pi_squared"),
-        "actor.freeze_vision_tower": _refused("vision-language models are not supported here", (False,)),
-        "actor.data_loader_seed": _ignored(SEEDED),
-        "actor.checkpoint.async_save": renamed_to("trainer.async_save"),
-        "actor.checkpoint.*": _ignored("a checkpoint holds every model, optimizer and loader state here"),
-        "actor.profiler.*": _ignored(PROFILER),
-        "actor.router_replay.mode": _refused("MoE router replay is not available here", ("disabled",)),
-        "actor.router_replay.*": _ignored("used only with router_replay.mode"),
-        # ---------------------------------------------------------------- actor_rollout_ref.ref
-        "ref.log_prob_micro_batch_size": _global_micro("ref.log_prob_micro_batch_size_per_gpu"),
-        "ref.log_prob_use_dynamic_bsz": _ignored(
-            "the reference's forward uses actor.use_dynamic_bsz here (memory and speed only)"
-        ),
-        "ref.log_prob_max_token_len_per_gpu": _ignored(
-            "the reference's forward uses actor.ppo_max_token_len_per_gpu here (memory and speed only)"
-        ),
-        "ref.model": _refused("the reference's weights are ref.model_path here"),
-        "ref.model.path": renamed_to("ref.model_path"),
-        "ref.strategy": _refused(STRATEGY, ("fsdp", "fsdp2")),
-        "ref.rollout_n": _ignored("verl fills it in from rollout.n"),
-        "ref.use_torch_compile": _ignored(COMPILE),
-        "ref.entropy_from_logits_with_chunking": _ignored(ENTROPY),
-        "ref.entropy_checkpointing": _ignored(ENTROPY),
-        "ref.profiler.*": _ignored(PROFILER),
-        "ref.router_replay.*": _ignored("MoE router replay is not available here"),
-        # ---------------------------------------------------------------- actor_rollout_ref.rollout
-        "rollout.name": _refused(
-            "this trainer generates with Hugging Face generate; remove the key", ("hf",)
-        ),
-        "rollout.mode": _ignored(
-            "verl's sync or async engine; generation runs in the training processes here"
-        ),
-        "rollout.top_k": renamed_to("rollout.top_k", {-1: 0}),
-        "rollout.prompt_length": _refused("ours is data.max_prompt_length"),
-        "rollout.response_length": _refused("ours is data.max_response_length"),
-        "rollout.dtype": _ignored(
-            "the rollout runs on the actor's weights, in actor.fsdp.mixed_precision.param_dtype"
-        ),
-        "rollout.enforce_eager": _ignored(f"{ENGINE}; compiled decoding is rollout.compile"),
-        "rollout.micro_batch_size": _ignored(
-            f"{ENGINE}; sequences per generate call on one rank are rollout.micro_batch_size_per_gpu"
-        ),
-        "rollout.log_prob_micro_batch_size": _ignored(
-            "the old log-probs are scored in the actor's micro-batches here (memory and speed only)"
-        ),
-        "rollout.log_prob_micro_batch_size_per_gpu": _ignored(
-            "the old log-probs are scored in the actor's micro-batches here (memory and speed only)"
-        ),
-        "rollout.log_prob_use_dynamic_bsz": _ignored("the old log-probs use actor.use_dynamic_bsz here"),
-        "rollout.log_prob_max_token_len_per_gpu": _ignored(
-            "the old log-probs use actor.ppo_max_token_len_per_gpu here"
-        ),
-        "rollout.over_sample_rate": _refused("there is no over-sampling here", (0, 0.0)),
-        "rollout.calculate_log_probs": _ignored(
-            "the sampler is the actor itself here; the trainer scores the old log-probs"
-        ),
-        # verl's 0 is greedy (ours: val_kwargs.do_sample=false, the default); its top_k -1 is our 0.
-        "rollout.val_kwargs.temperature": renamed_to("rollout.val_kwargs.temperature", harmless=(0, 0.0)),
-        "rollout.val_kwargs.top_k": renamed_to("rollout.val_kwargs.top_k", {-1: 0}),
-        "rollout.multi_turn.enable": renamed_to("rollout.multi_turn.enable"),
-        "rollout.multi_turn.max_assistant_turns": renamed_to("rollout.multi_turn.max_assistant_turns"),
-        "rollout.multi_turn.max_tool_response_length": renamed_to(
-            "rollout.multi_turn.max_tool_response_length"
-        ),
-        "rollout.multi_turn.*": _ignored(
-            "verl's tool and agent-loop settings; here the environment is a class with reset and step "
-            "(rollout.multi_turn.env) and turns end at rollout.multi_turn.stop"
-        ),
-        "rollout.skip_rollout": _refused("rollouts are always generated here", (False,)),
-        "rollout.skip_dump_dir": _ignored("used only with rollout.skip_rollout=true"),
-        "rollout.enable_rollout_routing_replay": _refused(
-            "MoE routing replay is not available here", (False,)
-        ),
-        "rollout.quantization": _refused("the rollout runs on the actor's own (unquantized) weights"),
-        "rollout.quantization_config_file": _refused(
-            "the rollout runs on the actor's own (unquantized) weights"
-        ),
-        "rollout.mtp": _refused("multi-token prediction is not available here"),
-        "rollout.profiler.*": _ignored(PROFILER),
-        **{
-            f"rollout.{k}": _ignored(ENGINE)
-            for k in (
-                "gpu_memory_utilization",
-                "cudagraph_capture_sizes",
-                "free_cache_engine",
-                "tensor_model_parallel_size",
-                "data_parallel_size",
-                "expert_parallel_size",
-                "pipeline_model_parallel_size",
-                "max_num_batched_tokens",
-                "max_model_len",
-                "max_num_seqs",
-                "enable_chunked_prefill",
-                "enable_prefix_caching",
-                "logprobs_mode",
-                "scheduling_policy",
-                "load_format",
-                "disable_log_stats",
-                "engine_kwargs.*",
-                "multi_stage_wake_up",
-                "layered_summon",
-                "update_weights_bucket_megabytes",
-                "checkpoint_engine.*",
-                "skip_tokenizer_init",
-                "prometheus.*",
-                "agent.*",
-                "trace.*",
-            )
-        },
-        # ---------------------------------------------------------------- actor_rollout_ref.model
-        "model.hf_config_path": _refused("the model's config is read from model.path"),
-        "model.custom_chat_template": _refused(
-            "prompts are rendered with the tokenizer's chat template: save yours in the tokenizer "
-            "(tokenizer.chat_template) and point model.tokenizer_path at it"
-        ),
-        "model.lora_adapter_path": _refused(
-            "point model.path at the adapter folder (its base model is read from adapter_config.json)"
-        ),
-        "model.fused_kernel_options.impl_backend": renamed_to("actor.kernels"),
-        "model.mtp.enable": _refused("multi-token prediction is not available here", (False,)),
-        "model.mtp.*": _ignored("used only with model.mtp.enable=true"),
-        **_model("model", "actor.lora"),
-        "actor_rollout_ref.hybrid_engine": _refused(
-            "the actor and the rollout always share weights here", (True,)
-        ),
-        "actor_rollout_ref.nccl_timeout": renamed_to("trainer.dist_timeout_s"),
-        # ---------------------------------------------------------------- critic
-        "critic.model.path": renamed_to("critic.model_path"),
-        "critic.model.tokenizer_path": _ignored(
-            "the critic reads the policy's tokens (model.tokenizer_path)"
-        ),
-        "critic.model.trust_remote_code": _refused(
-            "model.trust_remote_code applies to every model here", (False, None)
-        ),
-        "critic.model.enable_gradient_checkpointing": _ignored(
-            "the critic follows model.enable_gradient_checkpointing here (memory and speed only)"
-        ),
-        **_model("critic.model", "critic.lora"),
-        "critic.strategy": _refused(STRATEGY, ("fsdp", "fsdp2")),
-        "critic.enable": _refused("the critic is used exactly when algorithm.adv_estimator=gae here"),
-        "critic.rollout_n": _ignored("verl fills it in from rollout.n"),
-        "critic.ppo_micro_batch_size": _global_micro("critic.ppo_micro_batch_size_per_gpu"),
-        "critic.forward_micro_batch_size": _ignored(
-            "the values' forward uses the critic's micro-batches here (memory and speed only)"
-        ),
-        "critic.forward_micro_batch_size_per_gpu": _ignored(
-            "the values' forward uses the critic's micro-batches here (memory and speed only)"
-        ),
-        "critic.forward_max_token_len_per_gpu": _ignored(
-            "the values' forward uses critic.ppo_max_token_len_per_gpu here (memory and speed only)"
-        ),
-        "critic.shuffle": _ignored("the critic's mini-batches are shuffled as actor.shuffle says"),
-        "critic.data_loader_seed": _ignored(SEEDED),
-        "critic.checkpoint.async_save": renamed_to("trainer.async_save"),
-        "critic.checkpoint.*": _ignored("a checkpoint holds every model, optimizer and loader state here"),
-        "critic.profiler.*": _ignored(PROFILER),
-        # ---------------------------------------------------------------- reward_model
-        "reward.enable": renamed_to("reward.style", {True: "model"}, harmless=(False, None)),
-        "reward.model.path": renamed_to("reward.model_path"),
-        "reward.model.input_tokenizer": _refused(
-            "the reward model scores the policy's tokens: it must share the policy's tokenizer"
-        ),
-        "reward.model.trust_remote_code": _refused(
-            "model.trust_remote_code applies to every model here", (False, None)
-        ),
-        **_model("reward.model", None),
-        "reward.micro_batch_size": _global_micro("reward.micro_batch_size_per_gpu"),
-        "reward.max_length": _refused(
-            "the reward model scores whole sequences here (data.max_prompt_length + data.max_response_length)"
-        ),
-        "reward.use_dynamic_bsz": _ignored("the reward model's forward uses reward.micro_batch_size_per_gpu"),
-        "reward.forward_max_token_len_per_gpu": _ignored(
-            "the reward model's forward uses reward.micro_batch_size_per_gpu"
-        ),
-        # dapo: naive's scores plus the overlong penalty, which reward.overlong_buffer adds here.
-        "reward.reward_manager": _refused(
-            "only verl's naive and dapo reward managers (one score per response) exist here",
-            ("naive", "dapo"),
-        ),
-        # verl's newer DAPO scripts pass the overlong buffer to the reward manager as keyword arguments.
-        **{
-            f"reward.reward_kwargs.overlong_buffer_cfg.{k}": renamed_to(f"reward.overlong_buffer.{k}")
-            for k in ("enable", "len", "penalty_factor")
-        },
-        "reward.reward_kwargs.overlong_buffer_cfg.log": _ignored(OVERLONG_LOGGED),
-        "reward.overlong_buffer.log": _ignored(OVERLONG_LOGGED),
-        "reward.reward_kwargs.max_resp_len": _ignored(
-            "the overlong penalty's maximum length is data.max_response_length here"
-        ),
-        "reward.launch_reward_fn_async": _ignored("the reward function runs in the training processes here"),
-        "reward.sandbox_fusion.url": _refused("no sandbox runs code here"),
-        "reward.sandbox_fusion.*": _ignored("used only with reward_model.sandbox_fusion.url"),
-        "reward.strategy": _refused(STRATEGY, ("fsdp", "fsdp2")),
-        "reward.profiler.*": _ignored(PROFILER),
-        "reward.reward_loop_module_path": _refused("verl's reward loops do not exist here"),
-        "reward.reward_loop_class_name": _refused("verl's reward loops do not exist here"),
-        **{
-            f"reward.{k}": _ignored("verl's reward workers; the reward model is sharded over every rank here")
-            for k in (
-                "use_reward_loop",
-                "reward_loop_source",
-                "enable_resource_pool",
-                "n_gpus_per_node",
-                "nnodes",
-                "rollout.*",
-            )
-        },
-        # ---------------------------------------------------------------- custom_reward_function (see _combine)
-        "custom_reward_function.reward_kwargs": renamed_to("reward.reward_kwargs"),
-        "reward_manager.source": _refused(
-            "only verl's naive and dapo reward managers exist here", ("register",)
-        ),
-        "reward_manager.name": _refused(
-            "only verl's naive and dapo reward managers exist here", ("naive", "dapo", None)
-        ),
-        "reward_manager.module.path": _refused("only verl's naive and dapo reward managers exist here"),
-        "reward_manager.module.name": _ignored("used only with reward_manager.module.path"),
-        # ---------------------------------------------------------------- algorithm
-        "algorithm.use_pf_ppo": _refused("preference-feedback PPO is not available here", (False,)),
-        "algorithm.pf_ppo.*": _ignored("used only with algorithm.use_pf_ppo=true"),
-        "algorithm.rollout_correction.rollout_is": _refused(
-            "verl corrects a vLLM sampler's mismatch with the trainer; here the actor samples itself. For "
-            "offline data: algorithm.rollout_is_threshold, algorithm.rollout_is, algorithm.rollout_is_level"
-        ),
-        "algorithm.rollout_correction.rollout_rs": _refused("rejection sampling is not available here"),
-        "algorithm.rollout_correction.*": _ignored("used only with algorithm.rollout_correction.rollout_is"),
-        # ---------------------------------------------------------------- data
-        "data.tokenizer": _refused("ours is model.tokenizer_path"),
-        "data.use_shm": _ignored("data loads from the file system here"),
-        "data.train_max_samples": _refused("every training prompt is used here; cut the file", (-1, None)),
-        "data.val_max_samples": renamed_to("data.max_val_samples"),
-        "data.reward_fn_key": _refused(
-            "the rule scorer is chosen by the data_source column here", ("data_source",)
-        ),
-        "data.tool_config_path": _refused("tools are not supported here"),
-        "data.return_raw_input_ids": _ignored("prompts are rendered and tokenized once, at start-up, here"),
-        "data.return_raw_chat": _ignored("prompts are rendered and tokenized once, at start-up, here"),
-        "data.return_full_prompt": _ignored("prompts are rendered and tokenized once, at start-up, here"),
-        "data.seed": _refused("ours is trainer.seed (which also seeds sampling and initialization)"),
-        "data.dataloader_num_workers": _ignored("prompts are tokenized once, at start-up, here"),
-        "data.validation_shuffle": _ignored("the whole validation set is scored here"),
-        "data.filter_overlong_prompts": _ignored(
-            "over-long prompts are always dropped and counted here, never truncated", (True,)
-        ),
-        "data.filter_overlong_prompts_workers": _ignored("prompts are tokenized once, at start-up, here"),
-        "data.truncation": _refused(
-            "prompts are never truncated here: those over data.max_prompt_length are dropped and counted",
-            ("error",),
-        ),
-        "data.trust_remote_code": _refused("model.trust_remote_code loads the tokenizer here", (False, None)),
-        "data.image_key": _refused("vision-language data is not supported here", ("images",)),
-        "data.video_key": _refused("vision-language data is not supported here", ("videos",)),
-        "data.image_patch_size": _ignored("vision-language data is not supported here"),
-        "data.return_multi_modal_inputs": _ignored("vision-language data is not supported here"),
-        "data.custom_cls.path": _refused(
-            "prompts load from Parquet, JSON lines or a saved dataset folder here"
-        ),
-        "data.custom_cls.name": _ignored("used only with data.custom_cls.path"),
-        "data.sampler.class_path": _refused("curriculum samplers are not available here"),
-        "data.sampler.class_name": _ignored("used only with data.sampler.class_path"),
-        "data.datagen.path": _refused("dynamic data generation is not available here"),
-        "data.datagen.name": _ignored("used only with data.datagen.path"),
-        "data.apply_chat_template_kwargs": _refused(
-            "the chat template is applied with its defaults here", (None, {})
-        ),
-        # ---------------------------------------------------------------- trainer (see _combine)
-        "trainer.default_local_dir": renamed_to("trainer.output_dir"),
-        "trainer.balance_batch": _ignored(
-            "each rank trains on the responses it sampled here; micro-batches are balanced by length"
-        ),
-        "trainer.rollout_data_dir": _refused("rollouts are not written to files here"),
-        "trainer.validation_data_dir": _refused("validation generations are not written to files here"),
-        "trainer.esi_redundant_time": _ignored(
-            "on a stop signal (SIGTERM, as Slurm sends before a job's time ends) a checkpoint is saved here"
-        ),
-        "trainer.val_only": _refused("there is no validation-only mode here", (False,)),
-        "trainer.default_hdfs_dir": _refused(
-            "nothing is copied to HDFS here; copy trainer.output_dir yourself"
-        ),
-        "trainer.del_local_ckpt_after_load": _refused("checkpoints are kept here", (False,)),
-        "trainer.ray_wait_register_center_timeout": _ignored(RAY),
-        "trainer.use_legacy_worker_impl": _ignored(
-            "verl's worker implementations; there are no workers here"
-        ),
-        "trainer.npu_profile.*": _ignored(PROFILER),
-        # ---------------------------------------------------------------- the rest of verl
-        "global_profiler.*": _ignored(PROFILER),
-        "ray_kwargs.*": _ignored(RAY),
-        "ray_init.*": _ignored(RAY),
-        "transfer_queue.*": _ignored("verl's transfer queue (Ray); there is none here"),
-    }
-    keys |= _optim("actor") | _optim("critic")
-    keys |= _fsdp("actor.fsdp_config", "actor.fsdp", "actor.ulysses_sequence_parallel_size", "model.dtype")
-    keys |= _fsdp("ref.fsdp_config", "ref.fsdp", "ref.ulysses_sequence_parallel_size", None)
-    keys |= _fsdp("critic.model.fsdp_config", "critic.fsdp", "critic.ulysses_sequence_parallel_size", None)
-    keys |= _fsdp("reward.model.fsdp_config", "reward.fsdp", None, None)
-    keys["reward.ulysses_sequence_parallel_size"] = _refused(
+VERL_KEYS: dict[str, VerlKey] = {
+    # ---------------------------------------------------------------- actor_rollout_ref.actor
+    "actor.strategy": _refused(STRATEGY, ("fsdp", "fsdp2")),
+    "actor.ppo_micro_batch_size": _global_micro("actor.ppo_micro_batch_size_per_gpu"),
+    "actor.rollout_n": _ignored("verl fills it in from rollout.n"),
+    "actor.use_remove_padding": _ignored(PACKED, (True,)),
+    "actor.use_torch_compile": _ignored(COMPILE),
+    "actor.entropy_from_logits_with_chunking": _ignored(ENTROPY),
+    "actor.entropy_checkpointing": _ignored(ENTROPY),
+    "actor.calculate_entropy": _ignored("the entropy is always computed and logged here (actor/entropy)"),
+    "actor.tau_pos": _ignored("a parameter of verl's SAPO loss, which this trainer does not have"),
+    "actor.tau_neg": _ignored("a parameter of verl's SAPO loss, which this trainer does not have"),
+    "actor.use_prefix_grouper": _refused("not available here", (False,)),
+    "actor.calculate_sum_pi_squared": _refused("not available here", (False,)),
+    "actor.sum_pi_squared_checkpointing": _ignored("used only with calculate_sum_pi_squared"),
+    "actor.freeze_vision_tower": _refused("vision-language models are not supported here", (False,)),
+    "actor.data_loader_seed": _ignored(SEEDED),
+    "actor.checkpoint.async_save": renamed_to("trainer.async_save"),
+    "actor.checkpoint.*": _ignored("a checkpoint holds every model, optimizer and loader state here"),
+    "actor.profiler.*": _ignored(PROFILER),
+    "actor.router_replay.mode": _refused("MoE router replay is not available here", ("disabled",)),
+    "actor.router_replay.*": _ignored("used only with router_replay.mode"),
+    # ---------------------------------------------------------------- actor_rollout_ref.ref
+    "ref.log_prob_micro_batch_size": _global_micro("ref.log_prob_micro_batch_size_per_gpu"),
+    "ref.log_prob_use_dynamic_bsz": _ignored(
+        "the reference's forward uses actor.use_dynamic_bsz here (memory and speed only)"
+    ),
+    "ref.log_prob_max_token_len_per_gpu": _ignored(
+        "the reference's forward uses actor.ppo_max_token_len_per_gpu here (memory and speed only)"
+    ),
+    "ref.model": _refused("the reference's weights are ref.model_path here"),
+    "ref.model.path": renamed_to("ref.model_path"),
+    "ref.strategy": _refused(STRATEGY, ("fsdp", "fsdp2")),
+    "ref.rollout_n": _ignored("verl fills it in from rollout.n"),
+    "ref.use_torch_compile": _ignored(COMPILE),
+    "ref.entropy_from_logits_with_chunking": _ignored(ENTROPY),
+    "ref.entropy_checkpointing": _ignored(ENTROPY),
+    "ref.profiler.*": _ignored(PROFILER),
+    "ref.router_replay.*": _ignored("MoE router replay is not available here"),
+    # ---------------------------------------------------------------- actor_rollout_ref.rollout
+    "rollout.name": _refused("this trainer generates with Hugging Face generate; remove the key", ("hf",)),
+    "rollout.mode": _ignored("verl's sync or async engine; generation runs in the training processes here"),
+    "rollout.top_k": renamed_to("rollout.top_k", {-1: 0}),
+    "rollout.prompt_length": _refused("ours is data.max_prompt_length"),
+    "rollout.response_length": _refused("ours is data.max_response_length"),
+    "rollout.dtype": _ignored(
+        "the rollout runs on the actor's weights, in actor.fsdp.mixed_precision.param_dtype"
+    ),
+    "rollout.enforce_eager": _ignored(f"{ENGINE}; compiled decoding is rollout.compile"),
+    "rollout.micro_batch_size": _ignored(
+        f"{ENGINE}; sequences per generate call on one rank are rollout.micro_batch_size_per_gpu"
+    ),
+    "rollout.log_prob_micro_batch_size": _ignored(
+        "the old log-probs are scored in the actor's micro-batches here (memory and speed only)"
+    ),
+    "rollout.log_prob_micro_batch_size_per_gpu": _ignored(
+        "the old log-probs are scored in the actor's micro-batches here (memory and speed only)"
+    ),
+    "rollout.log_prob_use_dynamic_bsz": _ignored("the old log-probs use actor.use_dynamic_bsz here"),
+    "rollout.log_prob_max_token_len_per_gpu": _ignored(
+        "the old log-probs use actor.ppo_max_token_len_per_gpu here"
+    ),
+    "rollout.over_sample_rate": _refused("there is no over-sampling here", (0, 0.0)),
+    "rollout.calculate_log_probs": _ignored(
+        "the sampler is the actor itself here; the trainer scores the old log-probs"
+    ),
+    # verl's 0 is greedy (ours: val_kwargs.do_sample=false, the default); its top_k -1 is our 0.
+    "rollout.val_kwargs.temperature": renamed_to("rollout.val_kwargs.temperature", harmless=(0, 0.0)),
+    "rollout.val_kwargs.top_k": renamed_to("rollout.val_kwargs.top_k", {-1: 0}),
+    "rollout.multi_turn.enable": renamed_to("rollout.multi_turn.enable"),
+    "rollout.multi_turn.max_assistant_turns": renamed_to("rollout.multi_turn.max_assistant_turns"),
+    "rollout.multi_turn.max_tool_response_length": renamed_to("rollout.multi_turn.max_tool_response_length"),
+    "rollout.multi_turn.*": _ignored(
+        "verl's tool and agent-loop settings; here the environment is a class with reset and step "
+        "(rollout.multi_turn.env) and turns end at rollout.multi_turn.stop"
+    ),
+    "rollout.skip_rollout": _refused("rollouts are always generated here", (False,)),
+    "rollout.skip_dump_dir": _ignored("used only with rollout.skip_rollout=true"),
+    "rollout.enable_rollout_routing_replay": _refused("MoE routing replay is not available here", (False,)),
+    "rollout.quantization": _refused("the rollout runs on the actor's own (unquantized) weights"),
+    "rollout.quantization_config_file": _refused("the rollout runs on the actor's own (unquantized) weights"),
+    "rollout.mtp": _refused("multi-token prediction is not available here"),
+    "rollout.profiler.*": _ignored(PROFILER),
+    **{
+        f"rollout.{k}": _ignored(ENGINE)
+        for k in (
+            "gpu_memory_utilization",
+            "cudagraph_capture_sizes",
+            "free_cache_engine",
+            "tensor_model_parallel_size",
+            "data_parallel_size",
+            "expert_parallel_size",
+            "pipeline_model_parallel_size",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "max_num_seqs",
+            "enable_chunked_prefill",
+            "enable_prefix_caching",
+            "logprobs_mode",
+            "scheduling_policy",
+            "load_format",
+            "disable_log_stats",
+            "engine_kwargs.*",
+            "multi_stage_wake_up",
+            "layered_summon",
+            "update_weights_bucket_megabytes",
+            "checkpoint_engine.*",
+            "skip_tokenizer_init",
+            "prometheus.*",
+            "agent.*",
+            "trace.*",
+        )
+    },
+    # ---------------------------------------------------------------- actor_rollout_ref.model
+    "model.hf_config_path": _refused("the model's config is read from model.path"),
+    "model.custom_chat_template": _refused(
+        "prompts are rendered with the tokenizer's chat template: save yours in the tokenizer "
+        "(tokenizer.chat_template) and point model.tokenizer_path at it"
+    ),
+    "model.lora_adapter_path": _refused(
+        "point model.path at the adapter folder (its base model is read from adapter_config.json)"
+    ),
+    "model.fused_kernel_options.impl_backend": renamed_to("actor.kernels"),
+    "model.mtp.enable": _refused("multi-token prediction is not available here", (False,)),
+    "model.mtp.*": _ignored("used only with model.mtp.enable=true"),
+    **_model("model", "actor.lora"),
+    "actor_rollout_ref.hybrid_engine": _refused(
+        "the actor and the rollout always share weights here", (True,)
+    ),
+    "actor_rollout_ref.nccl_timeout": renamed_to("trainer.dist_timeout_s"),
+    # ---------------------------------------------------------------- critic
+    "critic.model.path": renamed_to("critic.model_path"),
+    "critic.model.tokenizer_path": _ignored("the critic reads the policy's tokens (model.tokenizer_path)"),
+    "critic.model.trust_remote_code": _refused(
+        "model.trust_remote_code applies to every model here", (False, None)
+    ),
+    "critic.model.enable_gradient_checkpointing": _ignored(
+        "the critic follows model.enable_gradient_checkpointing here (memory and speed only)"
+    ),
+    **_model("critic.model", "critic.lora"),
+    "critic.strategy": _refused(STRATEGY, ("fsdp", "fsdp2")),
+    "critic.enable": _refused("the critic is used exactly when algorithm.adv_estimator=gae here"),
+    "critic.rollout_n": _ignored("verl fills it in from rollout.n"),
+    "critic.ppo_micro_batch_size": _global_micro("critic.ppo_micro_batch_size_per_gpu"),
+    "critic.forward_micro_batch_size": _ignored(
+        "the values' forward uses the critic's micro-batches here (memory and speed only)"
+    ),
+    "critic.forward_micro_batch_size_per_gpu": _ignored(
+        "the values' forward uses the critic's micro-batches here (memory and speed only)"
+    ),
+    "critic.forward_max_token_len_per_gpu": _ignored(
+        "the values' forward uses critic.ppo_max_token_len_per_gpu here (memory and speed only)"
+    ),
+    "critic.shuffle": _ignored("the critic's mini-batches are shuffled as actor.shuffle says"),
+    "critic.data_loader_seed": _ignored(SEEDED),
+    "critic.checkpoint.async_save": renamed_to("trainer.async_save"),
+    "critic.checkpoint.*": _ignored("a checkpoint holds every model, optimizer and loader state here"),
+    "critic.profiler.*": _ignored(PROFILER),
+    # ---------------------------------------------------------------- reward_model
+    "reward.enable": renamed_to("reward.style", {True: "model"}, harmless=(False, None)),
+    "reward.model.path": renamed_to("reward.model_path"),
+    "reward.model.input_tokenizer": _refused(
+        "the reward model scores the policy's tokens: it must share the policy's tokenizer"
+    ),
+    "reward.model.trust_remote_code": _refused(
+        "model.trust_remote_code applies to every model here", (False, None)
+    ),
+    **_model("reward.model", None),
+    "reward.micro_batch_size": _global_micro("reward.micro_batch_size_per_gpu"),
+    "reward.max_length": _refused(
+        "the reward model scores whole sequences here (data.max_prompt_length + data.max_response_length)"
+    ),
+    "reward.use_dynamic_bsz": _ignored("the reward model's forward uses reward.micro_batch_size_per_gpu"),
+    "reward.forward_max_token_len_per_gpu": _ignored(
+        "the reward model's forward uses reward.micro_batch_size_per_gpu"
+    ),
+    # dapo: naive's scores plus the overlong penalty, which reward.overlong_buffer adds here.
+    "reward.reward_manager": _refused(
+        "only verl's naive and dapo reward managers (one score per response) exist here",
+        ("naive", "dapo"),
+    ),
+    # verl's newer DAPO scripts pass the overlong buffer to the reward manager as keyword arguments.
+    **{
+        f"reward.reward_kwargs.overlong_buffer_cfg.{k}": renamed_to(f"reward.overlong_buffer.{k}")
+        for k in ("enable", "len", "penalty_factor")
+    },
+    "reward.reward_kwargs.overlong_buffer_cfg.log": _ignored(OVERLONG_LOGGED),
+    "reward.overlong_buffer.log": _ignored(OVERLONG_LOGGED),
+    "reward.reward_kwargs.max_resp_len": _ignored(
+        "the overlong penalty's maximum length is data.max_response_length here"
+    ),
+    "reward.launch_reward_fn_async": _ignored("the reward function runs in the training processes here"),
+    "reward.sandbox_fusion.url": _refused("no sandbox runs code here"),
+    "reward.sandbox_fusion.*": _ignored("used only with reward_model.sandbox_fusion.url"),
+    "reward.strategy": _refused(STRATEGY, ("fsdp", "fsdp2")),
+    "reward.profiler.*": _ignored(PROFILER),
+    "reward.reward_loop_module_path": _refused("verl's reward loops do not exist here"),
+    "reward.reward_loop_class_name": _refused("verl's reward loops do not exist here"),
+    **{
+        f"reward.{k}": _ignored("verl's reward workers; the reward model is sharded over every rank here")
+        for k in (
+            "use_reward_loop",
+            "reward_loop_source",
+            "enable_resource_pool",
+            "n_gpus_per_node",
+            "nnodes",
+            "rollout.*",
+        )
+    },
+    # ---------------------------------------------------------------- custom_reward_function (see _combine)
+    "custom_reward_function.reward_kwargs": renamed_to("reward.reward_kwargs"),
+    "reward_manager.source": _refused("only verl's naive and dapo reward managers exist here", ("register",)),
+    "reward_manager.name": _refused(
+        "only verl's naive and dapo reward managers exist here", ("naive", "dapo", None)
+    ),
+    "reward_manager.module.path": _refused("only verl's naive and dapo reward managers exist here"),
+    "reward_manager.module.name": _ignored("used only with reward_manager.module.path"),
+    # ---------------------------------------------------------------- algorithm
+    "algorithm.use_pf_ppo": _refused("preference-feedback PPO is not available here", (False,)),
+    "algorithm.pf_ppo.*": _ignored("used only with algorithm.use_pf_ppo=true"),
+    "algorithm.rollout_correction.rollout_is": _refused(
+        "verl corrects a vLLM sampler's mismatch with the trainer; here the actor samples itself. For "
+        "offline data: algorithm.rollout_is_threshold, algorithm.rollout_is, algorithm.rollout_is_level"
+    ),
+    "algorithm.rollout_correction.rollout_rs": _refused("rejection sampling is not available here"),
+    "algorithm.rollout_correction.*": _ignored("used only with algorithm.rollout_correction.rollout_is"),
+    # ---------------------------------------------------------------- data
+    "data.tokenizer": _refused("ours is model.tokenizer_path"),
+    "data.use_shm": _ignored("data loads from the file system here"),
+    "data.train_max_samples": _refused("every training prompt is used here; cut the file", (-1, None)),
+    "data.val_max_samples": renamed_to("data.max_val_samples"),
+    "data.reward_fn_key": _refused(
+        "the rule scorer is chosen by the data_source column here", ("data_source",)
+    ),
+    "data.tool_config_path": _refused("tools are not supported here"),
+    "data.return_raw_input_ids": _ignored("prompts are rendered and tokenized once, at start-up, here"),
+    "data.return_raw_chat": _ignored("prompts are rendered and tokenized once, at start-up, here"),
+    "data.return_full_prompt": _ignored("prompts are rendered and tokenized once, at start-up, here"),
+    "data.seed": _refused("ours is trainer.seed (which also seeds sampling and initialization)"),
+    "data.dataloader_num_workers": _ignored("prompts are tokenized once, at start-up, here"),
+    "data.validation_shuffle": _ignored("the whole validation set is scored here"),
+    "data.filter_overlong_prompts": _ignored(
+        "over-long prompts are always dropped and counted here, never truncated", (True,)
+    ),
+    "data.filter_overlong_prompts_workers": _ignored("prompts are tokenized once, at start-up, here"),
+    "data.truncation": _refused(
+        "prompts are never truncated here: those over data.max_prompt_length are dropped and counted",
+        ("error",),
+    ),
+    "data.trust_remote_code": _refused("model.trust_remote_code loads the tokenizer here", (False, None)),
+    "data.image_key": _refused("vision-language data is not supported here", ("images",)),
+    "data.video_key": _refused("vision-language data is not supported here", ("videos",)),
+    "data.image_patch_size": _ignored("vision-language data is not supported here"),
+    "data.return_multi_modal_inputs": _ignored("vision-language data is not supported here"),
+    "data.custom_cls.path": _refused("prompts load from Parquet, JSON lines or a saved dataset folder here"),
+    "data.custom_cls.name": _ignored("used only with data.custom_cls.path"),
+    "data.sampler.class_path": _refused("curriculum samplers are not available here"),
+    "data.sampler.class_name": _ignored("used only with data.sampler.class_path"),
+    "data.datagen.path": _refused("dynamic data generation is not available here"),
+    "data.datagen.name": _ignored("used only with data.datagen.path"),
+    "data.apply_chat_template_kwargs": _refused(
+        "the chat template is applied with its defaults here", (None, {})
+    ),
+    # ---------------------------------------------------------------- trainer (see _combine)
+    "trainer.default_local_dir": renamed_to("trainer.output_dir"),
+    "trainer.balance_batch": _ignored(
+        "each rank trains on the responses it sampled here; micro-batches are balanced by length"
+    ),
+    "trainer.rollout_data_dir": _refused("rollouts are not written to files here"),
+    "trainer.validation_data_dir": _refused("validation generations are not written to files here"),
+    "trainer.esi_redundant_time": _ignored(
+        "on a stop signal (SIGTERM, as Slurm sends before a job's time ends) a checkpoint is saved here"
+    ),
+    "trainer.val_only": _refused("there is no validation-only mode here", (False,)),
+    "trainer.default_hdfs_dir": _refused("nothing is copied to HDFS here; copy trainer.output_dir yourself"),
+    "trainer.del_local_ckpt_after_load": _refused("checkpoints are kept here", (False,)),
+    "trainer.ray_wait_register_center_timeout": _ignored(RAY),
+    "trainer.use_legacy_worker_impl": _ignored("verl's worker implementations; there are no workers here"),
+    "trainer.npu_profile.*": _ignored(PROFILER),
+    # ---------------------------------------------------------------- the rest of verl
+    "global_profiler.*": _ignored(PROFILER),
+    "ray_kwargs.*": _ignored(RAY),
+    "ray_init.*": _ignored(RAY),
+    "transfer_queue.*": _ignored("verl's transfer queue (Ray); there is none here"),
+    **_optim("actor"),
+    **_optim("critic"),
+    **_fsdp("actor.fsdp_config", "actor.fsdp", "actor.ulysses_sequence_parallel_size", "model.dtype"),
+    **_fsdp("ref.fsdp_config", "ref.fsdp", "ref.ulysses_sequence_parallel_size", None),
+    **_fsdp("critic.model.fsdp_config", "critic.fsdp", "critic.ulysses_sequence_parallel_size", None),
+    **_fsdp("reward.model.fsdp_config", "reward.fsdp", None, None),
+    "reward.ulysses_sequence_parallel_size": _refused(
         "the reward model runs without sequence parallelism here", (1,)
-    )
-    return keys
-
-
-VERL_KEYS = _verl_keys()
-"""verl's keys (in our section names, ``VERL_SECTIONS``) that are not ours as they are: renamed,
-accepted and ignored, or refused. Keys verl shares with us (``data.train_batch_size``,
-``actor.ppo_mini_batch_size``, ``algorithm.kl_ctrl.kl_coef``, ...) are not listed."""
+    ),
+}
+"""Every key of verl's PPO trainer (``verl/trainer/config/ppo_trainer.yaml`` and the files it composes, plus
+the older spellings its examples still use) that is not ours as it is, in our section names
+(``VERL_SECTIONS``): renamed, accepted and ignored, or refused. Keys verl shares with us
+(``data.train_batch_size``, ``actor.ppo_mini_batch_size``, ``algorithm.kl_ctrl.kl_coef``, ...) are not
+listed. A later row wins over an earlier one of the same key (the optimizer and FSDP rows come last)."""
 
 VERL_PARENTS = frozenset(
     ".".join(parts[:n])
