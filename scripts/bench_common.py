@@ -1,7 +1,7 @@
 """What the benchmarks share (none of them is imported by this module): the random models' configs and token
 ids, the actor / reference / critic built from one seed, random prompts, the common command-line options,
-the CPU threads and the clock of a phase over ranks, and the output (a table, or one JSON object per row).
-Not a benchmark itself.
+the CPU threads and the clock of a phase over ranks, the peak memory of a call (CPU and CUDA), and the
+output (a table, or one JSON object per row). Not a benchmark itself.
 """
 
 from __future__ import annotations
@@ -11,11 +11,14 @@ import dataclasses
 import json
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForTokenClassification,
@@ -209,6 +212,61 @@ def timed(fn: Callable[[], T], info: DistInfo, clock: str) -> tuple[float, T]:
     if info.device.type == "cuda":
         torch.cuda.synchronize(info.device)
     return all_reduce_scalar(now() - start, "max"), out
+
+
+class _StorageTracker(TorchDispatchMode):
+    """Bytes of tensor storage allocated while active, current and peak: each op's outputs count once
+    per storage until the storage is freed (a ``weakref.finalize`` on it); outputs that share an
+    input's storage (views, in-place results) are not allocations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # An output on an input's storage (a view, an in-place result) allocated nothing.
+        inputs = {id(t.untyped_storage()) for t in _plain_tensors((args, kwargs))}
+        for t in _plain_tensors(out):
+            storage = t.untyped_storage()
+            key = id(storage)  # one Python object per live storage
+            if key not in self.live and key not in inputs:
+                self.live[key] = storage.nbytes()
+                self.current += self.live[key]
+                self.peak = max(self.peak, self.current)
+                weakref.finalize(storage, self._free, key)
+        return out
+
+
+def _plain_tensors(tree: Any) -> list[torch.Tensor]:
+    """The plain tensors in a pytree; a subclass (DTensor) wraps plain tensors, which are counted."""
+    return [t for t in tree_flatten(tree)[0] if type(t) is torch.Tensor and not t.is_meta]
+
+
+def cpu_peak_bytes(run: Callable[[], None]) -> int:
+    """Peak bytes of tensor storage allocated during run() and alive at once: every tensor an operation
+    returns counts from then until its storage is freed, whichever thread frees it (outputs, temporaries,
+    autograd's saved tensors, gradients); scratch memory inside one op or outside torch is not seen
+    (bench_kernels.py's docstring says why not torch's profiler, tracemalloc or RSS)."""
+    with _StorageTracker() as tracker:
+        run()
+    return tracker.peak
+
+
+def cuda_peak_bytes(run: Callable[[], None]) -> int:
+    """Peak bytes allocated on the current CUDA device during run(), above what was allocated before."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    run()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
 
 
 def print_rows(rows: list[Any], as_json: bool) -> None:

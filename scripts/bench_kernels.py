@@ -51,16 +51,15 @@ import json
 import statistics
 import sys
 import time
-import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_common import cpu_peak_bytes, cuda_peak_bytes  # noqa: E402
 
 import kernels  # noqa: E402
 
@@ -162,58 +161,6 @@ def make_run(
         loss.sum().backward()
 
     return run
-
-
-class _StorageTracker(TorchDispatchMode):
-    """Bytes of tensor storage allocated while active, current and peak: each op's outputs count once
-    per storage until the storage is freed (a ``weakref.finalize`` on it); outputs that share an
-    input's storage (views, in-place results) are not allocations."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.current = 0
-        self.peak = 0
-
-    def _free(self, key: int) -> None:
-        self.current -= self.live.pop(key, 0)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        # An output on an input's storage (a view, an in-place result) allocated nothing.
-        inputs = {id(t.untyped_storage()) for t in _plain_tensors((args, kwargs))}
-        for t in _plain_tensors(out):
-            storage = t.untyped_storage()
-            key = id(storage)  # one Python object per live storage
-            if key not in self.live and key not in inputs:
-                self.live[key] = storage.nbytes()
-                self.current += self.live[key]
-                self.peak = max(self.peak, self.current)
-                weakref.finalize(storage, self._free, key)
-        return out
-
-
-def _plain_tensors(tree: Any) -> list[torch.Tensor]:
-    """The plain tensors in a pytree; a subclass (DTensor) wraps plain tensors, which are counted."""
-    return [t for t in tree_flatten(tree)[0] if type(t) is torch.Tensor and not t.is_meta]
-
-
-def cpu_peak_bytes(run: Callable[[], None]) -> int:
-    """Peak bytes of tensor storage allocated during run() and alive at once (see module doc)."""
-    with _StorageTracker() as tracker:
-        run()
-    return tracker.peak
-
-
-def cuda_peak_bytes(run: Callable[[], None]) -> int:
-    """Peak bytes allocated on the current CUDA device during run(), above what was allocated before."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    run()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before
 
 
 def median_time_ms(run: Callable[[], None], device: torch.device, repeat: int) -> float:

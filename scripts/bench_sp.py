@@ -45,12 +45,13 @@ from bench_common import (  # noqa: E402
     add_common_args,
     add_model_args,
     build_models,
+    cpu_peak_bytes,
+    cuda_peak_bytes,
     on_every_rank,
     print_rows,
     resolve_clock,
     timed,
 )
-from bench_kernels import cpu_peak_bytes, cuda_peak_bytes  # noqa: E402
 
 from ppo import ulysses  # noqa: E402
 from ppo.attention import resolve_attn_implementation  # noqa: E402
@@ -77,7 +78,7 @@ class SPRow:
     """Tokens of the sequence (each rank of a group holds ``seq_len / sp`` of them)."""
     peak_mib: float
     """Peak memory the phase allocates beyond what existed before it, largest over ranks: activations,
-    gradients and temporaries, FSDP's gathered parameters included (``bench_kernels.cpu_peak_bytes``:
+    gradients and temporaries, FSDP's gathered parameters included (``bench_common.cpu_peak_bytes``:
     torch's CPU allocations and frees, or ``cuda_peak_bytes``: CUDA's allocator statistics)."""
     time_s: float
     """The phase without the memory tracking, slowest rank."""
