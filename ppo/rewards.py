@@ -10,7 +10,8 @@ The built-in scorer handles GSM8K-style answers (``#### <number>`` at the end), 
 task of ``scripts/make_tiny_assets.py`` (``data_source="synthetic/arith"``) also uses. A user's scorer
 is given as ``reward.custom_function=module.path:function`` or ``path/to/file.py:function`` (``:function``
 left out: ``compute_score``) and called by keyword, as verl calls it. With ``reward.num_workers`` the batch
-is scored in worker processes with a time limit (``ppo.reward_pool``). In the trainer's process a function
+is scored in worker processes with a time limit (``ppo.reward_pool``); without, ``reward.timeout_s`` holds
+in the trainer's process too (``make_rule_scorer(..., timeout_s=)``): a call past it stops the run. In the trainer's process a function
 that raises or calls ``sys.exit()`` stops every rank with one line naming it, the rank and the prompt's
 row; ``os._exit()`` (or a crash of the interpreter) cannot be caught there and ends the rank: a function
 that may do that belongs in workers (``reward.num_workers > 0``), where it is a counted error.
@@ -24,6 +25,7 @@ per-sequence ``scores [B]``.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import importlib
@@ -31,8 +33,10 @@ import importlib.util
 import logging
 import math
 import re
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from numbers import Real
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -205,7 +209,11 @@ def load_custom_function(
 
 
 def make_rule_scorer(
-    custom_function: str | None, format_score: float, reward_kwargs: dict[str, Any] | None = None
+    custom_function: str | None,
+    format_score: float,
+    reward_kwargs: dict[str, Any] | None = None,
+    *,
+    timeout_s: float | None = None,
 ) -> RuleScorer:
     """The rule scorer of a run: the user's function if given, else ``default_compute_score``.
 
@@ -213,7 +221,10 @@ def make_rule_scorer(
     ground_truth=, extra_info=, **reward_kwargs)``, and must return a number or a dict with a ``"score"``
     number (verl's convention; the dict's other number-valued keys become ``Score.extras``). A call that
     raises or returns anything else is a RewardError naming the function, the data source and the value.
-    ``format_score`` applies to the built-in scorer only.
+    ``format_score`` applies to the built-in scorer only. ``timeout_s`` (the trainer's process, where
+    ``reward.timeout_s`` would otherwise do nothing): a call of the custom function that runs longer is
+    interrupted (SIGALRM, main thread only) and is a RewardError; code that hangs in C holding the GIL
+    cannot be interrupted there, only in workers (``reward.num_workers``).
     """
     if custom_function is None:
         builtin = functools.partial(default_compute_score, format_score=format_score)
@@ -224,13 +235,20 @@ def make_rule_scorer(
 
     def score(data_source: str, solution_str: str, ground_truth: str | None, extra_info: dict) -> Score:
         try:
-            result = fn(
-                data_source=data_source,
-                solution_str=solution_str,
-                ground_truth=ground_truth,
-                extra_info=extra_info,
-                **kwargs,
-            )
+            with _time_limit(timeout_s):
+                result = fn(
+                    data_source=data_source,
+                    solution_str=solution_str,
+                    ground_truth=ground_truth,
+                    extra_info=extra_info,
+                    **kwargs,
+                )
+        except _CallTimedOut:
+            raise RewardError(
+                f"{name} ran longer than reward.timeout_s={timeout_s} (data_source={data_source!r}, response "
+                f"{solution_str[:60]!r}); to score such calls reward.error_score and train on, set "
+                "reward.num_workers=1 or more"
+            ) from None
         except KeyboardInterrupt:  # Ctrl-C while scoring: the trainer's own stop, not the function's
             raise
         except BaseException as e:  # sys.exit() too: a scorer must return, never end the trainer
@@ -250,6 +268,35 @@ def make_rule_scorer(
         return Score(float(value), extras)
 
     return score
+
+
+class _CallTimedOut(BaseException):
+    """SIGALRM's exception in an in-process reward call past its time limit (not an ``Exception``, so the
+    function's own ``except Exception`` cannot swallow it)."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float | None) -> Iterator[None]:
+    """Raise ``_CallTimedOut`` in the block after ``seconds`` (wall clock); no limit with None, off the
+    main thread (signals reach the main thread only) or where there is no SIGALRM."""
+    if (
+        seconds is None
+        or not hasattr(signal, "setitimer")
+        or threading.current_thread() is not threading.main_thread()
+    ):
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise _CallTimedOut
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 _EXIT_HINT = "; a reward function must return a score, not exit the process"

@@ -162,3 +162,12 @@ def exits(data_source: str, solution_str: str, ground_truth: str, extra_info: di
             os._exit(0)
         sys.exit(0)
     return digit_score(data_source, solution_str, ground_truth, extra_info)
+
+
+def hangs(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    """A scorer that hangs (an hour) on every response but the start-up check's empty one."""
+    import time
+
+    if solution_str:
+        time.sleep(3600)
+    return 0.0

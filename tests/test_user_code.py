@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import time
 from pathlib import Path
 from typing import Any
 
@@ -168,3 +169,23 @@ def test_a_reward_worker_calling_sys_exit_is_a_counted_error() -> None:
     assert first is not None and first.startswith(
         f"prompt row 41 (d): reward.custom_function={spec!r} raised SystemExit: 0"
     )
+
+
+# ----------------------------------------------------------------------------------------------------
+# reward.timeout_s holds in the trainer's process too
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_an_in_process_reward_call_past_its_timeout_stops_with_one_line() -> None:
+    spec = f"{REWARD_FNS}:hangs_on_seven"  # sleeps an hour on a response with a 7
+    scorer = make_rule_scorer(spec, 0.0, timeout_s=0.5)
+    with pytest.raises(RewardError) as e:
+        rule_scores(scorer, rows(2), ["12", "x7"])
+    assert str(e.value) == (
+        f"reward.custom_function={spec!r} ran longer than reward.timeout_s=0.5 (data_source='d', response "
+        "'x7'); to score such calls reward.error_score and train on, set reward.num_workers=1 or more; "
+        "prompt row 41"
+    )
+    # the limit is per call and is lifted after it: a later call and a later sleep are not cut short
+    assert rule_scores(scorer, rows(1), ["12"])[0].tolist() == [1.0]
+    time.sleep(0.7)

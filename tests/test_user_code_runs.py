@@ -1,0 +1,51 @@
+"""Runs of the trainer with user code that exits or hangs: each ends non-zero with one line naming the
+function, the rank and the prompt's row (fast cases of the same rules: tests/test_user_code.py)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REWARD_FNS, ROOT, base_args, run, torchrun
+
+pytestmark = pytest.mark.slow
+
+
+def test_sys_exit_in_a_reward_function_on_one_of_two_ranks(tiny_assets: Path, tmp_path: Path) -> None:
+    """Rank 1's reward function calls sys.exit(0): both ranks stop with rank 1's one line (the run ended
+    with exit 0 and no step, and rank 0 died in a gloo traceback naming nothing)."""
+    args = base_args(tiny_assets, tmp_path / "run", steps=1) + [
+        "trainer.val_before_train=false",
+        f"reward.custom_function={REWARD_FNS}:exits",
+        "trainer.dist_timeout_s=60",
+    ]
+    proc = torchrun(ROOT / "train_ppo.py", *args, timeout=300, env={"PPO_TEST_EXIT_RANK": "1"})
+    assert proc.returncode != 0, proc.stderr[-3000:]  # torchrun exits 1 when a rank exits 2
+    # every rank logs the one line (rank 0 at once, the others after runner.REPORT_DELAY_S)
+    errors = sorted({line.split(" ERROR ", 1)[1] for line in proc.stderr.splitlines() if " ERROR " in line})
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith(f"rank 1: reward.custom_function='{REWARD_FNS}:exits' raised SystemExit: 0")
+    assert "a reward function must return a score, not exit the process; prompt row " in errors[0]
+    assert "Connection closed" not in proc.stderr
+    assert proc.stderr.count("Traceback") == 1 and "ChildFailedError" in proc.stderr  # torchrun's own
+
+
+def test_reward_timeout_holds_without_workers(
+    tiny_assets: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """reward.timeout_s=2 with reward.num_workers=0 and a function that hangs: the run stops after about
+    2 s of scoring, naming the key to set (it waited for ever)."""
+    args = base_args(tiny_assets, tmp_path / "run", steps=1) + [
+        "trainer.val_before_train=false",
+        f"reward.custom_function={REWARD_FNS}:hangs",
+        "reward.timeout_s=2",
+    ]
+    start = time.monotonic()
+    assert run(args) == 2
+    assert time.monotonic() - start < 120
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1, errors
+    assert f"reward.custom_function='{REWARD_FNS}:hangs' ran longer than reward.timeout_s=2.0" in errors[0]
+    assert "set reward.num_workers=1 or more; prompt row " in errors[0]
