@@ -45,7 +45,7 @@ import torch
 
 from ppo import models, sharding
 from ppo.batch import Batch, Rollout, decode_responses
-from ppo.config import RewardConfig
+from ppo.config import OverlongBufferConfig, RewardConfig
 from ppo.data import PromptRecord
 from ppo.distributed import agree_on_failure, all_gather_object
 from ppo.packing import DUMMY_SEQUENCE, pack_sequences, plan_eval_micro_batches
@@ -614,3 +614,27 @@ def overlong_penalty(
     """
     excess = response_lengths.float() - (max_response_length - buffer_len)
     return (-excess / buffer_len * penalty_factor).clamp(max=0.0)
+
+
+def overlong_penalties(
+    response_mask: torch.Tensor, buffer: OverlongBufferConfig, *, max_response_length: int
+) -> torch.Tensor:
+    """``[B]`` DAPO's overlong penalty of each response of ``response_mask [B, R]`` with
+    ``reward.overlong_buffer.enable`` (``overlong_penalty`` of its length), else zeros."""
+    lengths = response_mask.sum(-1)
+    if not buffer.enable:
+        return torch.zeros(lengths.shape, dtype=torch.float32, device=lengths.device)
+    return overlong_penalty(
+        lengths,
+        max_response_length=max_response_length,
+        buffer_len=buffer.len,
+        penalty_factor=buffer.penalty_factor,
+    )
+
+
+def overlong_metrics(penalties: torch.Tensor) -> dict[str, float]:
+    """This rank's mean overlong penalty and share of penalized responses (reduced over ranks later)."""
+    return {
+        "reward/overlong_penalty": penalties.float().mean().item(),
+        "reward/overlong_ratio": (penalties < 0).float().mean().item(),
+    }

@@ -6,14 +6,14 @@ length drawn uniformly from ``[--min-response, --max-response]`` and the prompts
 ``[--prompt-len / 2, --prompt-len]``: the spread that makes padding expensive. On that batch (a
 ``ppo.batch.Batch`` with a random score per sequence) every path runs phases 2-4 of the trainer's step
 (``run_step``): the scoring forwards of the actor (``old_log_prob``), the frozen reference (``ref``) and
-the critic (``values``); advantages (``train_ppo.compute_advantages``: GAE with the k1 KL in the reward);
-then the critic's and the actor's updates (``update``: ``ppo.update.optimize``, ``NUM_MINI_BATCHES``
-mini-batches of one epoch each, AdamW from ``ppo.optim.with_optimizer``). Every setting comes from a
-``PPOConfig`` (``ppo.config_loader.load_config``, see ``path_config``): micro-batches, token budget,
-mini-batches, clipping, learning rate.
+the critic (``values``); advantages (``ppo.batch_advantages.compute_advantages``: GAE with the k1 KL in
+the reward); then the critic's and the actor's updates (``update``: ``ppo.optimize.optimize``,
+``NUM_MINI_BATCHES`` mini-batches of one epoch each, AdamW from ``ppo.optim.with_optimizer``). Every
+setting comes from a ``PPOConfig`` (``ppo.config_loader.load_config``, see ``path_config``):
+micro-batches, token budget, mini-batches, clipping, learning rate.
 
-- ``packed``: the trainer's own functions (``TRAINER``): ``train_ppo.score_logprobs``,
-  ``score_values``, and ``optimize`` with ``train_ppo.critic_loss`` and ``actor_loss``; fixed
+- ``packed``: the trainer's own functions (``TRAINER``): ``ppo.forwards.forward_logprobs``,
+  ``forward_values``, and ``optimize`` with ``ppo.optimize.critic_loss`` and ``actor_loss``; fixed
   micro-batches of ``--micro-batch`` sequences (``use_dynamic_bsz=false``);
 - ``packed_dynamic``: ``packed`` with token-budget micro-batches (``use_dynamic_bsz=true``, budget
   ``--micro-batch x`` the longest possible sequence): fewer, fuller forwards besides no padding;
@@ -83,20 +83,21 @@ from bench_common import (  # noqa: E402
 )
 
 import kernels  # noqa: E402
-import train_ppo  # noqa: E402
 from ppo import algorithms, sharding  # noqa: E402
 from ppo.attention import PACKED_ATTENTION, VARLEN_FLASH, resolve_attn_implementation  # noqa: E402
 from ppo.batch import Batch, Rollout, group_index  # noqa: E402
+from ppo.batch_advantages import compute_advantages  # noqa: E402
 from ppo.build import make_kl_controller  # noqa: E402
 from ppo.config import PPOConfig  # noqa: E402
 from ppo.config_loader import load_config  # noqa: E402
 from ppo.data import PromptRecord  # noqa: E402
 from ppo.distributed import DistInfo, all_reduce_scalars, destroy_distributed, init_distributed  # noqa: E402
+from ppo.forwards import forward_logprobs, forward_values  # noqa: E402
 from ppo.optim import Trained, with_optimizer  # noqa: E402
+from ppo.optimize import LossFn, actor_loss, critic_loss, optimize  # noqa: E402
 from ppo.packing import micro_batches  # noqa: E402
 from ppo.rollout import generate, generation_config  # noqa: E402
 from ppo.ulysses import NO_SP, SPGroup  # noqa: E402
-from ppo.update import LossFn, optimize  # noqa: E402
 
 PATHS = ("padded", "packed", "packed_dynamic", "packed_dense")
 VARLEN_ATTENTION = ("flash_attention_2", VARLEN_FLASH, PACKED_ATTENTION)
@@ -197,10 +198,10 @@ def no_sp(sp: SPGroup) -> None:
 
 
 @torch.no_grad()
-def padded_score_logprobs(
+def padded_forward_logprobs(
     cfg: PPOConfig, model: nn.Module, batch: Batch, micro_batch_size: int, sp: SPGroup
 ) -> torch.Tensor:
-    """``train_ppo.score_logprobs`` on padded rows: log-probs ``[B, R]``."""
+    """``ppo.forwards.forward_logprobs`` on padded rows: log-probs ``[B, R]``."""
     no_sp(sp)
     out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
     tau, backend = cfg.rollout.temperature, cfg.actor.kernels
@@ -210,8 +211,8 @@ def padded_score_logprobs(
 
 
 @torch.no_grad()
-def padded_score_values(cfg: PPOConfig, critic: nn.Module, batch: Batch, sp: SPGroup) -> torch.Tensor:
-    """``train_ppo.score_values`` on padded rows: values ``[B, R]``."""
+def padded_forward_values(cfg: PPOConfig, critic: nn.Module, batch: Batch, sp: SPGroup) -> torch.Tensor:
+    """``ppo.forwards.forward_values`` on padded rows: values ``[B, R]``."""
     no_sp(sp)
     out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
     for sel in micro_batches(batch, batch.rows(), cfg.critic):
@@ -220,7 +221,7 @@ def padded_score_values(cfg: PPOConfig, critic: nn.Module, batch: Batch, sp: SPG
 
 
 def padded_critic_loss(cfg: PPOConfig, critic: nn.Module, batch: Batch, sp: SPGroup) -> LossFn:
-    """``train_ppo.critic_loss`` on padded rows: a micro-batch's share of the clipped value loss."""
+    """``ppo.optimize.critic_loss`` on padded rows: a micro-batch's share of the clipped value loss."""
     no_sp(sp)
     c = cfg.critic
 
@@ -236,7 +237,7 @@ def padded_critic_loss(cfg: PPOConfig, critic: nn.Module, batch: Batch, sp: SPGr
 
 
 def padded_actor_loss(cfg: PPOConfig, actor: nn.Module, batch: Batch, sp: SPGroup) -> LossFn:
-    """``train_ppo.actor_loss`` on padded rows: a micro-batch's share of the clipped policy loss minus
+    """``ppo.optimize.actor_loss`` on padded rows: a micro-batch's share of the clipped policy loss minus
     the entropy bonus. Only what ``path_config`` turns on: no KL loss, no on-policy shortcut."""
     no_sp(sp)
     a = cfg.actor
@@ -286,23 +287,23 @@ class Layout:
     signature of the trainer's function of the same name."""
 
     padded: bool
-    score_logprobs: Callable[[PPOConfig, nn.Module, Batch, int, SPGroup], torch.Tensor]
-    score_values: Callable[[PPOConfig, nn.Module, Batch, SPGroup], torch.Tensor]
+    forward_logprobs: Callable[[PPOConfig, nn.Module, Batch, int, SPGroup], torch.Tensor]
+    forward_values: Callable[[PPOConfig, nn.Module, Batch, SPGroup], torch.Tensor]
     actor_loss: Callable[[PPOConfig, nn.Module, Batch, SPGroup], LossFn]
     critic_loss: Callable[[PPOConfig, nn.Module, Batch, SPGroup], LossFn]
 
 
 TRAINER = Layout(
     padded=False,
-    score_logprobs=train_ppo.score_logprobs,
-    score_values=train_ppo.score_values,
-    actor_loss=train_ppo.actor_loss,
-    critic_loss=train_ppo.critic_loss,
+    forward_logprobs=forward_logprobs,
+    forward_values=forward_values,
+    actor_loss=actor_loss,
+    critic_loss=critic_loss,
 )
 PADDED = Layout(
     padded=True,
-    score_logprobs=padded_score_logprobs,
-    score_values=padded_score_values,
+    forward_logprobs=padded_forward_logprobs,
+    forward_values=padded_forward_values,
     actor_loss=padded_actor_loss,
     critic_loss=padded_critic_loss,
 )
@@ -355,8 +356,8 @@ def count_work(path: BenchPath, batch: Batch, forwards: list[torch.Tensor]) -> W
 
 
 def scoring_forwards(cfg: PPOConfig, batch: Batch) -> list[torch.Tensor]:
-    """The micro-batches of the three scoring passes: the plans ``score_logprobs`` (actor, reference)
-    and ``score_values`` make (``ppo.packing.micro_batches``)."""
+    """The micro-batches of the three scoring passes: the plans ``forward_logprobs`` (actor, reference)
+    and ``forward_values`` make (``ppo.packing.micro_batches``)."""
     rows = batch.rows()
     return [
         *micro_batches(batch, rows, cfg.actor, cfg.actor.ppo_micro_batch_size_per_gpu),
@@ -414,7 +415,7 @@ def run_step(
     cfg, layout = path.cfg, path.layout
     times: dict[str, float] = {}
     times["old_log_prob"], batch.old_logprobs = timed(
-        lambda: layout.score_logprobs(
+        lambda: layout.forward_logprobs(
             cfg, models.actor.model, batch, cfg.actor.ppo_micro_batch_size_per_gpu, NO_SP
         ),
         info,
@@ -422,15 +423,17 @@ def run_step(
     )
 
     def reference() -> torch.Tensor:
-        out = layout.score_logprobs(cfg, models.ref, batch, cfg.ref.log_prob_micro_batch_size_per_gpu, NO_SP)
-        sharding.release(models.ref)  # as train_ppo.score_reference does
+        out = layout.forward_logprobs(
+            cfg, models.ref, batch, cfg.ref.log_prob_micro_batch_size_per_gpu, NO_SP
+        )
+        sharding.release(models.ref)  # as ppo.forwards.forward_reference does
         return out
 
     times["ref"], batch.ref_logprobs = timed(reference, info, clock)
     times["values"], batch.values = timed(
-        lambda: layout.score_values(cfg, models.critic.model, batch, NO_SP), info, clock
+        lambda: layout.forward_values(cfg, models.critic.model, batch, NO_SP), info, clock
     )
-    train_ppo.compute_advantages(cfg, batch, make_kl_controller(cfg), step=1)
+    compute_advantages(cfg, batch, make_kl_controller(cfg), step=1)
     torch.manual_seed(seed + info.rank)  # the same mini-batches on every path
     updated: list[torch.Tensor] = []
     times["update"], metrics = timed(lambda: update(path, models, batch, updated), info, clock)

@@ -101,13 +101,13 @@ def test_bench_rollout_table(capsys: pytest.CaptureFixture[str]) -> None:
 def test_bench_layout_json(capsys: pytest.CaptureFixture[str]) -> None:
     """Every path at tiny size; the packed paths are the trainer's step (its functions, not copies), and
     the padded baseline computes the same step: equal losses and gradient norms, less than rounding
-    apart. A padded loss closure that no longer matches ``train_ppo.actor_loss`` / ``critic_loss`` (a
+    apart. A padded loss closure that no longer matches ``ppo.optimize.actor_loss`` / ``critic_loss`` (a
     term, a normalization, a clip added to the trainer) shows up as a gradient-norm difference here."""
-    import train_ppo
+    from ppo import forwards, optimize
 
-    assert bench_layout.TRAINER.score_logprobs is train_ppo.score_logprobs
-    assert bench_layout.TRAINER.actor_loss is train_ppo.actor_loss
-    assert bench_layout.TRAINER.critic_loss is train_ppo.critic_loss
+    assert bench_layout.TRAINER.forward_logprobs is forwards.forward_logprobs
+    assert bench_layout.TRAINER.actor_loss is optimize.actor_loss
+    assert bench_layout.TRAINER.critic_loss is optimize.critic_loss
     argv = ["--json", "--num-seqs", "8", "--prompt-len", "8", "--min-response", "1", "--max-response", "12"]
     assert bench_layout.main([*argv, "--micro-batch", "2", "--repeat", "1"]) == 0
     rows = json_rows(capsys.readouterr().out)
@@ -154,8 +154,8 @@ def test_padded_forwards_match_packed() -> None:
                 batch, _ = bench_layout.make_batch(args, info, nets["actor"], "cpu")
                 assert len(set(batch.seq_lens)) > 1  # lengths differ, so there is padding to get wrong
             cfg, layout = path.cfg, path.layout
-            logprobs = layout.score_logprobs(cfg, nets["actor"], batch, 2, NO_SP)
-            values = layout.score_values(cfg, nets["critic"], batch, NO_SP)
+            logprobs = layout.forward_logprobs(cfg, nets["actor"], batch, 2, NO_SP)
+            values = layout.forward_values(cfg, nets["critic"], batch, NO_SP)
             work = bench_layout.count_work(path, batch, bench_layout.scoring_forwards(cfg, batch))
             assert work.real == 3 * sum(batch.seq_lens)  # actor, reference, critic
             assert (work.computed > work.real) == (name == "padded")

@@ -21,16 +21,15 @@ import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-import train_ppo
-from ppo import algorithms, ulysses
+from ppo import algorithms, batch_advantages, ulysses
 from ppo.batch import Batch, Rollout, group_index
 from ppo.config import RolloutConfig
 from ppo.config_loader import load_config
 from ppo.data import PromptRecord
 from ppo.multi_turn import EnvError, MultiTurn, load_environment
+from ppo.optimize import actor_loss, global_counts
 from ppo.packing import pack_rows
 from ppo.rollout import Sampler, sample
-from ppo.update import global_counts
 from tests.conftest import (
     REWARD_FNS,
     ROOT,
@@ -243,7 +242,7 @@ def test_no_gradient_reaches_the_logits_of_observation_tokens(tiny_assets: Path,
 
     hook = model.lm_head.register_forward_hook(keep)
     sel = batch.rows()
-    loss, _ = train_ppo.actor_loss(cfg, model, batch, ulysses.NO_SP)(sel, global_counts(batch.loss_mask))
+    loss, _ = actor_loss(cfg, model, batch, ulysses.NO_SP)(sel, global_counts(batch.loss_mask))
     loss.backward()
     hook.remove()
     grad = logits[0].grad.reshape(-1, logits[0].shape[-1])  # [T, V] over the packed row
@@ -273,7 +272,7 @@ def test_rewards_and_gae_across_an_observation_span_by_hand(one_rank: Any) -> No
     batch.values = torch.tensor([[0.1, 0.2, 9.0, 9.0, 0.3, 9.0]])
     cfg = load_config(None, ["algorithm.gamma=0.9", "algorithm.lam=0.8", "algorithm.use_kl_in_reward=false"])
     assert cfg.algorithm.adv_estimator == "gae"
-    train_ppo.compute_advantages(cfg, batch, algorithms.FixedKLController(0.0), step=1)
+    batch_advantages.compute_advantages(cfg, batch, algorithms.FixedKLController(0.0), step=1)
     assert batch.token_rewards.tolist() == [[0.0, 0.5, 0.0, 0.0, 1.0, 0.0]]
     torch.testing.assert_close(
         batch.returns, torch.tensor([[0.85328 + 0.1, 1.074 + 0.2, 0, 0, 0.7 + 0.3, 0]])

@@ -273,9 +273,9 @@ def test_offline_groups_refuse_gae() -> None:
 def test_lora_dropout_scores_in_eval_mode(tiny_assets: Path, tmp_path: Path, one_rank: Any) -> None:
     """With adapter dropout, old log-probs are scored with dropout off: two scorings agree exactly and
     equal the eval-mode forward (in training mode they differed by up to 0.9 nats a token)."""
-    import train_ppo
     from ppo.batch import Batch, group_index
     from ppo.build import build
+    from ppo.forwards import forward_logprobs
     from ppo.rollout import sample
 
     cfg = load_config(
@@ -294,12 +294,12 @@ def test_lora_dropout_scores_in_eval_mode(tiny_assets: Path, tmp_path: Path, one
             if "lora_B" in name:
                 p.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(0))
     mb = cfg.actor.ppo_micro_batch_size_per_gpu
-    first = train_ppo.score_logprobs(cfg, actor, batch, mb, run_.sp)
-    second = train_ppo.score_logprobs(cfg, actor, batch, mb, run_.sp)
+    first = forward_logprobs(cfg, actor, batch, mb, run_.sp)
+    second = forward_logprobs(cfg, actor, batch, mb, run_.sp)
     assert actor.training  # its mode is restored
     assert torch.equal(first, second)
     actor.eval()
-    assert torch.equal(train_ppo.score_logprobs(cfg, actor, batch, mb, run_.sp), first)
+    assert torch.equal(forward_logprobs(cfg, actor, batch, mb, run_.sp), first)
     actor.train()
     with torch.no_grad():  # the same forward in training mode draws dropout masks: it differs
         from ppo import ulysses

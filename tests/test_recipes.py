@@ -26,7 +26,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import train_ppo
 from ppo.algorithms import (
     ADV_ESTIMATORS,
     POLICY_LOSS_MODES,
@@ -44,6 +43,7 @@ from ppo.algorithms import (
 )
 from ppo.config import ConfigError
 from ppo.config_loader import load_config
+from ppo.dynamic_sampling import kept_group_slots
 from ppo.periodic_validation import k_values, majority_correct, pass_at_k, prediction
 from ppo.rewards import overlong_penalty
 from tests.conftest import (
@@ -436,14 +436,14 @@ def test_kept_groups_go_to_ranks_in_the_loaders_order() -> None:
     # keys (round, loader batch, rank, position). Rank 0 kept three groups, rank 1 one (in round 1):
     # sorted they are rank 0's two of round 0, rank 0's and rank 1's of round 1: 2 per rank
     keys = [[(0, 0, 0, 0), (0, 0, 0, 1), (1, 0, 0, 0)], [(1, 0, 1, 0)]]
-    slots = train_ppo.kept_group_slots(keys, num_groups=4, world_size=2)
+    slots = kept_group_slots(keys, num_groups=4, world_size=2)
     assert slots == {(0, 0, 0, 0): 0, (0, 0, 0, 1): 0, (1, 0, 0, 0): 1, (1, 0, 1, 0): 1}
     # a surplus past the batch is dropped: rank 1's (0, 0, 1, 1) comes before round 1
     keys = [[(0, 0, 0, 0), (0, 0, 0, 1), (1, 0, 0, 0)], [(0, 0, 1, 1), (1, 0, 1, 0)]]
-    slots = train_ppo.kept_group_slots(keys, num_groups=4, world_size=2)
+    slots = kept_group_slots(keys, num_groups=4, world_size=2)
     assert slots == {(0, 0, 0, 0): 0, (0, 0, 0, 1): 0, (0, 0, 1, 1): 1, (1, 0, 0, 0): 1}
     # one rank: the same first four in order
-    one = train_ppo.kept_group_slots([sorted(k for part in keys for k in part)], num_groups=4, world_size=1)
+    one = kept_group_slots([sorted(k for part in keys for k in part)], num_groups=4, world_size=1)
     assert list(one) == list(slots) and set(one.values()) == {0}
 
 

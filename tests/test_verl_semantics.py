@@ -22,8 +22,7 @@ from transformers.generation.utils import GenerationMixin
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 import kernels.chunked
-import train_ppo
-from ppo import algorithms, models, rollout
+from ppo import algorithms, batch_advantages, forwards, models, rollout
 from ppo.batch import Batch, Rollout
 from ppo.build import build
 from ppo.config_loader import load_config
@@ -68,7 +67,7 @@ def test_group_advantages_take_the_kl_penalized_rewards(estimator: str) -> None:
         batch.scores = torch.tensor([1.0, 0.0])
         batch.old_logprobs = torch.full((2, 4), -1.0)
         batch.ref_logprobs = torch.tensor([[-1.5] * 4, [-1.0] * 4])
-        train_ppo.compute_advantages(cfg, batch, algorithms.FixedKLController(beta), step=1)
+        batch_advantages.compute_advantages(cfg, batch, algorithms.FixedKLController(beta), step=1)
         rewards = batch.token_rewards.sum(-1)
         assert rewards.tolist() == pytest.approx([1.0 - beta * 2.0, 0.0])
         assert math.copysign(1.0, float(batch.advantages[0, 0])) == sign
@@ -215,7 +214,7 @@ def test_rollout_logprobs_equal_scoring_logprobs(tiny_assets: Path, tmp_path: Pa
         records=records,
         group_ids=torch.arange(len(records)),
     )
-    scored = train_ppo.score_logprobs(
+    scored = forwards.forward_logprobs(
         cfg, run_.actor.model, batch, cfg.actor.ppo_micro_batch_size_per_gpu, run_.sp
     )
     torch.testing.assert_close(

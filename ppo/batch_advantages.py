@@ -1,0 +1,107 @@
+"""Step 3: token rewards (the outcome score on the last generated token, a multi-turn environment's step
+rewards, minus the in-reward KL penalty) and the advantages of ``algorithm.adv_estimator``, into the batch.
+
+    metrics = compute_advantages(cfg, batch, kl_ctrl, step)   # batch.token_rewards, .advantages, .returns
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kernels
+from ppo import algorithms
+from ppo.batch import Batch
+from ppo.config import PPOConfig
+from ppo.distributed import all_reduce_scalar, all_reduce_sum
+
+
+def compute_advantages(
+    cfg: PPOConfig,
+    batch: Batch,
+    kl_ctrl: algorithms.FixedKLController | algorithms.AdaptiveKLController,
+    step: int,
+) -> dict[str, float]:
+    """Token rewards (score on the last generated token, plus a multi-turn environment's step rewards,
+    minus the in-reward KL penalty) and advantages, over the loss mask (the generated tokens).
+
+    The group estimators (GRPO, RLOO, REINFORCE++-baseline, OPO) take each sequence's summed token
+    rewards, as verl does (``token_level_rewards.sum(-1)``): with KL in the reward, a sequence that
+    drifted from the reference earns less than its score. GAE, REINFORCE++ and REINFORCE++-baseline
+    whiten over every valid token of the global batch (one all-reduce pattern for the three).
+    """
+    mask = batch.loss_mask
+    token_rewards = batch.rollout.step_rewards.float().clone()
+    token_rewards[batch.rows(), last_true(mask)] += batch.scores
+    metrics: dict[str, float] = {}
+    if cfg.algorithm.use_kl_in_reward:
+        kind = cfg.algorithm.kl_penalty
+        if kind == "full":
+            kl = batch.full_kl
+        else:
+            kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, kind, cfg.actor.kernels)
+        kl = torch.where(mask, kl, torch.zeros_like(kl))
+        beta = kl_ctrl.value
+        token_rewards = token_rewards - beta * kl
+        # The controller sees the batch's mean per-sequence KL over all ranks.
+        seq_kl = algorithms.masked_mean(kl, mask, dim=-1).mean().item()
+        metrics["actor/reward_kl_penalty"] = seq_kl
+        metrics["actor/reward_kl_penalty_coeff"] = beta  # the coefficient used on this batch
+        current_kl = all_reduce_scalar(seq_kl, "mean")
+        if step > cfg.algorithm.kl_ctrl.fixed_warmup_steps:
+            kl_ctrl.update(current_kl, n_steps=cfg.data.train_batch_size * cfg.rollout.n)
+    batch.token_rewards = token_rewards
+    estimate(cfg, batch)
+    return metrics
+
+
+def estimate(cfg: PPOConfig, batch: Batch) -> None:
+    """``batch.advantages`` and ``batch.returns`` from ``batch.token_rewards`` by
+    ``algorithm.adv_estimator``; the group estimators' returns are their advantages."""
+    est, alg = cfg.algorithm.adv_estimator, cfg.algorithm
+    token_rewards, mask = batch.token_rewards, batch.loss_mask
+    sp_size = cfg.actor.ulysses_sequence_parallel_size
+
+    def all_reduce(t: torch.Tensor) -> torch.Tensor:
+        # The ranks of a sequence-parallel group hold the same tokens: count them once.
+        return all_reduce_sum(t).div_(sp_size)
+
+    if est == "gae":
+        batch.advantages, batch.returns = algorithms.compute_gae(
+            token_rewards, batch.values, mask, alg.gamma, alg.lam, all_reduce=all_reduce
+        )
+        return
+    if est == "reinforce_plus_plus":
+        batch.advantages, batch.returns = algorithms.compute_reinforce_plus_plus_advantages(
+            token_rewards, mask, alg.gamma, all_reduce=all_reduce
+        )
+        return
+    seq_rewards, groups = token_rewards.sum(-1), batch.group_ids
+    if est == "grpo":
+        batch.advantages = algorithms.compute_grpo_advantages(
+            seq_rewards, groups, mask, norm_by_std=alg.norm_adv_by_std_in_grpo
+        )
+    elif est == "rloo":
+        batch.advantages = algorithms.compute_rloo_advantages(seq_rewards, groups, mask)
+    elif est == "reinforce_plus_plus_baseline":
+        batch.advantages = algorithms.compute_reinforce_plus_plus_baseline_advantages(
+            seq_rewards, groups, mask, all_reduce=all_reduce
+        )
+    else:
+        batch.advantages = algorithms.compute_opo_advantages(seq_rewards, groups, mask)
+    batch.returns = batch.advantages
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str, backend: str) -> torch.Tensor:
+    """Per-token KL estimate ``[B, R]`` (``algorithms.kl_penalty``) for the KL in the reward and the KL
+    loss; k3 runs on the ``kernels`` low-variance KL op (Triton on GPU), which computes the same values
+    and gradients."""
+    if kind in ("low_var_kl", "k3"):
+        return kernels.low_var_kl(logprobs, ref_logprobs, backend=backend)
+    return algorithms.kl_penalty(logprobs, ref_logprobs, kind)
+
+
+def last_true(mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` the position of the last True of each row of ``mask [B, R]`` (0 for a row with none): where
+    the outcome reward lands (the final generated token; observation tokens after it are not trained)."""
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    return torch.where(mask.bool(), positions, 0).amax(-1)

@@ -1,0 +1,294 @@
+"""Step 4's machinery: mini-batches, global counts, the one optimize loop the actor and the critic share,
+and their loss closures (``actor_loss``, ``critic_loss``): they differ only in the closure.
+
+    loss_fn = actor_loss(cfg, actor.model, batch, sp)   # (sel, counts) -> (loss, {"actor/pg_loss": ...})
+    metrics = optimize(cfg.actor, "actor", actor, batch, loss_fn,
+                       num_mini=bsz // mini, shuffle=True, sp=sp, early_stop_kl=0.05)
+
+A new policy loss lands in ``ppo.algorithms`` (its math) and in ``actor_loss`` (what it reads from the
+batch); Clip-Cov and KL-Cov also pick their tokens once per mini-batch (``cov_selection``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from ppo import algorithms, ulysses
+from ppo.batch import Batch
+from ppo.batch_advantages import kl_estimate
+from ppo.config import ActorConfig, CriticConfig, PPOConfig
+from ppo.distributed import all_gather_object, all_reduce_scalars, all_reduce_sum, all_reduce_tensors
+from ppo.optim import Trained, optimizer_step
+from ppo.packing import micro_batches, pack_rows
+
+logger = logging.getLogger("ppo")
+
+
+LossFn = Callable[[torch.Tensor, dict[str, float]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""``(micro-batch row indices, global counts) -> (loss, metric contributions)``: the loss is this
+micro-batch's share of the mini-batch's global loss; each metric is its share of the mini-batch value."""
+
+MiniBatchHook = Callable[[torch.Tensor, int], None]
+"""``(mini-batch row indices, mini-batch index) -> None``, run on every rank before a mini-batch's
+micro-batches (it may run collectives): to decide, once per mini-batch and over all ranks, what its
+loss closure then reads (Clip-Cov's and KL-Cov's tokens). The mini-batch index counts the call's
+mini-batches (its optimizer steps) over its epochs from 0."""
+
+
+def mini_batches(num_seqs: int, num_mini: int, shuffle: bool, sp: ulysses.SPGroup) -> list[torch.Tensor]:
+    """Split this rank's sequences into ``num_mini`` equal mini-batches, shuffled by the rank's RNG
+    (seeded per rank and restored by checkpoints, so runs and resumes repeat); the ranks of a
+    sequence-parallel group take their first rank's order."""
+    order = torch.randperm(num_seqs) if shuffle else torch.arange(num_seqs)
+    if shuffle and sp.size > 1:
+        device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+        order = ulysses.broadcast(order.to(device), sp).cpu()
+    return list(order.chunk(num_mini))
+
+
+def global_counts(mask: torch.Tensor) -> dict[str, float]:
+    """Valid tokens and non-empty sequences of a mini-batch summed over ranks (exact normalization)."""
+    tokens, seqs = all_reduce_scalars([float(mask.sum()), float((mask.sum(-1) > 0).sum())], "sum")
+    return {"num_tokens": max(tokens, 1.0), "num_seqs": max(seqs, 1.0)}
+
+
+def optimize(
+    role: ActorConfig | CriticConfig,
+    prefix: str,
+    trained: Trained,
+    batch: Batch,
+    loss_fn: LossFn,
+    *,
+    num_mini: int,
+    shuffle: bool,
+    sp: ulysses.SPGroup,
+    early_stop_kl: float = 0.0,
+    before_mini_batch: MiniBatchHook | None = None,
+) -> dict[str, float]:
+    """``role.ppo_epochs`` passes over the batch in ``num_mini`` mini-batches; per mini-batch, gradient
+    accumulation over token-budget micro-batches, then one optimizer step.
+
+    Each rank's loss is its share of the mini-batch's global loss (normalized by counts over all ranks)
+    and ``shard_model`` makes FSDP sum gradients over ranks, so the reduced gradient is exactly the
+    global mini-batch's. The metrics of a mini-batch are reduced once, so the early-stop decision (on
+    ``<prefix>/ppo_kl``) is the same on every rank. A non-finite gradient norm skips that update.
+    ``before_mini_batch`` (``MiniBatchHook``) runs before each mini-batch's micro-batches, so that what
+    it decides cannot depend on how the mini-batch is split.
+    """
+    sums: dict[str, float] = {}
+    grad_norms: list[float] = []
+    updates = skipped = 0
+    early_stopped = False
+    for _ in range(role.ppo_epochs):
+        for idx in mini_batches(len(batch.records), num_mini, shuffle, sp):
+            idx = idx.to(batch.response_mask.device)
+            counts = global_counts(batch.loss_mask[idx])  # the generated tokens: what is trained
+            if before_mini_batch is not None:
+                before_mini_batch(idx, updates)
+            contributions: dict[str, torch.Tensor] = {}
+            for sel in micro_batches(batch, idx, role):
+                loss, parts = loss_fn(sel, counts)
+                loss.backward()
+                for key, value in parts.items():
+                    contributions[key] = contributions.get(key, 0.0) + value.detach()
+            reduced = all_reduce_tensors(contributions, "sum")
+            grad_norm, was_skipped = optimizer_step(trained.model, trained.optimizer, role.grad_clip)
+            grad_norms.append(grad_norm)
+            updates += 1
+            skipped += was_skipped
+            for key, value in reduced.items():
+                sums[key] = sums.get(key, 0.0) + value
+            if early_stop_kl > 0 and reduced[f"{prefix}/ppo_kl"] > early_stop_kl:
+                early_stopped = True
+                logger.info(
+                    "%s: ppo_kl %.4f > early_stop_kl; the step's remaining updates are skipped",
+                    prefix,
+                    reduced[f"{prefix}/ppo_kl"],
+                )
+                break
+        if early_stopped:
+            break
+    # Every rank holds the same global values; the step's mean reduction over ranks keeps them.
+    out = {k: v / updates for k, v in sums.items()}
+    out[f"{prefix}/grad_norm"] = float(np.mean(grad_norms))
+    out[f"{prefix}/num_updates"] = float(updates)
+    out[f"{prefix}/skipped_updates"] = float(skipped)
+    if early_stop_kl > 0:
+        out[f"{prefix}/early_stopped"] = float(early_stopped)
+    return out
+
+
+def actor_loss(
+    cfg: PPOConfig,
+    actor: torch.nn.Module,
+    batch: Batch,
+    sp: ulysses.SPGroup,
+    *,
+    cov_mask: torch.Tensor | None = None,
+) -> LossFn:
+    """The actor's share of a mini-batch's loss on the rows ``sel`` of ``batch``: the policy loss of
+    ``actor.policy_loss.loss_mode``, minus the entropy bonus, plus the KL loss; with the on-policy
+    shortcut the old log-probs are the forward's own, detached. ``cov_mask [B, R]``: Clip-Cov's or
+    KL-Cov's tokens of the current mini-batch (``cov_selection`` fills it before the mini-batch)."""
+    a = cfg.actor
+    on_policy = cfg.on_policy
+    scale = sum_norm_scale(cfg, a.loss_scale_factor, sp)
+
+    def loss_fn(sel: torch.Tensor, counts: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        counts = {**counts, "loss_scale_factor": scale}
+        mask = batch.loss_mask[sel]
+        logprobs, entropy = ulysses.packed_logprobs(
+            actor,
+            pack_rows(batch, sel),
+            sp,
+            temperature=cfg.rollout.temperature,
+            backend=a.kernels,
+            compute_entropy=True,  # logged every step; its gradient only with an entropy bonus
+            fused=a.use_fused_kernels,
+        )
+        old_logprobs = logprobs.detach() if on_policy else batch.old_logprobs[sel]
+        is_weights, mismatch = off_policy_weights(cfg, old_logprobs, batch, sel)
+        pg_loss, pg_metrics = algorithms.policy_loss(
+            logprobs,
+            old_logprobs,
+            batch.advantages[sel],
+            mask,
+            a.clip_ratio_low,
+            a.clip_ratio_high,
+            a.clip_ratio_c,
+            a.loss_agg_mode,
+            is_weights=is_weights,
+            loss_mode=a.policy_loss.loss_mode,
+            cov_mask=None if cov_mask is None else cov_mask[sel],
+            ppo_kl_coef=a.policy_loss.ppo_kl_coef,
+            **counts,
+        )
+        if not a.entropy_coeff:
+            entropy = entropy.detach()
+        entropy_loss = algorithms.agg_loss(entropy, mask, a.loss_agg_mode, **counts)
+        loss = pg_loss - a.entropy_coeff * entropy_loss if a.entropy_coeff else pg_loss
+        weight = mask.sum() / counts["num_tokens"]
+        # The metric is the mean token entropy whatever the aggregation (a sum under token-sum modes).
+        mean_entropy = algorithms.agg_loss(entropy.detach(), mask, "token-mean", counts["num_tokens"])
+        parts = {"actor/pg_loss": pg_loss, "actor/entropy": mean_entropy}
+        parts.update({f"actor/{k}": v * weight for k, v in pg_metrics.items()})
+        parts.update({f"mismatch/{k}": v * weight for k, v in mismatch.items()})
+        if a.use_kl_loss:
+            kl = kl_estimate(logprobs, batch.ref_logprobs[sel], a.kl_loss_type, a.kernels)
+            kl_loss = algorithms.agg_loss(kl, mask, a.loss_agg_mode, **counts)
+            loss = loss + a.kl_loss_coef * kl_loss
+            parts["actor/kl_loss"] = kl_loss
+        if on_policy and batch.old_logprobs is None and batch.ref_logprobs is not None:
+            # The scoring forward was skipped: the step's KL to the reference from this forward.
+            seq_kl = algorithms.masked_mean(logprobs.detach() - batch.ref_logprobs[sel], mask, dim=-1)
+            parts["actor/ref_kl"] = seq_kl.sum() / counts["num_seqs"]
+        return loss, parts
+
+    return loss_fn
+
+
+def critic_loss(cfg: PPOConfig, critic: torch.nn.Module, batch: Batch, sp: ulysses.SPGroup) -> LossFn:
+    """The critic's share of a mini-batch's clipped value loss on the rows ``sel`` of ``batch``."""
+    c = cfg.critic
+    scale = sum_norm_scale(cfg, None, sp)
+
+    def loss_fn(sel: torch.Tensor, counts: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        counts = {**counts, "loss_scale_factor": scale}
+        mask = batch.loss_mask[sel]
+        values = ulysses.packed_values(critic, pack_rows(batch, sel), sp)
+        vf_loss, vf_metrics = algorithms.value_loss(
+            values, batch.values[sel], batch.returns[sel], mask, c.cliprange_value, c.loss_agg_mode, **counts
+        )
+        weight = mask.sum() / counts["num_tokens"]
+        return vf_loss, {
+            "critic/vf_loss": vf_loss,
+            "critic/vf_clipfrac": vf_metrics["vf_clipfrac"] * weight,
+            "critic/vpred_mean": algorithms.masked_mean(values.detach(), mask) * weight,
+        }
+
+    return loss_fn
+
+
+def sum_norm_scale(cfg: PPOConfig, loss_scale_factor: int | None, sp: ulysses.SPGroup) -> float:
+    """What each rank divides ``seq-mean-token-sum-norm``'s token sums by: ``loss_scale_factor`` (default
+    ``data.max_response_length``, the width responses are padded to) times the sequence-parallel size.
+    The mode has no count to normalize by, and the ranks of a sequence-parallel group each compute the
+    loss of the group's whole rows: each takes ``1/sp`` of it, as the token counts (which count every
+    token ``sp`` times) do for the other modes, so the ranks' losses and gradients sum to the batch's."""
+    return float(loss_scale_factor or cfg.data.max_response_length) * sp.size
+
+
+def cov_selection(
+    cfg: PPOConfig, batch: Batch, cov_mask: torch.Tensor, sp: ulysses.SPGroup, *, dp_rank: int, step: int
+) -> MiniBatchHook:
+    """The hook that fills ``cov_mask [B, R]`` with Clip-Cov's or KL-Cov's tokens of each mini-batch
+    (``algorithms.clip_cov_selection`` / ``kl_cov_selection``), over all ranks, before its micro-batches.
+
+    verl picks them in each micro-batch from that micro-batch's current log-probs, so its result changes
+    with the micro-batch split and the number of ranks. Here the pick is once per mini-batch, from what
+    does not change within it: the covariance of the advantages and the *old* log-probs, means over the
+    whole mini-batch on every rank; tokens are named by their place in the global batch (``dp_rank``: the
+    index of this rank's data-parallel group), so 1 rank, 2 ranks and sequence parallelism pick the same.
+    Clip-Cov's random draw comes from a generator seeded by ``(trainer.seed, step, mini-batch index)``,
+    which the checkpoint holds: a resumed or rolled-back step draws the same tokens."""
+    p = cfg.actor.policy_loss
+    num_rows, width = batch.response_mask.shape
+    rows = dp_rank * num_rows + torch.arange(num_rows, device=cov_mask.device)
+    token_ids = rows[:, None] * width + torch.arange(width, device=cov_mask.device)[None, :]
+
+    def all_reduce(t: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(t).div_(sp.size)  # the ranks of a sequence-parallel group hold the same rows
+
+    def all_gather(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat(all_gather_object(t.cpu() if sp.rank == 0 else t[:0].cpu()))  # each row once
+
+    def hook(idx: torch.Tensor, mini_batch_index: int) -> None:
+        mask = batch.loss_mask[idx]
+        cov = algorithms.token_covariance(
+            batch.advantages[idx], batch.old_logprobs[idx], mask, all_reduce=all_reduce
+        )
+        if p.loss_mode == "clip_cov":
+            seed = (cfg.trainer.seed * 1_000_003 + step) * 1_000_003 + mini_batch_index
+            chosen = algorithms.clip_cov_selection(
+                cov,
+                mask,
+                token_ids[idx],
+                ratio=p.clip_cov_ratio,
+                lb=p.clip_cov_lb,
+                ub=p.clip_cov_ub,
+                generator=torch.Generator().manual_seed(seed % 2**63),
+                all_reduce=all_reduce,
+                all_gather=all_gather,
+            )
+        else:
+            chosen = algorithms.kl_cov_selection(
+                cov, mask, token_ids[idx], ratio=p.kl_cov_ratio, all_reduce=all_reduce, all_gather=all_gather
+            )
+        cov_mask.zero_()
+        cov_mask[idx] = chosen
+
+    return hook
+
+
+def off_policy_weights(
+    cfg: PPOConfig, old_logprobs: torch.Tensor, batch: Batch, sel: torch.Tensor
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """With ``algorithm.rollout_is_threshold``: the truncated importance weights of the rows ``sel``
+    against the policy that sampled the offline responses (applied with ``algorithm.rollout_is``) and
+    the ``mismatch/*`` metrics; else ``(None, {})``."""
+    alg = cfg.algorithm
+    if alg.rollout_is_threshold is None:
+        return None, {}
+    rollout_logprobs, mask = batch.data_logprobs[sel], batch.loss_mask[sel]
+    metrics = algorithms.mismatch_metrics(old_logprobs, rollout_logprobs, mask, alg.rollout_is_threshold)
+    if not alg.rollout_is:
+        return None, metrics
+    weights = algorithms.rollout_is_weights(
+        old_logprobs, rollout_logprobs, mask, level=alg.rollout_is_level, threshold=alg.rollout_is_threshold
+    )
+    metrics["rollout_is_weight_mean"] = algorithms.masked_mean(weights, mask)
+    return weights, metrics
