@@ -77,7 +77,7 @@ def print_config(cfg: Any, args: argparse.Namespace) -> int:
         return config_error(e)
     print(to_yaml(cfg), end="")
     if _is_main():
-        for warning in [*args.notes, *(cfg.warnings() if isinstance(cfg, PPOConfig) else [])]:
+        for warning in [*args.notes, *cfg.warnings()]:
             print(f"warning: {warning}", file=sys.stderr)
     return 0
 

@@ -163,7 +163,7 @@ def _main(
     try:
         validate_config(cfg, info.world_size)
         if info.is_main:
-            for warning in [*args.notes, *(cfg.warnings() if isinstance(cfg, PPOConfig) else [])]:
+            for warning in [*args.notes, *cfg.warnings()]:
                 logger.warning("%s", warning)
         train(cfg, info)
     except EXPECTED_ERRORS as e:

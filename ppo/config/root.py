@@ -11,6 +11,7 @@ starts (``ppo.build``).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 from ppo.choices import GROUP_ESTIMATORS
@@ -59,6 +60,7 @@ class PPOConfig:
 
     def __post_init__(self) -> None:
         resolve_paths(self.trainer, self.data)
+        _expand_user_code_paths(self)
         _resolve_fallbacks(self)
         _check_groups(self)
         _check_policy_loss(self)
@@ -89,12 +91,15 @@ class PPOConfig:
         """One message per group of keys that are set but do nothing in this run, which still trains
         (the caller logs them once at start-up): the KL controller's keys without a KL penalty in the
         reward, the adaptive controller's keys with a fixed one, greedy rollouts compared within their
-        group, recipe keys their recipe does not use, a critic warm-up without a critic."""
+        group, recipe keys their recipe does not use, a critic warm-up without a critic, the reward
+        function's keys without a function, a data file listed twice."""
         return [
             *_kl_controller_warnings(self),
             *_greedy_group_warnings(self),
             *_recipe_warnings(self),
             *_critic_warmup_warnings(self),
+            *_reward_function_warnings(self),
+            *repeated_file_warnings(self.data),
         ]
 
     def validate(self, world_size: int) -> None:
@@ -119,6 +124,16 @@ class PPOConfig:
 # ----------------------------------------------------------------------------------------------------
 # Fallbacks: keys whose default is another key's value
 # ----------------------------------------------------------------------------------------------------
+
+
+def _expand_user_code_paths(cfg: PPOConfig) -> None:
+    """``~`` in the file of ``reward.custom_function`` and ``rollout.multi_turn.env``
+    (``~/rewards.py:fn``), as in the run's other paths."""
+    if cfg.reward.custom_function and cfg.reward.custom_function.startswith("~"):
+        cfg.reward.custom_function = os.path.expanduser(cfg.reward.custom_function)
+    turns = cfg.rollout.multi_turn
+    if turns.env and turns.env.startswith("~"):
+        turns.env = os.path.expanduser(turns.env)
 
 
 def _resolve_fallbacks(cfg: PPOConfig) -> None:
@@ -208,6 +223,16 @@ def _check_dynamic_sampling(cfg: PPOConfig) -> None:
             "groups (rollout.source=dataset or rollout.offline_fraction > 0) cannot: turn one of them off",
             "algorithm.filter_groups.enable",
             "rollout.offline_fraction",
+        )
+    if not cfg.rollout.do_sample and not f.max_num_gen_batches:
+        raise FieldError(
+            f"algorithm.filter_groups.enable=true with rollout.do_sample=false: greedy decoding gives the "
+            f"rollout.n={cfg.rollout.n} responses to a prompt the same tokens and score, so every group is "
+            f"dropped and with algorithm.filter_groups.max_num_gen_batches=0 (no limit) generation never "
+            f"ends: set rollout.do_sample=true",
+            "algorithm.filter_groups.enable",
+            "rollout.do_sample",
+            "algorithm.filter_groups.max_num_gen_batches",
         )
     if d.gen_batch_size % d.train_batch_size:
         raise FieldError(
@@ -478,6 +503,40 @@ def _critic_warmup_warnings(cfg: PPOConfig) -> list[str]:
             f"which has no critic: steps 1 to {warmup - 1} train nothing; set trainer.critic_warmup=0"
         ]
     return []
+
+
+def _reward_function_warnings(cfg: PPOConfig) -> list[str]:
+    """The reward function's keys without a function: ``reward_kwargs`` go to ``reward.custom_function``
+    only; ``timeout_s`` and ``error_score`` limit a function's calls (``error_score``: in reward workers)."""
+    r, default = cfg.reward, RewardConfig()
+    if r.custom_function is not None:
+        return []
+    unused = [f"reward.reward_kwargs={r.reward_kwargs}"] if r.reward_kwargs else []
+    if r.num_workers == 0:
+        unused += [
+            f"reward.{name}={getattr(r, name)}"
+            for name in ("timeout_s", "error_score")
+            if getattr(r, name) != getattr(default, name)
+        ]
+    if not unused:
+        return []
+    return [
+        f"reward.custom_function is not set (the built-in rule scores): {', '.join(unused)} "
+        f"{'is' if len(unused) == 1 else 'are'} ignored"
+    ]
+
+
+def repeated_file_warnings(data: object) -> list[str]:
+    """A file listed twice in one of ``data``'s file lists: its rows would count twice."""
+    out = []
+    for key in ("train_files", "val_files", "eval_prompt_files"):
+        seen: set[str] = set()
+        for path in getattr(data, key, None) or []:
+            normal = os.path.normpath(os.path.abspath(path))
+            if normal in seen:
+                out.append(f"data.{key} lists {path} twice: its rows are read (and weigh) twice")
+            seen.add(normal)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------

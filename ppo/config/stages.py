@@ -11,6 +11,7 @@ from typing import Literal
 
 from ppo.choices import PREFERENCE_LOSSES
 from ppo.config.errors import ConfigError, FieldError, _require, check_world_size
+from ppo.config.root import repeated_file_warnings
 from ppo.config.sections import LoRAConfig
 from ppo.config.shared import FSDPConfig, ModelConfig, OptimConfig, RunTrainerConfig, resolve_paths
 
@@ -100,6 +101,11 @@ class StageRunConfig:
 
     def __post_init__(self) -> None:
         resolve_paths(self.trainer, self.data)
+
+    def warnings(self) -> list[str]:
+        """One message per group of keys that are set but do nothing in this run, which still trains
+        (logged once at start-up): a data file listed twice."""
+        return repeated_file_warnings(self.data)
 
 
 @dataclass(kw_only=True)
@@ -207,6 +213,21 @@ class DPOConfig(StageRunConfig):
     """The preference loss and its parameters."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """Adapters on the policy (rank 0: off); the reference is then the model with adapters off."""
+
+    def warnings(self) -> list[str]:
+        """The stage's warnings, and the loss keys its ``loss.type`` does not use: ``gamma`` is SimPO's
+        margin; ``label_smoothing`` is cDPO's (``dpo`` only)."""
+        out, loss, default = super().warnings(), self.loss, PreferenceLossConfig()
+        if loss.type != "simpo" and loss.gamma != default.gamma:
+            out.append(
+                f"loss.type={loss.type}: loss.gamma={loss.gamma} is SimPO's target margin and is ignored"
+            )
+        if loss.type != "dpo" and loss.label_smoothing != default.label_smoothing:
+            out.append(
+                f"loss.type={loss.type}: loss.label_smoothing={loss.label_smoothing} smooths the DPO loss only "
+                f"(cDPO) and is ignored"
+            )
+        return out
 
 
 StageConfig = SFTConfig | RewardModelConfig | DPOConfig

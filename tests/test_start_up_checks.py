@@ -1,0 +1,178 @@
+"""Inputs that would train nothing, never end, or be ignored are named at start-up, in one line: an error
+(exit 2) for what cannot train, a warning for a key or row that a run which still trains ignores."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from ppo.config import ConfigError, DPOConfig, PPOConfig, SFTConfig
+from ppo.config_loader import load_config
+from ppo.data import load_prompts
+from tests.conftest import REWARD_FNS, arith_row, base_args, load_script, run, write_parquet
+
+
+def one_error(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Run ``train_ppo`` with ``args``: exit 2 and exactly one error line, no traceback."""
+    assert run(args) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if " ERROR " in line or line.startswith("config error")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    return errors[0]
+
+
+def config_error(*overrides: str, cls: type = PPOConfig) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, list(overrides), cls)
+    return str(e.value)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Dynamic sampling that never ends
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_dynamic_sampling_with_greedy_rollouts_and_no_round_limit_is_refused() -> None:
+    dapo = ["algorithm.filter_groups.enable=true", "algorithm.adv_estimator=grpo", "rollout.do_sample=false"]
+    msg = config_error(*dapo)
+    assert msg.startswith("algorithm.filter_groups.enable=true with rollout.do_sample=false")
+    assert "max_num_gen_batches=0 (no limit) generation never ends" in msg and "rollout.do_sample=true" in msg
+    # A round limit ends it (with an error after that many rounds), so it is allowed and warned about.
+    cfg = load_config(None, [*dapo, "algorithm.filter_groups.max_num_gen_batches=3"])
+    assert any(w.startswith("rollout.do_sample=false decodes greedily") for w in cfg.warnings())
+
+
+# ----------------------------------------------------------------------------------------------------
+# Keys that do nothing
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_reward_function_keys_without_a_function_warn() -> None:
+    def warnings(*overrides: str) -> list[str]:
+        return load_config(None, list(overrides)).warnings()
+
+    (msg,) = warnings("reward.error_score=-1", "reward.reward_kwargs={scale: 2}")
+    assert msg == (
+        "reward.custom_function is not set (the built-in rule scores): reward.reward_kwargs={'scale': 2}, "
+        "reward.error_score=-1.0 are ignored"
+    )
+    (msg,) = warnings("reward.timeout_s=5")
+    assert msg.endswith("reward.timeout_s=5.0 is ignored")
+    # reward_kwargs go to a custom function only, even with workers scoring the built-in rule.
+    (msg,) = warnings("reward.num_workers=2", "reward.reward_kwargs={scale: 2}", "reward.timeout_s=5")
+    assert msg.endswith("reward.reward_kwargs={'scale': 2} is ignored")
+    # Used as set: no warning.
+    assert (
+        warnings(f"reward.custom_function={REWARD_FNS}:digit_score", "reward.reward_kwargs={scale: 2}") == []
+    )
+    assert warnings("reward.num_workers=2", "reward.timeout_s=5", "reward.error_score=-1") == []
+
+
+@pytest.mark.parametrize("loss", ["dpo", "ipo", "simpo", "kto"])
+def test_preference_loss_keys_its_loss_does_not_use_warn(loss: str) -> None:
+    cfg = load_config(None, [f"loss.type={loss}", "loss.gamma=1.0", "loss.label_smoothing=0.1"], DPOConfig)
+    expected = []
+    if loss != "simpo":
+        expected.append(f"loss.type={loss}: loss.gamma=1.0 is SimPO's target margin and is ignored")
+    if loss != "dpo":
+        expected.append(
+            f"loss.type={loss}: loss.label_smoothing=0.1 smooths the DPO loss only (cDPO) and is ignored"
+        )
+    assert cfg.warnings() == expected
+    assert load_config(None, [f"loss.type={loss}"], DPOConfig).warnings() == []
+
+
+def test_a_data_file_listed_twice_warns(tmp_path: Path) -> None:
+    f = str(tmp_path / "a.parquet")
+    same = os.path.join(os.path.relpath(tmp_path), ".", "a.parquet")  # another spelling of the same file
+    cfg = load_config(None, [f"data.train_files=[{f}, {same}]", f"data.val_files=[{f}]"])
+    assert cfg.warnings() == [f"data.train_files lists {same} twice: its rows are read (and weigh) twice"]
+    cfg = load_config(None, [f"data.val_files=[{f}, {f}]"], SFTConfig)
+    assert cfg.warnings() == [f"data.val_files lists {f} twice: its rows are read (and weigh) twice"]
+
+
+def test_a_prompt_file_mixing_strings_and_chat_messages_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tok = load_script("make_tiny_assets").build_tokenizer()
+    rows = [arith_row(i, 1) for i in range(4)]
+    rows[2]["prompt"] = "2 + 1"  # row 2 is a plain string, rows 0, 1, 3 chat messages
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level(logging.WARNING, logger="ppo"):
+        load_prompts(path, tok, max_prompt_length=64)
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning == (
+        f"{path}: column 'prompt' mixes plain strings (first: row 2), used as they are, and chat messages "
+        f"(first: row 0), rendered with the chat template: give every row the same kind"
+    )
+    # Without the chat template both kinds are plain text: nothing to warn about.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ppo"):
+        load_prompts(path, tok, max_prompt_length=64, apply_chat_template=False)
+    assert not caplog.records
+
+
+# ----------------------------------------------------------------------------------------------------
+# YAML booleans where a word was meant
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_a_word_yaml_reads_as_a_boolean_says_how_to_quote_it() -> None:
+    msg = config_error("trainer.experiment_name=off")
+    assert msg == (
+        "trainer.experiment_name=False (from the command line) is not a valid str: YAML read the word as the "
+        "boolean false (off, no, false; on, yes, true); quote it: 'off' in a YAML file, "
+        "\"trainer.experiment_name='off'\" on the command line"
+    )
+    msg = config_error("rollout.multi_turn.stop=[NO, '</call>']")
+    assert msg.startswith("rollout.multi_turn.stop[0]=False (from the command line) is not a valid str")
+    assert "\"rollout.multi_turn.stop=['off', ...]\" on the command line" in msg
+    msg = config_error("trainer.resume_mode=false")
+    assert msg.endswith("; trainer.resume_mode takes auto, disable or a checkpoint folder")
+    # Quoted, the word is kept.
+    assert load_config(None, ["trainer.experiment_name='off'"]).trainer.experiment_name == "off"
+    # A boolean for a number is no quoting matter.
+    assert config_error("rollout.n=yes") == "rollout.n=True (from the command line) is not a valid int"
+
+
+# ----------------------------------------------------------------------------------------------------
+# ~ in the paths of user code
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_home_is_expanded_in_user_code_paths(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(
+        None,
+        [
+            "reward.custom_function=~/rewards.py:score",
+            "rollout.multi_turn.enable=true",
+            "rollout.multi_turn.env=~/env.py:Calculator",
+        ],
+    )
+    assert cfg.reward.custom_function == f"{tmp_path}/rewards.py:score"
+    assert cfg.rollout.multi_turn.env == f"{tmp_path}/env.py:Calculator"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Validation prompts nothing scores
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_validation_source_without_a_rule_is_refused(
+    tiny_assets: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    val = write_parquet(tmp_path / "val.parquet", [arith_row(1, 2), arith_row(3, 4, data_source="math")])
+    args = [a for a in base_args(tiny_assets, tmp_path / "run") if not a.startswith("reward.custom_function")]
+    line = one_error([*args, f"data.val_files={val}"], capsys)
+    assert line.endswith(
+        "no rule reward for data_source 'math' in data.val_files; known: openai/gsm8k, gsm8k, synthetic/arith. "
+        "Set reward.custom_function=module:function or file.py:function, use a reward model "
+        "(reward.style=model), or drop those rows"
+    )
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
