@@ -378,6 +378,8 @@ def load_prompts(
                 "(reward.style=model) or reward.custom_function can do without",
             },
         )
+        if apply_chat_template:
+            warn_mixed_prompts(path, [row[prompt_key] for row in rows], prompt_key)
         file_dropped = 0
         for i, row in enumerate(rows):
             text, ids = encode_prompt(
@@ -416,6 +418,22 @@ def load_prompts(
             f"data.max_prompt_length={max_prompt_length} tokens and were dropped; raise data.max_prompt_length"
         )
     return records
+
+
+def warn_mixed_prompts(path: Path, prompts: list[Any], column: str) -> None:
+    """Log a warning when a file holds both plain-string and chat-message prompts: the strings skip the
+    chat template the messages get, so the two kinds reach the model in different formats."""
+    first_string = next((i for i, p in enumerate(prompts) if isinstance(p, str)), None)
+    first_chat = next((i for i, p in enumerate(prompts) if not isinstance(p, str)), None)
+    if first_string is not None and first_chat is not None:
+        logger.warning(
+            "%s: column %r mixes plain strings (first: row %d), used as they are, and chat messages (first: "
+            "row %d), rendered with the chat template: give every row the same kind",
+            path,
+            column,
+            first_string,
+            first_chat,
+        )
 
 
 def _check_data_source(value: Any, where: str) -> str:
