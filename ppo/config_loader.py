@@ -381,9 +381,19 @@ def _coerce(value: Any, typ: Any, dotted: str, sources: dict[str, str]) -> Any:
     A float must be finite: NaN and ±inf are rejected for every float key."""
 
     def fail() -> typing.NoReturn:
-        raise _Invalid(
+        message = (
             f"{dotted}={show.repr(value)} (from {_source(sources, dotted)}) is not a valid {_type_name(typ)}"
         )
+        if isinstance(value, bool) and "str" in _type_name(typ):  # YAML 1.1 reads off and no as false
+            key, _, index = dotted.partition("[")
+            quoted = f"{key}=['off', ...]" if index else f"{key}='off'"
+            message += (
+                f": YAML read the word as the boolean {str(value).lower()} (off, no, false; on, yes, "
+                f"true); quote it: 'off' in a YAML file, \"{quoted}\" on the command line"
+            )
+            if dotted == "trainer.resume_mode":
+                message += "; trainer.resume_mode takes auto, disable or a checkpoint folder"
+        raise _Invalid(message)
 
     origin = typing.get_origin(typ)
     args = typing.get_args(typ)
