@@ -221,7 +221,21 @@ def load_data(
         val_records = val_records[: cfg.data.max_val_samples]
     if rewards.needs_rule_scores(cfg.reward, cfg.rollout.offline_fraction):
         rewards.check_rule_coverage(scorer, train_records, cfg.reward.custom_function, pool)
+    if not rewards.uses_reward_model(cfg.reward):  # validation answers are scored by the rule
+        check_val_sources(val_records, cfg.reward.custom_function)
     return items, val_records
+
+
+def check_val_sources(records: list[data.PromptRecord], custom_function: str | None) -> None:
+    """Every validation prompt's ``data_source`` has a rule scorer (as the training prompts'): a source
+    without one would be generated for and scored by nothing."""
+    unknown = sorted({r.data_source for r in records if not rewards.has_rule(r.data_source, custom_function)})
+    if unknown:
+        raise rewards.RewardError(
+            f"no rule reward for data_source {', '.join(map(repr, unknown))} in data.val_files; known: "
+            f"{', '.join(rewards.RULE_DATA_SOURCES)}. Set reward.custom_function=module:function or "
+            f"file.py:function, use a reward model (reward.style=model), or drop those rows"
+        )
 
 
 def load_models(
