@@ -25,13 +25,22 @@ completes its stop string, found by decoding prefixes), observation ids come fro
 ``step`` reward on the last generated token of its turn, and per-row ``turn_stats`` (``TURN_STATS``). A ``step`` that raises or returns the wrong types
 is an error naming the class; one that runs longer than ``rollout.multi_turn.step_timeout_s`` ends its
 trajectory with reward 0 and is counted (the stuck call is abandoned on a daemon thread: never a hang).
+A turn's ``step`` calls run concurrently, one thread each, under one deadline (stuck calls cost one
+``step_timeout_s`` a turn, not one each), and the turn's timeouts are logged. ``reset`` runs inside the
+same boundary; a call that raises anything (``sys.exit`` included) or returns a non-finite reward is an
+error naming the class and the prompt's row. The class is instantiated once at start-up (``make_settings``,
+before any model loads), so an ``__init__`` that needs arguments fails there. An observation is cut to a
+number of characters that surely holds ``max_tool_response_length`` tokens before it is tokenized.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from numbers import Real
@@ -82,6 +91,8 @@ class Trajectory:
 
     env: Any
     prompt: list[int]
+    row: int
+    """The prompt's row (``PromptRecord.index``), for messages."""
     tokens: list[int] = field(default_factory=list)
     generated: list[bool] = field(default_factory=list)
     rewards: dict[int, float] = field(default_factory=dict)
@@ -109,20 +120,42 @@ class MultiTurn:
     step_timeout_s: float
     stop: list[str]
     max_response_length: int
+    max_token_chars: int = 64
+    """The longest token's text in characters (an upper bound): an observation longer than
+    ``(max_tool_response_length + 1) * max_token_chars`` characters is cut to that before tokenizing."""
 
 
 def make_settings(config: MultiTurnConfig, tokenizer: Any, max_response_length: int) -> MultiTurn:
     """The turn loop's settings from ``rollout.multi_turn`` (the environment class loaded and checked:
     a bad ``env`` fails here, at start-up). Without ``max_assistant_turns`` the budget bounds the turns
-    (every turn generates at least one token)."""
+    (every turn generates at least one token). Refused here, in one line: no stop strings (the
+    environment would never be called) and a class that cannot be instantiated with no arguments."""
+    if not config.stop:
+        raise EnvError(
+            "rollout.multi_turn.enable=true but rollout.multi_turn.stop is empty: a turn ends at a stop string "
+            "and its text goes to the environment's step, so without one the environment is never called; "
+            "set rollout.multi_turn.stop=[...] (e.g. ['</tool_call>'])"
+        )
+    env_class = load_environment(config.env)
+    try:
+        env_class()
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # one instance per trajectory, made with no arguments
+        raise EnvError(
+            f"rollout.multi_turn.env={config.env!r}: {env_class.__name__}() raised {type(e).__name__}: {e} "
+            "(the class is instantiated with no arguments, one per trajectory; reset(row) gets the row)"
+        ) from None
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
     return MultiTurn(
-        env_class=load_environment(config.env),
+        env_class=env_class,
         tokenizer=tokenizer,
         max_turns=config.max_assistant_turns or max_response_length,
         max_tool_response_length=config.max_tool_response_length,
         step_timeout_s=config.step_timeout_s,
         stop=list(config.stop),
         max_response_length=max_response_length,
+        max_token_chars=max((len(piece) for piece in vocab), default=64),
     )
 
 
@@ -141,16 +174,29 @@ def run_turns(
     """Run the turn loop of the module docstring for every record and return the ``Rollout``
     (``R = max_response_length``) on ``device``, with both masks, the step rewards and ``turn_stats``."""
     tok = settings.tokenizer
+    name = settings.env_class.__name__
+    envs = [settings.env_class() for _ in records]
+    resets = [
+        functools.partial(env.reset, record_row(record)) for env, record in zip(envs, records, strict=True)
+    ]
     trajectories = []
-    for record in records:
-        env = settings.env_class()
-        extra = env.reset(record_row(record))
+    for env, record, answer in zip(envs, records, _call_all(resets, settings.step_timeout_s), strict=True):
+        status, extra = answer
+        if status == "timeout":
+            raise EnvError(
+                f"{name}.reset ran longer than rollout.multi_turn.step_timeout_s={settings.step_timeout_s} "
+                f"(prompt row {record.index})"
+            )
+        if status == "error":
+            raise EnvError(
+                f"{name}.reset raised {type(extra).__name__}: {extra} (prompt row {record.index})"
+            ) from None
         if extra is not None and not isinstance(extra, str):
             raise EnvError(
-                f"{settings.env_class.__name__}.reset returned {extra!r:.60}; expected text or None"
+                f"{name}.reset returned {extra!r:.60}; expected text or None (prompt row {record.index})"
             )
         prompt = list(record.input_ids) + (tok.encode(extra, add_special_tokens=False) if extra else [])
-        trajectories.append(Trajectory(env=env, prompt=prompt))
+        trajectories.append(Trajectory(env=env, prompt=prompt, row=record.index))
     eos = set(config.eos_token_id)
     budget = settings.max_response_length
     for _ in range(settings.max_turns):
@@ -164,6 +210,7 @@ def run_turns(
         out = generate_turn(
             [torch.tensor(t.prompt + t.tokens, dtype=torch.long) for t in active], turn_config
         )
+        calling: list[tuple[Trajectory, str]] = []
         for t, row in zip(active, out.tolist(), strict=True):
             new, how = _cut_turn(row[: budget - len(t.tokens)], eos, settings.stop, tok)
             t.tokens += new
@@ -173,9 +220,11 @@ def run_turns(
                 t.done, t.ended = True, how == "eos"
                 continue
             t.tool_calls += 1
-            observation, reward, done = _step(t, tok.decode(new, skip_special_tokens=True), settings)
+            calling.append((t, tok.decode(new, skip_special_tokens=True)))
+        for (t, _), (observation, reward, done) in zip(calling, _step_all(calling, settings), strict=True):
             t.rewards[len(t.tokens) - 1] = t.rewards.get(len(t.tokens) - 1, 0.0) + reward
-            obs = tok.encode(observation, add_special_tokens=False) if observation else []
+            limit = (settings.max_tool_response_length + 1) * settings.max_token_chars
+            obs = tok.encode(observation[:limit], add_special_tokens=False) if observation else []
             if len(obs) > settings.max_tool_response_length:
                 obs = obs[: settings.max_tool_response_length]
                 t.observation_truncations += 1
@@ -210,42 +259,76 @@ def _cut_turn(tokens: list[int], eos: set[int], stop: list[str], tokenizer: Any)
     return tokens, "budget"
 
 
-def _step(t: Trajectory, action: str, settings: MultiTurn) -> tuple[str, float, bool]:
-    """``env.step(action)`` within ``step_timeout_s``: a late call ends the trajectory with reward 0
-    (counted; the call runs on, abandoned, on a daemon thread that does not keep the process alive); a
-    call that raises or returns the wrong types is an error naming the class."""
-    env = t.env
-    name = type(env).__name__
-    answers: queue.Queue = queue.Queue(maxsize=1)
+def _call_all(calls: list[Callable[[], Any]], timeout_s: float) -> list[tuple[str, Any]]:
+    """Run the user's ``calls`` concurrently, one daemon thread each (a stuck call runs on, abandoned, and
+    does not keep the process alive), under one deadline ``timeout_s`` from now: ``("ok", result)``,
+    ``("error", exception)`` (anything raised, ``SystemExit`` included) or ``("timeout", None)`` each."""
+    answers: list[queue.Queue] = [queue.Queue(maxsize=1) for _ in calls]
 
-    def call() -> None:
+    def run(fn: Callable[[], Any], answer: queue.Queue) -> None:
         try:
-            answers.put(("ok", env.step(action)))
-        except Exception as e:  # handed to the caller, which names the class
-            answers.put(("error", e))
+            answer.put(("ok", fn()))
+        except BaseException as e:  # handed to the caller, which names the class and the row
+            answer.put(("error", e))
 
-    threading.Thread(target=call, daemon=True, name=f"{name}.step").start()
-    try:
-        status, result = answers.get(timeout=settings.step_timeout_s)
-    except queue.Empty:
-        t.step_timeouts += 1
-        return "", 0.0, True
-    if status == "error":
-        raise EnvError(
-            f"{name}.step raised {type(result).__name__}: {result} (action {action[:60]!r})"
-        ) from result
-    ok = (
-        isinstance(result, tuple)
-        and len(result) == 3
-        and isinstance(result[0], str)
-        and isinstance(result[1], Real)
-        and isinstance(result[2], bool)
+    for fn, answer in zip(calls, answers, strict=True):
+        threading.Thread(target=run, args=(fn, answer), daemon=True, name="multi_turn.env").start()
+    deadline = time.monotonic() + timeout_s
+    results = []
+    for answer in answers:
+        try:
+            results.append(answer.get(timeout=max(0.0, deadline - time.monotonic())))
+        except queue.Empty:
+            results.append(("timeout", None))
+    return results
+
+
+def _step_all(calling: list[tuple[Trajectory, str]], settings: MultiTurn) -> list[tuple[str, float, bool]]:
+    """``env.step(action)`` of every trajectory of a turn, concurrently, within ``step_timeout_s`` of the
+    turn: a late call ends its trajectory with reward 0 (counted, and logged for the turn); a call that
+    raises (``sys.exit`` included), returns the wrong types or a non-finite reward is an error naming the
+    class and the prompt's row."""
+    answers = _call_all(
+        [functools.partial(t.env.step, action) for t, action in calling], settings.step_timeout_s
     )
-    if not ok:
-        raise EnvError(
-            f"{name}.step returned {result!r:.80}; expected (observation: str, reward: float, done: bool)"
+    out: list[tuple[str, float, bool]] = []
+    late = []
+    for (t, action), (status, result) in zip(calling, answers, strict=True):
+        name, where = type(t.env).__name__, f"prompt row {t.row}, action {action[:60]!r}"
+        if status == "timeout":
+            t.step_timeouts += 1
+            late.append(t.row)
+            out.append(("", 0.0, True))
+            continue
+        if status == "error":
+            raise EnvError(f"{name}.step raised {type(result).__name__}: {result} ({where})") from None
+        ok = (
+            isinstance(result, tuple)
+            and len(result) == 3
+            and isinstance(result[0], str)
+            and isinstance(result[1], Real)
+            and isinstance(result[2], bool)
         )
-    return result[0], float(result[1]), result[2]
+        if not ok:
+            raise EnvError(
+                f"{name}.step returned {result!r:.80}; expected (observation: str, reward: float, done: bool) "
+                f"({where})"
+            )
+        if not math.isfinite(result[1]):
+            raise EnvError(
+                f"{name}.step returned reward {result[1]}; rewards must be finite numbers ({where})"
+            )
+        out.append((result[0], float(result[1]), result[2]))
+    if late:
+        logger.warning(
+            "%d of %d environment steps ran longer than rollout.multi_turn.step_timeout_s=%s (prompt rows %s); "
+            "their trajectories end with reward 0",
+            len(late),
+            len(calling),
+            settings.step_timeout_s,
+            ", ".join(map(str, late[:8])) + (" ..." if len(late) > 8 else ""),
+        )
+    return out
 
 
 def _as_rollout(trajectories: list[Trajectory], width: int, pad_id: int, device: torch.device) -> Rollout:

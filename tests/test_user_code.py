@@ -5,18 +5,25 @@ from __future__ import annotations
 
 import errno
 import functools
+import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from transformers import AutoTokenizer, GenerationConfig
 
 from ppo import checkpoint_files, run_folder
 from ppo.checkpoint_files import CheckpointError
+from ppo.config import MultiTurnConfig, RolloutConfig
 from ppo.config_loader import load_config, to_yaml
 from ppo.data import PromptRecord
+from ppo.multi_turn import EnvError, MultiTurn, make_settings
 from ppo.reward_pool import RewardPool
 from ppo.rewards import RewardError, make_rule_scorer, rule_scores
+from ppo.rollout import Sampler, sample
 from tests.conftest import REWARD_FNS, load_script
 
 export_hf = load_script("export_hf")
@@ -189,3 +196,149 @@ def test_an_in_process_reward_call_past_its_timeout_stops_with_one_line() -> Non
     # the limit is per call and is lifted after it: a later call and a later sleep are not cut short
     assert rule_scores(scorer, rows(1), ["12"])[0].tolist() == [1.0]
     time.sleep(0.7)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Multi-turn environments: concurrent steps under one deadline, exits and NaN named, cheap observations,
+# the class checked at start-up
+# ----------------------------------------------------------------------------------------------------
+
+EOS, PAD = 2, 0
+
+
+class OneCall(torch.nn.Module):
+    """A "model" whose every turn writes ``<calc>1+1</calc>`` for every row (the turn loop without sampling)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.ids = tokenizer.encode("<calc>1+1</calc>", add_special_tokens=False)
+        self.generation_config = GenerationConfig()
+
+    def generate(self, input_ids: torch.Tensor, generation_config: Any, **_: Any) -> torch.Tensor:
+        new = torch.tensor([self.ids[: generation_config.max_new_tokens]] * input_ids.shape[0])
+        return torch.cat([input_ids, new], dim=1)
+
+
+class Env:
+    def reset(self, row: dict) -> None:
+        pass
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        return " ok", 0.5, True
+
+
+class Stuck(Env):
+    def step(self, action: str) -> tuple[str, float, bool]:
+        time.sleep(60)
+        return "", 1.0, True
+
+
+class Exits(Env):
+    def step(self, action: str) -> tuple[str, float, bool]:
+        sys.exit(3)
+
+
+class NanReward(Env):
+    def step(self, action: str) -> tuple[str, float, bool]:
+        return " ok", math.nan, False
+
+
+class Huge(Env):
+    def step(self, action: str) -> tuple[str, float, bool]:
+        return "1 " * 2_500_000, 0.0, True  # 5 MB
+
+
+class BadReset(Env):
+    def reset(self, row: dict) -> None:
+        raise ValueError("no such task")
+
+
+class CountingTokenizer:
+    """The tiny tokenizer, recording the length of every text it encodes."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok, self.encoded = tok, []
+
+    def encode(self, text: str, **kwargs: Any) -> list[int]:
+        self.encoded.append(len(text))
+        return self.tok.encode(text, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tok, name)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_assets: Path) -> Any:
+    return AutoTokenizer.from_pretrained(tiny_assets / "tokenizer")
+
+
+def turn_settings(tok: Any, env: type, **over: Any) -> MultiTurn:
+    values = dict(env_class=env, tokenizer=tok, max_turns=2, max_tool_response_length=32, step_timeout_s=5.0,
+                  stop=["</calc>"], max_response_length=64)  # fmt: skip
+    return MultiTurn(**{**values, **over})
+
+
+def turns(tok: Any, settings: MultiTurn, n: int = 1) -> dict[str, float]:
+    ids = tok.encode("47 + 38", add_special_tokens=False)
+    recs = [PromptRecord(input_ids=ids, prompt_text="47 + 38", data_source="synthetic/arith", ground_truth="85",
+                         extra_info={}, index=i) for i in range(n)]  # fmt: skip
+    sampler = Sampler(actor=OneCall(tok), engine=None, settings=RolloutConfig(), eos_ids=[EOS], pad_token_id=PAD,
+                      max_response_length=settings.max_response_length, multi_turn=settings)  # fmt: skip
+    rollout = sample(sampler, recs, do_sample=False, micro_batch_size=8)
+    return {k: v.sum().item() for k, v in rollout.turn_stats.items()}
+
+
+def test_stuck_steps_time_out_together_and_are_logged(tok: Any, caplog: pytest.LogCaptureFixture) -> None:
+    start = time.monotonic()
+    with caplog.at_level("WARNING", logger="ppo"):
+        counts = turns(tok, turn_settings(tok, Stuck, step_timeout_s=1.0), n=6)
+    assert time.monotonic() - start < 4  # one deadline for the turn's 6 calls (they took 6 s one by one)
+    assert counts["step_timeouts"] == 6.0
+    assert caplog.messages == [
+        "6 of 6 environment steps ran longer than rollout.multi_turn.step_timeout_s=1.0 (prompt rows 0, 1, 2, "
+        "3, 4, 5); their trajectories end with reward 0"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (Exits, "Exits.step raised SystemExit: 3 (prompt row 0, action '<calc>1+1</calc>')"),
+        (NanReward, "NanReward.step returned reward nan; rewards must be finite numbers (prompt row 0, action "
+                    "'<calc>1+1</calc>')"),
+        (BadReset, "BadReset.reset raised ValueError: no such task (prompt row 0)"),
+    ],
+)  # fmt: skip
+def test_an_environment_that_exits_or_lies_is_named_with_its_row(tok: Any, env: type, message: str) -> None:
+    with pytest.raises(EnvError) as e:
+        turns(tok, turn_settings(tok, env))
+    assert str(e.value) == message
+
+
+def test_a_huge_observation_is_cut_before_it_is_tokenized(tok: Any) -> None:
+    counting = CountingTokenizer(tok)
+    settings = turn_settings(counting, Huge, max_token_chars=16)
+    counts = turns(tok, settings)
+    assert max(counting.encoded) == (32 + 1) * 16  # not 5,000,000 characters
+    assert counts["observation_truncations"] == 1.0
+
+
+def test_an_environment_class_is_checked_at_start_up(tok: Any, tmp_path: Path) -> None:
+    path = tmp_path / "envs.py"
+    path.write_text(
+        "class NeedsArgs:\n    def __init__(self, tools):\n        self.tools = tools\n"
+        "    def reset(self, row):\n        return None\n    def step(self, text):\n        return '', 0.0, True\n"
+    )
+    config = MultiTurnConfig(enable=True, env=f"{path}:NeedsArgs", stop=["</calc>"])
+    with pytest.raises(EnvError) as e:
+        make_settings(config, tok, 64)
+    assert str(e.value) == (
+        f"rollout.multi_turn.env='{path}:NeedsArgs': NeedsArgs() raised TypeError: NeedsArgs.__init__() missing 1 "
+        "required positional argument: 'tools' (the class is instantiated with no arguments, one per trajectory; "
+        "reset(row) gets the row)"
+    )
+    with pytest.raises(
+        EnvError, match=r"^rollout.multi_turn.enable=true but rollout.multi_turn.stop is empty"
+    ):
+        make_settings(MultiTurnConfig(enable=True, env=f"{path}:NeedsArgs"), tok, 64)
