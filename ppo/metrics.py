@@ -3,7 +3,8 @@
 Keys follow verl (``actor/pg_loss``, ``critic/score/mean``, ``timing_s/gen``, ``perf/throughput``) so
 dashboards carry over. ``MetricsLogger`` writes ``metrics.jsonl`` and TensorBoard events in the run
 folder, prints one console line per step and draws a progress bar; wandb is used only when installed
-and asked for.
+and asked for. ``metrics.jsonl`` and ``generations.jsonl`` are strict JSON: a NaN or infinite value (a
+skipped step's reward, a reward function's NaN extra) is written as ``null``; TensorBoard keeps the NaN.
 """
 
 from __future__ import annotations
@@ -234,7 +235,7 @@ class MetricsLogger:
             return
         clean = {k: float(v) for k, v in sorted(metrics.items())}
         if self.jsonl is not None:
-            self.jsonl.write(json.dumps({"step": step, **clean}, allow_nan=True) + "\n")
+            self.jsonl.write(json.dumps({"step": step, **_finite_or_none(clean)}, allow_nan=False) + "\n")
             self.jsonl.flush()
         if self.tb is not None:
             for key, value in clean.items():
@@ -256,7 +257,9 @@ class MetricsLogger:
             return
         if self.generations is not None:
             for row in rows:
-                self.generations.write(json.dumps({"step": step, **row}, allow_nan=True) + "\n")
+                self.generations.write(
+                    json.dumps({"step": step, **_finite_or_none(row)}, allow_nan=False) + "\n"
+                )
             self.generations.flush()
         if self.tb is not None:
             table = ["| prompt | response | score |", "|---|---|---|"]
@@ -284,6 +287,12 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _finite_or_none(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with NaN and infinite floats as None (JSON ``null``: ``NaN`` is not JSON, and strict
+    parsers, ``jq`` and most dashboards reject the line)."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
 
 
 def _cell(text: Any) -> str:

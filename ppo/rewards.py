@@ -232,6 +232,7 @@ def make_rule_scorer(
     fn = load_custom_function(custom_function)
     kwargs = dict(reward_kwargs or {})
     name = f"reward.custom_function={custom_function!r}"
+    dropped: set[str] = set()  # dict keys whose non-number values were not logged (warned once each)
 
     def score(data_source: str, solution_str: str, ground_truth: str | None, extra_info: dict) -> Score:
         try:
@@ -265,6 +266,17 @@ def make_rule_scorer(
         extras = {}
         if isinstance(result, dict):
             extras = {str(k): float(v) for k, v in result.items() if k != "score" and isinstance(v, Real)}
+            for k, v in result.items():
+                if k != "score" and not isinstance(v, Real) and str(k) not in dropped:
+                    dropped.add(str(k))
+                    logger.warning(
+                        "%s returned %.60r for key %r, not a number: it is not logged as reward/extra/%s "
+                        "(warned once)",
+                        name,
+                        v,
+                        str(k),
+                        k,
+                    )
         return Score(float(value), extras)
 
     return score

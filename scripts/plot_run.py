@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -46,7 +47,20 @@ def read_rows(run_dir: Path) -> list[dict[str, float]]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a run folder with the jsonl logger?")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # the last line of a run killed while writing it
+            print(
+                f"warning: {path}, line {number} is not complete JSON (cut short?); skipped", file=sys.stderr
+            )
+            continue
+        # null is a NaN or infinite value (a skipped step's): a gap in the curve
+        rows.append({k: math.nan if v is None else v for k, v in row.items()})
+    return rows
 
 
 def plot(runs: dict[str, list[dict[str, float]]], out: Path, title: str) -> int:

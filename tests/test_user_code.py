@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import json
 import math
 import sys
 import time
@@ -20,6 +21,7 @@ from ppo.checkpoint_files import CheckpointError
 from ppo.config import MultiTurnConfig, RolloutConfig
 from ppo.config_loader import load_config, to_yaml
 from ppo.data import PromptRecord
+from ppo.metrics import MetricsLogger
 from ppo.multi_turn import EnvError, MultiTurn, make_settings
 from ppo.reward_pool import RewardPool
 from ppo.rewards import RewardError, make_rule_scorer, rule_scores
@@ -342,3 +344,60 @@ def test_an_environment_class_is_checked_at_start_up(tok: Any, tmp_path: Path) -
         EnvError, match=r"^rollout.multi_turn.enable=true but rollout.multi_turn.stop is empty"
     ):
         make_settings(MultiTurnConfig(enable=True, env=f"{path}:NeedsArgs"), tok, 64)
+
+
+# ----------------------------------------------------------------------------------------------------
+# metrics.jsonl is strict JSON; a reward dict's text is named once; a torn last line is skipped
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_nan_metrics_are_written_as_null(tmp_path: Path) -> None:
+    log = MetricsLogger(tmp_path, ["jsonl"], is_main=True, total_steps=2, generations=True)
+    log.log(1, {"reward/extra/acc": math.nan, "critic/score/mean": 0.5, "x": math.inf})
+    log.log_generations(1, [{"prompt": "p", "response": "r", "score": math.nan}])
+    log.close()
+
+    def strict(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line, parse_constant=strict) for line in lines] == [
+        {"step": 1, "critic/score/mean": 0.5, "reward/extra/acc": None, "x": None}
+    ]
+    generations = (tmp_path / "generations.jsonl").read_text().splitlines()
+    assert json.loads(generations[0], parse_constant=strict) == {
+        "step": 1, "prompt": "p", "response": "r", "score": None
+    }  # fmt: skip
+
+
+def test_a_text_field_of_a_reward_dict_is_named_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    spec = f"{REWARD_FNS}:keyword_order"  # {"score", "digits", "long": bool, "note": "text is not logged"}
+    scorer = make_rule_scorer(spec, 0.0)
+    with caplog.at_level("WARNING", logger="ppo"):
+        _, metrics = rule_scores(scorer, rows(3), ["12", "1234567", "ab"])
+        rule_scores(scorer, rows(1), ["9"])
+    assert caplog.messages == [
+        f"reward.custom_function={spec!r} returned 'text is not logged' for key 'note', not a number: it is "
+        "not logged as reward/extra/note (warned once)"
+    ]
+    assert metrics == {
+        "reward/extra/digits": pytest.approx((1.0 + 1.0 + 0.0) / 3),
+        "reward/extra/long": 1 / 3,
+    }
+
+
+def test_plot_run_skips_a_torn_last_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rows_written = [{"step": s, "critic/score/mean": 0.1 * s, "val/accuracy": None} for s in (1, 2)]
+    text = "".join(json.dumps(r) + "\n" for r in rows_written) + '{"step": 3, "critic/sco'
+    (tmp_path / "metrics.jsonl").write_text(text)
+    plot_run = load_script("plot_run")
+    assert plot_run.main([str(tmp_path), "--out", str(tmp_path / "c.png")]) == 0
+    err = capsys.readouterr().err
+    assert (
+        err == f"warning: {tmp_path / 'metrics.jsonl'}, line 3 is not complete JSON (cut short?); skipped\n"
+    )
+    assert (tmp_path / "c.png").stat().st_size > 0
+    read = plot_run.read_rows(tmp_path)
+    assert [r["step"] for r in read] == [1, 2] and all(math.isnan(r["val/accuracy"]) for r in read)
