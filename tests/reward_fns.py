@@ -171,3 +171,15 @@ def hangs(data_source: str, solution_str: str, ground_truth: str, extra_info: di
     if solution_str:
         time.sleep(3600)
     return 0.0
+
+
+class ExitsInStep:
+    """An environment whose ``step`` calls ``sys.exit(3)`` (it was counted as a timeout, silently)."""
+
+    def reset(self, row: dict) -> None:
+        pass
+
+    def step(self, action_text: str) -> tuple[str, float, bool]:
+        import sys
+
+        sys.exit(3)

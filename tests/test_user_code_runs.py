@@ -7,8 +7,10 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.conftest import REWARD_FNS, ROOT, base_args, run, torchrun
+from tests.reward_fns import EVERY_CHARACTER
 
 pytestmark = pytest.mark.slow
 
@@ -49,3 +51,17 @@ def test_reward_timeout_holds_without_workers(
     assert len(errors) == 1, errors
     assert f"reward.custom_function='{REWARD_FNS}:hangs' ran longer than reward.timeout_s=2.0" in errors[0]
     assert "set reward.num_workers=1 or more; prompt row " in errors[0]
+
+
+def test_sys_exit_in_an_environment_step_is_one_line(
+    tiny_assets: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every printable character is a stop string, so the first turn calls ``step``, which exits."""
+    preset = tmp_path / "turns.yaml"
+    multi = {"enable": True, "env": f"{REWARD_FNS}:ExitsInStep", "stop": EVERY_CHARACTER}
+    preset.write_text(yaml.safe_dump({"rollout": {"multi_turn": multi}}))
+    args = ["--config", str(preset), *base_args(tiny_assets, tmp_path / "run", steps=1)]
+    assert run([*args, "trainer.val_before_train=false"]) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1, errors
+    assert errors[0].startswith("ExitsInStep.step raised SystemExit: 3 (prompt row "), errors[0]
