@@ -116,36 +116,59 @@ def find_resume_dir(out_dir: Path, resume_mode: str) -> Path | None:
 
 def resume_candidates(out_dir: Path, resume_mode: str) -> list[Path]:
     """Checkpoints to try, best first: ``auto`` lists the complete ones of the run folder newest first
-    (``latest``'s first), so a newest one that fails to load falls back to the next; a path lists
-    itself; ``disable`` none."""
+    (``latest``'s first), so a newest one that fails to load falls back to the next; a checkpoint path
+    lists itself, and a run folder, its ``checkpoints/`` folder or its ``latest`` file (what
+    ``scripts/export_hf.py`` takes) lists that run's as ``auto`` does; ``disable`` none."""
     if resume_mode == "disable":
         return []
     if resume_mode == "auto":
-        root = checkpoints_dir(out_dir)
-        candidates = sorted(
-            (p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")), reverse=True
-        )
-        latest = root / "latest"
-        named = root / latest.read_text().strip() if latest.is_file() else None
-        if named is not None and named in candidates:
-            candidates.remove(named)
-            candidates.insert(0, named)
-        complete = [p for p in candidates if is_complete(p)]
-        for path in candidates:
-            if path not in complete:
-                logger.warning(
-                    "checkpoint %s is incomplete (no %s marker or DCP metadata); skipped", path, COMPLETE
-                )
-        return complete
+        return _newest_first(checkpoints_dir(out_dir))
     path = Path(resume_mode)
+    if path.is_file() and path.name == "latest":  # <run>/checkpoints/latest names the newest step folder
+        path = path.parent / path.read_text().strip()
+    if path.is_dir() and not is_complete(path):
+        root = (
+            checkpoints_dir(path) if checkpoints_dir(path).is_dir() else path
+        )  # a run folder or its checkpoints/
+        if (root / "latest").is_file() or any(root.glob("step_*")):
+            candidates = _newest_first(root)
+            if not candidates:
+                raise CheckpointError(
+                    f"trainer.resume_mode={resume_mode}: {root} holds no complete checkpoint (step_N folder "
+                    f"with a {COMPLETE} marker and DCP metadata)"
+                )
+            return candidates
     if not path.is_dir():
-        raise CheckpointError(f"trainer.resume_mode={resume_mode}: no such checkpoint folder")
+        raise CheckpointError(
+            f"trainer.resume_mode={resume_mode}: no such checkpoint folder; pass a checkpoint (run/checkpoints/"
+            f"step_N), a run folder (its newest checkpoint), auto or disable"
+        )
     if not is_complete(path):
         raise CheckpointError(
             f"trainer.resume_mode={resume_mode}: the checkpoint is incomplete or corrupted (no {COMPLETE} "
             f"marker or DCP metadata); pick an older one or use trainer.resume_mode=auto"
         )
     return [path]
+
+
+def _newest_first(root: Path) -> list[Path]:
+    """The complete checkpoints of a ``checkpoints/`` folder, newest first (``latest``'s first); the
+    incomplete ones are skipped with a warning."""
+    candidates = sorted(
+        (p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")), reverse=True
+    )
+    latest = root / "latest"
+    named = root / latest.read_text().strip() if latest.is_file() else None
+    if named is not None and named in candidates:
+        candidates.remove(named)
+        candidates.insert(0, named)
+    complete = [p for p in candidates if is_complete(p)]
+    for path in candidates:
+        if path not in complete:
+            logger.warning(
+                "checkpoint %s is incomplete (no %s marker or DCP metadata); skipped", path, COMPLETE
+            )
+    return complete
 
 
 def seed_everything(seed: int) -> None:

@@ -176,3 +176,66 @@ def test_validation_source_without_a_rule_is_refused(
         "(reward.style=model), or drop those rows"
     )
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Resuming from a run folder; a run already past its last step
+# ----------------------------------------------------------------------------------------------------
+
+
+def fake_checkpoint(folder: Path, *, complete: bool = True) -> Path:
+    """A checkpoint folder with (or without) the marker and the DCP metadata ``is_complete`` asks for."""
+    (folder / "dcp").mkdir(parents=True)
+    if complete:
+        (folder / "COMPLETE").write_text("")
+        (folder / "dcp" / ".metadata").write_text("")
+    return folder
+
+
+def test_resume_mode_takes_a_run_folder_its_checkpoints_or_latest(tmp_path: Path) -> None:
+    from ppo.checkpoint_files import CheckpointError, resume_candidates
+
+    run = tmp_path / "run"
+    old, new = fake_checkpoint(run / "checkpoints" / "step_00000002"), run / "checkpoints" / "step_00000004"
+    fake_checkpoint(new)
+    (run / "checkpoints" / "latest").write_text("step_00000004\n")
+    here = tmp_path / "other"
+    for given in (run, run / "checkpoints"):  # the run's newest first, an older one if it fails to load
+        assert resume_candidates(here, str(given)) == [new, old], given
+    assert resume_candidates(here, str(run / "checkpoints" / "latest")) == [new]
+    assert resume_candidates(here, str(old)) == [old]
+    # A run folder without a complete checkpoint, and a path that is none of these, say what to pass.
+    fake_checkpoint(tmp_path / "empty" / "checkpoints" / "step_00000001", complete=False)
+    with pytest.raises(CheckpointError) as e:
+        resume_candidates(here, str(tmp_path / "empty"))
+    assert str(e.value) == (
+        f"trainer.resume_mode={tmp_path / 'empty'}: {tmp_path / 'empty' / 'checkpoints'} holds no complete "
+        f"checkpoint (step_N folder with a COMPLETE marker and DCP metadata)"
+    )
+    with pytest.raises(CheckpointError) as e:
+        resume_candidates(here, str(tmp_path / "nothing"))
+    assert str(e.value).endswith(
+        "no such checkpoint folder; pass a checkpoint (run/checkpoints/step_N), a run folder (its newest "
+        "checkpoint), auto or disable"
+    )
+
+
+def test_resuming_a_finished_run_says_so_and_keeps_its_export(
+    tiny_assets: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from tests.conftest import saved_run
+
+    out = tmp_path / "run"
+    saved_run(tiny_assets, out, "trainer.save_hf_on_end=true")
+    weights = out / "hf" / "model.safetensors"
+    before = weights.stat().st_mtime_ns
+    rows = (out / "metrics.jsonl").read_text()
+    args = [*base_args(tiny_assets, out, steps=1), "trainer.save_hf_on_end=true"]
+    with caplog.at_level(logging.WARNING, logger="ppo"):
+        assert run(args) == 0
+    (line,) = [r.getMessage() for r in caplog.records if "nothing to train" in r.getMessage()]
+    assert line == (
+        f"resumed at step 1, and the run ends at step 1: nothing to train ({out / 'hf'} is kept as it is); "
+        f"raise trainer.total_training_steps to train on"
+    )
+    assert weights.stat().st_mtime_ns == before and (out / "metrics.jsonl").read_text() == rows
