@@ -115,6 +115,8 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
         stateful={"trainer": state, "loader": loader, "kl_ctrl": kl_ctrl, "monitor": monitor},
     )
     resumed = resume(cfg, info, ckpt, state)
+    if resumed and state.step >= total_steps:
+        note_finished(cfg, out_dir, state.step, total_steps)
     logger.info(
         "world size %d on %s; %d train prompts (%d steps), %d val prompts; actor %.2fM parameters",
         info.world_size,
@@ -298,6 +300,23 @@ def resume(cfg: PPOConfig, info: DistInfo, ckpt: Checkpointer, state: TrainerSta
     if cfg.algorithm.rollback_kl > 0 or cfg.trainer.rollback_val_drop > 0:
         ckpt.save(0)
     return False
+
+
+def note_finished(cfg: PPOConfig, out_dir: Path, step: int, total_steps: int) -> None:
+    """A run resumed at or past its last step trains nothing: say so, and keep the ``hf/`` folder it
+    already exported (the loop then exports only where none exists)."""
+    hf = out_dir / "hf"
+    kept = cfg.trainer.save_hf_on_end and hf.is_dir() and any(hf.iterdir())
+    if kept:
+        cfg.trainer.save_hf_on_end = False
+    how = "trainer.total_training_steps" if cfg.trainer.total_training_steps else "trainer.total_epochs"
+    logger.warning(
+        "resumed at step %d, and the run ends at step %d: nothing to train%s; raise %s to train on",
+        step,
+        total_steps,
+        f" ({hf} is kept as it is)" if kept else "",
+        how,
+    )
 
 
 def make_sampler(
