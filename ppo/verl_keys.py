@@ -28,6 +28,11 @@ VERL_SECTIONS = {
     "actor_rollout_ref.ref": "ref",
     "actor_rollout_ref.model": "model",
     "reward_model": "reward",
+    # verl 0.9.1 moved the reward keys under `reward`; its older top-level spellings keep working.
+    "reward.custom_reward_function": "custom_reward_function",
+    "reward.reward_manager": "reward_manager",
+    "reward.reward_model": "reward.model",
+    "sandbox_fusion": "reward.sandbox_fusion",
 }
 """verl's sections and ours of the same meaning: a key under one is first renamed into the other, then
 looked up in ``VERL_KEYS`` (so ``actor.fsdp_config.param_offload``, half verl's, works too)."""
@@ -80,6 +85,12 @@ ENGINE = (
     "a setting of verl's inference engine (vLLM, SGLang); this trainer samples with Hugging Face generate "
     "on the actor's own weights, in the training processes"
 )
+ENGINE_NAME = (
+    "verl's inference engine; this trainer samples with Hugging Face generate on the actor's own weights, "
+    "in the training processes (the same n, temperature, top_p, top_k and lengths), so the engine's own "
+    "settings (gpu_memory_utilization, tensor_model_parallel_size, max_num_batched_tokens, enforce_eager, "
+    "free_cache_engine, ...) are ignored"
+)
 RAY = "a Ray setting; this trainer is one SPMD program under torchrun, without Ray"
 PROFILER = "verl's profiler; this trainer's is trainer.profile_steps (the torch profiler)"
 PACKED = "sequences are always packed without padding here"
@@ -90,6 +101,11 @@ OVERLONG_LOGGED = (
     "the overlong penalty is always logged here (reward/overlong_penalty, reward/overlong_ratio)"
 )
 STRATEGY = "this trainer shards with FSDP2 (fully_shard per decoder layer)"
+REWARD_WORKERS = (
+    "verl's reward workers (Ray actors, and their GPUs); here each rank scores its own responses (a "
+    "reward model is sharded over every rank), and reward.num_workers starts a per-rank process pool "
+    "for the rule reward"
+)
 DTYPES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 """verl's short dtype names."""
 
@@ -116,6 +132,8 @@ def _optim(role: str) -> dict[str, VerlKey]:
         f"{p}.optimizer": _refused(adamw, ("AdamW", "adamw")),
         f"{p}.optimizer_impl": _refused(adamw, ("torch.optim",)),
         f"{p}.override_optimizer_config": _refused(f"the optimizer takes {p}.* alone here", (None, {})),
+        # The schedule here counts optimizer steps from 0, as verl's default does.
+        f"{p}.zero_indexed_step": _refused("the learning-rate schedule counts steps from 0 here", (True,)),
     }
 
 
@@ -158,11 +176,29 @@ def _fsdp(verl: str, ours: str, sp_key: str | None, dtype_key: str | None) -> di
         f"{verl}.use_torch_compile": _ignored(COMPILE),
         f"{verl}.forward_only": _ignored("verl sets it for each role"),
         f"{verl}.strategy": _refused(STRATEGY, ("fsdp", "fsdp2")),
+        f"{verl}.entropy_from_logits_chunk_size": _ignored(ENTROPY),
+        f"{verl}.use_no_sync_for_gradient_accumulation": _ignored(
+            "gradients are reduced by FSDP2 as each micro-batch's backward ends here (memory and speed only)"
+        ),
+        f"{verl}.pad_to_length": _ignored(PACKED, (False,)),
+        f"{verl}.pad_to_length_bucket": _ignored(PACKED),
+        f"{verl}.turbo_config.*": _ignored(
+            "settings of verl's VeOmni/Automodel engine; this trainer shards with FSDP2"
+        ),
+        **_qat(verl),
     }
     rules[f"{verl}.ulysses_sequence_parallel_size"] = (
         renamed_to(sp_key) if sp_key else _refused("this model runs without sequence parallelism here", (1,))
     )
     return rules
+
+
+def _qat(p: str) -> dict[str, VerlKey]:
+    """verl's quantization-aware training (``<p>.qat``): refused when turned on."""
+    return {
+        f"{p}.qat.enable": _refused("quantization-aware training is not available here", (False,)),
+        f"{p}.qat.*": _ignored("used only with qat.enable=true"),
+    }
 
 
 def _model(p: str, lora: str | None) -> dict[str, VerlKey]:
@@ -191,8 +227,29 @@ def _model(p: str, lora: str | None) -> dict[str, VerlKey]:
             f"{p}.lora_rank": renamed_to(f"{lora}.rank"),
             f"{p}.lora_alpha": renamed_to(f"{lora}.alpha"),
             f"{p}.target_modules": renamed_to(f"{lora}.target_modules"),
-            f"{p}.exclude_modules": _refused(f"name the layers to adapt in {lora}.target_modules"),
+            f"{p}.exclude_modules": _refused(
+                f"name the layers to adapt in {lora}.target_modules", (None, "")
+            ),
         }
+    rules |= {
+        f"{p}.hf_config_path": _refused("the model's config is read from its path"),
+        f"{p}.custom_chat_template": _refused(
+            "prompts are rendered with the tokenizer's chat template: save yours in the tokenizer "
+            "(tokenizer.chat_template) and point model.tokenizer_path at it"
+        ),
+        f"{p}.lora_adapter_path": _refused(
+            "point the model's path at the adapter folder (its base model is read from adapter_config.json)"
+        ),
+        # verl's `model.lora` block is its Megatron engine's LoRA; with FSDP verl reads lora_rank.
+        f"{p}.lora.rank": _refused(
+            f"verl's Megatron LoRA block; with FSDP verl takes lora_rank, which is {lora}.rank here", (0,)
+        ),
+        f"{p}.lora.*": _ignored("verl's Megatron LoRA block, used only with lora.rank > 0"),
+        f"{p}.target_parameters": _refused("LoRA adapts the layers of target_modules here", (None, [])),
+        f"{p}.mtp.enable": _refused("multi-token prediction is not available here", (False,)),
+        f"{p}.mtp.*": _ignored("used only with mtp.enable=true"),
+        f"{p}.fused_kernel_options.*": _ignored("fused kernels: actor.kernels here"),
+    }
     return rules
 
 
@@ -218,6 +275,12 @@ VERL_KEYS: dict[str, VerlKey] = {
     "actor.profiler.*": _ignored(PROFILER),
     "actor.router_replay.mode": _refused("MoE router replay is not available here", ("disabled",)),
     "actor.router_replay.*": _ignored("used only with router_replay.mode"),
+    "actor.entropy_from_logits_chunk_size": _ignored(ENTROPY),
+    "actor.pad_to_length": _ignored(PACKED, (False,)),
+    "actor.policy_loss.dro_beta": _ignored(
+        "a parameter of verl's DRO loss, which this trainer does not have"
+    ),
+    **_qat("actor"),
     # ---------------------------------------------------------------- actor_rollout_ref.ref
     "ref.log_prob_micro_batch_size": _global_micro("ref.log_prob_micro_batch_size_per_gpu"),
     "ref.log_prob_use_dynamic_bsz": _ignored(
@@ -235,12 +298,17 @@ VERL_KEYS: dict[str, VerlKey] = {
     "ref.entropy_checkpointing": _ignored(ENTROPY),
     "ref.profiler.*": _ignored(PROFILER),
     "ref.router_replay.*": _ignored("MoE router replay is not available here"),
+    "ref.entropy_from_logits_chunk_size": _ignored(ENTROPY),
+    "ref.pad_to_length": _ignored(PACKED, (False,)),
     # ---------------------------------------------------------------- actor_rollout_ref.rollout
-    "rollout.name": _refused("this trainer generates with Hugging Face generate; remove the key", ("hf",)),
+    # verl's scripts all name an engine; the sampling they ask for (n, temperature, top_p, top_k, lengths)
+    # is the same with generate, and the engine's own settings are ignored (ENGINE rows below).
+    "rollout.name": VerlKey(reason=ENGINE_NAME, ignored=("vllm", "sglang"), harmless=("hf", "???")),
     "rollout.mode": _ignored("verl's sync or async engine; generation runs in the training processes here"),
     "rollout.top_k": renamed_to("rollout.top_k", {-1: 0}),
-    "rollout.prompt_length": _refused("ours is data.max_prompt_length"),
-    "rollout.response_length": _refused("ours is data.max_response_length"),
+    # Equal to the data's lengths (verl's default) they are dropped by from_verl; otherwise refused.
+    "rollout.prompt_length": _refused("ours is data.max_prompt_length; give the value there"),
+    "rollout.response_length": _refused("ours is data.max_response_length; give the value there"),
     "rollout.dtype": _ignored(
         "the rollout runs on the actor's weights, in actor.fsdp.mixed_precision.param_dtype"
     ),
@@ -279,6 +347,17 @@ VERL_KEYS: dict[str, VerlKey] = {
     "rollout.quantization_config_file": _refused("the rollout runs on the actor's own (unquantized) weights"),
     "rollout.mtp": _refused("multi-token prediction is not available here"),
     "rollout.profiler.*": _ignored(PROFILER),
+    "rollout.mtp.enable": _refused("multi-token prediction is not available here", (False,)),
+    "rollout.mtp.*": _ignored("used only with rollout.mtp.enable=true"),
+    "rollout.full_determinism": _refused("not available here", (False,)),
+    "rollout.seed": _ignored(SEEDED),
+    "rollout.nnodes": _ignored(
+        "verl's standalone rollout replicas; generation runs on the training ranks here"
+    ),
+    "rollout.n_gpus_per_node": _ignored(
+        "verl's standalone rollout replicas; generation runs on the training ranks here"
+    ),
+    **_qat("rollout"),
     **{
         f"rollout.{k}": _ignored(ENGINE)
         for k in (
@@ -307,9 +386,13 @@ VERL_KEYS: dict[str, VerlKey] = {
             "prometheus.*",
             "agent.*",
             "trace.*",
+            "router_config_path",
+            "moe_load_balance_metrics_interval",
+            "disaggregation.*",
         )
     },
     # ---------------------------------------------------------------- actor_rollout_ref.model
+    **_model("model", "actor.lora"),
     "model.hf_config_path": _refused("the model's config is read from model.path"),
     "model.custom_chat_template": _refused(
         "prompts are rendered with the tokenizer's chat template: save yours in the tokenizer "
@@ -319,9 +402,6 @@ VERL_KEYS: dict[str, VerlKey] = {
         "point model.path at the adapter folder (its base model is read from adapter_config.json)"
     ),
     "model.fused_kernel_options.impl_backend": renamed_to("actor.kernels"),
-    "model.mtp.enable": _refused("multi-token prediction is not available here", (False,)),
-    "model.mtp.*": _ignored("used only with model.mtp.enable=true"),
-    **_model("model", "actor.lora"),
     "actor_rollout_ref.hybrid_engine": _refused(
         "the actor and the rollout always share weights here", (True,)
     ),
@@ -354,6 +434,10 @@ VERL_KEYS: dict[str, VerlKey] = {
     "critic.checkpoint.async_save": renamed_to("trainer.async_save"),
     "critic.checkpoint.*": _ignored("a checkpoint holds every model, optimizer and loader state here"),
     "critic.profiler.*": _ignored(PROFILER),
+    "critic.loss_scale_factor": _refused(
+        "the critic's loss is a token mean over the mini-batch here (critic.loss_agg_mode)", (None,)
+    ),
+    **_qat("critic"),
     # ---------------------------------------------------------------- reward_model
     "reward.enable": renamed_to("reward.style", {True: "model"}, harmless=(False, None)),
     "reward.model.path": renamed_to("reward.model_path"),
@@ -375,7 +459,7 @@ VERL_KEYS: dict[str, VerlKey] = {
     # dapo: naive's scores plus the overlong penalty, which reward.overlong_buffer adds here.
     "reward.reward_manager": _refused(
         "only verl's naive and dapo reward managers (one score per response) exist here",
-        ("naive", "dapo"),
+        ("naive", "dapo", None),
     ),
     # verl's newer DAPO scripts pass the overlong buffer to the reward manager as keyword arguments.
     **{
@@ -392,10 +476,23 @@ VERL_KEYS: dict[str, VerlKey] = {
     "reward.sandbox_fusion.*": _ignored("used only with reward_model.sandbox_fusion.url"),
     "reward.strategy": _refused(STRATEGY, ("fsdp", "fsdp2")),
     "reward.profiler.*": _ignored(PROFILER),
+    # verl 0.9.1's reward model block (reward.reward_model, here reward.model after VERL_SECTIONS).
+    "reward.model.enable": renamed_to("reward.style", {True: "model"}, harmless=(False, None)),
+    "reward.model.model_path": renamed_to("reward.model_path"),
+    **{
+        f"reward.model.{k}": _ignored(REWARD_WORKERS)
+        for k in ("enable_resource_pool", "n_gpus_per_node", "nnodes", "num_workers")
+    },
+    "reward.model.rollout.*": _ignored(
+        "the reward model's inference engine in verl; here the reward model scores by a forward pass on "
+        "the training ranks"
+    ),
+    # verl's reward workers are Ray actors; the rule reward's per-rank process pool is reward.num_workers.
+    "reward.num_workers": _ignored(REWARD_WORKERS),
     "reward.reward_loop_module_path": _refused("verl's reward loops do not exist here"),
     "reward.reward_loop_class_name": _refused("verl's reward loops do not exist here"),
     **{
-        f"reward.{k}": _ignored("verl's reward workers; the reward model is sharded over every rank here")
+        f"reward.{k}": _ignored(REWARD_WORKERS)
         for k in (
             "use_reward_loop",
             "reward_loop_source",
@@ -416,6 +513,9 @@ VERL_KEYS: dict[str, VerlKey] = {
     # ---------------------------------------------------------------- algorithm
     "algorithm.use_pf_ppo": _refused("preference-feedback PPO is not available here", (False,)),
     "algorithm.pf_ppo.*": _ignored("used only with algorithm.use_pf_ppo=true"),
+    "algorithm.filter_groups.max_inflight_gen_batches": _ignored(
+        "generation rounds run one after another in the training processes here"
+    ),
     "algorithm.rollout_correction.rollout_is": _refused(
         "verl corrects a vLLM sampler's mismatch with the trainer; here the actor samples itself. For "
         "offline data: algorithm.rollout_is_threshold, algorithm.rollout_is, algorithm.rollout_is_level"
@@ -431,6 +531,9 @@ VERL_KEYS: dict[str, VerlKey] = {
         "the rule scorer is chosen by the data_source column here", ("data_source",)
     ),
     "data.tool_config_path": _refused("tools are not supported here"),
+    "data.function_tool_path": _refused("tools are not supported here"),
+    "data.audio_key": _refused("audio data is not supported here", ("audios",)),
+    "data.mm_processor_kwargs": _refused("vision-language data is not supported here", (None, {})),
     "data.return_raw_input_ids": _ignored("prompts are rendered and tokenized once, at start-up, here"),
     "data.return_raw_chat": _ignored("prompts are rendered and tokenized once, at start-up, here"),
     "data.return_full_prompt": _ignored("prompts are rendered and tokenized once, at start-up, here"),
@@ -480,11 +583,25 @@ VERL_KEYS: dict[str, VerlKey] = {
     "ray_kwargs.*": _ignored(RAY),
     "ray_init.*": _ignored(RAY),
     "transfer_queue.*": _ignored("verl's transfer queue (Ray); there is none here"),
+    "distillation.enabled": _refused("distillation from teacher models is not available here", (False,)),
+    "distillation.*": _ignored("used only with distillation.enabled=true"),
+    "skip.rollout.enable": _refused("rollouts are always generated here", (False,)),
+    "skip.rollout_tq.enable": _refused("rollouts are always generated here", (False,)),
+    "skip.async_rollout.enable": _refused("rollouts are always generated here", (False,)),
+    "skip.*": _ignored("used only with skip.<stage>.enable=true"),
+    "trainer.use_v1": _ignored("verl's choice between its trainer implementations; there is one here"),
+    "trainer.v1.trainer_mode": _refused(
+        "training here is synchronous: each step generates, then updates", ("sync",)
+    ),
+    "trainer.v1.*": _ignored("settings of verl's asynchronous trainer modes (trainer.v1.trainer_mode)"),
+    "trainer.checkpoint_callback_class": _refused("no callback runs after a checkpoint here"),
     **_optim("actor"),
     **_optim("critic"),
     **_fsdp("actor.fsdp_config", "actor.fsdp", "actor.ulysses_sequence_parallel_size", "model.dtype"),
     **_fsdp("ref.fsdp_config", "ref.fsdp", "ref.ulysses_sequence_parallel_size", None),
     **_fsdp("critic.model.fsdp_config", "critic.fsdp", "critic.ulysses_sequence_parallel_size", None),
+    # verl 0.9.1's critic has its FSDP settings in critic.fsdp, our section's name.
+    **_fsdp("critic.fsdp", "critic.fsdp", "critic.ulysses_sequence_parallel_size", None),
     **_fsdp("reward.model.fsdp_config", "reward.fsdp", None, None),
     "reward.ulysses_sequence_parallel_size": _refused(
         "the reward model runs without sequence parallelism here", (1,)
@@ -529,6 +646,33 @@ when a config uses verl's spellings, those of them that differ from ours and tha
 named in one start-up warning."""
 
 
+VERL_NULL_IS_DEFAULT = frozenset(
+    {
+        "actor.ppo_micro_batch_size_per_gpu",
+        "ref.log_prob_micro_batch_size_per_gpu",
+        "critic.ppo_micro_batch_size_per_gpu",
+        "reward.micro_batch_size_per_gpu",
+        "data.val_batch_size",
+        "reward.num_workers",
+    }
+)
+"""Keys verl shares with us whose verl default is null ("derived", or "all at once"), where ours is a
+number: null takes our default."""
+
+VERL_HOMONYMS = frozenset({"reward.num_workers"})
+"""Our keys that verl's older spelling means otherwise: their row applies to that spelling alone
+(``reward_model.num_workers`` counts verl's reward workers; ``reward.num_workers`` is our per-rank pool)."""
+
+VERL_VALUES: dict[str, dict[Any, Any]] = {"algorithm.filter_groups.metric": {"reward": "seq_reward"}}
+"""Values of keys verl shares with us that only verl spells that way, in either spelling of the key
+(verl's ``reward``: the score with the overlong penalty, before KL, is our ``seq_reward``)."""
+
+VERL_LENGTHS = {
+    "rollout.prompt_length": "data.max_prompt_length",
+    "rollout.response_length": "data.max_response_length",
+}
+"""verl's engine lengths, which it derives from the data's; here the data's alone."""
+
 VERL_MAPPINGS = frozenset({"custom_reward_function.reward_kwargs"})
 """verl's renamed keys whose value is a mapping, set key by key (``+custom_reward_function.reward_kwargs.a=1``)."""
 
@@ -571,6 +715,17 @@ def _optional(cls: type, dotted: str) -> bool:
     return type(None) in typing.get_args(typ)
 
 
+def _value(leaves: list[Leaf], cls: type, dotted: str) -> Any:
+    """The value ``dotted`` takes: its last given value, else ``cls``'s default."""
+    for leaf in reversed(leaves):
+        if leaf.key == dotted:
+            return leaf.value
+    value: Any = cls()
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
 def from_verl(leaves: list[Leaf], cls: type, errors: list[str], notes: list[str]) -> tuple[list[Leaf], bool]:
     """``leaves`` in our keys: verl's renamed (``VERL_KEYS``), those that change nothing here dropped
     with a message in ``notes``, those that cannot be taken dropped with one in ``errors``. Our own keys
@@ -582,10 +737,23 @@ def from_verl(leaves: list[Leaf], cls: type, errors: list[str], notes: list[str]
     for leaf in _combine(leaves, errors, notes):
         key = leaf.key
         rule = _verl_key(key)
-        if rule is not None and key in our_keys and (rule.ours is None or leaf.given == key):
+        if (
+            rule is not None
+            and key in our_keys
+            and (leaf.given == key or (rule.ours is None and key not in VERL_HOMONYMS))
+        ):
             # Our key, written our way (verl's values apply to verl's spelling: rollout.top_k=-1 is an
-            # error, actor_rollout_ref.rollout.top_k=-1 our 0), or ours since the table was written.
+            # error, actor_rollout_ref.rollout.top_k=-1 our 0), or ours since the table was written;
+            # a homonym's row applies to verl's other spelling (reward_model.num_workers).
             rule = None
+        if key in VERL_VALUES and isinstance(leaf.value, Hashable):
+            leaf = dataclasses.replace(leaf, value=VERL_VALUES[key].get(leaf.value, leaf.value))
+        if key in VERL_LENGTHS and leaf.value == _value(leaves, cls, VERL_LENGTHS[key]):
+            continue  # verl's default: the data's length
+        if leaf.parts[-1] == "_target_" or (leaf.value is None and key in VERL_NULL_IS_DEFAULT):
+            # verl's dataclass to instantiate; verl's null for "derive it", which our default does.
+            verl_spelled = True
+            continue
         shown = f"{leaf.given}={show.repr(leaf.value)} (from {leaf.source})"
         if isinstance(leaf.value, str) and "${" in leaf.value:  # any key: verl's YAML files have them
             errors.append(f"{shown}: an OmegaConf interpolation, which is not resolved here; give the value")
