@@ -112,7 +112,7 @@ def answer_metrics(
     - ``val/accuracy``: the share of prompts whose greedy answer the rule scores 1;
     - with ``num_samples = k > 0``, ``k`` answers per prompt sampled at ``temperature``:
       ``val/sample_accuracy`` (the chance that one sample is right) and ``val/pass_at_k`` (prompts with a
-      right one among the ``k``);
+      right one among the ``k``: ``pass_at_k(k, c, k)``);
     - with ``ref`` (needs ``num_samples > 0``): ``val/kl_to_ref``, the mean sequence log-ratio
       ``Σ_t log π − log π_ref`` of those samples (nats per sequence; the module docstring says why it is
       unbiased), ``val/kl_to_ref_stderr`` (its standard error over the samples) and
@@ -151,7 +151,10 @@ def answer_metrics(
             )
         right = right_answers(tokenizer, sampled, mine, scorer, num_samples)
         per_prompt = [right[i : i + num_samples] for i in range(0, len(right), num_samples)]
-        sums += [float(sum(right)), float(sum(map(any, per_prompt)))]
+        passed = sum(
+            algorithms.pass_at_k(num_samples, sum(p), num_samples) for p in per_prompt
+        )  # 1 if any is right
+        sums += [float(sum(right)), float(passed)]
         names += ["right_samples", "prompts_passed"]
         if ref is not None:
             log_ratio = sequence_log_ratio(

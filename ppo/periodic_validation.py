@@ -6,21 +6,25 @@ its reward pool); stop signals end it between chunks. With ``rollout.val_kwargs`
 sampled answers per prompt measures exploration.
 
 metrics = validate(cfg, info, run)   # val/<data_source>/score, /accuracy, val/score, val/accuracy,
-                                     # and with val_kwargs: val/mean@n, val/best@k, val/maj@n;
+                                     # and with val_kwargs: val/mean@n, val/pass@k, val/best@k, val/maj@n;
                                      # multi-turn: val/turns/mean, val/tool_calls/mean
+
+The headline ``val/score`` (what ``trainer.rollback_val_drop`` and the best score so far follow) is the
+greedy pass's, or, with ``rollout.val_kwargs.do_sample``, the mean over the ``n`` sampled answers, as
+verl's ``val-core/<data_source>/reward/mean@n`` is; the greedy pass is then logged as ``greedy_score``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections import Counter
 
 import numpy as np
 import torch
 
 from ppo import rewards, runner
+from ppo.algorithms import bootstrap_best, pass_at_k
 from ppo.batch import Rollout, concat_rollouts, decode_responses
 from ppo.build import Run
 from ppo.config import PPOConfig
@@ -47,6 +51,12 @@ def validate(
     1.0, where a rule exists for the source and the data has a ground truth. ``val/score`` and
     ``val/accuracy`` average over sources. With ``rollout.val_kwargs`` (``n > 1`` or ``do_sample``) also
     the ``n``-answer metrics of ``sampled_metrics``.
+
+    With ``rollout.val_kwargs.do_sample`` the headline is sampled, as verl's (whose only validation pass
+    is the ``n`` sampled answers): ``score`` and ``accuracy`` (per source and averaged) and
+    ``val-core/<data_source>/reward/mean@n`` are over the ``n`` sampled answers to each prompt, and the
+    greedy pass's are logged as ``val/<data_source>/greedy_score``, ``.../greedy_accuracy``,
+    ``val/greedy_score``, ``val/greedy_accuracy`` (no verl name: verl has no greedy pass then).
 
     Generation runs in chunks of ``data.val_batch_size`` sequences (over all ranks); before each, a stop
     signal (``stop``) ends validation at once with no metrics, so a long validation never outlasts the
@@ -87,8 +97,38 @@ def _validate(cfg: PPOConfig, info: DistInfo, run: Run, stop: runner.StopRequest
     if cfg.trainer.log_val_generations:
         shown = model_scores.tolist() if model_scores is not None else rule
         log_generations(run, info, mine, texts, shown, cfg.trainer.log_val_generations)
+    out = score_metrics(mine, model_scores, rule, answers_per_prompt=1)
+    if cfg.rollout.val_kwargs.do_sample:  # the headline is the sampled pass's: the greedy one is renamed
+        out = {
+            f"{key.rpartition('/')[0]}/greedy_{key.rpartition('/')[2]}": value
+            for key, value in out.items()
+            if key.startswith("val/")
+        }
+    if rollout.turn_stats is not None:
+        out.update(turn_metrics(rollout))
+    if cfg.rollout.val_kwargs.enabled:
+        sampled = sampled_metrics(cfg, run, mine, chunk, stop)
+        if sampled is None:
+            return {}
+        out.update(sampled)
+    return out
+
+
+def score_metrics(
+    records: list[PromptRecord],
+    model_scores: torch.Tensor | None,
+    rule: list[float | None],
+    *,
+    answers_per_prompt: int,
+) -> dict[str, float]:
+    """Mean score and share right of a validation pass, per source and averaged over sources (over every
+    rank's answers): ``val/<source>/score`` (the reward model's score where there is one, else the
+    rule's), verl's ``val-core/<source>/reward/mean@<answers_per_prompt>``, ``val/<source>/accuracy`` (the
+    share the rule scores 1.0, where it scores), ``val/score``, ``val/accuracy``. ``records`` holds each
+    prompt ``answers_per_prompt`` times; every prompt has that many answers, so the mean over answers is
+    verl's mean over prompts of each prompt's mean."""
     sums: dict[str, list[float]] = {}  # source -> [score sum, count, right, rule count]
-    for i, r in enumerate(mine):
+    for i, r in enumerate(records):
         s = sums.setdefault(r.data_source, [0.0, 0.0, 0.0, 0.0])
         if model_scores is not None:
             s[0] += float(model_scores[i])
@@ -104,7 +144,7 @@ def _validate(cfg: PPOConfig, info: DistInfo, run: Run, stop: runner.StopRequest
     for source in sorted(scored):
         score, count, right, ruled = totals[source]
         out[f"val/{source}/score"] = score / count
-        out[f"val-core/{source}/reward/mean@1"] = score / count
+        out[f"val-core/{source}/reward/mean@{answers_per_prompt}"] = score / count
         if ruled:
             out[f"val/{source}/accuracy"] = right / ruled
     if scored:
@@ -112,13 +152,6 @@ def _validate(cfg: PPOConfig, info: DistInfo, run: Run, stop: runner.StopRequest
     accuracies = [out[f"val/{s}/accuracy"] for s in scored if f"val/{s}/accuracy" in out]
     if accuracies:
         out["val/accuracy"] = float(np.mean(accuracies))
-    if rollout.turn_stats is not None:
-        out.update(turn_metrics(rollout))
-    if cfg.rollout.val_kwargs.enabled:
-        sampled = sampled_metrics(cfg, run, mine, chunk, stop)
-        if sampled is None:
-            return {}
-        out.update(sampled)
     return out
 
 
@@ -145,13 +178,21 @@ def sampled_metrics(
     scores >= 1), per source and averaged over sources:
 
     - ``val/<source>/mean@n``: the share of right answers (mean over prompts of ``c / n``);
-    - ``val/<source>/best@k`` for ``k = 1, 2, 4, ..., n`` (``k_values``): the unbiased pass@k
-      (``pass_at_k``), the chance that at least one of k answers drawn from the n is right;
+    - ``val/<source>/pass@k`` for ``k = 1, 2, 4, ..., n`` (``k_values``): the unbiased pass@k
+      (``pass_at_k``), the chance that at least one of k answers drawn without replacement from the n is
+      right; pass@1 is mean@n and pass@n is the share of prompts with a right answer;
+    - ``val/<source>/best@k`` for ``k = 2, 4, ..., n`` (verl's k): verl's best@k (``bootstrap_best``), the
+      best rule score among k answers drawn *with replacement*, averaged over 1000 draws from a NumPy
+      RandomState seeded 42 for each k (the same draws for every prompt, as verl's reseeding gives); it
+      sits below pass@k (one right answer of 8: best@8 = 0.651, pass@8 = 1). Also under verl's names
+      ``val-core/<source>/reward/best@n/mean`` and ``val-aux/<source>/reward/best@k/mean`` (k < n), each
+      with its ``/std`` over the draws;
     - ``val/<source>/maj@n``: the share of prompts whose most frequent final answer (``prediction``) is
-      right (``majority_correct``).
+      right (``majority_correct``), over all n answers (verl bootstraps it too).
 
-    verl estimates best@k and maj@n by bootstrap resampling; the closed form here has no sampling noise
-    of its own. Prompts without a rule or ground truth are left out. None when a stop signal came."""
+    With ``do_sample`` the pass is also the headline (``score_metrics`` over the n answers, scored as the
+    run scores: ``val/score``, ``val/accuracy``, ``val-core/<source>/reward/mean@n``). Prompts without a
+    rule or ground truth are left out of the n-answer metrics. None when a stop signal came."""
     v = cfg.rollout.val_kwargs
     settings = dataclasses.replace(cfg.rollout, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k)
     sampler = dataclasses.replace(run.sampler, settings=settings)
@@ -161,29 +202,51 @@ def sampled_metrics(
         return None
     texts = decode_responses(run.tokenizer, rollout)
     rule = rule_scores(cfg, run, records, texts)
+    out: dict[str, float] = {}
+    if v.do_sample:
+        model_scores = (
+            rewards.rollout_reward_model_scores(
+                run.reward_model, rollout, micro_batch_size=cfg.reward.micro_batch_size_per_gpu
+            )
+            if run.reward_model is not None
+            else None
+        )
+        out.update(score_metrics(records, model_scores, rule, answers_per_prompt=v.n))
     ks = k_values(v.n)
-    sums: dict[str, list[float]] = {}  # source -> [prompts, mean@n sum, best@k sums..., maj@n sum]
+    best_ks = ks[1:]  # verl's best@k starts at k = 2
+    draws = bootstrap_draws(v.n, best_ks)
+    # source -> [prompts, mean@n sum, pass@k sums..., best@k mean sums..., best@k std sums..., maj@n sum]
+    sums: dict[str, list[float]] = {}
     for i, r in enumerate(mine):
         scores = rule[i * v.n : (i + 1) * v.n]
         if scores[0] is None:
             continue
         right = [s >= 1.0 for s in scores]
         preds = [prediction(r.data_source, t) for t in texts[i * v.n : (i + 1) * v.n]]
-        s = sums.setdefault(r.data_source, [0.0] * (len(ks) + 3))
-        s[0] += 1
-        s[1] += sum(right) / v.n
-        for j, k in enumerate(ks):
-            s[2 + j] += pass_at_k(v.n, sum(right), k)
-        s[-1] += float(majority_correct(preds, right))
+        best = [bootstrap_best(torch.tensor(scores, dtype=torch.float64), draws[k]) for k in best_ks]
+        row = [1.0, sum(right) / v.n, *(pass_at_k(v.n, sum(right), k) for k in ks)]
+        row += (
+            [float(m) for m, _ in best]
+            + [float(sd) for _, sd in best]
+            + [float(majority_correct(preds, right))]
+        )
+        s = sums.setdefault(r.data_source, [0.0] * len(row))
+        for j, x in enumerate(row):
+            s[j] += x
     totals = sum_over_ranks(sums)
-    out: dict[str, float] = {}
+    nk, nb = len(ks), len(best_ks)
     for source in sorted(totals):
-        t = totals[source]
-        out[f"val/{source}/mean@{v.n}"] = t[1] / t[0]
+        t = [x / totals[source][0] for x in totals[source]]
+        out[f"val/{source}/mean@{v.n}"] = t[1]
         for j, k in enumerate(ks):
-            out[f"val/{source}/best@{k}"] = t[2 + j] / t[0]
-        out[f"val/{source}/maj@{v.n}"] = t[-1] / t[0]
-    names = [f"mean@{v.n}", *(f"best@{k}" for k in ks), f"maj@{v.n}"]
+            out[f"val/{source}/pass@{k}"] = t[2 + j]
+        for j, k in enumerate(best_ks):
+            out[f"val/{source}/best@{k}"] = t[2 + nk + j]
+            section = "val-core" if k == v.n else "val-aux"
+            out[f"{section}/{source}/reward/best@{k}/mean"] = t[2 + nk + j]
+            out[f"{section}/{source}/reward/best@{k}/std"] = t[2 + nk + nb + j]
+        out[f"val/{source}/maj@{v.n}"] = t[-1]
+    names = [f"mean@{v.n}", *(f"pass@{k}" for k in ks), *(f"best@{k}" for k in best_ks), f"maj@{v.n}"]
     for name in names if totals else []:
         out[f"val/{name}"] = float(np.mean([out[f"val/{s}/{name}"] for s in totals]))
     return out
@@ -251,21 +314,17 @@ def sum_over_ranks(sums: dict[str, list[float]]) -> dict[str, list[float]]:
     return totals
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from ``n`` answers of which ``c`` are right (Chen et al. 2021, "Evaluating Large
-    Language Models Trained on Code"): ``1 - C(n - c, k) / C(n, k)``, the chance that ``k`` answers
-    drawn without replacement from the ``n`` hold a right one. ``pass_at_k(8, 2, 4) = 1 - 15/70 =
-    0.785714``; ``pass_at_k(n, c, 1) = c / n``. Raises ValueError unless ``0 <= c <= n`` and
-    ``1 <= k <= n``."""
-    if not (0 <= c <= n and 1 <= k <= n):
-        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+def bootstrap_draws(n: int, ks: list[int], num_draws: int = 1000) -> dict[int, torch.Tensor]:
+    """verl's bootstrap indices for ``best@k``: for each ``k``, ``[num_draws, k]`` indices into a prompt's
+    ``n`` answers, drawn with replacement by a NumPy RandomState seeded 42 (verl reseeds NumPy's global
+    RNG with 42 before each draw; a RandomState of its own gives the same indices and leaves the global
+    one alone)."""
+    return {k: torch.from_numpy(np.random.RandomState(42).choice(n, size=(num_draws, k))) for k in ks}
 
 
 def k_values(n: int) -> list[int]:
-    """The k of ``best@k``: 1, 2, 4, ... below ``n``, then ``n`` (``k_values(6) = [1, 2, 4, 6]``)."""
+    """The k of ``pass@k``: 1, 2, 4, ... below ``n``, then ``n`` (``k_values(6) = [1, 2, 4, 6]``); verl's
+    ``best@k`` takes the same without 1."""
     ks, k = [], 1
     while k < n:
         ks.append(k)

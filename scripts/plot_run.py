@@ -6,7 +6,8 @@
 
 Panels: validation accuracy, training score, KL to the reference (and its coefficient), response
 length, policy loss and clip fraction, entropy, for multi-turn runs the tool calls per trajectory, and
-with ``rollout.val_kwargs`` the share right, pass@n and majority vote of the n sampled answers;
+with ``rollout.val_kwargs`` the share right, pass@n, verl's best@n and majority vote of the n sampled
+answers;
 a panel is skipped when no run has any of its keys. With several runs each line is labelled with the
 run folder's name (and the key, where a panel has several).
 """
@@ -37,7 +38,8 @@ PANELS = [
 
 SAMPLED = {
     "mean": "share right of {n} (mean@{n})",
-    "best": "pass@{n} (best@{n})",
+    "pass": "pass@{n} (unbiased)",
+    "best": "verl's best@{n} (bootstrap)",
     "maj": "majority of {n} (maj@{n})",
 }
 """The panels of ``rollout.val_kwargs`` validation, for the largest ``n`` the runs logged."""
@@ -66,7 +68,10 @@ def read_rows(run_dir: Path) -> list[dict[str, float]]:
 def plot(runs: dict[str, list[dict[str, float]]], out: Path, title: str) -> int:
     """Draw the panels that have data, one line per run and key; returns how many were drawn."""
     every = [r for rows in runs.values() for r in rows]
-    n = max((int(k.rpartition("@")[2]) for r in every for k in r if k.startswith("val/best@")), default=0)
+    n = max(
+        (int(k.rpartition("@")[2]) for r in every for k in r if k.startswith(("val/pass@", "val/best@"))),
+        default=0,
+    )
     sampled = [(SAMPLED[kind].format(n=n), [f"val/{kind}@{n}"]) for kind in SAMPLED]
     panels = [(name, [k for k in keys if any(k in r for r in every)]) for name, keys in PANELS + sampled]
     panels = [(name, keys) for name, keys in panels if keys]

@@ -38,13 +38,14 @@ from ppo.algorithms import (
     compute_rloo_advantages,
     filter_groups,
     kl_cov_selection,
+    pass_at_k,
     policy_loss,
     token_covariance,
 )
 from ppo.config import ConfigError
 from ppo.config_loader import load_config
 from ppo.dynamic_sampling import kept_group_slots
-from ppo.periodic_validation import k_values, majority_correct, pass_at_k, prediction
+from ppo.periodic_validation import k_values, majority_correct, prediction
 from ppo.rewards import overlong_penalty
 from tests.conftest import (
     ROOT,
@@ -565,14 +566,12 @@ def test_start_up_warnings_for_keys_that_do_nothing() -> None:
             ],
         ).warnings()
     )
-    assert "gspo aggregates its loss seq-mean-token-mean" in warned
     assert "does not use actor.policy_loss.kl_cov_ratio=0.01" in warned
     assert "actor.loss_scale_factor=64 divides only" in warned
     assert "data.gen_batch_size and algorithm.filter_groups.max_num_gen_batches are used by dynamic" in warned
     assert "greedy answers to a prompt are identical" in warned
-    quiet = load_config(
-        None, ["actor.policy_loss.loss_mode=gspo", "actor.loss_agg_mode=seq-mean-token-mean"]
-    ).warnings()
+    # GSPO aggregates its loss with actor.loss_agg_mode, as verl 0.9.1 does: any mode is quiet.
+    quiet = load_config(None, ["actor.policy_loss.loss_mode=gspo", "actor.loss_agg_mode=token-mean"]).warnings()
     assert not quiet
 
 
@@ -826,18 +825,30 @@ def test_overlong_penalty_lands_in_the_scores(tiny_assets: Path, tmp_path: Path)
 
 def test_validation_with_n_answers(tiny_assets: Path, tmp_path: Path) -> None:
     """``rollout.val_kwargs``: 4 sampled answers a prompt beside the greedy one; pass@1 is the share right,
-    pass@k grows with k, a right majority means one right answer at least."""
+    pass@k grows with k, a right majority means one right answer at least; verl's best@k (draws with
+    replacement) stays at or below pass@k; sampling makes the sampled pass the headline, as verl's."""
     rows = train_ppo_rows(tiny_assets, tmp_path, [
         f"reward.custom_function={RECIPE_FNS}:split_parity", "rollout.val_kwargs.n=4",
         "rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=1.0", "data.max_val_samples=16",
     ], steps=1)  # fmt: skip
     first = rows[0]
-    assert "val/accuracy" in first  # the greedy pass is still there
-    assert first["val/best@1"] == pytest.approx(first["val/mean@4"])
-    assert first["val/mean@4"] <= first["val/best@2"] <= first["val/best@4"]
-    assert first["val/best@2"] > first["val/best@1"]  # answers differ: more draws find more
-    assert first["val/maj@4"] <= first["val/best@4"]
-    assert first["val/synthetic/arith/best@4"] == first["val/best@4"]
+    assert "val/greedy_accuracy" in first and "val/synthetic/arith/greedy_score" in first  # greedy pass kept
+    assert first["val/pass@1"] == pytest.approx(first["val/mean@4"])
+    assert first["val/mean@4"] <= first["val/pass@2"] <= first["val/pass@4"]
+    assert first["val/pass@2"] > first["val/pass@1"]  # answers differ: more draws find more
+    assert first["val/maj@4"] <= first["val/pass@4"]
+    assert first["val/synthetic/arith/pass@4"] == first["val/pass@4"]
+    # verl's best@k for k = 2, 4: draws with replacement repeat answers, so it never exceeds pass@k
+    assert "val/best@1" not in first
+    assert first["val/best@2"] <= first["val/pass@2"] and first["val/best@4"] <= first["val/pass@4"]
+    assert first["val/best@4"] < first["val/pass@4"]  # some prompt has 1-3 right of 4 at this pass@2 > pass@1
+    assert first["val-core/synthetic/arith/reward/best@4/mean"] == first["val/synthetic/arith/best@4"]
+    assert first["val-aux/synthetic/arith/reward/best@2/mean"] == first["val/synthetic/arith/best@2"]
+    # the headline is the sampled pass: split_parity scores 0 or 1, so its mean score is mean@4
+    assert first["val/score"] == pytest.approx(first["val/mean@4"])
+    assert first["val/accuracy"] == pytest.approx(first["val/mean@4"])
+    assert first["val-core/synthetic/arith/reward/mean@4"] == first["val/synthetic/arith/score"]
+    assert "val-core/synthetic/arith/reward/mean@1" not in first
 
 
 def train_ppo_rows(

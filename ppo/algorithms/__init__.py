@@ -18,7 +18,8 @@ Typical use in the PPO loop::
     loss, metrics = policy_loss(logprobs, old_logprobs, advantages, response_mask, 0.2, 0.28, 3.0,
                                 "token-mean", num_tokens=num_tokens_in_mini_batch)
 
-The package's modules, each pure torch: ``stats`` (masked mean and whitening), ``kl`` (KL estimators,
+The package's modules, each pure torch: ``stats`` (masked mean and whitening; pass@k and verl's
+bootstrapped best@k), ``kl`` (KL estimators,
 exact KL, controllers), ``advantages`` (GAE, GRPO, RLOO, REINFORCE++ and its baseline
 variant, OPO; DAPO's group filter), ``losses`` (aggregation; the vanilla, GSPO, Clip-Cov and KL-Cov
 policy losses and the covariance token selections; the value loss), ``correction`` (off-policy
@@ -53,7 +54,7 @@ from ppo.algorithms.losses import (
     value_loss,
 )
 from ppo.algorithms.preference import dpo_loss, ipo_loss, kto_loss, simpo_loss
-from ppo.algorithms.stats import masked_mean, masked_whiten
+from ppo.algorithms.stats import bootstrap_best, masked_mean, masked_whiten, pass_at_k
 from ppo.choices import (
     ADV_ESTIMATORS,
     GROUP_ESTIMATORS,
@@ -75,6 +76,7 @@ __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
     "agg_loss",
+    "bootstrap_best",
     "clip_cov_selection",
     "compute_gae",
     "compute_grpo_advantages",
@@ -93,6 +95,7 @@ __all__ = [
     "masked_mean",
     "masked_whiten",
     "mismatch_metrics",
+    "pass_at_k",
     "policy_loss",
     "rollout_is_weights",
     "simpo_loss",

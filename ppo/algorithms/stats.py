@@ -1,8 +1,11 @@
-"""Masked statistics over response tokens: the mean and the whitening every estimator and loss uses.
+"""Masked statistics over response tokens: the mean and the whitening every estimator and loss uses;
+the validation estimators over a prompt's ``n`` sampled answers (unbiased pass@k, verl's bootstrapped
+best@k).
 
 Shapes: ``x [...]`` with ``mask`` broadcastable to it (bool or 0/1, True = the token counts).
 """
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -64,3 +67,31 @@ def masked_whiten(
     if not shift_mean:
         whitened = whitened + mean
     return whitened
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``n`` answers of which ``c`` are right (Chen et al. 2021, "Evaluating Large
+    Language Models Trained on Code"): ``1 - C(n - c, k) / C(n, k)``, the chance that ``k`` answers
+    drawn without replacement from the ``n`` hold a right one. ``pass_at_k(8, 2, 4) = 1 - 15/70 =
+    0.785714``; ``pass_at_k(n, c, 1) = c / n``. Raises ValueError unless ``0 <= c <= n`` and
+    ``1 <= k <= n``."""
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def bootstrap_best(scores: torch.Tensor, draws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's ``best@k``: the best score among ``k`` answers drawn *with replacement* from a prompt's
+    ``n``, averaged over the draws (verl's ``bootstrap_metric`` with ``np.max``).
+
+    ``scores [n]`` (one prompt's answers), ``draws [num_draws, k]`` (indices into ``scores``; the caller
+    draws them: verl takes ``num_draws = 1000`` rows from a NumPy RandomState seeded 42 anew for every
+    ``k``). Returns ``(mean, std)`` over the draws of ``max(scores[draws[b]])``, in float64, std with no
+    Bessel correction (``np.std``). Drawing with replacement repeats answers, so for 0/1 scores the
+    value sits below the unbiased ``pass_at_k``: with one right answer among ``n`` it tends to
+    ``1 - (1 - 1/n)^k`` (0.656 for ``n = k = 8``) where pass@8 is 1.
+    """
+    best = scores.double()[draws].amax(dim=-1)
+    return best.mean(), best.std(correction=0)

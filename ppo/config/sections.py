@@ -270,9 +270,11 @@ class ValKwargsConfig:
 
     n: int = 1
     """Answers per validation prompt; with ``n > 1`` or ``do_sample`` the validation also logs
-    ``val/mean@n``, ``val/best@k`` (unbiased pass@k, k = 1, 2, 4, ..., n) and ``val/maj@n``."""
+    ``val/mean@n``, ``val/pass@k`` (unbiased, k = 1, 2, 4, ..., n), ``val/best@k`` (verl's bootstrap,
+    k = 2, 4, ..., n) and ``val/maj@n``."""
     do_sample: bool = False
-    """Sample those answers (else greedy: n identical answers)."""
+    """Sample those answers (else greedy: n identical answers); the sampled mean is then the headline
+    ``val/score`` (as verl's), the greedy pass's ``val/greedy_score``."""
     temperature: float = 1.0
     """Their sampling temperature."""
     top_p: float = 1.0
