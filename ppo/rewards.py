@@ -11,10 +11,11 @@ task of ``scripts/make_tiny_assets.py`` (``data_source="synthetic/arith"``) also
 is given as ``reward.custom_function=module.path:function`` or ``path/to/file.py:function`` (``:function``
 left out: ``compute_score``) and called by keyword, as verl calls it. With ``reward.num_workers`` the batch
 is scored in worker processes with a time limit (``ppo.reward_pool``); without, ``reward.timeout_s`` holds
-in the trainer's process too (``make_rule_scorer(..., timeout_s=)``): a call past it stops the run. In the trainer's process a function
-that raises or calls ``sys.exit()`` stops every rank with one line naming it, the rank and the prompt's
-row; ``os._exit()`` (or a crash of the interpreter) cannot be caught there and ends the rank: a function
-that may do that belongs in workers (``reward.num_workers > 0``), where it is a counted error.
+in the trainer's process too (``make_rule_scorer(..., timeout_s=)``): a call past it stops the run. In
+the trainer's process a function that raises or calls ``sys.exit()`` stops every rank with one line
+naming it, the rank and the prompt's row; ``os._exit()`` (or a crash of the interpreter) cannot be
+caught there and ends the rank: a function that may do that belongs in workers
+(``reward.num_workers > 0``), where it is a counted error.
 
 Learned reward models (``reward.style=model``) are scored by ``reward_model_scores``; ranking
 (``reward.style=ranking``) turns the rule's or the model's scores of a group into competition ranks

@@ -243,8 +243,9 @@ def _claim_run_folder(cfg: PPOConfig | StageConfig, out_dir: Path) -> None:
     if resumable:
         if t.overwrite:
             logger.warning(
-                "trainer.overwrite=true is not applied: %s holds checkpoints and trainer.resume_mode=%s resumes "
-                "them (to start over and delete %s, set trainer.resume_mode=disable with trainer.overwrite=true)",
+                "trainer.overwrite=true is not applied: %s holds checkpoints and trainer.resume_mode=%s "
+                "resumes them (to start over and delete %s, set trainer.resume_mode=disable with "
+                "trainer.overwrite=true)",
                 out_dir,
                 t.resume_mode,
                 describe_checkpoints(saved),
@@ -261,11 +262,12 @@ def _claim_run_folder(cfg: PPOConfig | StageConfig, out_dir: Path) -> None:
         return
     if saved:
         # The checkpoints are intact: resuming is the way out that loses nothing, so it comes first.
+        others = ", ".join(n for n in found if n != "checkpoints") or "nothing else"
         raise CheckpointError(
-            f"trainer.output_dir={out_dir} holds {describe_checkpoints(saved)} and trainer.resume_mode="
-            f"{t.resume_mode} does not resume them: set trainer.resume_mode=auto to resume from step "
-            f"{checkpoint_files.step_of(saved[-1])}, or choose another trainer.output_dir (trainer.overwrite=true "
-            f"would delete those checkpoints and {', '.join(n for n in found if n != 'checkpoints') or 'nothing else'})"
+            f"trainer.output_dir={out_dir} already holds a run with {describe_checkpoints(saved)} and "
+            f"trainer.resume_mode={t.resume_mode} does not resume them: set trainer.resume_mode=auto to "
+            f"resume from step {checkpoint_files.step_of(saved[-1])}, or choose another trainer.output_dir "
+            f"(trainer.overwrite=true would delete those checkpoints and {others})"
         )
     if t.resume_mode == "disable":
         why = "trainer.resume_mode=disable starts a fresh one"

@@ -101,9 +101,10 @@ def test_a_fresh_start_on_checkpoints_offers_resume_first(tiny_assets: Path, tmp
     with pytest.raises(CheckpointError) as e:
         run_folder.claim(folder_config(tiny_assets, out, "trainer.resume_mode=disable"))
     assert str(e.value) == (
-        f"trainer.output_dir={out} holds 2 checkpoints (steps 2, 4) and trainer.resume_mode=disable does not "
-        "resume them: set trainer.resume_mode=auto to resume from step 4, or choose another "
-        "trainer.output_dir (trainer.overwrite=true would delete those checkpoints and metrics.jsonl)"
+        f"trainer.output_dir={out} already holds a run with 2 checkpoints (steps 2, 4) and "
+        "trainer.resume_mode=disable does not resume them: set trainer.resume_mode=auto to resume from step 4, "
+        "or choose another trainer.output_dir (trainer.overwrite=true would delete those checkpoints and "
+        "metrics.jsonl)"
     )
     assert len(checkpoint_files.complete_checkpoints(out)) == 2
 
