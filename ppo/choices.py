@@ -19,8 +19,9 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 POLICY_LOSS_MODES = ("vanilla", "gspo", "clip_cov", "kl_cov")
 """The policy losses of :func:`policy_loss` (verl's ``actor.policy_loss.loss_mode`` names)."""
 
-PREFERENCE_LOSSES = ("dpo", "ipo", "simpo", "kto")
-"""The losses of ``ppo.algorithms.preference``: ``loss.type`` of ``scripts/train_dpo.py``."""
+PREFERENCE_LOSSES = ("dpo", "ipo", "ipo_sum", "simpo", "kto")
+"""The losses of ``ppo.algorithms.preference``: ``loss.type`` of ``scripts/train_dpo.py``. ``ipo`` is
+TRL's (log-ratios averaged over the response's tokens), ``ipo_sum`` the paper's sums over tokens."""
 
 ROLLOUT_IS_LEVELS = ("token", "sequence", "geometric")
 """How token log-ratios combine into an importance weight (``algorithm.rollout_is_level``): per token,

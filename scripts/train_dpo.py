@@ -360,7 +360,9 @@ def pair_losses(
     loss_cfg: PreferenceLossConfig, policy: PairLogps, ref: PairLogps | None, kl: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair losses ``[P]`` and the implicit rewards ``[P]`` of the chosen and rejected responses
-    (detached): ``β (log π − log π_ref)``, for SimPO ``β · log π / |y|``. ``kl``: KTO's reference point."""
+    (detached): ``β (log π − log π_ref)``, for SimPO ``β · log π / |y|``, for ``ipo`` (TRL's) ``β (log π −
+    log π_ref) / |y|``: TRL's IPO averages each log-ratio over the response's tokens, ``ipo_sum`` keeps
+    the sums (the paper's). ``kl``: KTO's reference point."""
     beta = loss_cfg.beta
     if loss_cfg.type == "simpo":
         chosen = policy.chosen / policy.chosen_tokens
@@ -371,9 +373,11 @@ def pair_losses(
         raise ValueError(f"loss.type={loss_cfg.type} needs reference log-probs")
     chosen = policy.chosen - ref.chosen
     rejected = policy.rejected - ref.rejected
+    if loss_cfg.type == "ipo":
+        chosen, rejected = chosen / policy.chosen_tokens, rejected / policy.rejected_tokens
     if loss_cfg.type == "dpo":
         losses = algorithms.dpo_loss(chosen, rejected, beta=beta, label_smoothing=loss_cfg.label_smoothing)
-    elif loss_cfg.type == "ipo":
+    elif loss_cfg.type in ("ipo", "ipo_sum"):
         losses = algorithms.ipo_loss(chosen, rejected, beta=beta)
     elif loss_cfg.type == "kto":
         losses = algorithms.kto_loss(chosen, rejected, kl, beta=beta)

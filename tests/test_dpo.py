@@ -27,7 +27,8 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from ppo import algorithms, data, models, stage_data
-from ppo.config import PreferenceLossConfig
+from ppo.config import ConfigError, DPOConfig, PreferenceLossConfig, validate_stage
+from ppo.config_loader import load_config
 from ppo.data import DataError
 from tests.conftest import ROOT, arith_row, load_script, max_diff, tiny_config, torchrun, write_parquet
 
@@ -204,9 +205,9 @@ def test_kto_by_hand() -> None:
     torch.testing.assert_close(clamped, torch.tensor([0.119203]), atol=1e-6, rtol=0)
 
 
-def test_ipo_uses_summed_log_probs() -> None:
-    """IPO's margin is of log-ratios summed over tokens, not token means: sums that differ from the
-    means (2 and 4 tokens) at a margin away from 0."""
+def test_ipo_is_trls_token_means_and_ipo_sum_the_sums() -> None:
+    """``ipo`` (TRL's) takes the margin of log-ratios averaged over each response's tokens, ``ipo_sum``
+    of their sums: sums that differ from the means (2 and 4 tokens) at a margin away from 0."""
     policy = dpo.PairLogps(
         chosen=torch.tensor([-2.0]),
         rejected=torch.tensor([-8.0]),
@@ -219,13 +220,32 @@ def test_ipo_uses_summed_log_probs() -> None:
         chosen_tokens=torch.tensor([2.0]),
         rejected_tokens=torch.tensor([4.0]),
     )
-    losses, _, _ = dpo.pair_losses(PreferenceLossConfig(type="ipo", beta=0.25), policy, ref, 0.0)
+    losses, _, _ = dpo.pair_losses(PreferenceLossConfig(type="ipo_sum", beta=0.25), policy, ref, 0.0)
     # log-ratios 1 and -2, margin 3, target 1/(2 · 0.25) = 2: (3 - 2)² = 1; with token means the margin
     # would be 1/2 - (-2/4) = 1 and the loss (1 - 2)² = 1 too, so also check another β:
     torch.testing.assert_close(losses, torch.tensor([1.0]))
-    losses, _, _ = dpo.pair_losses(PreferenceLossConfig(type="ipo", beta=0.5), policy, ref, 0.0)
+    losses, _, _ = dpo.pair_losses(PreferenceLossConfig(type="ipo_sum", beta=0.5), policy, ref, 0.0)
     # target 1: (3 - 1)² = 4 (token means: (1 - 1)² = 0)
     torch.testing.assert_close(losses, torch.tensor([4.0]))
+    # TRL's ipo: token-mean log-ratios 1/2 and -2/4, margin 1; β = 0.5: (1 - 1)² = 0; β = 0.1: (1 - 5)² = 16
+    losses, chosen, rejected = dpo.pair_losses(PreferenceLossConfig(type="ipo", beta=0.5), policy, ref, 0.0)
+    torch.testing.assert_close(losses, torch.tensor([0.0]))
+    torch.testing.assert_close((chosen, rejected), (torch.tensor([0.25]), torch.tensor([-0.25])))  # β · mean
+    losses, _, _ = dpo.pair_losses(PreferenceLossConfig(type="ipo", beta=0.1), policy, ref, 0.0)
+    torch.testing.assert_close(losses, torch.tensor([16.0]))
+
+
+def test_kto_with_one_pair_per_rank_is_refused() -> None:
+    """KTO's reference point pairs each prompt with another pair's response on the same rank: one pair
+    per rank would estimate it from the pair's own chosen response, so start-up refuses it."""
+    one = ["loss.type=kto", "data.train_batch_size=2", "data.micro_batch_size_per_gpu=1"]
+    with pytest.raises(
+        ConfigError,
+        match=r"loss.type=kto needs 2 pairs per rank .*data.train_batch_size / world size = 2 / 2",
+    ):
+        validate_stage(load_config(None, one, DPOConfig), 2)
+    validate_stage(load_config(None, one, DPOConfig), 1)  # 2 pairs on one rank
+    validate_stage(load_config(None, [*one[1:], "loss.type=dpo"], DPOConfig), 2)  # DPO needs no partner
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ step (all ranks, all micro-batches), so gradient accumulation and data paralleli
 inputs are per-pair sequence quantities of the chosen (``w``) and rejected (``l``) response:
 
 - ``*_logratios``: ``log π(y|x) − log π_ref(y|x)`` with each log-prob summed over the response tokens
-  (EOS included), the policy's with gradients, the reference's without;
+  (EOS included), the policy's with gradients, the reference's without (TRL's ``ipo`` passes them
+  divided by the response's token count instead);
 - ``*_mean_logps`` (SimPO): ``log π(y|x) / |y|``, the policy's token-mean log-prob (no reference).
 
     chosen_logratios = policy_chosen_logps - ref_chosen_logps          # [P]
@@ -43,8 +44,10 @@ def ipo_loss(
     """IPO (Azar et al. 2023, eq. 17): ``((logr_w − logr_l) − 1/(2β))²``, ``[P], [P] -> [P]``.
 
     A squared loss that pulls the log-ratio margin to ``1/(2β)`` instead of pushing it to infinity; at
-    ``π = π_ref`` it is ``(1/(2β))²`` (25 at ``β = 0.1``). The log-probs are sums over tokens, as in
-    the paper (some libraries use token means here).
+    ``π = π_ref`` it is ``(1/(2β))²`` (25 at ``β = 0.1``). Its target depends on what the log-ratios
+    are: sums over the response's tokens (the paper; ``loss.type=ipo_sum``) ask for a margin of 5 nats
+    per response at ``β = 0.1``; token means (TRL's ``loss_type="ipo"``; ``loss.type=ipo``) ask for 5
+    nats per token.
     """
     margin = chosen_logratios.float() - rejected_logratios.float()
     return (margin - 1.0 / (2.0 * beta)) ** 2

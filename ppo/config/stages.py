@@ -169,7 +169,9 @@ class PreferenceDataConfig(BatchDataConfig):
 @dataclass(kw_only=True)
 class PreferenceLossConfig:
     type: Literal[PREFERENCE_LOSSES] = "dpo"
-    """``dpo`` (Rafailov et al. 2023; with ``label_smoothing``: cDPO), ``ipo`` (Azar et al. 2023),
+    """``dpo`` (Rafailov et al. 2023; with ``label_smoothing``: cDPO), ``ipo`` (Azar et al. 2023, as TRL's
+    ``loss_type="ipo"``: log-ratios averaged over each response's tokens), ``ipo_sum`` (IPO on log-ratios
+    summed over the response, the paper's form),
     ``simpo`` (Meng et al. 2024: length-normalized, reference-free: no reference model is loaded) or
     ``kto`` (Ethayarajh et al. 2024, on the pairs' chosen and rejected responses)."""
     beta: float = 0.1
@@ -263,5 +265,10 @@ def validate_stage(cfg: StageConfig, world_size: int) -> None:
         )
     if cfg.fsdp.fsdp_size > 0 and world_size % cfg.fsdp.fsdp_size:
         errors.append(f"fsdp.fsdp_size={cfg.fsdp.fsdp_size} must divide the world size {world_size}")
+    if isinstance(cfg, DPOConfig) and cfg.loss.type == "kto" and d.train_batch_size // world_size < 2:
+        errors.append(  # its KL reference point pairs each prompt with another pair's response on the rank
+            f"loss.type=kto needs 2 pairs per rank at least (data.train_batch_size / world size = "
+            f"{d.train_batch_size} / {world_size}): with one, KL is estimated from the pair's own chosen response"
+        )
     if errors:
         raise ConfigError(f"config does not fit world size {world_size}:\n  - " + "\n  - ".join(errors))
