@@ -1,6 +1,6 @@
 """The command line every entry point shares: ``--config X.yaml``, ``section.key=value`` overrides,
 ``--print-config`` and ``--world-size``; the one-line config error; ``--help`` and ``--print-config``
-answered before torch loads (``answer_early``)::
+answered, and missing inputs reported, before torch loads (``answer_early``)::
 
     cfg, args = parse_cli(sys.argv[1:], PPOConfig)          # what every entry point does
 """
@@ -8,15 +8,20 @@ answered before torch loads (``answer_early``)::
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import sys
+import time
 import typing
+from pathlib import Path
 from typing import Any
 
 import ppo.config
 from ppo.config import ConfigError, PPOConfig, validate_stage
 from ppo.config_keys import COMMAND_LINE
 from ppo.config_loader import load_config, to_yaml
+from ppo.input_paths import input_problems
 
 C = typing.TypeVar("C")
 
@@ -36,6 +41,12 @@ def command_line(description: str) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", default=None, help="YAML preset over the defaults")
+    parser.add_argument(
+        "--config-path",
+        default=None,
+        help="verl's (Hydra's) spelling: with --config-name, the folder of the YAML file (--config DIR/NAME.yaml)",
+    )
+    parser.add_argument("--config-name", default=None, help="verl's (Hydra's) spelling: the YAML file's name")
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config (validated) and exit"
     )
@@ -60,7 +71,19 @@ def parse_cli(
     if args.world_size is not None and args.world_size < 1:
         raise ConfigError(f"--world-size must be >= 1, got {args.world_size} (from {COMMAND_LINE})")
     args.notes = []
-    return load_config(args.config, args.overrides, cls, notes=args.notes), args
+    return load_config(_config_file(args), args.overrides, cls, notes=args.notes), args
+
+
+def _config_file(args: argparse.Namespace) -> str | None:
+    """``--config``, or verl's ``--config-path DIR --config-name NAME`` (``DIR/NAME.yaml``)."""
+    if args.config_name is None:
+        if args.config_path is not None:
+            raise ConfigError(f"--config-path={args.config_path} needs --config-name (from {COMMAND_LINE})")
+        return args.config
+    if args.config is not None:
+        raise ConfigError(f"give --config or --config-path/--config-name, not both (from {COMMAND_LINE})")
+    name = args.config_name if args.config_name.endswith((".yaml", ".yml")) else f"{args.config_name}.yaml"
+    return os.path.join(args.config_path or ".", name)
 
 
 def print_config(cfg: Any, args: argparse.Namespace) -> int:
@@ -77,7 +100,8 @@ def print_config(cfg: Any, args: argparse.Namespace) -> int:
         return config_error(e)
     print(to_yaml(cfg), end="")
     if _is_main():
-        for warning in [*args.notes, *cfg.warnings()]:
+        # Missing inputs warn here: a preset may name the files of the machine it will run on.
+        for warning in [*args.notes, *cfg.warnings(), *input_problems(cfg)]:
             print(f"warning: {warning}", file=sys.stderr)
     return 0
 
@@ -95,7 +119,9 @@ def _is_main() -> bool:
 
 def answer_early(argv: list[str], description: str, schema: str) -> None:
     """``--help`` and ``--print-config``, answered before an entry point imports torch and transformers
-    (seconds); exits when it answered, else returns and the run goes on. ``schema``: the name of the
+    (seconds); exits when it answered, else returns and the run goes on, unless an input the config names
+    is missing (``input_paths.input_problems``: a model folder, a data file, a reward function's file or
+    module), which ends it here with one line and exit code 2. ``schema``: the name of the
     entry point's config class in ``ppo.config``, which ``--print-config`` loads.
 
     An entry point calls it first thing::
@@ -104,10 +130,29 @@ def answer_early(argv: list[str], description: str, schema: str) -> None:
             cli.answer_early(sys.argv[1:], __doc__, "PPOConfig")
     """
     args = command_line(description).parse_args(argv)  # --help, or a malformed command line, exits here
-    if not args.print_config:
-        return
     try:
         cfg, args = parse_cli(argv, getattr(ppo.config, schema), description)
     except ConfigError as e:
-        sys.exit(config_error(e))
-    sys.exit(print_config(cfg, args))
+        if args.print_config:
+            sys.exit(config_error(e))
+        return  # the run reports it (and records it for torchrun)
+    if args.print_config:
+        sys.exit(print_config(cfg, args))
+    problems = input_problems(cfg)  # a missing model, data file or reward module: seconds, not a minute
+    if problems:
+        message = " | ".join(problems)
+        if _is_main():
+            print(f"error: {message}", file=sys.stderr)
+        _record_for_torchrun(message)
+        sys.exit(2)
+
+
+def _record_for_torchrun(message: str) -> None:
+    """Write ``message`` to this rank's torchrun error file (``TORCHELASTIC_ERROR_FILE``), in the format
+    of torch.distributed.elastic's ``ErrorHandler`` (``runner.ErrorFile``), so that torchrun's failure
+    summary names it; nothing without torchrun."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        info = {"py_callstack": message, "timestamp": str(int(time.time()))}
+        with contextlib.suppress(OSError):
+            Path(path).write_text(json.dumps({"message": {"message": message, "extraInfo": info}}))

@@ -48,6 +48,9 @@ from transformers import (
 )
 
 from ppo.attention import PACKED_ATTENTION, VARLEN_FLASH, packed_kwargs, resolve_attn_implementation
+from ppo.input_paths import ModelPathError
+from ppo.input_paths import check_model_path as _check_path
+from ppo.input_paths import where as _where
 from ppo.sharding import full_state_dict, torch_dtype
 
 logger = logging.getLogger("ppo")
@@ -55,10 +58,6 @@ logger = logging.getLogger("ppo")
 _RESOLVED = (PACKED_ATTENTION, VARLEN_FLASH, "flash_attention_2", "sdpa", "eager")
 """Attention names used as given: the caller resolved ``auto`` for the device the model will run on
 (``runner.build_model`` loads on the CPU for a GPU run)."""
-
-
-class ModelPathError(FileNotFoundError):
-    """A model or tokenizer path is neither a local folder nor a loadable hub id."""
 
 
 class ModelFileError(OSError):
@@ -81,54 +80,6 @@ a local folder with none of them holds no tokenizer."""
 # ----------------------------------------------------------------------------------------------------
 # Loading
 # ----------------------------------------------------------------------------------------------------
-
-
-def _looks_local(path: str) -> bool:
-    # A hub id is ``name`` or ``org/name``: anything with a leading ./ ../ / ~, or more than one
-    # separator, can only mean a folder on disk; so does ``org/name`` whose ``org`` is a local folder
-    # (``assets/sft`` before ``make assets`` wrote it).
-    if os.sep != "/" and os.sep in path:
-        return True
-    if path.startswith(("/", "./", "../", "~", ".")) or path.count("/") > 1:
-        return True
-    return "/" in path and os.path.isdir(path.split("/")[0])
-
-
-def _where(expanded: str) -> str:
-    """The absolute path a relative one was looked for at, and the directory it is relative to."""
-    if os.path.isabs(expanded):
-        return expanded
-    return f"{os.path.abspath(expanded)}, relative to the working directory {os.getcwd()}"
-
-
-def _check_path(path: str, config_key: str) -> str:
-    """Expand ``~``; fail now, naming the config key, when a local-looking path does not exist. A path
-    into the demo's ``assets/`` (``make assets`` writes it) is local whether or not ``assets`` exists
-    yet: read as a hub id it would cost a minute of retries and blame the hub."""
-    expanded = os.path.expanduser(str(path))
-    if os.path.exists(expanded):
-        if not os.path.isdir(expanded):
-            raise ModelPathError(f"{config_key}={path!r} is a file; it must be a save_pretrained folder")
-        return expanded
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    assets = os.path.join(repo, "assets")
-    if (
-        os.path.normpath(expanded).split(os.sep)[0] == "assets"
-        or os.path.commonpath([os.path.abspath(expanded), assets]) == assets
-    ):
-        in_repo = os.path.join(repo, expanded)  # an absolute path stays itself
-        how = (
-            f"it exists at {in_repo}: run from the repository's root, {repo}"
-            if os.path.isdir(in_repo) and os.getcwd() != repo
-            else "the demo's models are built by `make assets` (about 5 minutes on 2 cores), in the repository's root"
-        )
-        raise ModelPathError(f"{config_key}={path!r}: no such folder (looked for {_where(expanded)}); {how}")
-    if _looks_local(str(path)):
-        raise ModelPathError(
-            f"{config_key}={path!r}: no such folder (looked for {_where(expanded)}). "
-            f"Set {config_key} to a save_pretrained folder or a hub id."
-        )
-    return expanded
 
 
 @contextlib.contextmanager

@@ -239,3 +239,97 @@ def test_resuming_a_finished_run_says_so_and_keeps_its_export(
         f"raise trainer.total_training_steps to train on"
     )
     assert weights.stat().st_mtime_ns == before and (out / "metrics.jsonl").read_text() == rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# Missing inputs, found before torch loads
+# ----------------------------------------------------------------------------------------------------
+
+EARLY = """\
+import sys
+from ppo import cli
+try:
+    cli.answer_early(sys.argv[2:], "", sys.argv[1])
+except SystemExit as e:
+    print(e.code, "torch" in sys.modules)
+"""
+
+
+def answer_early(schema: str, *args: str, cwd: Path) -> tuple[str, str]:
+    """``cli.answer_early`` in a fresh interpreter: stdout (exit code, whether torch was imported) and
+    stderr."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-c", EARLY, schema, *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=120,
+    )
+    return out.stdout.strip(), out.stderr.strip()
+
+
+def test_missing_inputs_end_the_run_before_torch_loads(tiny_assets: Path, tmp_path: Path) -> None:
+    (tmp_path / "models").mkdir()
+    data = tiny_assets / "data" / "train.parquet"
+    ok = [f"model.path={tiny_assets / 'base'}", f"data.train_files={data}", f"data.val_files={data}"]
+    # A local-looking model folder that does not exist (its parent exists, so it is no hub id).
+    stdout, stderr = answer_early("PPOConfig", *ok, "model.path=models/my-sft", cwd=tmp_path)
+    assert stdout == "2 False", stderr
+    assert stderr == (
+        f"error: model.path='models/my-sft': no such folder (looked for {tmp_path}/models/my-sft, relative "
+        f"to the working directory {tmp_path}). Set model.path to a save_pretrained folder or a hub id."
+    )
+    # A missing data file and reward file: one line naming both.
+    stdout, stderr = answer_early(
+        "PPOConfig",
+        *ok,
+        "data.val_files=[nope.parquet]",
+        "reward.custom_function=~/no_such_rewards.py:score",
+        cwd=tmp_path,
+    )
+    assert stdout == "2 False"
+    (line,) = stderr.splitlines()
+    home = os.path.expanduser("~")
+    assert line.startswith("error: data.val_files: nope.parquet: no such data file; ")
+    assert line.endswith(
+        f" | reward.custom_function='{home}/no_such_rewards.py:score': file {home}/no_such_rewards.py does "
+        f"not exist"
+    )
+    stdout, stderr = answer_early(
+        "PPOConfig", *ok, "reward.custom_function=no_such_module:score", cwd=tmp_path
+    )
+    assert stderr == (
+        "error: reward.custom_function='no_such_module:score': no module named 'no_such_module' "
+        "(is it on PYTHONPATH?)"
+    )
+    # The stages too; and every input present, the run goes on (answer_early returns).
+    stdout, stderr = answer_early("SFTConfig", "model.path=./sft", cwd=tmp_path)
+    assert stdout == "2 False" and stderr.startswith("error: model.path='./sft': no such folder")
+    stdout, stderr = answer_early("PPOConfig", *ok, cwd=tmp_path)
+    assert (stdout, stderr) == ("", "")
+
+
+def test_print_config_names_missing_inputs(
+    tiny_assets: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ppo.cli import answer_early as early
+
+    data = tiny_assets / "data" / "train.parquet"
+    args = [f"model.path={tmp_path}/gone", f"data.train_files={data}", f"data.val_files={tmp_path}/val.jsonl"]
+    with pytest.raises(SystemExit) as e:
+        early(["--print-config", *args], "", "PPOConfig")
+    assert e.value.code == 0  # a preset may name the files of the machine it runs on: warnings
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert warnings[0] == (
+        f"warning: model.path='{tmp_path}/gone': no such folder (looked for {tmp_path}/gone). "
+        f"Set model.path to a save_pretrained folder or a hub id."
+    )
+    assert warnings[1].startswith(f"warning: data.val_files: {tmp_path}/val.jsonl: no such data file")
+    assert len(warnings) == 2

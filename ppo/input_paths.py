@@ -1,0 +1,126 @@
+"""A run's input paths, checked before torch and transformers load (those imports take most of a minute
+on a loaded machine): model folders, data files, the files and modules of user code. Imports only the
+standard library, so every entry point can call it first thing (``cli.answer_early``)::
+
+    problems = input_problems(cfg)   # one message per missing input, naming its key
+
+``check_model_path`` is also what ``ppo.models`` runs before ``from_pretrained``: a local-looking path
+that does not exist fails at once with the key, never as a hub id (retries without a network).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""The repository's root (the demo's ``assets/`` are built there)."""
+
+
+class ModelPathError(FileNotFoundError):
+    """A model or tokenizer path is neither a local folder nor a loadable hub id."""
+
+
+def looks_local(path: str) -> bool:
+    """Whether ``path`` can only mean a folder on disk, not a hub id."""
+    # A hub id is ``name`` or ``org/name``: anything with a leading ./ ../ / ~, or more than one
+    # separator, can only mean a folder on disk; so does ``org/name`` whose ``org`` is a local folder
+    # (``assets/sft`` before ``make assets`` wrote it).
+    if os.sep != "/" and os.sep in path:
+        return True
+    if path.startswith(("/", "./", "../", "~", ".")) or path.count("/") > 1:
+        return True
+    return "/" in path and os.path.isdir(path.split("/")[0])
+
+
+def where(expanded: str) -> str:
+    """The absolute path a relative one was looked for at, and the directory it is relative to."""
+    if os.path.isabs(expanded):
+        return expanded
+    return f"{os.path.abspath(expanded)}, relative to the working directory {os.getcwd()}"
+
+
+def check_model_path(path: str, config_key: str) -> str:
+    """Expand ``~``; fail now, naming the config key, when a local-looking path does not exist. A path
+    into the demo's ``assets/`` (``make assets`` writes it) is local whether or not ``assets`` exists
+    yet: read as a hub id it would cost a minute of retries and blame the hub."""
+    expanded = os.path.expanduser(str(path))
+    if os.path.exists(expanded):
+        if not os.path.isdir(expanded):
+            raise ModelPathError(f"{config_key}={path!r} is a file; it must be a save_pretrained folder")
+        return expanded
+    assets = os.path.join(REPO, "assets")
+    if (
+        os.path.normpath(expanded).split(os.sep)[0] == "assets"
+        or os.path.commonpath([os.path.abspath(expanded), assets]) == assets
+    ):
+        in_repo = os.path.join(REPO, expanded)  # an absolute path stays itself
+        how = (
+            f"it exists at {in_repo}: run from the repository's root, {REPO}"
+            if os.path.isdir(in_repo) and os.getcwd() != REPO
+            else "the demo's models are built by `make assets` (about 5 minutes on 2 cores), in the repository's root"
+        )
+        raise ModelPathError(f"{config_key}={path!r}: no such folder (looked for {where(expanded)}); {how}")
+    if looks_local(str(path)):
+        raise ModelPathError(
+            f"{config_key}={path!r}: no such folder (looked for {where(expanded)}). "
+            f"Set {config_key} to a save_pretrained folder or a hub id."
+        )
+    return expanded
+
+
+def code_problem(spec: str, key: str) -> str | None:
+    """Why ``spec`` (``path/to/file.py:name`` or ``module.path:name``) cannot be imported, if its file or
+    module does not exist; the module is found, not run (its own errors show where it is imported)."""
+    target = spec.rpartition(":")[0] or spec
+    if target.endswith(".py") or "/" in target or "\\" in target:
+        return None if Path(target).is_file() else f"{key}={spec!r}: file {target} does not exist"
+    try:
+        found = importlib.util.find_spec(target)
+    except ModuleNotFoundError:
+        found = None
+    except Exception:  # a parent package that fails to import: reported where it is imported
+        return None
+    return None if found is not None else f"{key}={spec!r}: no module named {target!r} (is it on PYTHONPATH?)"
+
+
+def input_problems(cfg: Any) -> list[str]:
+    """One message per input of ``cfg`` (PPO's or a stage's config) that does not exist: the model folders
+    the run loads, the data files, the reward function's and the environment's file or module."""
+    problems = []
+    for key, path in _model_paths(cfg):
+        try:
+            check_model_path(path, key)
+        except ModelPathError as e:
+            problems.append(str(e))
+    for key in ("train_files", "val_files", "eval_prompt_files"):
+        for path in getattr(cfg.data, key, None) or []:
+            if not os.path.exists(path):
+                from ppo.data import missing_file  # numpy and pyarrow: only when there is a problem
+
+                problems.append(f"data.{key}: {missing_file(Path(path))}")
+    reward, rollout = getattr(cfg, "reward", None), getattr(cfg, "rollout", None)
+    specs = []
+    if reward is not None and reward.custom_function:
+        specs.append(("reward.custom_function", reward.custom_function))
+    if rollout is not None and rollout.multi_turn.enable and rollout.multi_turn.env:
+        specs.append(("rollout.multi_turn.env", rollout.multi_turn.env))
+    problems += [p for key, spec in specs if (p := code_problem(spec, key)) is not None]
+    return problems
+
+
+def _model_paths(cfg: Any) -> list[tuple[str, str]]:
+    """``(key, path)`` of every model folder the run loads."""
+    paths = [("model.path", cfg.model.path)]
+    if cfg.model.tokenizer_path:
+        paths.append(("model.tokenizer_path", cfg.model.tokenizer_path))
+    ref, critic, reward = (getattr(cfg, name, None) for name in ("ref", "critic", "reward"))
+    if ref is not None and ref.model_path and getattr(cfg, "needs_reference", True):
+        paths.append(("ref.model_path", ref.model_path))
+    if critic is not None and critic.model_path and cfg.use_critic:
+        paths.append(("critic.model_path", critic.model_path))
+    if reward is not None and getattr(reward, "model_path", None):
+        paths.append(("reward.model_path", reward.model_path))
+    return paths
