@@ -26,11 +26,13 @@ per-sequence ``scores [B]``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import difflib
 import functools
 import importlib
 import importlib.util
+import inspect
 import logging
 import math
 import re
@@ -220,7 +222,7 @@ def make_rule_scorer(
 
     A custom function is called by keyword, as verl calls it: ``fn(data_source=, solution_str=,
     ground_truth=, extra_info=, **reward_kwargs)``, and must return a number or a dict with a ``"score"``
-    number (verl's convention; the dict's other number-valued keys become ``Score.extras``). A call that
+    number, or (an ``async def``) a coroutine that gives one, run to completion here (verl's convention; the dict's other number-valued keys become ``Score.extras``). A call that
     raises or returns anything else is a RewardError naming the function, the data source and the value.
     ``format_score`` applies to the built-in scorer only. ``timeout_s`` (the trainer's process, where
     ``reward.timeout_s`` would otherwise do nothing): a call of the custom function that runs longer is
@@ -245,6 +247,8 @@ def make_rule_scorer(
                     extra_info=extra_info,
                     **kwargs,
                 )
+                if inspect.isawaitable(result):  # an async def compute_score: await it here
+                    result = _await(result)
         except _CallTimedOut:
             raise RewardError(
                 f"{name} ran longer than reward.timeout_s={timeout_s} (data_source={data_source!r}, response "
@@ -281,6 +285,33 @@ def make_rule_scorer(
         return Score(float(value), extras)
 
     return score
+
+
+def _await(awaitable: Any) -> Any:
+    """Run an awaitable to completion from synchronous code: on a fresh event loop, or, where this thread
+    already runs one (a notebook), on a fresh loop in a thread of its own."""
+
+    async def wrap() -> Any:
+        return await awaitable
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(wrap())
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["result"] = asyncio.run(wrap())
+        except BaseException as e:
+            out["error"] = e
+
+    thread = threading.Thread(target=run, name="reward-await")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
 
 
 class _CallTimedOut(BaseException):
