@@ -376,6 +376,7 @@ def make_metrics_logger(
 ) -> MetricsLogger:
     """JSONL, TensorBoard (and wandb) sinks, and with ``console`` the per-step console line."""
     sinks = [s for s in cfg.trainer.logger if console or s != "console"]
+    sinks += ["jsonl"] + (["tensorboard"] if cfg.trainer.tensorboard else [])  # whatever verl's list says
     return MetricsLogger(
         out_dir,
         sinks,

@@ -91,6 +91,20 @@ ENGINE_NAME = (
     "settings (gpu_memory_utilization, tensor_model_parallel_size, max_num_batched_tokens, enforce_eager, "
     "free_cache_engine, ...) are ignored"
 )
+TOOLS = (
+    "verl's tools, interactions and agent loop do not run here, and without them the run would be "
+    "single-turn; here a multi-turn rollout talks to an environment class: write "
+    "rollout.multi_turn.enable=true rollout.multi_turn.env=path/to/file.py:Class (reset(row) -> first "
+    "observation or None; step(action_text) -> (observation, reward, done)) and rollout.multi_turn.stop=[...] "
+    "(the strings that end a turn)"
+)
+TOOLS_IGNORED = (
+    "verl's tool and interaction settings; the environment of rollout.multi_turn.env answers the turns here"
+)
+HYDRA = (
+    "Hydra's composition of verl's config files; the file is read alone here, over this trainer's "
+    "defaults (configs/verl_base.yaml holds verl 0.9.1's)"
+)
 RAY = "a Ray setting; this trainer is one SPMD program under torchrun, without Ray"
 PROFILER = "verl's profiler; this trainer's is trainer.profile_steps (the torch profiler)"
 PACKED = "sequences are always packed without padding here"
@@ -326,7 +340,11 @@ VERL_KEYS: dict[str, VerlKey] = {
     "rollout.log_prob_max_token_len_per_gpu": _ignored(
         "the old log-probs use actor.ppo_max_token_len_per_gpu here"
     ),
-    "rollout.over_sample_rate": _refused("there is no over-sampling here", (0, 0.0)),
+    "rollout.over_sample_rate": _ignored(
+        "verl's engine aborts the slowest requests of a batch; here every sampled response is completed and "
+        "trained on",
+        (0, 0.0),
+    ),
     "rollout.calculate_log_probs": _ignored(
         "the sampler is the actor itself here; the trainer scores the old log-probs"
     ),
@@ -336,6 +354,9 @@ VERL_KEYS: dict[str, VerlKey] = {
     "rollout.multi_turn.enable": renamed_to("rollout.multi_turn.enable"),
     "rollout.multi_turn.max_assistant_turns": renamed_to("rollout.multi_turn.max_assistant_turns"),
     "rollout.multi_turn.max_tool_response_length": renamed_to("rollout.multi_turn.max_tool_response_length"),
+    "rollout.multi_turn.tool_config_path": _ignored(TOOLS_IGNORED),
+    "rollout.multi_turn.function_tool_path": _ignored(TOOLS_IGNORED),
+    "rollout.multi_turn.interaction_config_path": _ignored(TOOLS_IGNORED),
     "rollout.multi_turn.*": _ignored(
         "verl's tool and agent-loop settings; here the environment is a class with reset and step "
         "(rollout.multi_turn.env) and turns end at rollout.multi_turn.stop"
@@ -530,8 +551,9 @@ VERL_KEYS: dict[str, VerlKey] = {
     "data.reward_fn_key": _refused(
         "the rule scorer is chosen by the data_source column here", ("data_source",)
     ),
-    "data.tool_config_path": _refused("tools are not supported here"),
-    "data.function_tool_path": _refused("tools are not supported here"),
+    # Without rollout.multi_turn.env they refuse the run (_combine): the turns would be lost.
+    "data.tool_config_path": _ignored(TOOLS_IGNORED),
+    "data.function_tool_path": _ignored(TOOLS_IGNORED),
     "data.audio_key": _refused("audio data is not supported here", ("audios",)),
     "data.mm_processor_kwargs": _refused("vision-language data is not supported here", (None, {})),
     "data.return_raw_input_ids": _ignored("prompts are rendered and tokenized once, at start-up, here"),
@@ -544,9 +566,11 @@ VERL_KEYS: dict[str, VerlKey] = {
         "over-long prompts are always dropped and counted here, never truncated", (True,)
     ),
     "data.filter_overlong_prompts_workers": _ignored("prompts are tokenized once, at start-up, here"),
-    "data.truncation": _refused(
-        "prompts are never truncated here: those over data.max_prompt_length are dropped and counted",
-        ("error",),
+    # verl truncates only prompts over data.max_prompt_length; here those are dropped and counted.
+    "data.truncation": VerlKey(
+        reason="prompts are never truncated here: those over data.max_prompt_length are dropped and counted",
+        ignored=("left", "right", "middle"),
+        harmless=("error",),
     ),
     "data.trust_remote_code": _refused("model.trust_remote_code loads the tokenizer here", (False, None)),
     "data.image_key": _refused("vision-language data is not supported here", ("images",)),
@@ -580,6 +604,8 @@ VERL_KEYS: dict[str, VerlKey] = {
     "trainer.npu_profile.*": _ignored(PROFILER),
     # ---------------------------------------------------------------- the rest of verl
     "global_profiler.*": _ignored(PROFILER),
+    "hydra.*": _ignored(HYDRA),
+    "defaults": _ignored(HYDRA),
     "ray_kwargs.*": _ignored(RAY),
     "ray_init.*": _ignored(RAY),
     "transfer_queue.*": _ignored("verl's transfer queue (Ray); there is none here"),
@@ -734,7 +760,7 @@ def from_verl(leaves: list[Leaf], cls: type, errors: list[str], notes: list[str]
     verl_spelled = False
     our_keys = set(all_keys(cls))
     ignored: dict[str, list[str]] = {}  # reason -> the keys it covers, for one warning each
-    for leaf in _combine(leaves, errors, notes):
+    for leaf in _combine(_last_given(leaves, notes), errors, notes):
         key = leaf.key
         rule = _verl_key(key)
         if (
@@ -783,7 +809,27 @@ def from_verl(leaves: list[Leaf], cls: type, errors: list[str], notes: list[str]
             errors.append(f"{shown}: {rule.reason}")
     for reason, shown_keys in ignored.items():
         notes.append(f"{', '.join(shown_keys)} {'is' if len(shown_keys) == 1 else 'are'} ignored: {reason}")
-    return out, verl_spelled
+    return _last_given(out, notes), verl_spelled
+
+
+def _last_given(leaves: list[Leaf], notes: list[str]) -> list[Leaf]:
+    """Each key's last value only, as in Hydra: a later value replaces an earlier one (even one that
+    would be refused), so a verl script's ``$@`` overrides work. A key given in two spellings with
+    different values is named in ``notes``. A mapping's value (``reward.reward_kwargs``) is merged key by
+    key instead, so it is kept."""
+    last = {leaf.key: i for i, leaf in enumerate(leaves) if not isinstance(leaf.value, dict)}
+    out = []
+    for i, leaf in enumerate(leaves):
+        later = leaves[last.get(leaf.key, i)]
+        if later is leaf:
+            out.append(leaf)
+        elif later.given != leaf.given and repr(later.value) != repr(leaf.value):
+            notes.append(
+                f"{leaf.given}={show.repr(leaf.value)} (from {leaf.source}) and {later.given}="
+                f"{show.repr(later.value)} (from {later.source}) set one key, {leaf.key}: the last given "
+                f"({later.given}) is taken"
+            )
+    return out
 
 
 def verl_defaults(cfg: PPOConfig, leaves: list[Leaf]) -> str | None:
@@ -822,9 +868,21 @@ def _combine(leaves: list[Leaf], errors: list[str], notes: list[str]) -> list[Le
         "trainer.max_actor_ckpt_to_keep",
         "trainer.max_critic_ckpt_to_keep",
     }
+    path, name = last.get("custom_reward_function.path"), last.get("custom_reward_function.name")
+    function_at = function = None
+    if path is not None and path.value is not None:
+        spec = f"{os.path.expanduser(str(path.value))}:"
+        spec += name.value if name is not None and name.value is not None else "compute_score"
+        given = "custom_reward_function.path" + (" and .name" if name is not None else "")
+        function = Leaf(given, ("reward", "custom_function"), spec, path.source)
+        position = {id(leaf): i for i, leaf in enumerate(leaves)}
+        function_at = max((p for p in (path, name) if p is not None), key=lambda p: position[id(p)])
+    dropped = _without_turns(last, errors)
     out = []
     for leaf in leaves:
         key = leaf.key
+        if any(leaf is d for d in dropped):
+            continue
         if key.endswith((".optimizer_offload", ".grad_offload")) and leaf.value is True:
             fsdp = key.rpartition(".")[0]
             role = fsdp.removesuffix(".fsdp_config").removesuffix(".model")
@@ -848,13 +906,9 @@ def _combine(leaves: list[Leaf], errors: list[str], notes: list[str]) -> list[Le
             )
         if key not in taken:
             out.append(leaf)
-    path, name = last.get("custom_reward_function.path"), last.get("custom_reward_function.name")
-    if path is not None and path.value is not None:
-        function = name.value if name is not None and name.value is not None else "compute_score"
-        given = "custom_reward_function.path" + (" and .name" if name is not None else "")
-        spec = f"{os.path.expanduser(str(path.value))}:{function}"
-        out.append(Leaf(given, ("reward", "custom_function"), spec, path.source))
-    elif name is not None and name.value not in (None, "compute_score"):
+        elif leaf is function_at:  # where it was given, so that a later reward.custom_function wins
+            out.append(function)
+    if function is None and name is not None and name.value not in (None, "compute_score"):
         notes.append(
             f"custom_reward_function.name={name.value!r} (from {name.source}) is ignored: no "
             f"custom_reward_function.path names the file it is in"
@@ -882,3 +936,27 @@ def _combine(leaves: list[Leaf], errors: list[str], notes: list[str]) -> list[Le
     elif keep:
         out.append(Leaf(keep[0].given, ("trainer", "max_ckpt_to_keep"), keep[0].value, keep[0].source))
     return out
+
+
+def _without_turns(last: dict[str, Leaf], errors: list[str]) -> list[Leaf]:
+    """verl's multi-turn keys (its tools, ``multi_turn.enable`` in verl's spelling) without our
+    ``rollout.multi_turn.env``: one error that says what to write instead (the run would otherwise train
+    single-turn without a word); returns those leaves, which are then left out."""
+    env = last.get("rollout.multi_turn.env")
+    if env is not None and env.value is not None:
+        return []
+    keys = (
+        "data.tool_config_path",
+        "data.function_tool_path",
+        "rollout.multi_turn.tool_config_path",
+        "rollout.multi_turn.function_tool_path",
+        "rollout.multi_turn.interaction_config_path",
+    )
+    turns = [last[k] for k in keys if k in last and last[k].value is not None]
+    enable = last.get("rollout.multi_turn.enable")
+    if enable is not None and enable.given != enable.key and _among(enable.value, (True, "true", "True")):
+        turns.insert(0, enable)
+    if turns:
+        given = ", ".join(f"{leaf.given}={show.repr(leaf.value)} (from {leaf.source})" for leaf in turns)
+        errors.append(f"{given}: {TOOLS}")
+    return turns

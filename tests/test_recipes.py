@@ -571,7 +571,9 @@ def test_start_up_warnings_for_keys_that_do_nothing() -> None:
     assert "data.gen_batch_size and algorithm.filter_groups.max_num_gen_batches are used by dynamic" in warned
     assert "greedy answers to a prompt are identical" in warned
     # GSPO aggregates its loss with actor.loss_agg_mode, as verl 0.9.1 does: any mode is quiet.
-    quiet = load_config(None, ["actor.policy_loss.loss_mode=gspo", "actor.loss_agg_mode=token-mean"]).warnings()
+    quiet = load_config(
+        None, ["actor.policy_loss.loss_mode=gspo", "actor.loss_agg_mode=token-mean"]
+    ).warnings()
     assert not quiet
 
 

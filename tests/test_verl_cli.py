@@ -170,12 +170,11 @@ OURS_GRPO = [
 VLLM = "actor_rollout_ref.rollout.name=vllm"
 """The engine of both command lines: accepted with a warning, as generation uses Hugging Face generate."""
 
-REFUSED = "data.truncation=left"
+REFUSED = "trainer.val_only=true"
 """A verl key whose meaning this trainer cannot honour."""
 
 REFUSED_ERROR = (
-    "config error: data.truncation='left' (from the command line): prompts are never truncated here: those "
-    "over data.max_prompt_length are dropped and counted"
+    "config error: trainer.val_only=True (from the command line): there is no validation-only mode here"
 )
 
 
@@ -244,7 +243,7 @@ def test_every_key_that_cannot_be_taken_is_reported_at_once() -> None:
             [
                 "actor_rollout_ref.rollout.name=trtllm",
                 "actor_rollout_ref.actor.kl_coef=0.1",  # a typo under verl's section
-                "data.truncation=left",
+                "trainer.val_only=true",
                 "actor_rollout_ref.actor.ppo_micro_batch_size=64",  # verl's deprecated global micro-batch
                 "rollout.n=two",
                 "actor_rollout_ref.rollout.multi_turn.enable=true",
@@ -258,12 +257,14 @@ def test_every_key_that_cannot_be_taken_is_reported_at_once() -> None:
         "samples with Hugging Face generate",
         "unknown config key 'actor.kl_coef' (from the command line, as actor_rollout_ref.actor.kl_coef); did "
         "you mean actor.kl_loss_coef",
-        "data.truncation='left' (from the command line): prompts are never truncated here",
+        "trainer.val_only=True (from the command line): there is no validation-only mode here",
         "actor_rollout_ref.actor.ppo_micro_batch_size=64 (from the command line): verl's deprecated global "
         "micro-batch size; give actor.ppo_micro_batch_size_per_gpu",
         "rollout.n='two' (from the command line) is not a valid int",
-        "rollout.multi_turn.enable=true needs the environment class: set rollout.multi_turn.env=path/to/file.py:Class "
-        "(from the command line, as actor_rollout_ref.rollout.multi_turn.enable)",
+        "actor_rollout_ref.rollout.multi_turn.enable=True (from the command line): verl's tools, interactions "
+        "and agent loop do not run here, and without them the run would be single-turn; here a multi-turn "
+        "rollout talks to an environment class: write rollout.multi_turn.enable=true "
+        "rollout.multi_turn.env=path/to/file.py:Class",
         "(from the command line): an OmegaConf interpolation",
     ]
     for fragment in expected:
@@ -412,8 +413,7 @@ def test_the_table_keeps_step_with_the_schema() -> None:
     assert (cfg.rollout.multi_turn.enable, cfg.rollout.multi_turn.env) == (True, "env.py:Env")
     assert [n for n in notes if "multi_turn" in n] == [
         f"{section}.tool_config_path='tools.yaml' (from the command line) is ignored: verl's tool and "
-        "agent-loop settings; here the environment is a class with reset and step (rollout.multi_turn.env) "
-        "and turns end at rollout.multi_turn.stop"
+        "interaction settings; the environment of rollout.multi_turn.env answers the turns here"
     ]
     assert all(rule.reason for rule in VERL_KEYS.values() if rule.ours is None), "every refusal says why"
 

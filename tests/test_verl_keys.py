@@ -85,7 +85,7 @@ def test_verl_defaults_as_one_command_line_and_as_a_file(
     notes: list[str] = []
     cfg = load_config(None, [override(k, v) for k, v in verl_leaves], notes=notes)
     path = tmp_path / "verl.yaml"
-    path.write_text(yaml.safe_dump(verl_defaults()))
+    path.write_text(yaml.safe_dump(verl_defaults(), sort_keys=False))
     assert load_config(path, []) == cfg
     # verl's values of keys we share become ours; the engine name is a warning, not a refusal.
     assert (cfg.rollout.n, cfg.algorithm.kl_ctrl.kl_coef, cfg.actor.clip_ratio) == (1, 0.001, 0.2)

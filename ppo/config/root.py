@@ -450,11 +450,6 @@ def _recipe_warnings(cfg: PPOConfig) -> list[str]:
     out = []
     a, d, alg = cfg.actor, cfg.data, cfg.algorithm
     mode, loss = a.policy_loss.loss_mode, a.policy_loss
-    if mode == "gspo" and a.loss_agg_mode != "seq-mean-token-mean":
-        out.append(
-            f"actor.policy_loss.loss_mode=gspo aggregates its loss seq-mean-token-mean (as verl); "
-            f"actor.loss_agg_mode={a.loss_agg_mode} applies to the entropy bonus and the KL loss only"
-        )
     default = PolicyLossConfig()
     used = {
         "clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),

@@ -54,7 +54,12 @@ class RunTrainerConfig:
     checkpoint becomes ``latest`` once every rank's shards are on disk (checked each step). At most one
     save is in flight; costs a host copy of the state."""
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
-    """Metric sinks: console, jsonl, tensorboard, wandb."""
+    """Metric sinks: console, jsonl, tensorboard, wandb. ``metrics.jsonl`` is written whatever the list
+    says, and TensorBoard events unless ``tensorboard`` is false, so a verl list (``[console,wandb]``)
+    adds wandb and still leaves the run's metrics on disk."""
+    tensorboard: bool = True
+    """Write TensorBoard events (``tensorboard/`` in the run folder) whatever ``logger`` lists; false
+    writes them only when ``logger`` names ``tensorboard``."""
 
     def __post_init__(self) -> None:
         bad = [x for x in self.logger if x not in LOGGER_SINKS]
@@ -129,10 +134,12 @@ class OptimConfig:
     """AdamW betas, each in [0, 1)."""
     eps: float = 1e-8
     """AdamW epsilon."""
-    lr_warmup_steps: int = 0
-    """Linear warm-up from 0 to ``lr`` over this many optimizer steps (-1: use the ratio)."""
+    lr_warmup_steps: int = -1
+    """Linear warm-up from 0 to ``lr`` over this many optimizer steps; -1 (verl's default): use
+    ``lr_warmup_steps_ratio``."""
     lr_warmup_steps_ratio: float = 0.0
-    """Warm-up as a fraction of the total optimizer steps, used when ``lr_warmup_steps`` is -1."""
+    """Warm-up as a fraction of the total optimizer steps, used when ``lr_warmup_steps`` is -1 (0: no
+    warm-up)."""
     lr_scheduler: Literal["constant", "cosine"] = "constant"
     """Schedule after warm-up."""
     min_lr_ratio: float = 0.0
