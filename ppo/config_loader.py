@@ -281,7 +281,8 @@ def _merge(
     for key, value in src.items():
         dotted = f"{prefix}{key}"
         section = hints.get(key) if isinstance(key, str) else None
-        sources[dotted] = source
+        if not dataclasses.is_dataclass(section) or not isinstance(value, dict):
+            sources[dotted] = source  # a section's keys record their own: the others keep "the defaults"
         if typing.get_origin(section) is dict and isinstance(value, dict) and isinstance(dst.get(key), dict):
             dst[key] = {**dst[key], **value}  # a mapping key (reward.reward_kwargs) set key by key
             continue

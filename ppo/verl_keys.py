@@ -537,12 +537,24 @@ VERL_KEYS: dict[str, VerlKey] = {
     "algorithm.filter_groups.max_inflight_gen_batches": _ignored(
         "generation rounds run one after another in the training processes here"
     ),
-    "algorithm.rollout_correction.rollout_is": _refused(
-        "verl corrects a vLLM sampler's mismatch with the trainer; here the actor samples itself. For "
-        "offline data: algorithm.rollout_is_threshold, algorithm.rollout_is, algorithm.rollout_is_level"
+    # verl 0.9.1's rollout correction. rollout_is (token|sequence) and its rollout_is_threshold are our
+    # algorithm.rollout_is=true, rollout_is_level and rollout_is_threshold (_combine); 0.6.0's spellings
+    # algorithm.rollout_is* are ours. The weights apply to responses another policy sampled (offline
+    # data): the actor samples its own responses here, whose weight is 1.
+    "algorithm.rollout_correction.rollout_is_batch_normalize": _refused(
+        "the importance weights are not renormalized to mean 1 here", (False,)
     ),
-    "algorithm.rollout_correction.rollout_rs": _refused("rejection sampling is not available here"),
-    "algorithm.rollout_correction.*": _ignored("used only with algorithm.rollout_correction.rollout_is"),
+    "algorithm.rollout_correction.bypass_mode": _refused(
+        "the old log-probs are always the trainer's own here (verl's decoupled mode)", (False,)
+    ),
+    "algorithm.rollout_correction.loss_type": _ignored(
+        "used only with bypass_mode=true", ("ppo_clip", "reinforce")
+    ),
+    "algorithm.rollout_correction.rollout_rs": _refused(
+        "rejection of off-policy tokens (verl's rollout_rs) is not applied in the update here", (None,)
+    ),
+    "algorithm.rollout_correction.rollout_rs_threshold": _ignored("used only with rollout_rs"),
+    "algorithm.rollout_correction.*": _ignored("not a setting of verl 0.9.1's rollout correction"),
     # ---------------------------------------------------------------- data
     "data.tokenizer": _refused("ours is model.tokenizer_path"),
     "data.use_shm": _ignored("data loads from the file system here"),
@@ -867,6 +879,8 @@ def _combine(leaves: list[Leaf], errors: list[str], notes: list[str]) -> list[Le
         "trainer.resume_from_path",
         "trainer.max_actor_ckpt_to_keep",
         "trainer.max_critic_ckpt_to_keep",
+        "algorithm.rollout_correction.rollout_is",
+        "algorithm.rollout_correction.rollout_is_threshold",
     }
     path, name = last.get("custom_reward_function.path"), last.get("custom_reward_function.name")
     function_at = function = None
@@ -908,6 +922,8 @@ def _combine(leaves: list[Leaf], errors: list[str], notes: list[str]) -> list[Le
             out.append(leaf)
         elif leaf is function_at:  # where it was given, so that a later reward.custom_function wins
             out.append(function)
+        elif key == "algorithm.rollout_correction.rollout_is":
+            out += _rollout_is(leaf, last.get("algorithm.rollout_correction.rollout_is_threshold"), errors)
     if function is None and name is not None and name.value not in (None, "compute_score"):
         notes.append(
             f"custom_reward_function.name={name.value!r} (from {name.source}) is ignored: no "
@@ -960,3 +976,30 @@ def _without_turns(last: dict[str, Leaf], errors: list[str]) -> list[Leaf]:
         given = ", ".join(f"{leaf.given}={show.repr(leaf.value)} (from {leaf.source})" for leaf in turns)
         errors.append(f"{given}: {TOOLS}")
     return turns
+
+
+def _rollout_is(level: Leaf, threshold: Leaf | None, errors: list[str]) -> list[Leaf]:
+    """verl 0.9.1's ``algorithm.rollout_correction.rollout_is`` (null, token or sequence) with its
+    ``rollout_is_threshold`` (verl's default 2.0; a number truncates the weights, verl's TIS) as our
+    ``algorithm.rollout_is``, ``rollout_is_level`` and ``rollout_is_threshold``. Alone, the threshold is
+    verl's default of a switched-off correction: nothing."""
+    if level.value is None:
+        return []
+    if level.value not in ("token", "sequence"):
+        errors.append(
+            f"{level.given}={show.repr(level.value)} (from {level.source}) must be null, token or sequence"
+        )
+        return []
+    bound: Any = 2.0 if threshold is None else threshold.value  # verl's default
+    if isinstance(bound, str) and "_" in bound:
+        errors.append(
+            f"{threshold.given}={show.repr(bound)} (from {threshold.source}): a lower_upper pair is verl's "
+            "IcePop (weights outside the bounds zeroed); here the weights are truncated at one upper bound"
+        )
+        return []
+    source = threshold or level
+    return [
+        Leaf(level.given, ("algorithm", "rollout_is"), True, level.source),
+        Leaf(level.given, ("algorithm", "rollout_is_level"), level.value, level.source),
+        Leaf(source.given, ("algorithm", "rollout_is_threshold"), bound, source.source),
+    ]

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from ppo import algorithms as ours
+from ppo.algorithms.correction import rollout_rs_mask
 
 SIDE = Path(__file__).resolve().parents[1] / ".verl091"
 
@@ -342,6 +343,39 @@ def test_rollout_is_weights(level: str) -> None:
     close(ours_m["mismatch_k3_kl"], off["k3_kl"])
     if level == "token":
         close(ours_m["rollout_is_mean"], ours.masked_mean(torch.exp(log_ratio), mask))
+
+
+@pytest.mark.parametrize(
+    ("options", "thresholds"),
+    [
+        ("token_k1", "0.7_1.5"),
+        ("token_k1", 1.5),  # one number: the upper ratio bound, its reciprocal the lower
+        ("token_k2", 0.02),
+        ("token_k3", 0.02),
+        ("seq_sum_k1", "0.5_2.0"),
+        ("seq_sum_k2", 0.1),
+        ("seq_sum_k3", 0.1),
+        ("seq_mean_k1", "0.9_1.1"),
+        ("seq_mean_k2", 0.03),
+        ("seq_mean_k3", 0.03),
+        ("seq_max_k2", 0.1),
+        ("seq_max_k3", 0.1),
+        ("token_k2,seq_mean_k3", "0.05,0.03"),
+        ("token_k3,seq_max_k2,token_k3", 0.08),  # a repeated option counts once
+    ],
+)
+def test_rollout_rejection_mask(options: str, thresholds: str | float) -> None:
+    b = batch(12)
+    mask = b["mask"]
+    rollout = b["old"] + 0.3 * torch.randn(
+        8, WIDTH, generator=torch.Generator().manual_seed(1), dtype=torch.float64
+    )
+    theirs, _ = verl_corr.compute_rollout_rejection_mask(
+        b["old"] - rollout, mask.double(), options, thresholds
+    )
+    mine = rollout_rs_mask(b["old"], rollout, mask, options=options, thresholds=thresholds)
+    assert torch.equal(mine, (theirs > 0.5) & mask)
+    assert 0 < int(mine.sum()) < int(mask.sum()), "the bounds reject some tokens, not all"
 
 
 # ---------------------------------------------------------------------------------------------------

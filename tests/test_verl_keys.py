@@ -138,3 +138,46 @@ def test_verl_091_reward_section_translates() -> None:
     # verl's "reward" metric: the score with the overlong penalty, before KL.
     assert cfg.algorithm.filter_groups.metric == "seq_reward"
     assert isinstance(cfg, PPOConfig)
+
+
+def test_verl_091_rollout_correction_is_ours() -> None:
+    # 0.9.1's spellings set the fields of 0.6.0's (algorithm.rollout_is*), which stay ours.
+    offline = ["algorithm.adv_estimator=grpo", "rollout.offline_fraction=0.5"]
+    section = "algorithm.rollout_correction"
+    cfg = load_config(
+        None, [*offline, f"{section}.rollout_is=sequence", f"{section}.rollout_is_threshold=3.0"]
+    )
+    alg = cfg.algorithm
+    assert (alg.rollout_is, alg.rollout_is_level, alg.rollout_is_threshold) == (True, "sequence", 3.0)
+    alg = load_config(None, [*offline, f"{section}.rollout_is=token"]).algorithm
+    assert (alg.rollout_is, alg.rollout_is_level, alg.rollout_is_threshold) == (
+        True,
+        "token",
+        2.0,
+    )  # verl's 2.0
+    # verl's defaults (rollout_is null, threshold 2.0, bypass off) switch nothing on.
+    defaults = [
+        f"{section}.rollout_is=null",
+        f"{section}.rollout_is_threshold=2.0",
+        f"{section}.bypass_mode=false",
+    ]
+    assert load_config(None, defaults).algorithm == load_config(None, []).algorithm
+    for refused, fragment in [
+        (f"{section}.rollout_is_threshold=0.5_2.0", "IcePop"),
+        (f"{section}.rollout_rs=token_k1", "rejection of off-policy tokens"),
+        (f"{section}.bypass_mode=true", "verl's decoupled mode"),
+        (f"{section}.rollout_is=geometric", "must be null, token or sequence"),
+    ]:
+        with pytest.raises(ConfigError, match=fragment):
+            load_config(None, [*offline, f"{section}.rollout_is=token", refused])
+
+
+def test_a_default_is_named_as_the_default_beside_a_set_key_of_its_section() -> None:
+    # The bug: a section's source was its last key's, so the default adv_estimator was "from the command
+    # line, as algorithm.rollout_correction.rollout_is".
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["algorithm.rollout_correction.rollout_is=token", "rollout.offline_fraction=0.5"])
+    assert (
+        "(algorithm.adv_estimator from the defaults; rollout.offline_fraction from the command line)"
+        in str(e.value)
+    )

@@ -11,6 +11,8 @@ it further, one it now prefers counts at most ``C`` times.
 Shapes: ``[B, T]`` over response tokens, ``response_mask [B, T]``.
 """
 
+import math
+
 import torch
 
 from ppo.algorithms.stats import masked_mean
@@ -71,3 +73,90 @@ def mismatch_metrics(
         "rollout_is_mean": masked_mean(ratio, mask),
         "rollout_is_ratio_fraction_high": masked_mean((ratio > threshold).float(), mask),
     }
+
+
+ROLLOUT_RS_OPTIONS = (
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+)
+"""verl 0.9.1's rejection criteria (``rollout_rs``): a divergence per token (``token_*``) or its sum, mean
+or maximum over the sequence (``seq_*``); ``k1 = -log r``, ``k2 = (log r)^2 / 2``, ``k3 = r - 1 - log r``
+with ``r = π_old / μ``."""
+
+
+def _rs_bounds(option: str, spec: str) -> tuple[float | None, float]:
+    """(lower, upper) bounds of one criterion: for ``*_k1`` ratio bounds ``lower_upper`` (one number is the
+    upper, its reciprocal the lower), compared in log space; else a single positive upper bound."""
+    if option.endswith("k1"):
+        lower, _, upper = spec.partition("_") if "_" in spec else (str(1.0 / float(spec)), "", spec)
+        low, high = float(lower), float(upper)
+        if not 0 < low <= high:
+            raise ValueError(f"{option}: ratio bounds {spec!r} must satisfy 0 < lower <= upper")
+        return math.log(low), math.log(high)
+    if "_" in spec or float(spec) <= 0:
+        raise ValueError(f"{option}: threshold {spec!r} must be one positive upper bound")
+    return None, float(spec)
+
+
+def rollout_rs_mask(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    options: str,
+    thresholds: str | float,
+) -> torch.Tensor:
+    """Rejection sampling of off-policy tokens (verl 0.9.1's ``rollout_rs``): ``response_mask`` with the
+    tokens, or whole sequences, whose divergence from the sampler breaks a bound set to False.
+
+    ``options``: comma-separated criteria of ``ROLLOUT_RS_OPTIONS`` (all must pass); ``thresholds``: one
+    bound for all of them, or one per criterion, comma-separated (see ``_rs_bounds``). With
+    ``d = log π_old - log μ`` clamped to [-20, 20]: ``k1 = -d``, ``k2 = d^2 / 2``, ``k3 = exp(d) - 1 - d``;
+    a ``seq_sum``/``seq_mean``/``seq_max`` criterion compares the masked sum/mean/max of a sequence's
+    values and keeps or drops all its tokens. Rows whose ``rollout_logprobs`` are NaN (sampled by the
+    policy itself) are kept.
+
+    Example: ``old = [-1, -1]``, ``μ = [-1, -3]`` (d = [0, 2]), ``token_k2`` with bound 1: k2 = [0, 2], the
+    second token is dropped; ``seq_mean_k2`` with bound 1: the mean 1 passes (bounds are inclusive).
+    """
+    names = list(dict.fromkeys(o.strip() for o in options.split(",") if o.strip()))
+    unknown = [o for o in names if o not in ROLLOUT_RS_OPTIONS]
+    if not names or unknown:
+        raise ValueError(f"rollout_rs options {options!r}: known are {', '.join(ROLLOUT_RS_OPTIONS)}")
+    specs = [s.strip() for s in str(thresholds).split(",") if s.strip()]
+    if len(specs) not in (1, len(names)):
+        raise ValueError(f"rollout_rs_threshold {thresholds!r}: give one bound, or one per option of {names}")
+    specs = specs * len(names) if len(specs) == 1 else specs
+    mask = response_mask.bool()
+    known = ~torch.isnan(rollout_logprobs)
+    d = torch.where(mask & known, old_logprobs.detach() - rollout_logprobs, torch.zeros_like(old_logprobs))
+    d = d.clamp(-20.0, 20.0)
+    divergence = {"k1": -d, "k2": 0.5 * d**2, "k3": d.exp() - 1.0 - d}
+    weight = mask.to(d.dtype)
+    count = weight.sum(-1)
+    keep = torch.ones_like(mask)
+    for name, spec in zip(names, specs, strict=True):
+        lower, upper = _rs_bounds(name, spec)
+        values = divergence[name[-2:]]
+        if name.startswith("seq_sum"):
+            values = (values * weight).sum(-1, keepdim=True)
+        elif name.startswith("seq_mean"):
+            values = ((values * weight).sum(-1) / count.clamp(min=1)).unsqueeze(-1)
+        elif name.startswith("seq_max"):
+            values = values.masked_fill(~mask, float("-inf")).amax(-1, keepdim=True)
+            values = torch.where(count[:, None] > 0, values, torch.zeros_like(values))
+        passed = values <= upper
+        if lower is not None:
+            passed &= values >= lower
+        keep &= passed.expand_as(mask)
+    keep |= ~(known & mask).any(-1, keepdim=True).expand_as(mask)  # no known sampler: nothing to reject
+    return mask & keep
