@@ -204,9 +204,10 @@ def score(cfg: PPOConfig, run: Run, batch: Batch, timer: Timer, stop: runner.Sto
     (and ``actor/ref_kl``), values and scores, into ``batch``; a stop signal is honoured between them."""
     metrics: dict[str, float] = {}
     if forwards.needs_old_logprobs(cfg):
-        with timer("old_log_prob"):
-            mb = cfg.actor.ppo_micro_batch_size_per_gpu
-            batch.old_logprobs = forwards.forward_logprobs(cfg, run.actor.model, batch, mb, run.sp)
+        with timer("old_log_prob"):  # the actor's, or SPPO's snapshot of it (refreshed every N steps)
+            actor, snapshot = run.actor.model, run.sppo_old
+            forwards.refresh_sppo_snapshot(snapshot, actor, run.state.step, cfg.actor.sppo_refresh_steps)
+            batch.old_logprobs = forwards.forward_old_logprobs(cfg, actor, snapshot, batch, run.sp)
         at_boundary(stop)
     if run.ref is not None:
         with timer("ref"):

@@ -64,6 +64,9 @@ class Run:
     critic: Trained | None
     ref: torch.nn.Module | None
     """The reference policy; the actor's own module under LoRA (adapters off); None without KL terms."""
+    sppo_old: torch.nn.Module | None
+    """SPPO's old policy with ``actor.sppo_refresh_steps > 1``: a snapshot of the actor, loaded and
+    sharded as the actor is, refreshed every that many steps and checkpointed; None otherwise."""
     reward_model: torch.nn.Module | None
     scorer: rewards.RuleScorer
     reward_pool: RewardPool | None
@@ -101,6 +104,7 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
     total_steps = runner.total_steps(cfg, loader)
     sp = ulysses.make_sp_groups(cfg.actor.ulysses_sequence_parallel_size)
     actor, ref, critic, reward_model = load_models(cfg, info, sp)
+    sppo_old = load_sppo_snapshot(cfg, info, sp)
     sampler = make_sampler(cfg, info, actor, tokenizer, items, turns)
     # One learning-rate step per training step, as verl.
     trained_actor = with_optimizer(actor, cfg.actor.optim, total_steps)
@@ -113,6 +117,7 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
         out_dir,
         trained={"actor": trained_actor, "critic": trained_critic},
         stateful={"trainer": state, "loader": loader, "kl_ctrl": kl_ctrl, "monitor": monitor},
+        frozen={"sppo_old": sppo_old},
     )
     resumed = resume(cfg, info, ckpt, state)
     if resumed and state.step >= total_steps:
@@ -139,6 +144,7 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
         actor=trained_actor,
         critic=trained_critic,
         ref=ref,
+        sppo_old=sppo_old,
         reward_model=reward_model,
         scorer=scorer,
         reward_pool=pool,
@@ -286,6 +292,23 @@ def load_models(
             trainable=False,
         )
     return actor, ref, critic, reward_model
+
+
+def load_sppo_snapshot(cfg: PPOConfig, info: DistInfo, sp: ulysses.SPGroup) -> torch.nn.Module | None:
+    """SPPO's old-policy snapshot (``actor.sppo_refresh_steps > 1``), else None: a second actor built
+    exactly as the actor (``model.path``, ``actor.fsdp``, ``actor.lora``), so that its shards match the
+    actor's one for one and the checkpoint holds what the actor's holds (its trainable weights)."""
+    if not cfg.sppo_snapshot:
+        return None
+    return runner.build_model(
+        models.load_causal_lm,
+        cfg.model,
+        cfg.actor.fsdp,
+        info,
+        sequence_parallel=sp.size,
+        lora_cfg=cfg.actor.lora,
+        lora_key="actor.lora",
+    )
 
 
 def resume(cfg: PPOConfig, info: DistInfo, ckpt: Checkpointer, state: TrainerState) -> bool:

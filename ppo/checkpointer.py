@@ -221,9 +221,11 @@ def make_checkpointer(
     *,
     trained: dict[str, Trained | None],
     stateful: dict[str, Any],
+    frozen: dict[str, torch.nn.Module | None] | None = None,
 ) -> Checkpointer:
     """The run's checkpointer: the models of ``trained`` (None: the run has no such model) with their
-    optimizers and schedules under the same names, ``stateful`` objects, ``trainer.max_ckpt_to_keep``
+    optimizers and schedules under the same names, ``frozen`` models that change without an optimizer
+    (SPPO's old-policy snapshot: its trainable weights, no optimizer state), ``stateful`` objects, ``trainer.max_ckpt_to_keep``
     and ``trainer.seed``; what the run read is saved with each checkpoint, and a checkpoint is compared
     with the run before it is restored (``compare_runs``)."""
     identity = input_fingerprints(cfg)
@@ -240,8 +242,10 @@ def make_checkpointer(
         config_yaml=to_yaml(cfg),
         keep=cfg.trainer.max_ckpt_to_keep,
         seed=cfg.trainer.seed,
-        models={name: t.model if t else None for name, t in trained.items()},
-        optimizers={name: t.optimizer if t else None for name, t in trained.items()},
+        models={name: t.model if t else None for name, t in trained.items()} | (frozen or {}),
+        # No optimizer: an empty tuple saves and restores an empty optimizer state.
+        optimizers={name: t.optimizer if t else None for name, t in trained.items()}
+        | {name: () for name in frozen or {}},
         schedulers={name: t.scheduler if t else None for name, t in trained.items()},
         stateful=stateful,
     )

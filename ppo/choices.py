@@ -16,8 +16,9 @@ KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 """Names of the loss aggregation modes of :func:`agg_loss`."""
 
-POLICY_LOSS_MODES = ("vanilla", "gspo", "clip_cov", "kl_cov")
-"""The policy losses of :func:`policy_loss` (verl's ``actor.policy_loss.loss_mode`` names)."""
+POLICY_LOSS_MODES = ("vanilla", "gspo", "clip_cov", "kl_cov", "sppo")
+"""The policy losses of :func:`policy_loss` (verl's ``actor.policy_loss.loss_mode`` names), and SPPO's
+regression of the log-ratio onto a preference target (:func:`sppo_loss`, verl's SPPO recipe)."""
 
 PREFERENCE_LOSSES = ("dpo", "ipo", "ipo_sum", "simpo", "kto")
 """The losses of ``ppo.algorithms.preference``: ``loss.type`` of ``scripts/train_dpo.py``. ``ipo`` is

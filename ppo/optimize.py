@@ -131,11 +131,12 @@ def actor_loss(
     cov_mask: torch.Tensor | None = None,
 ) -> LossFn:
     """The actor's share of a mini-batch's loss on the rows ``sel`` of ``batch``: the policy loss of
-    ``actor.policy_loss.loss_mode``, minus the entropy bonus, plus the KL loss; with the on-policy
+    ``actor.policy_loss.loss_mode`` (SPPO: ``algorithms.sppo_loss`` on its targets), minus the entropy bonus, plus the KL loss; with the on-policy
     shortcut the old log-probs are the forward's own, detached. ``cov_mask [B, R]``: Clip-Cov's or
     KL-Cov's tokens of the current mini-batch (``cov_selection`` fills it before the mini-batch)."""
     a = cfg.actor
     on_policy = cfg.on_policy
+    sppo = a.policy_loss.loss_mode == "sppo"
     scale = sum_norm_scale(cfg, a.loss_scale_factor, sp)
 
     def loss_fn(sel: torch.Tensor, counts: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -152,21 +153,26 @@ def actor_loss(
         )
         old_logprobs = logprobs.detach() if on_policy else batch.old_logprobs[sel]
         is_weights, mismatch = off_policy_weights(cfg, old_logprobs, batch, sel)
-        pg_loss, pg_metrics = algorithms.policy_loss(
-            logprobs,
-            old_logprobs,
-            batch.advantages[sel],
-            mask,
-            a.clip_ratio_low,
-            a.clip_ratio_high,
-            a.clip_ratio_c,
-            a.loss_agg_mode,
-            is_weights=is_weights,
-            loss_mode=a.policy_loss.loss_mode,
-            cov_mask=None if cov_mask is None else cov_mask[sel],
-            ppo_kl_coef=a.policy_loss.ppo_kl_coef,
-            **counts,
-        )
+        if sppo:  # the target of each row is on every position of its advantages (batch_advantages)
+            pg_loss, pg_metrics = algorithms.sppo_loss(
+                logprobs, old_logprobs, batch.advantages[sel][:, 0], mask, a.loss_agg_mode, **counts
+            )
+        else:
+            pg_loss, pg_metrics = algorithms.policy_loss(
+                logprobs,
+                old_logprobs,
+                batch.advantages[sel],
+                mask,
+                a.clip_ratio_low,
+                a.clip_ratio_high,
+                a.clip_ratio_c,
+                a.loss_agg_mode,
+                is_weights=is_weights,
+                loss_mode=a.policy_loss.loss_mode,
+                cov_mask=None if cov_mask is None else cov_mask[sel],
+                ppo_kl_coef=a.policy_loss.ppo_kl_coef,
+                **counts,
+            )
         if not a.entropy_coeff:
             entropy = entropy.detach()
         entropy_loss = algorithms.agg_loss(entropy, mask, a.loss_agg_mode, **counts)
@@ -175,7 +181,8 @@ def actor_loss(
         # The metric is the mean token entropy whatever the aggregation (a sum under token-sum modes).
         mean_entropy = algorithms.agg_loss(entropy.detach(), mask, "token-mean", counts["num_tokens"])
         parts = {"actor/pg_loss": pg_loss, "actor/entropy": mean_entropy}
-        parts.update({f"actor/{k}": v * weight for k, v in pg_metrics.items()})
+        # SPPO's metrics are per response and already this micro-batch's share; the others per token.
+        parts.update({f"actor/{k}": v if sppo else v * weight for k, v in pg_metrics.items()})
         parts.update({f"mismatch/{k}": v * weight for k, v in mismatch.items()})
         if a.use_kl_loss:
             kl = kl_estimate(logprobs, batch.ref_logprobs[sel], a.kl_loss_type, a.kernels)

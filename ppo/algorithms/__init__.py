@@ -23,7 +23,8 @@ bootstrapped best@k), ``kl`` (KL estimators,
 exact KL, controllers), ``advantages`` (GAE, GRPO, RLOO, REINFORCE++ and its baseline
 variant, OPO; DAPO's group filter), ``losses`` (aggregation; the vanilla, GSPO, Clip-Cov and KL-Cov
 policy losses and the covariance token selections; the value loss), ``correction`` (off-policy
-importance weights), ``preference`` (the DPO family's per-pair losses: DPO/cDPO, IPO, SimPO, KTO).
+importance weights), ``preference`` (the DPO family's per-pair losses: DPO/cDPO, IPO, SimPO, KTO), ``sppo`` (SPPO's win
+rates, soft mean and squared log-ratio loss).
 Users import every name from ``ppo.algorithms`` itself; the lists of allowed names (``ADV_ESTIMATORS``,
 ``KL_KINDS``, ...) live in the dependency-free ``ppo.choices``, which the config schema reads too.
 """
@@ -54,6 +55,7 @@ from ppo.algorithms.losses import (
     value_loss,
 )
 from ppo.algorithms.preference import dpo_loss, ipo_loss, kto_loss, simpo_loss
+from ppo.algorithms.sppo import softmean, sppo_loss, win_rates
 from ppo.algorithms.stats import bootstrap_best, masked_mean, masked_whiten, pass_at_k
 from ppo.choices import (
     ADV_ESTIMATORS,
@@ -99,6 +101,9 @@ __all__ = [
     "policy_loss",
     "rollout_is_weights",
     "simpo_loss",
+    "softmean",
+    "sppo_loss",
     "token_covariance",
     "value_loss",
+    "win_rates",
 ]

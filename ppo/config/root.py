@@ -74,13 +74,22 @@ class PPOConfig:
 
     @property
     def use_critic(self) -> bool:
-        """GAE needs a value function; the group estimators do not."""
-        return self.algorithm.adv_estimator == "gae"
+        """GAE needs a value function; the group estimators and SPPO (which reads no advantages) do not."""
+        return self.algorithm.adv_estimator == "gae" and self.actor.policy_loss.loss_mode != "sppo"
 
     @property
     def on_policy(self) -> bool:
-        """One update per rollout (one epoch, one mini-batch): the ratio is exactly 1 (verl's shortcut)."""
-        return self.actor.ppo_epochs == 1 and self.actor.ppo_mini_batch_size == self.data.train_batch_size
+        """One update per rollout (one epoch, one mini-batch): the ratio is exactly 1 (verl's shortcut).
+        Not with SPPO's old-policy snapshot (``actor.sppo_refresh_steps > 1``): the old policy is older."""
+        a = self.actor
+        if a.policy_loss.loss_mode == "sppo" and a.sppo_refresh_steps > 1:
+            return False
+        return a.ppo_epochs == 1 and a.ppo_mini_batch_size == self.data.train_batch_size
+
+    @property
+    def sppo_snapshot(self) -> bool:
+        """SPPO's old policy is a frozen snapshot of the actor, refreshed every ``actor.sppo_refresh_steps``."""
+        return self.actor.policy_loss.loss_mode == "sppo" and self.actor.sppo_refresh_steps > 1
 
     @property
     def needs_reference(self) -> bool:
@@ -179,7 +188,40 @@ def _check_groups(cfg: PPOConfig) -> None:
 
 
 def _check_policy_loss(cfg: PPOConfig) -> None:
-    """KL-Cov penalizes the distance to the old policy, which an on-policy update never leaves."""
+    """KL-Cov penalizes the distance to the old policy, which an on-policy update never leaves. SPPO
+    averages one loss per response, compares a group's responses (win rates), refreshes its old policy
+    only between iterations over fixed data, and weighs nothing by importance."""
+    a = cfg.actor
+    if a.policy_loss.loss_mode == "sppo":
+        if a.loss_agg_mode != "token-mean":
+            raise FieldError(
+                f"actor.policy_loss.loss_mode=sppo has one loss per response, averaged over responses (verl's "
+                f"recipe under token-mean, the only mode it defines); got actor.loss_agg_mode={a.loss_agg_mode}",
+                "actor.loss_agg_mode",
+                "actor.policy_loss.loss_mode",
+            )
+        if cfg.algorithm.sppo_target == "win_rate" and cfg.rollout.n < 2:
+            raise FieldError(
+                f"algorithm.sppo_target=win_rate compares the rollout.n responses to a prompt: it needs "
+                f"rollout.n >= 2, got {cfg.rollout.n}",
+                "rollout.n",
+                "algorithm.sppo_target",
+            )
+        if a.sppo_refresh_steps > 1 and cfg.rollout.offline_fraction < 1:
+            raise FieldError(
+                f"actor.sppo_refresh_steps={a.sppo_refresh_steps} keeps an older policy as pi_old, but sampled "
+                f"responses come from the current one: use it with rollout.source=dataset (offline SPPO), or "
+                f"set actor.sppo_refresh_steps=1",
+                "actor.sppo_refresh_steps",
+                "rollout.source",
+            )
+        if cfg.algorithm.rollout_is:
+            raise FieldError(
+                "algorithm.rollout_is weighs policy-gradient terms, which SPPO's squared log-ratio loss has "
+                "not: set algorithm.rollout_is=false (the mismatch/* metrics stay)",
+                "algorithm.rollout_is",
+                "actor.policy_loss.loss_mode",
+            )
     if cfg.actor.policy_loss.loss_mode == "kl_cov" and cfg.on_policy:
         raise FieldError(
             f"actor.policy_loss.loss_mode=kl_cov penalizes |log pi - log pi_old|, which is 0 in the one update "
@@ -312,7 +354,7 @@ def _check_offline(cfg: PPOConfig) -> None:
             "rollout.offline_fraction",
             "data.train_batch_size",
         )
-    if fraction > 0 and cfg.algorithm.adv_estimator == "gae":
+    if fraction > 0 and cfg.use_critic:
         raise FieldError(
             "algorithm.adv_estimator=gae with offline groups (rollout.source=dataset or "
             "rollout.offline_fraction > 0): the critic would learn the values of the policy that wrote the "
@@ -462,6 +504,17 @@ def _recipe_warnings(cfg: PPOConfig) -> list[str]:
     ]
     if unused:
         out.append(f"actor.policy_loss.loss_mode={mode} does not use {', '.join(unused)}")
+    sppo_keys = {
+        "actor.sppo_eta": (a.sppo_eta, ActorConfig().sppo_eta),
+        "actor.sppo_refresh_steps": (a.sppo_refresh_steps, ActorConfig().sppo_refresh_steps),
+        "algorithm.sppo_target": (alg.sppo_target, AlgorithmConfig().sppo_target),
+        "algorithm.sppo_beta": (alg.sppo_beta, AlgorithmConfig().sppo_beta),
+    }
+    if mode != "sppo" and any(value != default for value, default in sppo_keys.values()):
+        given = ", ".join(f"{k}={v}" for k, (v, d) in sppo_keys.items() if v != d)
+        out.append(f"actor.policy_loss.loss_mode={mode} does not use {given} (SPPO's keys)")
+    if mode == "sppo" and alg.sppo_target == "win_rate" and alg.sppo_beta != AlgorithmConfig().sppo_beta:
+        out.append(f"algorithm.sppo_target=win_rate does not use algorithm.sppo_beta={alg.sppo_beta}")
     if a.loss_scale_factor is not None and a.loss_agg_mode != "seq-mean-token-sum-norm":
         out.append(
             f"actor.loss_scale_factor={a.loss_scale_factor} divides only loss_agg_mode=seq-mean-token-sum-norm, "

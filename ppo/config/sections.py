@@ -180,8 +180,17 @@ class ActorConfig:
     ulysses_sequence_parallel_size: int = 1
     """Ulysses sequence parallelism: groups of this many consecutive ranks split each packed micro-batch
     along the tokens and exchange heads around attention (for responses too long for one GPU)."""
+    sppo_eta: float = 1.0
+    """SPPO (``policy_loss.loss_mode=sppo``): the step size eta of the target ``eta * (P - 1/2)`` (or
+    ``eta * (r - softmean(r))``) that each response's log-ratio to the old policy regresses onto, in
+    nats per response (verl recipe's key)."""
+    sppo_refresh_steps: int = 1
+    """SPPO: the old policy is the actor as it was at the start of every ``sppo_refresh_steps``-th
+    step (a frozen snapshot, checkpointed with the run); 1: the policy before this step's update, as
+    in PPO. Above 1 only with ``rollout.source=dataset`` (offline SPPO's iterations)."""
 
     def __post_init__(self) -> None:
+        _require(self, ">= 1", "sppo_refresh_steps")
         _require(
             self,
             "> 0",
@@ -506,6 +515,15 @@ class AlgorithmConfig:
     """How weights above the threshold are bounded: truncated to it (verl's ``truncate``)."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """DAPO's dynamic sampling."""
+    sppo_target: Literal["win_rate", "softmean"] = "win_rate"
+    """SPPO's target per response (``actor.policy_loss.loss_mode=sppo``): ``win_rate``, the paper's
+    ``actor.sppo_eta * (P - 1/2)`` with ``P`` the share of its group's other responses it beats by score
+    (ties 1/2; offline groups under ``reward.style=ranking``: by the data's ranks); ``softmean``, verl
+    recipe's ``actor.sppo_eta * (r - softmean_beta(r))`` with ``r`` the summed token rewards and the soft
+    mean over the whole batch (all ranks)."""
+    sppo_beta: float = 1.0
+    """SPPO with ``sppo_target=softmean``: the soft mean's beta (0: the mean; verl recipe's
+    ``algorithm.sppo_eta``)."""
 
     def __post_init__(self) -> None:
         if self.kl_penalty != "full":
