@@ -9,6 +9,8 @@ Prompt files follow verl's layout, one row per prompt, in any of ``FORMATS`` (Pa
     data_source   str, picks the rule scorer (``ppo.rewards.default_compute_score``)
     reward_model  struct {style, ground_truth}
     extra_info    struct/dict (optional column)
+    ground_truth  (optional, TRL's layout) the ground truth where ``reward_model`` has none
+    other columns (optional) reach the reward function inside ``extra_info``, as TRL passes its columns
 
 Preference pairs and SFT examples (the stages before PPO) are read in ``ppo.stage_data``, offline
 response groups in ``ppo.offline``, with the helpers here.
@@ -101,6 +103,9 @@ class PromptRecord:
     """The row's ``extra_info`` ({} when the column is absent or null)."""
     index: int
     """Row number over the concatenated files, counted before filtering (a stable id of the row)."""
+    prompt: str | list[dict[str, Any]] | None = None
+    """The prompt cell as the file holds it (a string or chat messages): what a TRL-style reward function
+    gets as ``prompts``; None where a loader does not keep it."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -369,17 +374,25 @@ def load_prompts(
     records: list[PromptRecord] = []
     total = dropped = offset = 0
     for path in paths:
-        rows = read_rows(
-            path,
-            required=[prompt_key, "data_source", "reward_model"] if require_ground_truth else [prompt_key],
-            hints={
-                prompt_key: "set data.prompt_key to the column that holds the prompts",
-                "reward_model": "the rule reward needs reward_model.ground_truth; a reward model "
-                "(reward.style=model) or reward.custom_function can do without",
-            },
-        )
+        hints = {
+            prompt_key: "set data.prompt_key to the column that holds the prompts",
+            "reward_model": "the rule reward needs reward_model.ground_truth (or a top-level ground_truth "
+            "column, TRL's layout); a reward model (reward.style=model) or reward.custom_function can do "
+            "without",
+        }
+        required = [prompt_key, "data_source", "reward_model"] if require_ground_truth else [prompt_key]
+        try:
+            rows = read_rows(path, required=required, hints=hints)
+        except DataError:
+            rows = read_rows(path, required=[], hints=hints) if require_ground_truth else []
+            if not rows:
+                raise
+            # TRL's layout: a top-level ground_truth column stands in for reward_model
+            trl = [c for c in required if c != "reward_model"] if TRL_GROUND_TRUTH in rows[0] else required
+            _check_columns(path, list(rows[0]), trl, hints)
         if apply_chat_template:
             warn_mixed_prompts(path, [row[prompt_key] for row in rows], prompt_key)
+        warn_string_prompts(path, [row[prompt_key] for row in rows], prompt_key, tokenizer)
         file_dropped = 0
         for i, row in enumerate(rows):
             text, ids = encode_prompt(
@@ -396,10 +409,14 @@ def load_prompts(
                     row.get("data_source", DEFAULT_DATA_SOURCE), cell_ref(path, i, "data_source")
                 ),
                 ground_truth=_ground_truth(
-                    row.get("reward_model"), cell_ref(path, i, "reward_model"), required=require_ground_truth
+                    _trl_ground_truth(row),
+                    cell_ref(path, i, "reward_model"),
+                    required=require_ground_truth,
                 ),
-                extra_info=_extra_info(row.get("extra_info"), cell_ref(path, i, "extra_info")),
+                extra_info=_other_columns(row, prompt_key)
+                | _extra_info(row.get("extra_info"), cell_ref(path, i, "extra_info")),
                 index=offset + i,
+                prompt=row[prompt_key],
             )
             if len(ids) > max_prompt_length:
                 file_dropped += 1
@@ -434,6 +451,50 @@ def warn_mixed_prompts(path: Path, prompts: list[Any], column: str) -> None:
             first_string,
             first_chat,
         )
+
+
+def warn_string_prompts(
+    path: Path, prompts: list[Any], column: str, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """Log a warning when every prompt of a file is a plain string and the tokenizer has a chat template:
+    the strings reach the model without it (as verl and TRL use strings), which for a chat model is
+    usually not the format it was tuned on. No key renders strings with the template: chat messages are
+    what gets it (``data.apply_chat_template``)."""
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        return
+    if getattr(tokenizer, "chat_template", None) is None:
+        return
+    logger.warning(
+        "%s: every prompt in column %r is a plain string, used as it is: the tokenizer's chat template is "
+        "not applied (data.apply_chat_template renders chat messages only); to have it applied, store each "
+        "prompt as [{'role': 'user', 'content': ...}]",
+        path,
+        column,
+    )
+
+
+TRL_GROUND_TRUTH = "ground_truth"
+"""TRL's top-level ground-truth column, taken as ``reward_model.ground_truth`` where that is absent."""
+
+VERL_COLUMNS = ("data_source", "reward_model", "extra_info")
+"""Columns of verl's layout that the loader reads itself (with the prompt's)."""
+
+
+def _trl_ground_truth(row: dict[str, Any]) -> Any:
+    """The row's ``reward_model`` cell, with a top-level ``ground_truth`` (TRL's layout) as its ground
+    truth when the cell has none."""
+    value = row.get("reward_model")
+    truth = row.get(TRL_GROUND_TRUTH)
+    if truth is None or (isinstance(value, dict) and value.get("ground_truth") is not None):
+        return value
+    return {**(value if isinstance(value, dict) else {"style": "rule"}), "ground_truth": truth}
+
+
+def _other_columns(row: dict[str, Any], prompt_key: str) -> dict[str, Any]:
+    """The row's top-level columns other than the prompt and verl's own (``ground_truth`` included: TRL's
+    reward functions receive every column): they reach the reward function inside ``extra_info``, whose
+    own keys win."""
+    return {k: v for k, v in row.items() if k != prompt_key and k not in VERL_COLUMNS and v is not None}
 
 
 def _check_data_source(value: Any, where: str) -> str:

@@ -235,6 +235,8 @@ def make_rule_scorer(
     fn = load_custom_function(custom_function)
     kwargs = dict(reward_kwargs or {})
     name = f"reward.custom_function={custom_function!r}"
+    if is_trl_function(fn):
+        return TRLScorer(fn, name, kwargs, timeout_s)
     dropped: set[str] = set()  # dict keys whose non-number values were not logged (warned once each)
 
     def score(data_source: str, solution_str: str, ground_truth: str | None, extra_info: dict) -> Score:
@@ -285,6 +287,89 @@ def make_rule_scorer(
         return Score(float(value), extras)
 
     return score
+
+
+TRL_RESERVED = ("prompts", "completions", "completion_ids", "trainer_state")
+"""The arguments TRL's trainers give a reward function themselves (no data column takes their names)."""
+
+
+def is_trl_function(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` is a TRL-style batched reward function: it has parameters named ``prompts`` and
+    ``completions`` (``f(prompts, completions, **kwargs) -> list[float]``)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "prompts" in params and "completions" in params
+
+
+class TRLScorer:
+    """A TRL-style reward function called once per batch, as TRL's GRPO and RLOO trainers call it:
+    ``fn(prompts=[...], completions=[...], ground_truth=[...], data_source=[...], extra_info=[...],
+    <column>=[...], **reward.reward_kwargs) -> list[float]``. ``prompts`` are the prompt cells as the file
+    holds them (strings or chat messages); ``completions`` are strings, or ``[{"role": "assistant",
+    "content": text}]`` where the prompt is chat messages (TRL's conversational format); every other
+    column of the file comes as a list (``ground_truth`` also from ``reward_model.ground_truth``). A
+    function without ``**kwargs`` gets only the lists it names. ``reward.timeout_s`` holds for the whole
+    call. Called in the trainer's process only: with ``reward.num_workers`` it stops at start-up."""
+
+    def __init__(
+        self, fn: Callable[..., Any], name: str, kwargs: dict[str, Any], timeout_s: float | None
+    ) -> None:
+        self.fn, self.name, self.kwargs, self.timeout_s = fn, name, kwargs, timeout_s
+        params = inspect.signature(fn).parameters.values()
+        self.any_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+        self.names = {p.name for p in params}
+
+    def __call__(
+        self, data_source: str, solution_str: str, ground_truth: str | None, extra_info: dict
+    ) -> Score:
+        """A single row without its prompt: what reward workers do; a batched function cannot run there."""
+        raise RewardError(
+            f"{self.name} is a TRL-style batched function (prompts, completions): it runs in the trainer's "
+            "process; set reward.num_workers=0"
+        )
+
+    def score_batch(self, records: Sequence[PromptRecord], texts: Sequence[str]) -> list[Score]:
+        """One call for the responses ``texts`` to ``records`` (the same length); a Score each."""
+        columns: dict[str, list[Any]] = {
+            "data_source": [r.data_source for r in records],
+            "ground_truth": [r.ground_truth for r in records],
+            "extra_info": [r.extra_info for r in records],
+        }
+        for key in dict.fromkeys(k for r in records for k in r.extra_info):
+            if key not in TRL_RESERVED and key not in columns:
+                columns[key] = [r.extra_info.get(key) for r in records]
+        columns |= self.kwargs
+        if not self.any_kwargs:
+            columns = {k: v for k, v in columns.items() if k in self.names}
+        prompts = [r.prompt if r.prompt is not None else r.prompt_text for r in records]
+        completions = [
+            t if isinstance(p, str) else [{"role": "assistant", "content": t}]
+            for p, t in zip(prompts, texts, strict=True)
+        ]
+        try:
+            with _time_limit(self.timeout_s):
+                result = self.fn(prompts=prompts, completions=completions, **columns)
+                if inspect.isawaitable(result):
+                    result = _await(result)
+        except _CallTimedOut:
+            raise RewardError(
+                f"{self.name} ran longer than reward.timeout_s={self.timeout_s} on a batch"
+            ) from None
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:
+            raise RewardError(f"{self.name} raised {type(e).__name__}: {e} (a batch of {len(texts)})") from e
+        values = list(result) if isinstance(result, (list, tuple)) or hasattr(result, "tolist") else None
+        if values is not None and hasattr(result, "tolist"):
+            values = result.tolist()
+        if values is None or len(values) != len(texts) or not all(_is_number(v) for v in values):
+            raise RewardError(
+                f"{self.name} returned {result!r:.80} for {len(texts)} completions; expected a list of "
+                f"{len(texts)} numbers (TRL's None, 'does not apply', has no meaning for a single function)"
+            )
+        return [Score(float(v), {}) for v in values]
 
 
 def _await(awaitable: Any) -> Any:
@@ -535,8 +620,11 @@ def check_rule_coverage(
             f"file.py:function, or use a reward model (reward.style=model)"
         )
     first = records[0]
+    if isinstance(scorer, TRLScorer):
+        _warn_if_not_finite(scorer.score_batch([first], [""])[0].value)
     if pool is None:
-        check_scorer(scorer, first.data_source, first.ground_truth, first.extra_info)
+        if not isinstance(scorer, TRLScorer):
+            check_scorer(scorer, first.data_source, first.ground_truth, first.extra_info)
         return
     scored, _, _, failure = pool.score([first], [""])
     if failure is not None:
@@ -596,7 +684,12 @@ def rule_scores(
     """
     if pool is None:
         scored = agree_on_failure(
-            lambda: [_score_row(scorer, r, t) for r, t in zip(records, texts, strict=True)], RewardError
+            lambda: (
+                scorer.score_batch(records, texts)
+                if isinstance(scorer, TRLScorer)
+                else [_score_row(scorer, r, t) for r, t in zip(records, texts, strict=True)]
+            ),
+            RewardError,
         )
         timeouts = errors = 0
         first = None
