@@ -1,54 +1,22 @@
-"""What the test files share: the tiny local assets (tokenizer, models, synthetic task), built once per
-session; short PPO runs on them and their metrics; launching a script on 2 gloo ranks; comparing
-tensors; a tiny Llama config; one-process groups and one intra-op thread; Parquet files of rows.
-
-The files that torchrun runs as workers import these as ``tests.conftest`` (the repository root is on
-their ``PYTHONPATH``), as the test files do.
+"""Fixtures for both rooms of tests (``tests/unit``, ``tests/runs``): the tiny local assets (tokenizer,
+models, synthetic task), built once per session; their tokenizer; one intra-op thread; a one-process
+group. Shared helpers (runs, metrics readers, torchrun launch, tiny configs, Parquet rows) are in
+``tests/helpers.py``.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import shutil
-import subprocess
-import sys
-import time
-import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 
+from tests.helpers import load_script  # first: sets TRITON_INTERPRET before any test module loads
+
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig
-
     from ppo.distributed import DistInfo
-
-ROOT = Path(__file__).resolve().parents[1]
-REWARD_FNS = ROOT / "tests" / "reward_fns.py"
-"""Reward functions the end-to-end runs load with ``reward.custom_function=FILE:NAME``."""
-
-# Triton reads TRITON_INTERPRET when it is first imported, and importing transformers models imports
-# triton: set it before any test module loads, wherever no GPU can run the kernels for real.
-if shutil.which("nvidia-smi") is None:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-def load_script(name: str) -> Any:
-    """Import a file under scripts/ as a module (scripts are not a package)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # before running it: dataclasses defined in the script look it up
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="session")
@@ -59,26 +27,12 @@ def tiny_assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def write_parquet(path: Path, rows: list[dict[str, Any]]) -> Path:
-    """Write ``rows`` (dicts with the same keys) as a Parquet file; returns ``path``."""
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
-
-
-def arith_row(a: int, b: int, **extra: Any) -> dict[str, Any]:
-    """A prompt row of the synthetic task in verl's layout: ``a + b``, its sum the rule's ground truth."""
-    return {
-        "data_source": "synthetic/arith",
-        "prompt": [{"role": "user", "content": f"{a} + {b}"}],
-        "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-        "extra_info": {"index": a},
-        **extra,
-    }
-
-
-# ----------------------------------------------------------------------------------------------------
-# One process
-# ----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    """The tiny character-level tokenizer with its chat template (``make_tiny_assets``; the one saved in
+    ``tiny_assets/tokenizer``). Ids: 0 pad, 1 <s>, 2 </s>, 3 unk, 4 <|system|>, 5 <|user|>,
+    6 <|assistant|>, then one per character."""
+    return load_script("make_tiny_assets").build_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -102,252 +56,5 @@ def one_rank() -> Iterator[DistInfo]:
     destroy_distributed()
 
 
-# ----------------------------------------------------------------------------------------------------
-# PPO runs on the tiny assets
-# ----------------------------------------------------------------------------------------------------
-
-NONDETERMINISTIC = ("timing_s/", "perf/throughput", "perf/max_memory")
-"""Prefixes of the metrics that differ between two identical runs (wall-clock times and memory)."""
-
-
-def base_args(assets: Path, out: Path, steps: int = 2) -> list[str]:
-    """Overrides of a short PPO run on ``tiny_assets``: 4 prompts x 2 responses a step, 12 response
-    tokens, ``digit_score`` as the reward, metrics in ``out/metrics.jsonl``."""
-    return [
-        f"model.path={assets / 'base'}",
-        f"data.train_files={assets / 'data' / 'train.parquet'}",
-        f"data.val_files={assets / 'data' / 'val.parquet'}",
-        "data.max_val_samples=8",
-        "data.max_response_length=12",
-        "data.train_batch_size=4",
-        "actor.ppo_mini_batch_size=2",
-        "rollout.n=2",
-        f"trainer.total_training_steps={steps}",
-        f"trainer.output_dir={out}",
-        "trainer.logger=[console,jsonl]",
-        f"reward.custom_function={REWARD_FNS}:digit_score",
-        "actor.optim.lr=1e-3",
-        "critic.optim.lr=1e-3",
-    ]
-
-
-def run(args: list[str]) -> int:
-    """``train_ppo.main(args)`` in this process (one rank); its exit code."""
-    import train_ppo  # not at import: the torchrun workers import this file too
-
-    return train_ppo.main(args)
-
-
-def train(assets: Path, out: Path, *overrides: str, steps: int = 2) -> list[dict[str, float]]:
-    """A run of ``base_args`` plus ``overrides`` that must succeed; its metrics rows."""
-    assert run(base_args(assets, out, steps) + list(overrides)) == 0
-    return read_metrics(out)
-
-
-def saved_run(assets: Path, out: Path, *overrides: str, steps: int = 1) -> Path:
-    """A run that checkpoints every step and validates never; the folder of its last checkpoint."""
-    train(assets, out, "trainer.save_freq=1", "trainer.val_before_train=false", *overrides, steps=steps)
-    return out / "checkpoints" / f"step_{steps:08d}"
-
-
-def read_metrics(out: Path) -> list[dict[str, float]]:
-    """The rows of a run's ``metrics.jsonl`` (PPO and the stages write the same file)."""
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def deterministic(
-    rows: list[dict[str, float]], drop: tuple[str, ...] = NONDETERMINISTIC
-) -> list[dict[str, float]]:
-    """Metrics rows without the keys starting with a prefix in ``drop`` (those that vary run to run)."""
-    return [{k: v for k, v in row.items() if not k.startswith(drop)} for row in rows]
-
-
-def hf_weights(out: Path) -> dict[str, torch.Tensor]:
-    """The tensors of the model a run exported to ``out/hf`` (``trainer.save_hf_on_end``)."""
-    from safetensors.torch import load_file
-
-    return load_file(out / "hf" / "model.safetensors")
-
-
-def launch(args: list[str], *, nproc: int = 1, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """``train_ppo.py args`` in a new process (under ``torch.distributed.run`` when ``nproc > 1``), one
-    CPU thread a rank, stderr piped as text; for the tests that signal a running trainer."""
-    prefix = [sys.executable]
-    if nproc > 1:
-        prefix += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.Popen(
-        [*prefix, str(ROOT / "train_ppo.py"), *args], stderr=subprocess.PIPE, text=True, env=env
-    )
-
-
-def wait_until(proc: subprocess.Popen, done: Callable[[], bool], timeout: float = 300) -> None:
-    """Poll ``done()`` until it holds; fails if ``proc`` exits first or ``timeout`` seconds pass."""
-    deadline = time.time() + timeout
-    while not done():
-        assert proc.poll() is None, "the run ended first"
-        assert time.time() < deadline, f"not done within {timeout} s"
-        time.sleep(0.02)
-
-
-def has_metrics(out: Path) -> Callable[[], bool]:
-    """Whether the run in ``out`` has logged its first row (for ``wait_until``)."""
-    path = out / "metrics.jsonl"
-    return lambda: path.is_file() and bool(path.read_text().strip())
-
-
-# ----------------------------------------------------------------------------------------------------
-# Several ranks
-# ----------------------------------------------------------------------------------------------------
-
-
-def torchrun(
-    script: Path | str, *args: object, nproc: int = 2, timeout: float = 600, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess:
-    """``script args`` on ``nproc`` gloo ranks under ``torch.distributed.run``, one CPU thread each, from
-    the repository root with the repository importable (and ``env`` added to the environment); stdout and
-    stderr captured."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run(
-        [*cmd, str(script), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=ROOT,
-    )
-
-
-def worker_results(script: Path | str, *args: object, out: Path, timeout: float = 240) -> dict[str, Any]:
-    """Run a test file as a 2-rank worker (``script args``) and read the results JSON its rank 0 wrote to
-    ``out`` (one of ``args``): ``{check: {"ok", "detail"}}``, plus ``_log``, the end of the workers'
-    output (also when they timed out), for the message of a check that never ran."""
-    try:
-        proc = torchrun(script, *args, timeout=timeout)
-        log = proc.stdout[-4000:] + proc.stderr[-8000:]
-    except subprocess.TimeoutExpired as err:
-        log = f"worker timed out: {err}"
-    return read_results(out, log)
-
-
-class Checks:
-    """The worker side of ``worker_results``: each check's verdict and detail, written to ``out`` by rank 0
-    after every check (a worker that dies leaves the checks it finished). With ``agree`` a verdict is the
-    same on every rank (the min over ranks: a collective, so every rank records every check in order).
-
-    ``with checks:`` around a worker's body records an exception as the ``_error`` check (its traceback,
-    which ``assert_check`` shows) before it propagates, and destroys the process group either way."""
-
-    def __init__(self, out: Path, is_main: bool, *, agree: bool = False) -> None:
-        self.out, self.is_main, self.agree = out, is_main, agree
-        self.results: dict[str, dict[str, Any]] = {}
-
-    def __enter__(self) -> Checks:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: Any) -> None:
-        from ppo.distributed import destroy_distributed
-
-        if isinstance(error, Exception):  # no collective here: the other rank may be elsewhere
-            trace = "".join(traceback.format_exception(kind, error, tb))
-            self.results["_error"] = {"ok": False, "detail": trace}
-            self._write()
-        destroy_distributed()
-
-    def record(self, name: str, ok: bool, detail: Any) -> None:
-        """Check ``name`` passed (``ok``) or not; ``detail`` explains a failure."""
-        if self.agree:
-            from ppo.distributed import all_reduce_scalar
-
-            ok = all_reduce_scalar(float(bool(ok)), "min") > 0
-            detail = f"rank {torch.distributed.get_rank()}: {detail}"
-        self.results[name] = {"ok": bool(ok), "detail": str(detail)}
-        self._write()
-
-    def _write(self) -> None:
-        if self.is_main:
-            self.out.write_text(json.dumps(self.results, indent=1))
-
-    def within(self, name: str, diff: float, atol: float) -> None:
-        """Check ``name``: ``diff <= atol``."""
-        self.record(name, diff <= atol, f"max |diff| = {diff:.3g} (atol {atol})")
-
-
-def read_results(out: Path, log: str) -> dict[str, Any]:
-    """The results JSON a worker wrote to ``out`` (empty if it wrote none), with ``log`` as ``_log``."""
-    results = json.loads(out.read_text()) if out.is_file() else {}
-    results["_log"] = log
-    return results
-
-
-def assert_check(results: dict[str, Any], check: str) -> None:
-    """One check of ``worker_results``: it ran (else the workers' error and log) and passed."""
-    if check not in results:
-        error = results.get("_error", {}).get("detail", "")
-        pytest.fail(f"worker did not reach {check}:\n{error}\n{results['_log']}")
-    assert results[check]["ok"], f"{check}: {results[check]['detail']}"
-
-
-# ----------------------------------------------------------------------------------------------------
-# Comparing tensors
-# ----------------------------------------------------------------------------------------------------
-
-GRAD_RTOL = 1e-5
-"""Gradients span orders of magnitude across parameters (1e-7 to 1e-2 in the tiny models), so an absolute
-tolerance would pass a small gradient off by 2x: compare each parameter's error with its own largest
-gradient (``rel_diff``; fp32 summation-order noise is ~1e-6 of it)."""
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``max|a - b|`` in fp32."""
-    return (a.float() - b.float()).abs().max().item()
-
-
-def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``max|a - b| / max|b|``."""
-    return max_diff(a, b) / max(b.abs().max().item(), 1e-30)
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A sharded (DTensor) parameter or gradient gathered whole (a collective); plain tensors as they are."""
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def grad_rel_diff(sharded: torch.nn.Module, ref: torch.nn.Module) -> float:
-    """The largest ``rel_diff`` of a (sharded) model's gradients to a reference model's, parameter by
-    parameter. A collective with DTensor gradients: every rank walks the parameters in the same order."""
-    ref_grads = dict(ref.named_parameters())
-    return max(rel_diff(full_tensor(p.grad), ref_grads[n].grad) for n, p in sharded.named_parameters())
-
-
-# ----------------------------------------------------------------------------------------------------
-# Models
-# ----------------------------------------------------------------------------------------------------
-
-VOCAB = 128
-"""Vocabulary of ``tiny_config``."""
-
-
-def tiny_config(config_class: type[PretrainedConfig] | None = None, **overrides: Any) -> PretrainedConfig:
-    """A 2-layer Llama (or ``config_class``, e.g. ``Qwen2Config``) small enough for CPU tests (GQA: 4 query
-    heads over 2 key/value heads, both divisible by a sequence-parallel size of 2); eos id 2, bos id 1,
-    no pad token."""
-    from transformers import LlamaConfig  # not at import: TRITON_INTERPRET is set above first
-
-    kwargs = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=128,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=None,
-    )
-    kwargs.update(overrides)
-    return (config_class or LlamaConfig)(**kwargs)
+# Files written before tests/helpers.py existed still import the helpers from here.
+from tests.helpers import *  # noqa: E402, F403

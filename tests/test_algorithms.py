@@ -23,18 +23,10 @@ from ppo.algorithms import (
     policy_loss,
     value_loss,
 )
+from tests.helpers import close, t64
 
 LN2 = math.log(2.0)
 LN3 = math.log(3.0)
-
-
-def t64(*rows: object) -> torch.Tensor:
-    """A float64 tensor from nested lists (hand-derived values are checked in float64)."""
-    return torch.tensor(rows[0] if len(rows) == 1 else rows, dtype=torch.float64)
-
-
-def close(actual: torch.Tensor, expected: object, atol: float = 1e-6) -> None:
-    torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=actual.dtype), rtol=0, atol=atol)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from ppo.data import load_prompts
 from ppo.multi_turn import load_environment
 from ppo.rewards import RULE_DATA_SOURCES, default_compute_score, gsm8k_score
 from ppo.stage_data import load_preference_pairs, load_sft_examples
-from tests.conftest import ROOT, load_script
+from tests.helpers import ROOT, load_script
 
 DATA_FILES = (
     "train",

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ppo import checkpoint_files
-from tests.conftest import ROOT, deterministic, read_metrics, train
+from tests.helpers import ROOT, deterministic, read_metrics, train
 
 pytestmark = pytest.mark.slow
 

@@ -28,7 +28,7 @@ from ppo.config import ConfigError, PPOConfig
 from ppo.config_loader import load_config, to_yaml
 from ppo.data import DataError
 from ppo.offline import load_offline_groups
-from tests.conftest import (
+from tests.helpers import (
     ROOT,
     arith_row,
     base_args,

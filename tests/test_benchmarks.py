@@ -29,7 +29,7 @@ import bench_overhead  # noqa: E402
 import bench_rollout  # noqa: E402
 
 from ppo.ulysses import NO_SP  # noqa: E402
-from tests.conftest import read_metrics, torchrun  # noqa: E402
+from tests.helpers import read_metrics, torchrun  # noqa: E402
 
 ROLLOUT_COLUMNS = {
     "path",

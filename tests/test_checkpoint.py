@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from ppo import checkpoint_files
-from tests.conftest import (
+from tests.helpers import (
     ROOT,
     base_args,
     deterministic,

@@ -26,7 +26,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 from ppo import data, model_eval, models, rewards
 from ppo.distributed import DistInfo
 from ppo.rollout import generate, generation_config
-from tests.conftest import Checks, assert_check, load_script, tiny_config, worker_results
+from tests.helpers import Checks, assert_check, load_script, tiny_config, worker_results
 
 compare = load_script("compare_offline")
 
@@ -80,11 +80,6 @@ def constant_policy(tok: Any, logits: dict[int, float]) -> LlamaForCausalLM:
         for token, logit in logits.items():
             head[token, 0] = logit
     return model.eval()
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_assets: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_assets / "tokenizer")
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,7 @@ from ppo.config import (
 )
 from ppo.config_keys import all_keys
 from ppo.config_loader import load_config, to_dict, to_yaml
-from tests.conftest import load_script
+from tests.helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,15 +18,9 @@ import pytest
 
 from ppo.data import DataError, PromptRecord, ShardedLoader, load_prompts
 from ppo.stage_data import load_preference_pairs, load_sft_examples
-from tests.conftest import load_script, write_parquet
+from tests.helpers import load_script, write_parquet
 
 BOS, EOS, USER, ASSISTANT = 1, 2, 5, 6
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    """The tiny character-level tokenizer with its chat template."""
-    return load_script("make_tiny_assets").build_tokenizer()
 
 
 def prompt_row(prompt: Any, truth: Any = "71", **extra: Any) -> dict[str, Any]:

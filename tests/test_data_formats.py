@@ -17,13 +17,7 @@ import pytest
 
 from ppo import models
 from ppo.data import DataError, load_prompts
-from tests.conftest import arith_row, base_args, deterministic, load_script, run, train, write_parquet
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    """The tiny character-level tokenizer with its chat template."""
-    return load_script("make_tiny_assets").build_tokenizer()
+from tests.helpers import arith_row, base_args, deterministic, run, train, write_parquet
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ppo.distributed import destroy_distributed, init_distributed, reduce_metrics
-from tests.conftest import torchrun
+from tests.helpers import torchrun
 
 WORKER = textwrap.dedent(
     """

@@ -30,7 +30,7 @@ from ppo import algorithms, data, models, stage_data
 from ppo.config import ConfigError, DPOConfig, PreferenceLossConfig, validate_stage
 from ppo.config_loader import load_config
 from ppo.data import DataError
-from tests.conftest import ROOT, arith_row, load_script, max_diff, tiny_config, torchrun, write_parquet
+from tests.helpers import ROOT, arith_row, load_script, max_diff, tiny_config, torchrun, write_parquet
 
 dpo = load_script("train_dpo")
 
@@ -72,11 +72,6 @@ def files(tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
             d / "eval.parquet", pq.read_table(tiny_assets / "data" / "val.parquet").to_pylist()[:8]
         ),
     }
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_assets: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_assets / "tokenizer")
 
 
 def dpo_args(tiny_assets: Path, files: dict[str, Path], out: Path, *extra: str) -> list[str]:

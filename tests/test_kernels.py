@@ -579,7 +579,7 @@ def test_memory_plan_keeps_chunks_within_budget(backend: str) -> None:
 def test_torch_fused_memory_measured_within_plan(dtype: torch.dtype) -> None:
     """The torch path's extra peak memory, fwd+bwd, measured like the benchmark (its CPU storage tracker), stays
     within fused_memory_plan and far below the naive path's."""
-    from tests.conftest import load_script
+    from tests.helpers import load_script
 
     bench = load_script("bench_kernels")
     num_tokens, hidden_size, vocab_size = 512, 64, 4096
@@ -674,7 +674,7 @@ def test_bench_kernels_json_rows(capsys: pytest.CaptureFixture[str]) -> None:
     cannot run (here: no CUDA or no liger_kernel)."""
     import json
 
-    from tests.conftest import load_script
+    from tests.helpers import load_script
 
     bench = load_script("bench_kernels")
     argv = [

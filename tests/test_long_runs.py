@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ppo.distributed import Watch
-from tests.conftest import REWARD_FNS, ROOT, base_args, read_metrics, run, torchrun
+from tests.helpers import REWARD_FNS, ROOT, base_args, read_metrics, run, torchrun
 
 pytestmark = pytest.mark.slow
 

@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 from ppo import lora
 from ppo.config import ConfigError, LoRAConfig
 from ppo.models import causal_lm_logits, critic_values, load_causal_lm, load_critic
-from tests.conftest import Checks, assert_check, full_tensor, load_script, max_diff, worker_results
+from tests.helpers import Checks, assert_check, full_tensor, load_script, max_diff, worker_results
 
 # peft 0.21 asks transformers 5 for the deprecated is_gradient_checkpointing when it wraps a model.
 pytestmark = [

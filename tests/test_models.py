@@ -59,7 +59,7 @@ from ppo.sharding import (
     gathered_for_generation,
     shard_model,
 )
-from tests.conftest import (
+from tests.helpers import (
     GRAD_RTOL,
     VOCAB,
     Checks,

@@ -30,7 +30,7 @@ from ppo.multi_turn import EnvError, MultiTurn, load_environment
 from ppo.optimize import actor_loss, global_counts
 from ppo.packing import pack_rows
 from ppo.rollout import Sampler, sample
-from tests.conftest import (
+from tests.helpers import (
     REWARD_FNS,
     ROOT,
     base_args,
@@ -81,11 +81,6 @@ class Calc:
         expr = action.split("<calc>")[-1].split("</calc>")[0]
         a, b = expr.split("+")
         return f"<result>{int(a) + int(b)}</result>", 0.5, False
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_assets: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_assets / "tokenizer")
 
 
 def settings(tok: Any, env: type, **over: Any) -> MultiTurn:

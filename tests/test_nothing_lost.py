@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from ppo import run_folder
 from ppo.metrics import MetricsLogger
-from tests.conftest import (
+from tests.helpers import (
     REWARD_FNS,
     base_args,
     has_metrics,

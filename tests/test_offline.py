@@ -43,7 +43,7 @@ from ppo.offline import (
 )
 from ppo.rewards import scores_from_ranks
 from ppo.rollout import generate, generation_config, response_mask_from_eos
-from tests.conftest import ROOT, arith_row, load_script, torchrun, write_parquet
+from tests.helpers import ROOT, arith_row, load_script, torchrun, write_parquet
 from tests.reward_fns import digit_score
 
 make_offline_data = load_script("make_offline_data")
@@ -53,12 +53,6 @@ PAD = 0
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_assets: Path) -> Any:
-    """The tiny assets' character-level tokenizer."""
-    return AutoTokenizer.from_pretrained(tiny_assets / "tokenizer")
 
 
 def group_row(a: int, b: int, **extra: Any) -> dict[str, Any]:

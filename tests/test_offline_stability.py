@@ -16,7 +16,7 @@ from ppo import algorithms, models, offline
 from ppo.config import ConfigError
 from ppo.config_loader import load_config
 from ppo.data import DataError
-from tests.conftest import ROOT, base_args, load_script, read_metrics, run, torchrun, write_parquet
+from tests.helpers import ROOT, base_args, load_script, read_metrics, run, torchrun, write_parquet
 
 E = math.e
 

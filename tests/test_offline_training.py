@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 import train_ppo
 from ppo import models, offline
-from tests.conftest import (
+from tests.helpers import (
     ROOT,
     base_args,
     deterministic,

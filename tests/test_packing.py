@@ -15,7 +15,7 @@ from ppo.packing import (
     unpack,
 )
 from ppo.rollout import left_pad, response_mask_from_eos
-from tests.conftest import tiny_config
+from tests.helpers import tiny_config
 
 
 def test_pack_layout() -> None:

@@ -19,7 +19,7 @@ import yaml
 import train_ppo
 from ppo.config import DPOConfig, PPOConfig, RewardModelConfig, SFTConfig
 from ppo.config_loader import load_config
-from tests.conftest import load_script
+from tests.helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted((ROOT / "configs").glob("*.yaml"))

@@ -47,13 +47,15 @@ from ppo.config_loader import load_config
 from ppo.dynamic_sampling import kept_group_slots
 from ppo.periodic_validation import k_values, majority_correct, prediction
 from ppo.rewards import overlong_penalty
-from tests.conftest import (
+from tests.helpers import (
     ROOT,
     base_args,
+    close,
     deterministic,
     hf_weights,
     read_metrics,
     run,
+    t64,
     torchrun,
     train,
     wait_until,
@@ -62,14 +64,6 @@ from tests.conftest import (
 from tests.reward_fns import digit_score
 
 RECIPE_FNS = ROOT / "tests" / "recipe_rewards.py"
-
-
-def t64(rows: object) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.float64)
-
-
-def close(actual: torch.Tensor, expected: object, atol: float = 1e-6) -> None:
-    torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=actual.dtype), rtol=0, atol=atol)
 
 
 class Ranks:

@@ -14,7 +14,7 @@ import pytest
 from ppo.data import PromptRecord
 from ppo.reward_pool import RewardPool
 from ppo.rewards import RewardError, check_rule_coverage, make_rule_scorer, rule_scores
-from tests.conftest import REWARD_FNS, ROOT, base_args, read_metrics, torchrun
+from tests.helpers import REWARD_FNS, ROOT, base_args, read_metrics, torchrun
 
 TIMEOUT_S = 3.0
 

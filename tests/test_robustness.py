@@ -21,7 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ppo import checkpoint_files
-from tests.conftest import (
+from tests.helpers import (
     REWARD_FNS,
     ROOT,
     base_args,

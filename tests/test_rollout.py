@@ -11,7 +11,7 @@ import torch
 from ppo import rollout
 from ppo.build import build
 from ppo.config_loader import load_config
-from tests.conftest import base_args
+from tests.helpers import base_args
 
 
 def test_left_pad_to_a_bucket() -> None:

@@ -23,7 +23,7 @@ from transformers import LlamaForCausalLM
 from ppo import data, models, rewards, runner, stage_data
 from ppo.distributed import DistInfo
 from ppo.packing import pack_sequences, plan_eval_micro_batches
-from tests.conftest import (
+from tests.helpers import (
     ROOT,
     deterministic,
     load_script,

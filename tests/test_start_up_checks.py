@@ -13,7 +13,7 @@ import pytest
 from ppo.config import ConfigError, DPOConfig, PPOConfig, SFTConfig
 from ppo.config_loader import load_config
 from ppo.data import load_prompts
-from tests.conftest import REWARD_FNS, arith_row, base_args, load_script, run, write_parquet
+from tests.helpers import REWARD_FNS, arith_row, base_args, load_script, run, write_parquet
 
 
 def one_error(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -223,7 +223,7 @@ def test_resume_mode_takes_a_run_folder_its_checkpoints_or_latest(tmp_path: Path
 def test_resuming_a_finished_run_says_so_and_keeps_its_export(
     tiny_assets: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from tests.conftest import saved_run
+    from tests.helpers import saved_run
 
     out = tmp_path / "run"
     saved_run(tiny_assets, out, "trainer.save_hf_on_end=true")
@@ -261,7 +261,7 @@ def answer_early(schema: str, *args: str, cwd: Path) -> tuple[str, str]:
     import subprocess
     import sys
 
-    from tests.conftest import ROOT
+    from tests.helpers import ROOT
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run(

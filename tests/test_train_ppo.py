@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import (
+from tests.helpers import (
     REWARD_FNS,
     ROOT,
     base_args,

@@ -21,7 +21,7 @@ from transformers import LlamaForCausalLM
 from ppo import packing, ulysses
 from ppo.attention import PACKED_ATTENTION, ULYSSES, packed_kwargs, resolve_attn_implementation
 from ppo.packing import Packed
-from tests.conftest import (
+from tests.helpers import (
     GRAD_RTOL,
     VOCAB,
     Checks,

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import GenerationConfig
 
 from ppo import checkpoint_files, run_folder
 from ppo.checkpoint_files import CheckpointError
@@ -26,7 +26,7 @@ from ppo.multi_turn import EnvError, MultiTurn, make_settings
 from ppo.reward_pool import RewardPool
 from ppo.rewards import RewardError, make_rule_scorer, rule_scores
 from ppo.rollout import Sampler, sample
-from tests.conftest import REWARD_FNS, load_script
+from tests.helpers import REWARD_FNS, load_script
 
 export_hf = load_script("export_hf")
 
@@ -269,11 +269,6 @@ class CountingTokenizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.tok, name)
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_assets: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_assets / "tokenizer")
 
 
 def turn_settings(tok: Any, env: type, **over: Any) -> MultiTurn:

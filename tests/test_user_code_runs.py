@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REWARD_FNS, ROOT, base_args, run, torchrun
+from tests.helpers import REWARD_FNS, ROOT, base_args, run, torchrun
 from tests.reward_fns import EVERY_CHARACTER
 
 pytestmark = pytest.mark.slow

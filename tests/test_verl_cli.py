@@ -26,7 +26,7 @@ from ppo.config import ConfigError, PPOConfig
 from ppo.config_keys import all_keys
 from ppo.config_loader import load_config, to_dict
 from ppo.verl_keys import VERL_HOMONYMS, VERL_KEYS
-from tests.conftest import (
+from tests.helpers import (
     REWARD_FNS,
     ROOT,
     base_args,

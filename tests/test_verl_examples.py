@@ -20,7 +20,7 @@ from ppo import cli
 from ppo.config import ConfigError, PPOConfig
 from ppo.config_loader import load_config
 from ppo.optim import warmup_steps
-from tests.conftest import REWARD_FNS, ROOT, read_metrics, torchrun
+from tests.helpers import REWARD_FNS, ROOT, read_metrics, torchrun
 
 EXAMPLES = yaml.safe_load((Path(__file__).parent / "verl_examples.yaml").read_text())
 RUNS = [name for name in EXAMPLES if not name.startswith("multi_turn")]

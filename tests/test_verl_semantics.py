@@ -27,7 +27,7 @@ from ppo.batch import Batch, Rollout
 from ppo.build import build
 from ppo.config_loader import load_config
 from ppo.metrics import batch_metrics
-from tests.conftest import REWARD_FNS, ROOT, base_args, load_script, run, torchrun, train, write_parquet
+from tests.helpers import REWARD_FNS, ROOT, base_args, load_script, run, torchrun, train, write_parquet
 
 
 def fake_batch(mask: torch.Tensor, prompt_lens: list[int], max_response: int | None = None) -> Batch:
@@ -437,12 +437,12 @@ def test_a_fatal_error_is_reported_once_on_two_ranks(tiny_assets: Path, tmp_path
     args = base_args(tiny_assets, tmp_path / "run") + [f"data.train_files={tmp_path / 'missing.parquet'}"]
     proc = torchrun(ROOT / "train_ppo.py", *args, "trainer.dist_timeout_s=60", timeout=300)
     assert proc.returncode != 0
-    # Once from rank 0's log, once as the root cause in torchrun's summary (from the rank's error file);
-    # never once per rank.
+    # Once from rank 0 (the start-up check's one line, before torch loads), once as the root cause in
+    # torchrun's summary (from the rank's error file); never once per rank.
     logged = [
         line
         for line in proc.stderr.splitlines()
-        if "ERROR" in line and "missing.parquet: no such data file" in line
+        if line.startswith("error: ") and "missing.parquet: no such data file" in line
     ]
     summary = [
         line for line in proc.stderr.splitlines() if "traceback :" in line and "missing.parquet" in line
