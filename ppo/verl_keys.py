@@ -534,6 +534,9 @@ VERL_KEYS: dict[str, VerlKey] = {
     # ---------------------------------------------------------------- algorithm
     "algorithm.use_pf_ppo": _refused("preference-feedback PPO is not available here", (False,)),
     "algorithm.pf_ppo.*": _ignored("used only with algorithm.use_pf_ppo=true"),
+    # verl's SPPO recipe: algorithm.sppo_eta is the beta of its soft-mean baseline (actor.sppo_eta, the
+    # step size, is ours as it is).
+    "algorithm.sppo_eta": renamed_to("algorithm.sppo_beta"),
     "algorithm.filter_groups.max_inflight_gen_batches": _ignored(
         "generation rounds run one after another in the training processes here"
     ),

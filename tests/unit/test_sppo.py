@@ -228,3 +228,12 @@ def test_snapshot_only_offline_and_not_on_policy() -> None:
 def test_sppo_keys_without_sppo_warn() -> None:
     cfg = load_config(None, ["actor.sppo_eta=3.0", "algorithm.adv_estimator=grpo"])
     assert any("actor.sppo_eta=3.0" in w for w in cfg.warnings())
+
+
+def test_verl_recipe_keys() -> None:
+    """verl's SPPO recipe spells the step size actor_rollout_ref.actor.sppo_eta and the soft mean's beta
+    algorithm.sppo_eta."""
+    cfg = sppo_cfg(
+        "actor_rollout_ref.actor.sppo_eta=0.5", "algorithm.sppo_eta=3.0", "algorithm.sppo_target=softmean"
+    )
+    assert (cfg.actor.sppo_eta, cfg.algorithm.sppo_beta) == (0.5, 3.0)
