@@ -1,10 +1,11 @@
-"""Offline KL-PPO, DPO and SimPO on the same ranked file, from the same SFT model, for the same number of
-optimizer steps, each at three strengths; every final model measured the same way; a table and a plot.
+"""Offline KL-PPO, DPO, offline SPPO and SimPO on the same ranked file, from the same SFT model, for the
+same number of optimizer steps, each at three strengths; every final model measured the same way; a
+table and a plot.
 
     make compare-offline       # on the demo assets (make assets first): 6 min on 2 quiet cores, 12-16 loaded
     python scripts/compare_offline.py [--sft assets/sft] [--train-file assets/offline/train.parquet]
         [--val-file assets/data/val.parquet] [--out outputs/compare_offline] [--steps 40] [--nproc 2]
-        [--methods ppo,dpo,simpo] [--lr dpo=5e-5] [--strengths dpo=0.05,0.1,0.3] [--overwrite]
+        [--methods ppo,dpo,sppo,simpo] [--lr dpo=5e-5] [--strengths dpo=0.05,0.1,0.3] [--overwrite]
 
 What it does, in order:
 
@@ -17,6 +18,9 @@ What it does, in order:
      ``low_var_kl`` loss, truncated importance weights against the data's sampler), strength
      ``actor.kl_loss_coef``;
    - ``dpo``: ``scripts/train_dpo.py --config configs/dpo_demo.yaml loss.type=dpo``, strength ``loss.beta``;
+   - ``sppo``: ``train_ppo.py --config configs/demo_cpu_sppo_offline.yaml`` (SPPO on the file's ranks, the
+     old policy refreshed every 8 steps, a ``low_var_kl`` loss), strength ``actor.sppo_eta`` (its step
+     size: larger moves further from the SFT model);
    - ``simpo``: the same with ``loss.type=simpo`` (reference-free, ``loss.gamma`` 0.5), strength ``loss.beta``.
 
    Each method keeps its preset's batch (PPO 64 groups of 4 responses a step, DPO/SimPO 64 pairs), its
@@ -141,6 +145,17 @@ METHODS = {
         lr=5e-5,
         fixed=("loss.type=dpo",),
     ),
+    "sppo": Method(
+        name="sppo",
+        label="offline SPPO",
+        script="train_ppo.py",
+        config="configs/demo_cpu_sppo_offline.yaml",
+        strength_key="actor.sppo_eta",
+        strength_name="eta",
+        strengths=(0.3, 1.0, 3.0),
+        lr_key="actor.optim.lr",
+        lr=5e-5,
+    ),
     "simpo": Method(
         name="simpo",
         label="SimPO",
@@ -155,7 +170,7 @@ METHODS = {
     ),
 }
 """The three trainers, in table order."""
-COLORS = {"ppo": "tab:red", "dpo": "tab:blue", "simpo": "tab:green"}
+COLORS = {"ppo": "tab:red", "dpo": "tab:blue", "sppo": "tab:purple", "simpo": "tab:green"}
 
 
 class InputError(ValueError):

@@ -456,7 +456,7 @@ def test_training_commands_are_valid_configs(
     assert value("trainer.total_training_steps") == 7 and value("trainer.test_freq") == -1
     assert value(method.strength_key) == method.strengths[1] and value(method.lr_key) == method.lr
     assert value("model.path") == "assets/sft" and value("trainer.output_dir") == str(tmp_path / "run")
-    if name == "ppo":
+    if method.script == "train_ppo.py":
         assert value("trainer.val_before_train") is False and value("trainer.save_hf_on_end") is True
     else:
         assert value("data.eval_prompt_files") == [] and value("loss.type") == name
