@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SLURM = ROOT / "scripts" / "slurm"
 SCRIPTS = sorted(SLURM.glob("*.sbatch"))
 JOB_ID = 4242

@@ -15,7 +15,7 @@ import torch
 from ppo.algorithms import bootstrap_best, pass_at_k
 from ppo.periodic_validation import bootstrap_draws, k_values
 
-SIDE = Path(__file__).resolve().parents[1] / ".verl091"
+SIDE = Path(__file__).resolve().parents[2] / ".verl091"
 
 
 def test_best_at_k_is_verls_bootstrap_not_pass_at_k() -> None:

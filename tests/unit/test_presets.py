@@ -21,7 +21,7 @@ from ppo.config import DPOConfig, PPOConfig, RewardModelConfig, SFTConfig
 from ppo.config_loader import load_config
 from tests.helpers import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
 GPU_PRESETS = [
     "qwen2_5_0_5b_gsm8k.yaml",
