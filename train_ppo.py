@@ -28,6 +28,7 @@ import sys
 import torch
 
 from ppo import (
+    accuracy_filter,
     batch_advantages,
     checkpoint_files,
     dynamic_sampling,
@@ -48,7 +49,7 @@ from ppo.distributed import (
     reduce_metrics,
 )
 from ppo.metrics import Timer, batch_metrics, perf_metrics, profiled
-from ppo.optimize import actor_loss, cov_selection, critic_loss, optimize
+from ppo.optimize import actor_loss, cov_selection, critic_loss, optimize, update_prm
 from ppo.periodic_validation import validate
 from ppo.rollout import gather_group, sample
 from ppo.step_end import EndStep, TrainingError
@@ -150,6 +151,14 @@ def collect(
             between_rounds=lambda: at_boundary(stop),
             device=run.device,
         )
+    elif cfg.data.filter_accuracy:  # PRIME's: oversample, then prompts neither always nor never solved
+        batch, metrics = accuracy_filter.collect_accuracy_filtered(
+            cfg,
+            run.loader,
+            timer,
+            sample_round=lambda items: collect_round(cfg, run, items, timer),
+            score_responses=lambda b: score_responses(cfg, run, b),
+        )
     else:
         batch = collect_round(cfg, run, next(run.loader), timer)
     if run.sp.size > 1:
@@ -201,7 +210,8 @@ def collect_round(cfg: PPOConfig, run: Run, items: list, timer: Timer) -> Batch:
 
 def score(cfg: PPOConfig, run: Run, batch: Batch, timer: Timer, stop: runner.StopRequest) -> dict[str, float]:
     """Old log-probs (unless the on-policy shortcut makes them the update's own), reference log-probs
-    (and ``actor/ref_kl``), values and scores, into ``batch``; a stop signal is honoured between them."""
+    (and ``actor/ref_kl``), values and scores, into ``batch``; a stop signal is honoured between them.
+    With PRIME, last, the implicit PRM's update and token rewards (``update_prm``)."""
     metrics: dict[str, float] = {}
     if forwards.needs_old_logprobs(cfg):
         with timer("old_log_prob"):  # the actor's, or SPPO's snapshot of it (refreshed every N steps)
@@ -231,6 +241,9 @@ def score(cfg: PPOConfig, run: Run, batch: Batch, timer: Timer, stop: runner.Sto
             metrics.update(reward_metrics)
             if cfg.reward.overlong_buffer.enable:
                 metrics.update(rewards.overlong_metrics(penalties))
+    if run.prm is not None:  # PRIME: the implicit PRM learns the outcome labels, then gives token rewards
+        with timer("prm"):
+            metrics.update(update_prm(cfg, run.prm, batch, run.sp))
     return metrics
 
 

@@ -117,6 +117,8 @@ class Batch:
     values: torch.Tensor | None = None
     scores: torch.Tensor | None = None
     """[B] the reward of each sequence."""
+    prm_rewards: torch.Tensor | None = None
+    """[B, R] PRIME's implicit process rewards (``algorithm.adv_estimator=prime``), normalized."""
     token_rewards: torch.Tensor | None = None
     """[B, R] the score on the last response token minus the in-reward KL penalty."""
     advantages: torch.Tensor | None = None

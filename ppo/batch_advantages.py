@@ -85,6 +85,17 @@ def estimate(cfg: PPOConfig, batch: Batch) -> None:
         )
         return
     seq_rewards, groups = token_rewards.sum(-1), batch.group_ids
+    if est == "prime":  # RLOO over the implicit PRM's token rewards and over the outcome, whitened
+        batch.advantages, batch.returns = algorithms.compute_prime_advantages(
+            batch.prm_rewards,
+            seq_rewards,
+            groups,
+            mask,
+            alg.reward_dpo_coef,
+            alg.reward_gt_coef,
+            all_reduce=all_reduce,
+        )
+        return
     if est == "grpo":
         batch.advantages = algorithms.compute_grpo_advantages(
             seq_rewards, groups, mask, norm_by_std=alg.norm_adv_by_std_in_grpo

@@ -62,6 +62,8 @@ class Run:
     val_records: list[data.PromptRecord]
     actor: Trained
     critic: Trained | None
+    prm: Trained | None
+    """PRIME's implicit process reward model (``algorithm.adv_estimator=prime``), else None."""
     ref: torch.nn.Module | None
     """The reference policy; the actor's own module under LoRA (adapters off); None without KL terms."""
     sppo_old: torch.nn.Module | None
@@ -109,13 +111,15 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
     # One learning-rate step per training step, as verl.
     trained_actor = with_optimizer(actor, cfg.actor.optim, total_steps)
     trained_critic = with_optimizer(critic, cfg.critic.optim, total_steps) if critic is not None else None
+    prm = load_prm(cfg, info)
+    trained_prm = with_optimizer(prm, cfg.reward.prime.optim, total_steps) if prm is not None else None
     kl_ctrl = make_kl_controller(cfg)
     state, monitor = TrainerState(), HealthMonitor(cfg=cfg)
     ckpt = checkpointer.make_checkpointer(
         cfg,
         info,
         out_dir,
-        trained={"actor": trained_actor, "critic": trained_critic},
+        trained={"actor": trained_actor, "critic": trained_critic, "prm": trained_prm},
         stateful={"trainer": state, "loader": loader, "kl_ctrl": kl_ctrl, "monitor": monitor},
         frozen={"sppo_old": sppo_old},
     )
@@ -143,6 +147,7 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
         val_records=val_records,
         actor=trained_actor,
         critic=trained_critic,
+        prm=trained_prm,
         ref=ref,
         sppo_old=sppo_old,
         reward_model=reward_model,
@@ -306,6 +311,24 @@ def load_sppo_snapshot(cfg: PPOConfig, info: DistInfo, sp: ulysses.SPGroup) -> t
         cfg.actor.fsdp,
         info,
         sequence_parallel=sp.size,
+        lora_cfg=cfg.actor.lora,
+        lora_key="actor.lora",
+    )
+
+
+def load_prm(cfg: PPOConfig, info: DistInfo) -> torch.nn.Module | None:
+    """PRIME's implicit PRM (``algorithm.adv_estimator=prime``): a trainable copy of the reference
+    model (``ref.model_path``, else ``model.path``), so that its log-ratio to the reference starts at 0;
+    with the actor's LoRA adapters when the actor has them. None for other estimators."""
+    if cfg.algorithm.adv_estimator != "prime":
+        return None
+    return runner.build_model(
+        models.load_causal_lm,
+        cfg.model,
+        cfg.reward.prime.fsdp,
+        info,
+        path=cfg.ref.model_path or cfg.model.path,
+        path_key="ref.model_path" if cfg.ref.model_path else "model.path",
         lora_cfg=cfg.actor.lora,
         lora_key="actor.lora",
     )

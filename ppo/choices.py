@@ -2,12 +2,21 @@
 modes. Dependency-free, so that the config schema (which must not import torch) and ``ppo.algorithms``
 (which implements each name) read the same lists; ``ppo.algorithms`` re-exports them."""
 
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo")
+ADV_ESTIMATORS = (
+    "gae",
+    "grpo",
+    "rloo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "opo",
+    "prime",
+)
 """Advantage estimators (verl's names): :func:`compute_gae` (with a critic), :func:`compute_grpo_advantages`,
 :func:`compute_rloo_advantages`, :func:`compute_reinforce_plus_plus_advantages`,
-:func:`compute_reinforce_plus_plus_baseline_advantages`, :func:`compute_opo_advantages`."""
+:func:`compute_reinforce_plus_plus_baseline_advantages`, :func:`compute_opo_advantages`; ``prime``:
+:func:`compute_prime_advantages` with an implicit PRM (verl's PRIME recipe, whose trainer calls it ``rloo``)."""
 
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "prime")
 """The estimators whose baseline is the other responses to the same prompt."""
 
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")

@@ -1,5 +1,6 @@
 """Step 4's machinery: mini-batches, global counts, the one optimize loop the actor and the critic share,
-and their loss closures (``actor_loss``, ``critic_loss``): they differ only in the closure.
+and their loss closures (``actor_loss``, ``critic_loss``): they differ only in the closure. PRIME's
+implicit PRM trains through the same loop in step 2 (``update_prm``, with ``prm_loss``).
 
     loss_fn = actor_loss(cfg, actor.model, batch, sp)   # (sel, counts) -> (loss, {"actor/pg_loss": ...})
     metrics = optimize(cfg.actor, "actor", actor, batch, loss_fn,
@@ -11,17 +12,24 @@ batch); Clip-Cov and KL-Cov also pick their tokens once per mini-batch (``cov_se
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from ppo import algorithms, ulysses
+from ppo import algorithms, forwards, ulysses
 from ppo.batch import Batch
 from ppo.batch_advantages import kl_estimate
 from ppo.config import ActorConfig, CriticConfig, PPOConfig
-from ppo.distributed import all_gather_object, all_reduce_scalars, all_reduce_sum, all_reduce_tensors
+from ppo.distributed import (
+    all_gather_object,
+    all_reduce_scalar,
+    all_reduce_scalars,
+    all_reduce_sum,
+    all_reduce_tensors,
+)
 from ppo.optim import Trained, optimizer_step
 from ppo.packing import micro_batches, pack_rows
 
@@ -218,6 +226,88 @@ def critic_loss(cfg: PPOConfig, critic: torch.nn.Module, batch: Batch, sp: ulyss
         }
 
     return loss_fn
+
+
+def prime_labels(scores: torch.Tensor) -> torch.Tensor:
+    """``[B]`` PRIME's outcome labels: each response's score clipped to ``[0, 1]`` (the rule's 0/1
+    verdict; a format score in between is a soft label)."""
+    return scores.float().clamp(0.0, 1.0)
+
+
+def prm_loss(
+    cfg: PPOConfig,
+    prm: torch.nn.Module,
+    batch: Batch,
+    sp: ulysses.SPGroup,
+    *,
+    prm_logprobs: torch.Tensor | None = None,
+) -> LossFn:
+    """The implicit PRM's share of a mini-batch's cross-entropy loss (``algorithms.prime_ce_loss``) on
+    the rows ``sel``: the PRM's log-probs minus the reference's, summed over the response and scaled by
+    ``reward.prime.beta_train``, against the outcome labels (``prime_labels``). Each row weighs
+    ``1 / num_seqs`` of the mini-batch (all ranks), as the recipe's mean over the mini-batch. With
+    ``prm_logprobs [B, R]`` the forward's log-probs (detached) are written there (``update=after``)."""
+    p = cfg.reward.prime
+    acc = prime_labels(batch.scores)
+
+    def loss_fn(sel: torch.Tensor, counts: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logprobs, _ = ulysses.packed_logprobs(
+            prm,
+            pack_rows(batch, sel),
+            sp,
+            temperature=cfg.rollout.temperature,
+            backend=cfg.actor.kernels,
+            fused=cfg.actor.use_fused_kernels,
+        )
+        if prm_logprobs is not None:
+            prm_logprobs[sel] = logprobs.detach()
+        log_ratios = logprobs - batch.ref_logprobs[sel]
+        ce = algorithms.prime_ce_loss(log_ratios, acc[sel], batch.loss_mask[sel], p.beta_train)
+        loss = ce * (len(sel) / counts["num_seqs"])
+        return loss, {"reward_model/dpo_loss": loss}
+
+    return loss_fn
+
+
+def update_prm(cfg: PPOConfig, prm: Trained, batch: Batch, sp: ulysses.SPGroup) -> dict[str, float]:
+    """PRIME's implicit PRM on this step's responses (verl recipe's ``update_rm`` and
+    ``compute_rm_score``): one epoch of ``prm_loss`` in mini-batches of ``reward.prime.mini_batch_size``
+    prompts (in order), micro-batched as the actor, then the token rewards ``batch.prm_rewards``
+    (``algorithms.prime_token_rewards``) from a forward of the updated PRM (``update=before``) or from
+    the training forwards (``update=after``), divided by the batch's largest absolute return over all
+    ranks with ``prime_norm=batch_norm``. Needs ``batch.scores`` and ``batch.ref_logprobs``."""
+    p = cfg.reward.prime
+    role = dataclasses.replace(cfg.actor, ppo_epochs=1, grad_clip=p.grad_clip)
+    lr = prm.optimizer.param_groups[0]["lr"]  # the rate this step's updates use
+    mask = batch.loss_mask
+    prm_logprobs = torch.zeros_like(mask, dtype=torch.float32) if p.update == "after" else None
+    out = optimize(
+        role,
+        "reward_model",
+        prm,
+        batch,
+        prm_loss(cfg, prm.model, batch, sp, prm_logprobs=prm_logprobs),
+        num_mini=cfg.data.train_batch_size // p.mini_batch_size,
+        shuffle=False,
+        sp=sp,
+    )
+    prm.scheduler.step()
+    out["reward_model/lr"] = lr
+    if prm_logprobs is None:
+        mb = cfg.actor.ppo_micro_batch_size_per_gpu
+        prm_logprobs = forwards.forward_logprobs(cfg, prm.model, batch, mb, sp)
+    token_rewards = algorithms.prime_token_rewards(prm_logprobs, batch.ref_logprobs, mask, p.beta_train)
+    if p.prime_norm == "batch_norm":
+        largest = all_reduce_scalar(float(algorithms.prime_max_abs_return(token_rewards)), "max")
+        token_rewards = algorithms.prime_norm(token_rewards, largest)
+    batch.prm_rewards = token_rewards
+    acc, seq_rewards = prime_labels(batch.scores), token_rewards.sum(-1)
+    out["reward_model/reward"] = seq_rewards.mean().item()
+    log_ratios = torch.where(mask, prm_logprobs - batch.ref_logprobs, torch.zeros_like(prm_logprobs))
+    out["reward_model/raw_reward"] = log_ratios.sum(-1).mean().item()
+    out["reward_model/dpo_acc"] = algorithms.dpo_accuracy(seq_rewards, acc, batch.group_ids).item()
+    out["reward_model/dpo_acc_abs"] = algorithms.dpo_abs_accuracy(seq_rewards, acc).item()
+    return out
 
 
 def sum_norm_scale(cfg: PPOConfig, loss_scale_factor: int | None, sp: ulysses.SPGroup) -> float:

@@ -24,7 +24,8 @@ exact KL, controllers), ``advantages`` (GAE, GRPO, RLOO, REINFORCE++ and its bas
 variant, OPO; DAPO's group filter), ``losses`` (aggregation; the vanilla, GSPO, Clip-Cov and KL-Cov
 policy losses and the covariance token selections; the value loss), ``correction`` (off-policy
 importance weights), ``preference`` (the DPO family's per-pair losses: DPO/cDPO, IPO, SimPO, KTO), ``sppo`` (SPPO's win
-rates, soft mean and squared log-ratio loss).
+rates, soft mean and squared log-ratio loss), ``prime`` (PRIME's implicit process rewards, its PRM
+loss and advantages).
 Users import every name from ``ppo.algorithms`` itself; the lists of allowed names (``ADV_ESTIMATORS``,
 ``KL_KINDS``, ...) live in the dependency-free ``ppo.choices``, which the config schema reads too.
 """
@@ -55,6 +56,16 @@ from ppo.algorithms.losses import (
     value_loss,
 )
 from ppo.algorithms.preference import dpo_loss, ipo_loss, kto_loss, simpo_loss
+from ppo.algorithms.prime import (
+    accuracy_filter,
+    compute_prime_advantages,
+    dpo_abs_accuracy,
+    dpo_accuracy,
+    prime_ce_loss,
+    prime_max_abs_return,
+    prime_norm,
+    prime_token_rewards,
+)
 from ppo.algorithms.sppo import softmean, sppo_loss, win_rates
 from ppo.algorithms.stats import bootstrap_best, masked_mean, masked_whiten, pass_at_k
 from ppo.choices import (
@@ -77,15 +88,19 @@ __all__ = [
     "ROLLOUT_IS_LEVELS",
     "AdaptiveKLController",
     "FixedKLController",
+    "accuracy_filter",
     "agg_loss",
     "bootstrap_best",
     "clip_cov_selection",
     "compute_gae",
     "compute_grpo_advantages",
     "compute_opo_advantages",
+    "compute_prime_advantages",
     "compute_reinforce_plus_plus_advantages",
     "compute_reinforce_plus_plus_baseline_advantages",
     "compute_rloo_advantages",
+    "dpo_abs_accuracy",
+    "dpo_accuracy",
     "dpo_loss",
     "entropy_from_logits",
     "filter_groups",
@@ -99,6 +114,10 @@ __all__ = [
     "mismatch_metrics",
     "pass_at_k",
     "policy_loss",
+    "prime_ce_loss",
+    "prime_max_abs_return",
+    "prime_norm",
+    "prime_token_rewards",
     "rollout_is_weights",
     "simpo_loss",
     "softmean",

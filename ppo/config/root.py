@@ -71,6 +71,7 @@ class PPOConfig:
         _check_offline(self)
         _check_multi_turn(self)
         _check_sequence_parallel(self)
+        _check_prime(self)
 
     @property
     def use_critic(self) -> bool:
@@ -93,8 +94,13 @@ class PPOConfig:
 
     @property
     def needs_reference(self) -> bool:
-        """A reference policy is scored when a KL term or the KL rollback uses it."""
-        return self.algorithm.use_kl_in_reward or self.actor.use_kl_loss or self.algorithm.rollback_kl > 0
+        """A reference policy is scored when a KL term, the KL rollback or PRIME's implicit rewards use it."""
+        return (
+            self.algorithm.use_kl_in_reward
+            or self.actor.use_kl_loss
+            or self.algorithm.rollback_kl > 0
+            or self.algorithm.adv_estimator == "prime"
+        )
 
     def warnings(self) -> list[str]:
         """One message per group of keys that are set but do nothing in this run, which still trains
@@ -158,6 +164,8 @@ def _resolve_fallbacks(cfg: PPOConfig) -> None:
         critic.ppo_mini_batch_size = actor.ppo_mini_batch_size
     if critic.ppo_epochs is None:
         critic.ppo_epochs = actor.ppo_epochs
+    if cfg.reward.prime.mini_batch_size is None:
+        cfg.reward.prime.mini_batch_size = actor.ppo_mini_batch_size
     if actor.clip_ratio_low is None:
         actor.clip_ratio_low = actor.clip_ratio
     if actor.clip_ratio_high is None:
@@ -172,7 +180,7 @@ def _resolve_fallbacks(cfg: PPOConfig) -> None:
 def _check_groups(cfg: PPOConfig) -> None:
     """A group baseline and a ranking compare the ``rollout.n`` responses to a prompt: they need two."""
     n = cfg.rollout.n
-    if cfg.algorithm.adv_estimator in ("grpo", "rloo") and n < 2:
+    if cfg.algorithm.adv_estimator in ("grpo", "rloo", "prime") and n < 2:
         raise FieldError(
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs rollout.n >= 2 "
             f"(a group baseline), got rollout.n={n}",
@@ -433,6 +441,58 @@ def _check_sequence_parallel(cfg: PPOConfig) -> None:
         )
 
 
+def _check_prime(cfg: PPOConfig) -> None:
+    """PRIME makes its own token rewards (the implicit PRM's, and the outcome score's), on one
+    sequence-parallel layout; the accuracy filter draws whole batches and is the only filter."""
+    alg, d = cfg.algorithm, cfg.data
+    if alg.adv_estimator == "prime":
+        if alg.use_kl_in_reward:
+            raise FieldError(
+                "algorithm.adv_estimator=prime takes its token rewards from the implicit PRM and the outcome "
+                "score (verl's PRIME trainer never subtracts a KL from them): set algorithm.use_kl_in_reward="
+                "false and, for a KL term, actor.use_kl_loss=true",
+                "algorithm.adv_estimator",
+                "algorithm.use_kl_in_reward",
+            )
+        if cfg.actor.ulysses_sequence_parallel_size > 1:
+            raise FieldError(
+                "algorithm.adv_estimator=prime: the implicit PRM runs without sequence parallelism; set "
+                "actor.ulysses_sequence_parallel_size=1",
+                "algorithm.adv_estimator",
+                "actor.ulysses_sequence_parallel_size",
+            )
+    if d.filter_accuracy:
+        if alg.filter_groups.enable:
+            raise FieldError(
+                "data.filter_accuracy=true and algorithm.filter_groups.enable=true are two sampling filters; "
+                "turn one of them off",
+                "data.filter_accuracy",
+                "algorithm.filter_groups.enable",
+            )
+        if cfg.rollout.offline_fraction > 0 or cfg.rollout.n < 2:
+            raise FieldError(
+                "data.filter_accuracy=true filters groups of sampled responses: it needs rollout.n >= 2 and "
+                "no offline groups (rollout.offline_fraction=0)",
+                "data.filter_accuracy",
+                "rollout.n",
+            )
+        if d.gen_batch_size % d.train_batch_size:
+            raise FieldError(
+                f"data.gen_batch_size={d.gen_batch_size} must be a multiple of data.train_batch_size="
+                f"{d.train_batch_size}: the accuracy filter samples gen_batch_size / train_batch_size whole "
+                f"batches (verl recipe's data.oversample_factor) and keeps one",
+                "data.gen_batch_size",
+                "data.train_batch_size",
+            )
+        if d.accuracy_lower_bound > d.accuracy_upper_bound:
+            raise FieldError(
+                f"data.accuracy_lower_bound={d.accuracy_lower_bound} is above data.accuracy_upper_bound="
+                f"{d.accuracy_upper_bound}: no group can pass",
+                "data.accuracy_lower_bound",
+                "data.accuracy_upper_bound",
+            )
+
+
 # ----------------------------------------------------------------------------------------------------
 # Warnings: keys that are set but do nothing in this run
 # ----------------------------------------------------------------------------------------------------
@@ -521,7 +581,9 @@ def _recipe_warnings(cfg: PPOConfig) -> list[str]:
             f"not actor.loss_agg_mode={a.loss_agg_mode}: it is ignored"
         )
     f, o = alg.filter_groups, cfg.reward.overlong_buffer
-    if not f.enable and (d.gen_batch_size != d.train_batch_size or f.max_num_gen_batches):
+    if not f.enable and (
+        (d.gen_batch_size != d.train_batch_size and not d.filter_accuracy) or f.max_num_gen_batches
+    ):
         out.append(
             "algorithm.filter_groups.enable=false: data.gen_batch_size and "
             "algorithm.filter_groups.max_num_gen_batches are used by dynamic sampling only and are ignored"
@@ -622,6 +684,9 @@ def _batch_errors(cfg: PPOConfig, world_size: int) -> list[str]:
     if cfg.use_critic:
         c = cfg.critic
         roles.append(("critic", c.ppo_mini_batch_size, c.use_dynamic_bsz, c.ppo_micro_batch_size_per_gpu))
+    if cfg.algorithm.adv_estimator == "prime":  # the PRM micro-batches as the actor does
+        mini = cfg.reward.prime.mini_batch_size
+        roles.append(("reward.prime", mini, a.use_dynamic_bsz, a.ppo_micro_batch_size_per_gpu))
     for role, mini, dynamic, micro in roles:
         if bsz % mini:
             errors.append(

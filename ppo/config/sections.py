@@ -41,6 +41,14 @@ class DataConfig:
     apply_chat_template: bool = True
     """Render chat-message prompts with the tokenizer's chat template (string prompts are used as
     they are)."""
+    filter_accuracy: bool = False
+    """PRIME's accuracy filter (verl recipe's key): each step samples ``gen_batch_size`` prompts and
+    trains on ``train_batch_size`` of them, first those whose group accuracy (the share of the
+    ``rollout.n`` responses scoring >= 1) lies within ``[accuracy_lower_bound, accuracy_upper_bound]``."""
+    accuracy_lower_bound: float = 0.2
+    """Lowest group accuracy the accuracy filter prefers (``filter_accuracy``)."""
+    accuracy_upper_bound: float = 0.8
+    """Highest group accuracy the accuracy filter prefers (``filter_accuracy``)."""
 
     def __post_init__(self) -> None:
         if not self.train_files:
@@ -55,6 +63,7 @@ class DataConfig:
             "val_batch_size",
         )
         _require(self, "-1 or > 0", "max_val_samples")
+        _require(self, "[0, 1]", "accuracy_lower_bound", "accuracy_upper_bound")
 
 
 @dataclass(kw_only=True)
@@ -397,6 +406,38 @@ class OverlongBufferConfig:
 
 
 @dataclass(kw_only=True)
+class PrimeConfig:
+    """PRIME's implicit process reward model (Cui et al. 2025; verl recipe ``reward_model.*``): a copy of
+    the reference model trained on the outcome labels; ``beta_train * (log pi_prm - log pi_ref)`` of each
+    response token is its process reward (``algorithm.adv_estimator=prime``)."""
+
+    beta_train: float = 0.05
+    """beta of the implicit reward, in the PRM's loss and its token rewards (verl recipe's
+    ``reward_model.model.beta_train``)."""
+    update: Literal["before", "after"] = "before"
+    """``before``: train the PRM on the step's outcome labels, then score the responses with it (two
+    forwards); ``after``: the rewards are the training forward's, before each mini-batch's update
+    (verl recipe's ``reward_model.model.update``)."""
+    prime_norm: Literal["batch_norm", "none"] = "batch_norm"
+    """``batch_norm``: divide the token rewards by the batch's largest absolute reverse cumulative sum
+    (over all ranks); ``none``: use them as they are (verl recipe's ``reward_model.prime_norm``)."""
+    loss_type: Literal["ce"] = "ce"
+    """The PRM's loss: ``ce``, binary cross-entropy of the implicit outcome reward against the label."""
+    mini_batch_size: int | None = None
+    """Prompts per PRM optimizer step, over all ranks; default ``actor.ppo_mini_batch_size``."""
+    grad_clip: float = 10.0
+    """Gradient-norm clip of the PRM's updates."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
+    """The PRM's optimizer (verl recipe's ``reward_model.model.optim``)."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Sharding of the PRM."""
+
+    def __post_init__(self) -> None:
+        _require(self, "> 0", "beta_train", "mini_batch_size")
+        _require(self, ">= 0", "grad_clip")
+
+
+@dataclass(kw_only=True)
 class RewardConfig:
     style: Literal["rule", "model", "ranking", "dataset"] = "rule"
     """``rule``: scorer chosen by ``data_source``; ``model``: a trained reward model; ``ranking``: scores
@@ -435,6 +476,8 @@ class RewardConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """Sharding of the reward model (``style=model`` or ``ranking_by=model``); ``param_offload`` keeps it
     on CPU."""
+    prime: PrimeConfig = field(default_factory=PrimeConfig)
+    """PRIME's implicit process reward model (``algorithm.adv_estimator=prime``)."""
 
     def __post_init__(self) -> None:
         _require(self, "> 0", "micro_batch_size_per_gpu", "timeout_s")
@@ -482,7 +525,9 @@ class AlgorithmConfig:
     adv_estimator: Literal[ADV_ESTIMATORS] = "gae"
     """Advantages: ``gae`` with a critic; ``reinforce_plus_plus`` (discounted returns whitened over the
     batch); the group baselines ``grpo``, ``rloo``, ``reinforce_plus_plus_baseline`` (minus the group
-    mean, whitened over the batch) and ``opo`` (minus the length-weighted group mean)."""
+    mean, whitened over the batch) and ``opo`` (minus the length-weighted group mean); ``prime``: RLOO
+    over an implicit process reward model's token rewards and over the outcome score, summed as returns
+    and whitened (verl's PRIME recipe; the PRM is ``reward.prime``)."""
     gamma: float = 1.0
     """Discount factor of GAE and REINFORCE++."""
     lam: float = 1.0
@@ -515,6 +560,10 @@ class AlgorithmConfig:
     """How weights above the threshold are bounded: truncated to it (verl's ``truncate``)."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """DAPO's dynamic sampling."""
+    reward_dpo_coef: float = 5.0
+    """PRIME: weight of the implicit process rewards' RLOO returns (verl recipe's key)."""
+    reward_gt_coef: float = 5.0
+    """PRIME: weight of the outcome score's RLOO return (verl recipe's key)."""
     sppo_target: Literal["win_rate", "softmean"] = "win_rate"
     """SPPO's target per response (``actor.policy_loss.loss_mode=sppo``): ``win_rate``, the paper's
     ``actor.sppo_eta * (P - 1/2)`` with ``P`` the share of its group's other responses it beats by score

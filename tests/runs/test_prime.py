@@ -1,0 +1,147 @@
+"""PRIME through ``train_ppo.main``: the implicit PRM trains and its metrics are logged, a resumed run
+continues exactly, the accuracy filter keeps its share, and 2 ranks train what 1 rank trains."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests.conftest import (
+    REWARD_FNS,
+    ROOT,
+    base_args,
+    deterministic,
+    hf_weights,
+    read_metrics,
+    run,
+    torchrun,
+    train,
+    write_parquet,
+)
+from tests.reward_fns import digit_score
+
+PRIME = [
+    "algorithm.adv_estimator=prime",
+    "reward.prime.optim.lr=1e-3",
+    "reward.prime.beta_train=0.5",
+    "trainer.val_before_train=false",
+]
+PRM_METRICS = (
+    "reward_model/dpo_loss",
+    "reward_model/grad_norm",
+    "reward_model/lr",
+    "reward_model/reward",
+    "reward_model/raw_reward",
+    "reward_model/dpo_acc",
+    "reward_model/dpo_acc_abs",
+)
+
+
+def prm_weights(ckpt: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    """The PRM's parameters in checkpoint ``ckpt`` (its ``prm.model`` entries), by parameter name."""
+    dcp_to_torch_save(ckpt / "dcp", tmp / "state.pt")
+    state = torch.load(tmp / "state.pt", weights_only=False)
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(tree: object, prefix: str) -> None:
+        if isinstance(tree, dict):
+            for k, v in tree.items():
+                walk(v, f"{prefix}{k}.")
+        elif isinstance(tree, torch.Tensor):
+            flat[prefix[:-1]] = tree
+
+    walk(state, "")
+    return {k.removeprefix("prm.model."): v for k, v in flat.items() if k.startswith("prm.model.")}
+
+
+def test_prime_trains_the_prm_and_logs_it(tiny_assets: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    rows = train(tiny_assets, out, *PRIME, "trainer.save_freq=2", steps=2)
+    for key in PRM_METRICS:
+        assert all(key in r for r in rows), key
+    assert rows[0]["reward_model/num_updates"] == 2.0  # train_batch_size 4 / mini-batch 2
+    assert rows[0]["reward_model/lr"] == 1e-3
+    prm = prm_weights(out / "checkpoints" / "step_00000002", tmp_path)
+    base = load_file(tiny_assets / "base" / "model.safetensors")
+    assert prm, "the checkpoint holds no PRM"
+    shared = [k for k in prm if k in base]
+    assert shared and any(not torch.equal(prm[k].float(), base[k].float()) for k in shared)
+    # The actor trains on the PRIME advantages: whitened over the batch's tokens, so mean 0.
+    assert all(abs(r["critic/advantages/mean"]) < 1e-5 for r in rows)
+
+
+def test_a_resumed_prime_run_continues_exactly(tiny_assets: Path, tmp_path: Path) -> None:
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    args = [*PRIME, "trainer.save_freq=1", "reward.prime.update=after"]
+    whole = train(tiny_assets, straight, *args, steps=3)
+    train(tiny_assets, resumed, *args, steps=2)
+    part = train(tiny_assets, resumed, *args, "trainer.resume_mode=auto", steps=3)
+    assert deterministic(part)[-1] == deterministic(whole)[-1]
+    assert part[-1]["step"] == 3
+
+
+@pytest.fixture(scope="module")
+def groups_file(tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Eight prompts with four fixed responses each, scored by ``digit_score``: the same data on any
+    number of ranks (sampling differs per rank)."""
+    responses = ["12 + 30 = 42\n#### 42", "#### 7", "4 + 4 = 8\n#### 8", "no idea"]
+    rows = pq.read_table(tiny_assets / "data" / "train.parquet").to_pylist()[:8]
+    for i, row in enumerate(rows):
+        row["responses"] = [responses[(i + j) % 4] for j in range(4)]
+        row["scores"] = [digit_score("", t, "") for t in row["responses"]]
+    return write_parquet(tmp_path_factory.mktemp("prime") / "groups.parquet", rows)
+
+
+@pytest.mark.slow
+def test_two_ranks_train_what_one_rank_trains(tiny_assets: Path, groups_file: Path, tmp_path: Path) -> None:
+    """One mini-batch a step (each rank's mini-batches are chunks of its own rows, so only one is the
+    same batch on any layout): the PRM's loss, the batch-wide reward normalization and whitening, and
+    the trained actor are those of one rank holding every row."""
+    common = base_args(tiny_assets, tmp_path / "unused") + [
+        *PRIME,
+        f"data.train_files={groups_file}",
+        "rollout.source=dataset",
+        "reward.style=dataset",
+        "rollout.n=4",
+        "data.max_prompt_length=16",
+        "data.max_response_length=24",
+        "data.train_batch_size=4",
+        "actor.ppo_mini_batch_size=4",
+        "trainer.save_hf_on_end=true",
+        "actor.optim.eps=1e-3",
+        "reward.prime.optim.eps=1e-3",
+        "actor.ppo_max_token_len_per_gpu=40",
+    ]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert run([*common, f"trainer.output_dir={one}"]) == 0
+    proc = torchrun(ROOT / "train_ppo.py", *common, f"trainer.output_dir={two}", "trainer.dist_timeout_s=120")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for x, y in zip(read_metrics(one), read_metrics(two), strict=True):
+        for key in (*PRM_METRICS, "actor/pg_loss", "critic/advantages/max", "critic/returns/mean"):
+            assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-6), (key, x["step"])
+    for name, w in hf_weights(two).items():
+        torch.testing.assert_close(w, hf_weights(one)[name], atol=1e-6, rtol=1e-5, msg=name)
+    assert read_metrics(one)[-1]["reward_model/dpo_loss"] > 0
+
+
+def test_the_accuracy_filter_keeps_a_batch(tiny_assets: Path, tmp_path: Path) -> None:
+    rows = train(
+        tiny_assets,
+        tmp_path / "run",
+        *PRIME,
+        "data.filter_accuracy=true",
+        "data.gen_batch_size=8",
+        "data.accuracy_lower_bound=0.0",
+        "data.accuracy_upper_bound=1.0",
+        f"reward.custom_function={REWARD_FNS}:digit_score",
+        steps=1,
+    )
+    # Bounds [0, 1] pass every group: the keep rate is 1 and the step trains on 4 of the 8 prompts.
+    assert rows[0]["prime/filter_keep_rate"] == 1.0
+    assert 0.0 <= rows[0]["prime/acc"] <= 1.0
+    assert rows[0]["reward_model/num_updates"] == 2.0
