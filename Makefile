@@ -102,6 +102,12 @@ parity: parity-env
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
+# docs/configuration.md, the config reference, generated from the schema's field docstrings
+# (scripts/config_reference.py; tests/unit/test_config_reference.py fails when it is stale).
+.PHONY: docs
+docs: install
+	$(PY) scripts/config_reference.py
+
 lint: install
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
