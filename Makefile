@@ -53,15 +53,30 @@ assets: install
 		--max-prompts 2048 --shard-size 512 --max-prompt-length 16 --max-response-length 28 --seed $(SEED) \
 		--metrics $(A)/metrics.json
 	@$(PY) -c "import json; m = json.load(open('$(A)/metrics.json')); \
-	print('SFT model    $(A)/sft: greedy accuracy %(sft_val_accuracy).3f, one sample at T=1 %(sft_sample_accuracy).3f, pass@%(sft_eval_samples_per_prompt)d %(sft_pass_at_k).3f (%(sft_eval_prompts)d val problems; %(sft_steps)d steps in %(sft_train_time_s).0f s)' % m); \
-	print('reward model $(A)/rm:  held-out accuracy %(rm_val_accuracy).3f, margin %(rm_val_margin).2f (%(rm_steps)d steps in %(rm_train_time_s).0f s)' % m); \
+	early = lambda s: ('; STOPPED EARLY after %d of %d steps: resume it with trainer.resume_mode=auto' % (m[s + '_steps'], m[s + '_steps_planned'])) if m.get(s + '_stopped_early') else ''; \
+	print('SFT model    $(A)/sft: greedy accuracy %(sft_val_accuracy).3f, one sample at T=1 %(sft_sample_accuracy).3f, pass@%(sft_eval_samples_per_prompt)d %(sft_pass_at_k).3f (%(sft_eval_prompts)d val problems; %(sft_steps)d steps in %(sft_train_time_s).0f s' % m + early('sft') + ')'); \
+	print('reward model $(A)/rm:  held-out accuracy %(rm_val_accuracy).3f, margin %(rm_val_margin).2f (%(rm_steps)d steps in %(rm_train_time_s).0f s' % m + early('rm') + ')'); \
 	print('  by mistake: ' + ', '.join('%s %.3f' % kv for kv in m['rm_val_accuracy_by_mistake'].items())); \
 	print('offline data $(A)/offline: %(offline_groups)d groups of %(offline_group_size)d from %(offline_prompts)d prompts, mean rule score %(offline_mean_score).3f, %(offline_unequal_share).2f of groups with unequal scores (%(offline_time_s).0f s)' % m); \
 	print('all numbers: $(A)/metrics.json')"
 
-# PPO on the SFT model with the true reward (GAE, adaptive KL in the reward), then its curves.
-demo: assets
-	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) train_ppo.py --config configs/demo_cpu.yaml trainer.overwrite=true
+# PPO on the SFT model with the true reward (GAE, adaptive KL in the reward), then its curves. The assets
+# are built only when they are missing (`make assets` rebuilds them); `make demo` reruns the PPO demo from
+# step 0, `make demo-resume` continues a stopped one from its last checkpoint (or says it has finished).
+.PHONY: demo-resume check-assets
+DEMO_PPO := OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) train_ppo.py \
+	--config configs/demo_cpu.yaml
+check-assets: install
+	@if test -d $(A)/sft -a -d $(A)/rm -a -f $(A)/metrics.json; then \
+		echo "using the assets in $(A) (\`make assets\` rebuilds them)"; \
+	else $(MAKE) assets; fi
+
+demo: check-assets
+	$(DEMO_PPO) trainer.overwrite=true
+	$(PY) scripts/plot_run.py outputs/demo_cpu
+
+demo-resume: check-assets
+	$(DEMO_PPO) trainer.resume_mode=auto
 	$(PY) scripts/plot_run.py outputs/demo_cpu
 
 # Offline KL-PPO, DPO and SimPO on the ranked file, from the same SFT model, the same number of steps,

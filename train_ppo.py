@@ -34,6 +34,7 @@ from ppo import (
     dynamic_sampling,
     forwards,
     lora,
+    monitor,
     offline,
     rewards,
     runner,
@@ -126,6 +127,10 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
     run.metrics_logger.close()
     if run.reward_pool is not None:
         run.reward_pool.close()
+    hf_dir = run.out_dir / "hf" if cfg.trainer.save_hf_on_end else None
+    monitor.log_run_summary(
+        run.out_dir, run.metrics_logger, steps_done=state.step, stopped=stop.name, hf_dir=hf_dir
+    )
 
 
 # ----------------------------------------------------------------------------------------------------

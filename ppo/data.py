@@ -374,6 +374,7 @@ def load_prompts(
     records: list[PromptRecord] = []
     total = dropped = offset = 0
     for path in paths:
+        logger.info("start-up: reading and tokenizing %s", path)
         hints = {
             prompt_key: "set data.prompt_key to the column that holds the prompts",
             "reward_model": "the rule reward needs reward_model.ground_truth (or a top-level ground_truth "

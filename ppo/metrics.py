@@ -28,18 +28,42 @@ from ppo.distributed import WATCH, DistInfo, all_reduce_scalar, all_reduce_scala
 
 logger = logging.getLogger("ppo")
 
-# The keys of the one-line console summary, in order, with short labels.
+# The keys of the one-line console summary, in order, with short labels (docs/console.md).
 CONSOLE_KEYS = {
     "critic/score/mean": "score",
     "val/score": "val",
     "actor/pg_loss": "pg",
     "actor/ppo_kl": "ppo_kl",
+    "actor/grad_norm": "gn",
     "actor/reward_kl_penalty": "kl",
+    "actor/kl_loss": "kl_loss",
     "actor/entropy": "ent",
     "critic/vf_loss": "vf",
     "response_length/mean": "len",
     "timing_s/step": "s",
 }
+
+CONSOLE_LEGEND = (
+    "columns: score = mean reward of the step's responses | val = validation score | pg = policy loss "
+    "(about 0 on-policy: the ratio is 1 and the loss is the advantage mean; the gradient is not 0, see gn; "
+    "'warmup' while the critic warms up) | ppo_kl = KL of the updated to the sampling policy | gn = actor "
+    "gradient norm | kl = KL penalty in the reward | kl_loss = actor KL loss to the reference | ent = "
+    "entropy | vf = value loss | len = mean response tokens | s = seconds per step (docs/console.md)"
+)
+"""The line logged before the first step line: what each label of ``CONSOLE_KEYS`` means."""
+
+
+def console_line(metrics: dict[str, float]) -> str:
+    """The step's console fields: ``label=value`` for each ``CONSOLE_KEYS`` key present, ``pg=warmup`` on
+    a step that updated the critic only (``trainer.critic_warmup``), then the ``val/*/accuracy`` keys."""
+    parts = []
+    for key, label in CONSOLE_KEYS.items():
+        if key in metrics:
+            parts.append(f"{label}={_fmt(metrics[key])}")
+        elif key == "actor/pg_loss" and "critic/vf_loss" in metrics:
+            parts.append(f"{label}=warmup")
+    val = [f"{k}={_fmt(v)}" for k, v in metrics.items() if k.startswith("val/") and k.endswith("/accuracy")]
+    return " ".join(parts + val)
 
 
 def global_stats(values: dict[str, torch.Tensor], *, copies: int = 1) -> dict[str, dict[str, float]]:
@@ -206,6 +230,7 @@ class MetricsLogger:
         self.start = time.perf_counter()
         # The step this process started after (a resumed run's checkpoint): the ETA uses its own rate.
         self.first_step = resume_step or 0
+        self.legend_shown = False
         if not is_main:
             return
         out = Path(output_dir)
@@ -244,11 +269,10 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.log(clean, step=step)
         if "console" in self.sinks:
-            parts = [f"{label}={_fmt(clean[k])}" for k, label in CONSOLE_KEYS.items() if k in clean]
-            val = [
-                f"{k}={_fmt(v)}" for k, v in clean.items() if k.startswith("val/") and k.endswith("/accuracy")
-            ]
-            logger.info("%s %s", self._progress(step), " ".join(parts + val))
+            if not self.legend_shown:
+                logger.info("%s", CONSOLE_LEGEND)
+                self.legend_shown = True
+            logger.info("%s %s", self._progress(step), console_line(clean))
 
     def log_generations(self, step: int, rows: list[dict[str, Any]]) -> None:
         """Record validation answers ``{"prompt", "response", "score"}``: one JSON line each in

@@ -291,14 +291,17 @@ def load_critic(path: str, *, config_key: str = "critic.model_path", **load: Any
     states whose norm grows like sqrt(hidden). The head's own dropout (``classifier_dropout``) is off.
     A saved critic loads its trained head as it is.
     """
-    model, info = _from_pretrained(
-        AutoModelForTokenClassification,
-        path,
-        config_key=config_key,
-        num_labels=1,
-        classifier_dropout=0.0,
-        **load,
-    )
+    with _held_load_report() as held:
+        model, info = _from_pretrained(
+            AutoModelForTokenClassification,
+            path,
+            config_key=config_key,
+            num_labels=1,
+            classifier_dropout=0.0,
+            **load,
+        )
+    if not _only_head_differs(info):  # the expected difference is said in one line below
+        held.release()
     fresh = _fresh_head_params(model, info)
     if fresh:
         with torch.no_grad():
@@ -314,6 +317,48 @@ def load_critic(path: str, *, config_key: str = "critic.model_path", **load: Any
             f"; kept the trained {', '.join(kept)}" if kept else "",
         )
     return model
+
+
+class _HeldReports(logging.Filter):
+    """Holds transformers' ``LOAD REPORT`` warnings back (``release`` logs them after all)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" in str(record.msg):
+            self.records.append(record)
+            return False
+        return True
+
+    def release(self) -> None:
+        for record in self.records:
+            logging.getLogger(record.name).handle(record)
+
+
+@contextlib.contextmanager
+def _held_load_report() -> Iterator[_HeldReports]:
+    """transformers' ten-line ``LOAD REPORT`` (with raw terminal colour codes) held back while a model
+    loads: the caller releases it unless the only difference is the one it expects."""
+    held = _HeldReports()
+    source = logging.getLogger("transformers.modeling_utils")
+    source.addFilter(held)
+    try:
+        yield held
+    finally:
+        source.removeFilter(held)
+
+
+def _only_head_differs(info: dict[str, Any]) -> bool:
+    """A causal LM loaded as a critic: the value head (``score.*``) is missing and at most the LM head
+    (``lm_head.*``) is left over; nothing mismatched."""
+    return (
+        all(k.startswith("score.") for k in info.get("missing_keys", ()))
+        and all(k.startswith("lm_head.") for k in info.get("unexpected_keys", ()))
+        and not info.get("mismatched_keys")
+        and not info.get("error_msgs")
+    )
 
 
 def load_reward_model(path: str, *, config_key: str = "reward.model_path", **load: Any) -> PreTrainedModel:

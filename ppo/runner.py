@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -183,6 +183,10 @@ def _main(
         report(info, lambda: failed(f"unexpected error on rank {info.rank}", text))
         return 1
     finally:
+        # Our last line is out, whole, before torchrun (which reads nothing of ours) prints its summary.
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
         if info.is_main:
             run_folder.release_lock(Path(cfg.trainer.output_dir) / run_folder.LOCK_FILE)
         destroy_distributed()
@@ -190,10 +194,30 @@ def _main(
 
 
 def validate_config(cfg: PPOConfig | StageConfig, world_size: int) -> None:
-    """The world-size checks of the config (batch divisibility, shard groups)."""
+    """The world-size checks of the config (batch divisibility, shard groups), after the launcher's."""
+    check_launcher(cfg, world_size, os.environ, script=os.path.basename(sys.argv[0]) or "train_ppo.py")
     if isinstance(cfg, PPOConfig):
         cfg.validate(world_size)
     else:
+def check_launcher(
+    cfg: PPOConfig | StageConfig, world_size: int, environ: Mapping[str, str], *, script: str
+) -> None:
+    """A preset sized for several ranks (``trainer.nnodes x trainer.n_gpus_per_node``) started as one
+    plain ``python`` process (no ``WORLD_SIZE``): a ConfigError with the torchrun command that launches
+    it, instead of the batch-size errors a world of one would give."""
+    t = cfg.trainer
+    planned = getattr(t, "planned_world_size", None)
+    if world_size != 1 or "WORLD_SIZE" in environ or planned is None or planned <= 1:
+        return
+    nodes = f"--nnodes={t.nnodes} " if (t.nnodes or 1) > 1 else ""
+    raise ConfigError(
+        f"trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node} plans {planned} ranks, but "
+        f"this is one process started without torchrun (WORLD_SIZE is not set): launch it with "
+        f"`torchrun {nodes}--nproc_per_node={t.n_gpus_per_node or 1} {script} ...` (several nodes: "
+        "scripts/slurm/), or set trainer.n_gpus_per_node=null trainer.nnodes=null to run as one process"
+    )
+
+
         validate_stage(cfg, world_size)
 
 
@@ -246,6 +270,7 @@ def prepare_run(cfg: PPOConfig | StageConfig, info: DistInfo) -> Path:
     return Path(cfg.trainer.output_dir)
 
 
+    logger.info("start-up: loading the tokenizer (%s=%s)", key, model_cfg.tokenizer_path or model_cfg.path)
 def load_tokenizer(model_cfg: ModelConfig) -> PreTrainedTokenizerBase:
     """The tokenizer of ``model.tokenizer_path`` (default ``model.path``); errors name the key used."""
     key = "model.tokenizer_path" if model_cfg.tokenizer_path else "model.path"
@@ -280,6 +305,7 @@ def build_model(
     """
     attn = attention.resolve_attn_implementation(
         model_cfg.attn_implementation, info.device, sequence_parallel=sequence_parallel > 1
+    logger.info("start-up: loading %s=%s (%s)", path_key, path, "trained" if trainable else "frozen")
     )
     path = path or model_cfg.path
     lora_cfg = lora_cfg or LoRAConfig()  # rank 0: no adapters (a saved adapter folder is still merged)
@@ -315,6 +341,7 @@ def build_model(
         and not fsdp.param_offload
         and fsdp.mixed_precision.param_dtype == model_cfg.dtype
     ):
+    logger.info("start-up: sharding %s over %d ranks (FSDP2) onto %s", path, info.world_size, info.device)
         # Nothing to shard, offload or cast: FSDP's hooks and its collectives on a world of one would
         # only cost time (a third of a tiny model's step on CPU, scripts/bench_overhead.py).
         return model.to(info.device)
@@ -373,6 +400,10 @@ def make_metrics_logger(
     *,
     console: bool,
     resume_step: int | None = None,
+    if console and (resume_step or 0) < num_steps:
+        logger.info(
+            "start-up done: training from step %d (a step: rollout, score, update)", (resume_step or 0) + 1
+        )
 ) -> MetricsLogger:
     """JSONL, TensorBoard (and wandb) sinks, and with ``console`` the per-step console line."""
     sinks = [s for s in cfg.trainer.logger if console or s != "console"]

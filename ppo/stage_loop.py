@@ -4,8 +4,10 @@ Every stage starts alike (``start_stage``: the run folder, the tokenizer, the tr
 data, the loader and the step count) and differs only in how a batch becomes a loss (``step``) and in
 what validation measures (``validate``); the loop around them is this one: resume from the newest
 checkpoint, the per-step optimizer step and schedule, validation every ``trainer.test_freq`` steps,
-metrics, progress, checkpoints every ``trainer.save_freq`` steps and on a stop signal, the time cap. A
-stage run killed or preempted resumes exactly, like a PPO run::
+metrics, progress, checkpoints every ``trainer.save_freq`` steps and on a stop signal, the time cap, and the end-of-run
+summary. A run that stops before its planned steps (a stop signal, ``trainer.max_time_s``) says so in
+the stage's final numbers (``<stage>_stopped_early``, ``<stage>_steps_planned`` in the ``metrics.json``
+next to its model, ``STAGE_PREFIX``). A stage run killed or preempted resumes exactly, like a PPO run::
 
     start = start_stage(cfg, info, functools.partial(load_sft_examples, max_length=cfg.data.max_length))
     result = train_stage(cfg, info, start.out_dir, trained=trained, loader=start.loader,
@@ -22,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from ppo import runner
+from ppo import monitor, run_folder, runner
 from ppo.checkpointer import TrainerState, log_stopped, make_checkpointer, save_due
-from ppo.config import StageConfig
+from ppo.config import DPOConfig, RewardModelConfig, SFTConfig, StageConfig
 from ppo.data import Files, ShardedLoader
 from ppo.distributed import DistInfo
 from ppo.metrics import MetricsLogger, Timer
@@ -97,6 +99,10 @@ class StageResult:
     """The last step's metrics (with its validation, if it had one)."""
     stopped: bool
     """A stop signal ended the run early (it saved a checkpoint; the model is not final)."""
+    num_steps: int
+    """The steps planned (``trainer.total_training_steps`` or the epochs' steps)."""
+    timed_out: bool = False
+    """``trainer.max_time_s`` ended the run before ``num_steps`` (the model is saved as it is)."""
     metrics_logger: MetricsLogger
     """The run's sinks, still open for the stage's final numbers."""
 
@@ -122,6 +128,15 @@ def train_stage(
     resumed = checkpointer.restore_newest(t.resume_mode)
     if resumed is not None:
         logger.info("resumed from %s at step %d", resumed, state.step)
+        if state.step >= num_steps:
+            how = "trainer.total_training_steps" if t.total_training_steps else "trainer.total_epochs"
+            logger.warning(
+                "resumed at step %d, and the run ends at step %d: nothing to train (the model is saved again "
+                "from the checkpoint); raise %s to train on",
+                state.step,
+                num_steps,
+                how,
+            )
     metrics_logger = runner.make_metrics_logger(
         cfg, info, out_dir, num_steps, console=False, resume_step=state.step if resumed else None
     )
@@ -178,10 +193,42 @@ def train_stage(
             num_steps,
             state.step,
         )
+    early = stopped or timed_out
+    prefix = STAGE_PREFIX.get(type(cfg))
+    if prefix is not None:
+        save_path = run_folder.stage_save_path(cfg)
+        runner.write_final_metrics(
+            save_path.parent,
+            info,
+            {
+                f"{prefix}_stopped_early": early,
+                f"{prefix}_steps_planned": num_steps,
+                f"{prefix}_steps": state.step,
+            },
+        )
+    monitor.log_run_summary(
+        out_dir,
+        metrics_logger,
+        steps_done=state.step,
+        stopped=(stop.name or "stop signal")
+        if stopped
+        else f"trainer.max_time_s={t.max_time_s}"
+        if timed_out
+        else None,
+        hf_dir=None,
+    )
+    if not stopped and info.is_main:
+        logger.info("the model goes to %s", run_folder.stage_save_path(cfg))
     return StageResult(
         steps=state.step,
         train_time_s=time.perf_counter() - start,
         metrics=metrics,
         stopped=stopped,
         metrics_logger=metrics_logger,
+        num_steps=num_steps,
+        timed_out=timed_out,
     )
+
+
+STAGE_PREFIX: dict[type, str] = {SFTConfig: "sft", RewardModelConfig: "rm", DPOConfig: "dpo"}
+"""The prefix of a stage's keys in the ``metrics.json`` next to its model (``sft_steps``, ...)."""

@@ -133,6 +133,9 @@ class PPOConfig:
             *_shard_group_errors(self, world_size),
         ]
         if errors:
+            fits = _fitting_world_sizes(self)
+            if fits and world_size not in fits:
+                errors.append(f"world sizes these batch sizes fit: {', '.join(map(str, fits))}")
             raise ConfigError(f"config does not fit world size {world_size}:\n  - " + "\n  - ".join(errors))
 
 
@@ -652,6 +655,16 @@ def repeated_file_warnings(data: object) -> list[str]:
 # ----------------------------------------------------------------------------------------------------
 # World size: what validate checks
 # ----------------------------------------------------------------------------------------------------
+
+
+def _fitting_world_sizes(cfg: PPOConfig) -> list[int]:
+    """The numbers of ranks (up to ``data.train_batch_size``) that the batch sizes and shard groups divide
+    evenly: what a world-size error offers instead."""
+    return [
+        w
+        for w in range(1, cfg.data.train_batch_size + 1)
+        if not _batch_errors(cfg, w) and not _shard_group_errors(cfg, w)
+    ]
 
 
 def _planned_world_size_errors(cfg: PPOConfig, world_size: int) -> list[str]:
