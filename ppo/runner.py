@@ -183,13 +183,13 @@ def _main(
         report(info, lambda: failed(f"unexpected error on rank {info.rank}", text))
         return 1
     finally:
+        if info.is_main:
+            run_folder.release_lock(Path(cfg.trainer.output_dir) / run_folder.LOCK_FILE)
+        destroy_distributed()
         # Our last line is out, whole, before torchrun (which reads nothing of ours) prints its summary.
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()
-        if info.is_main:
-            run_folder.release_lock(Path(cfg.trainer.output_dir) / run_folder.LOCK_FILE)
-        destroy_distributed()
     return 0
 
 
@@ -199,6 +199,9 @@ def validate_config(cfg: PPOConfig | StageConfig, world_size: int) -> None:
     if isinstance(cfg, PPOConfig):
         cfg.validate(world_size)
     else:
+        validate_stage(cfg, world_size)
+
+
 def check_launcher(
     cfg: PPOConfig | StageConfig, world_size: int, environ: Mapping[str, str], *, script: str
 ) -> None:
@@ -216,9 +219,6 @@ def check_launcher(
         f"`torchrun {nodes}--nproc_per_node={t.n_gpus_per_node or 1} {script} ...` (several nodes: "
         "scripts/slurm/), or set trainer.n_gpus_per_node=null trainer.nnodes=null to run as one process"
     )
-
-
-        validate_stage(cfg, world_size)
 
 
 def one_line(error: BaseException) -> str:
@@ -270,10 +270,10 @@ def prepare_run(cfg: PPOConfig | StageConfig, info: DistInfo) -> Path:
     return Path(cfg.trainer.output_dir)
 
 
-    logger.info("start-up: loading the tokenizer (%s=%s)", key, model_cfg.tokenizer_path or model_cfg.path)
 def load_tokenizer(model_cfg: ModelConfig) -> PreTrainedTokenizerBase:
     """The tokenizer of ``model.tokenizer_path`` (default ``model.path``); errors name the key used."""
     key = "model.tokenizer_path" if model_cfg.tokenizer_path else "model.path"
+    logger.info("start-up: loading the tokenizer (%s=%s)", key, model_cfg.tokenizer_path or model_cfg.path)
     return models.load_tokenizer(
         model_cfg.tokenizer_path or model_cfg.path, model_cfg.trust_remote_code, config_key=key
     )
@@ -305,10 +305,10 @@ def build_model(
     """
     attn = attention.resolve_attn_implementation(
         model_cfg.attn_implementation, info.device, sequence_parallel=sequence_parallel > 1
-    logger.info("start-up: loading %s=%s (%s)", path_key, path, "trained" if trainable else "frozen")
     )
     path = path or model_cfg.path
     lora_cfg = lora_cfg or LoRAConfig()  # rank 0: no adapters (a saved adapter folder is still merged)
+    logger.info("start-up: loading %s=%s (%s)", path_key, path, "trained" if trainable else "frozen")
     with main_rank_logs(info):  # e.g. "fresh score head" once, not once per rank
         model = load(
             lora.base_model_path(path, config_key=path_key),
@@ -341,10 +341,10 @@ def build_model(
         and not fsdp.param_offload
         and fsdp.mixed_precision.param_dtype == model_cfg.dtype
     ):
-    logger.info("start-up: sharding %s over %d ranks (FSDP2) onto %s", path, info.world_size, info.device)
         # Nothing to shard, offload or cast: FSDP's hooks and its collectives on a world of one would
         # only cost time (a third of a tiny model's step on CPU, scripts/bench_overhead.py).
         return model.to(info.device)
+    logger.info("start-up: sharding %s over %d ranks (FSDP2) onto %s", path, info.world_size, info.device)
     return sharding.shard_model(model, make_mesh(info, fsdp.fsdp_size), fsdp, device=info.device)
 
 
@@ -400,13 +400,13 @@ def make_metrics_logger(
     *,
     console: bool,
     resume_step: int | None = None,
+) -> MetricsLogger:
+    """JSONL, TensorBoard (and wandb) sinks, and with ``console`` the per-step console line."""
+    sinks = [s for s in cfg.trainer.logger if console or s != "console"]
     if console and (resume_step or 0) < num_steps:
         logger.info(
             "start-up done: training from step %d (a step: rollout, score, update)", (resume_step or 0) + 1
         )
-) -> MetricsLogger:
-    """JSONL, TensorBoard (and wandb) sinks, and with ``console`` the per-step console line."""
-    sinks = [s for s in cfg.trainer.logger if console or s != "console"]
     sinks += ["jsonl"] + (["tensorboard"] if cfg.trainer.tensorboard else [])  # whatever verl's list says
     return MetricsLogger(
         out_dir,
