@@ -1,0 +1,384 @@
+"""Stops that lose nothing: SIGTERM, SIGHUP and a stop signal inside a long step checkpoint the current step;
+a second Ctrl-C exits at once; validation stops between chunks; a hang names its phase and the ranks that
+did not arrive; KL rollback and non-finite rewards that stop the run; one run per folder (a busy folder is
+refused, a dead run's lock taken over); outputs that never replace an input or another run's model;
+every path the run writes checked before training; leftover rank variables. Checkpoints and resume are in
+test_resume.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ppo import run_folder
+from ppo.distributed import Watch
+from tests.helpers import (
+    REWARD_FNS,
+    ROOT,
+    base_args,
+    has_metrics,
+    launch,
+    load_script,
+    read_metrics,
+    run,
+    saved_run,
+    torchrun,
+    train,
+    wait_until,
+)
+
+
+def test_kl_rollback_then_stop(tiny_assets: Path, tmp_path: Path) -> None:
+    """A KL limit the policy must cross after its first update: every later step rolls back to the
+    step-0 checkpoint with a smaller learning rate, until max_rollbacks in a row stops the run."""
+    out = tmp_path / "run"
+    args = base_args(tiny_assets, out, steps=6) + [
+        "algorithm.rollback_kl=1e-7",
+        "algorithm.rollback_lr_factor=0.5",
+        "algorithm.max_rollbacks=2",
+        "trainer.val_before_train=false",
+        "actor.optim.lr=1e-2",
+    ]
+    assert run(args) == 2  # TrainingError: stopped with a message
+    rows = read_metrics(out)
+    rollbacks = [r for r in rows if "trainer/lr_scale" in r]
+    assert [r["trainer/rollbacks"] for r in rollbacks] == [1.0, 2.0]
+    assert [r["trainer/lr_scale"] for r in rollbacks] == [0.5, 0.25]
+    # Each rollback returns to step 0 and redoes step 1 with the learning rate scaled down.
+    step1_lrs = [r["actor/lr"] for r in rows if r["step"] == 1 and "actor/lr" in r]
+    assert step1_lrs == pytest.approx([1e-2, 5e-3, 2.5e-3])
+    assert (out / "checkpoints" / "step_00000000").is_dir()  # the start, saved to roll back to
+
+
+def test_unwritable_output_and_vanished_data(
+    tiny_assets: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    assert run(base_args(tiny_assets, blocker / "run", steps=1)) == 2
+    assert "is not writable" in caplog.text and not (blocker / "run").exists()
+
+    # A data file that vanished between the first run and its resume: a clear error, nothing written.
+    data = tmp_path / "train.parquet"
+    data.write_bytes((tiny_assets / "data" / "train.parquet").read_bytes())
+    out = tmp_path / "run"
+    saved_run(tiny_assets, out, f"data.train_files={data}")
+    data.unlink()
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    caplog.clear()
+    common = [f"data.train_files={data}", "trainer.save_freq=1", "trainer.val_before_train=false"]
+    assert run(base_args(tiny_assets, out, steps=2) + common) == 2
+    assert f"{data}: no such data file" in caplog.text
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
+    assert read_metrics(out)[-1]["step"] == 1
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_the_current_step_and_exits(tiny_assets: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = launch(
+        base_args(tiny_assets, out, steps=50) + ["trainer.val_before_train=false"]
+    )  # no periodic saves
+    wait_until(proc, has_metrics(out))
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "stopping: saved step" in stderr
+    step = read_metrics(out)[-1]["step"]
+    assert 1 <= step < 50
+    assert (out / "checkpoints" / "latest").read_text() == f"step_{step:08d}"
+
+
+@pytest.mark.slow
+def test_a_hang_names_its_phase_and_the_rank_that_did_not_arrive(tiny_assets: Path, tmp_path: Path) -> None:
+    """Rank 1's reward function hangs in step 2 (60 s) with trainer.dist_timeout_s=10: rank 0's error
+    says it waited in phase 'reward' of step 2 and that rank 1 did not arrive, in one line (it was a gloo
+    traceback naming neither, after 75 s)."""
+    args = base_args(tiny_assets, tmp_path / "run", steps=3) + [
+        "trainer.val_before_train=false",
+        "algorithm.adv_estimator=grpo",
+        f"reward.custom_function={REWARD_FNS}:slow_after",
+        "trainer.dist_timeout_s=10",
+    ]
+    env = {"PPO_TEST_SLOW_S": "60", "PPO_TEST_FAST_CALLS": str(1 + 4), "PPO_TEST_SLOW_RANK": "1"}
+    proc = torchrun(ROOT / "train_ppo.py", *args, timeout=300, env=env)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if "a collective timed out" in line]
+    assert lines, proc.stderr[-3000:]
+    assert "rank 0 waited in phase 'reward' of step 2" in lines[0]
+    assert "did not arrive: rank 1 (in phase 'reward' of step 2" in lines[0]
+    assert "Traceback" not in proc.stderr.split("a collective timed out")[0][-2000:]
+
+
+@pytest.mark.slow
+def test_watch_describes_ranks_behind_without_a_store() -> None:
+    """Without a store (one rank) the description still names this rank's phase."""
+    watch = Watch(rank=0, phase="update_actor", step=7, collectives=12)
+    text = watch.describe_timeout(1, RuntimeError("Timed out waiting 10000ms for recv"))
+    assert "rank 0 waited in phase 'update_actor' of step 7 (collective #12)" in text
+    assert "no report from rank(s) [0]" in text
+
+
+@pytest.mark.slow
+def test_nan_reward_on_a_save_step_still_saves_and_too_many_stop_the_run(
+    tiny_assets: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A scorer that always returns NaN: each step is skipped, the save of step 2 still happens, and
+    ``trainer.max_skipped_steps`` in a row stop the run with exit code 2 and a message."""
+    out = tmp_path / "run"
+    args = base_args(tiny_assets, out, steps=5) + [
+        f"reward.custom_function={REWARD_FNS}:nan_score",
+        "trainer.val_before_train=false",
+        "trainer.save_freq=2",
+        "trainer.max_skipped_steps=3",
+    ]
+    assert run(args) == 2
+    assert "3 steps in a row had a non-finite reward" in caplog.text
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000002"
+    state = json.loads((out / "checkpoints" / "step_00000002" / "trainer.json").read_text())["trainer"]
+    assert state["skipped_steps"] == 2 and state["step"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["torchrun_sigterm", "python_sigint"])
+def test_stop_signal_inside_a_long_step_saves_the_last_step_at_once(
+    tiny_assets: Path, tmp_path: Path, launcher: str
+) -> None:
+    """Step 2 is long (its scoring waits 6 s, then 60 updates follow): a stop request during its
+    scoring is honoured at the next phase boundary, before the updates. The last complete step (1) is
+    checkpointed and the run exits within seconds, well inside torchrun's 30 s grace, and resumes."""
+    out = tmp_path / "run"
+    extra = [
+        "trainer.val_before_train=false",
+        "algorithm.adv_estimator=grpo",
+        "actor.ppo_epochs=30",  # 60 updates a step: the part of step 2 a stop must not wait for
+        f"reward.custom_function={REWARD_FNS}:slow_after",
+    ]
+    nproc = 2 if launcher == "torchrun_sigterm" else 1
+    # Calls before the slow one, per rank: the start-up probe, then step 1's responses.
+    fast_calls = 1 + 8 // nproc
+    env = {"PPO_TEST_SLOW_S": "6", "PPO_TEST_FAST_CALLS": str(fast_calls)}
+    proc = launch(base_args(tiny_assets, out, steps=4) + extra, nproc=nproc, env=env)
+    wait_until(proc, has_metrics(out), timeout=400)
+    time.sleep(2)  # inside step 2's slow scoring
+    sent = time.time()
+    proc.send_signal(signal.SIGTERM if nproc == 2 else signal.SIGINT)
+    _, stderr = proc.communicate(timeout=300)
+    assert time.time() - sent < 25, "waited for the step's updates"
+    assert "stopping: saved step 1" in stderr, stderr[-3000:]
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000001"
+    assert [r["step"] for r in read_metrics(out)] == [1]
+    # The stopped run resumes where it stopped.
+    assert [r["step"] for r in train(tiny_assets, out, *extra, steps=2)] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("blocker", "message"),
+    [
+        ("checkpoints", "checkpoints is a file"),
+        ("metrics.jsonl", "metrics.jsonl is a folder"),
+        ("tensorboard", "tensorboard is a file"),
+        ("hf", "hf is a file"),
+    ],
+)
+def test_every_path_the_run_writes_is_checked_before_training(
+    tiny_assets: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, blocker: str, message: str
+) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    target = out / blocker
+    if blocker == "metrics.jsonl":
+        target.mkdir()
+    else:
+        target.write_text("in the way")
+    args = base_args(tiny_assets, out, steps=1) + [
+        "trainer.logger=[console,jsonl,tensorboard]",
+        "trainer.save_hf_on_end=true",
+        "trainer.save_freq=1",
+    ]
+    assert run(args) == 2
+    assert message in caplog.text and "world size" not in caplog.text  # before any model loaded
+
+
+def write_lock(out: Path, **holder: Any) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / run_folder.LOCK_FILE
+    path.write_text(json.dumps({"started": time.time(), "command": "train_ppo.py ...", **holder}))
+    return path
+
+
+def test_a_second_run_into_a_busy_folder_is_refused(tiny_assets: Path, tmp_path: Path, caplog: Any) -> None:
+    out = tmp_path / "run"
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        write_lock(out, host=socket.gethostname(), pid=other.pid)
+        assert run(base_args(tiny_assets, out, steps=1)) == 2
+    finally:
+        other.kill()
+    assert f"is in use by another run (pid {other.pid} on {socket.gethostname()}" in caplog.text
+    assert not (out / "metrics.jsonl").exists() and "world size" not in caplog.text  # nothing loaded
+    # A run on another host cannot be checked from here: refused too, naming the file to delete.
+    lock = write_lock(out, host="other-node", pid=1)
+    assert run(base_args(tiny_assets, out, steps=1)) == 2
+    assert f"if that run is gone, delete {lock}" in caplog.text
+
+
+@pytest.mark.slow
+def test_the_lock_of_a_dead_run_is_taken_over_and_released(tiny_assets: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its pid runs no more: a killed job, a torchrun restart
+    write_lock(out, host=socket.gethostname(), pid=gone.pid)
+    assert [r["step"] for r in train(tiny_assets, out, "trainer.val_before_train=false", steps=1)] == [1]
+    assert not (out / run_folder.LOCK_FILE).exists()  # released when the run ended
+
+
+def sft_args(assets: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "--config", str(ROOT / "configs" / "sft_demo.yaml"),
+        f"model.path={assets / 'base'}", f"data.train_files=[{assets / 'data' / 'sft_train.parquet'}]",
+        f"data.val_files=[{assets / 'data' / 'sft_val.parquet'}]", "data.eval_prompt_files=[]",
+        f"trainer.output_dir={out}", "trainer.total_training_steps=2", "trainer.logger=[console]", *extra,
+    ]  # fmt: skip
+
+
+def test_an_sft_smoke_run_cannot_replace_a_saved_model(
+    tiny_assets: Path, tmp_path: Path, caplog: Any
+) -> None:
+    """An SFT run into a new folder whose trainer.save_path already holds a model (the model every
+    preset starts from) stops before training; its own input model cannot be a save_path at all."""
+    sft = load_script("train_sft")
+    saved = tmp_path / "sft"
+    shutil.copytree(tiny_assets / "base", saved)
+    (tmp_path / "metrics.json").write_text('{"sft_val_accuracy": 0.65}')
+    weights = (saved / "model.safetensors").read_bytes()
+    assert sft.main(sft_args(tiny_assets, tmp_path / "new", f"trainer.save_path={saved}")) == 2
+    assert f"trainer.save_path={saved} already holds a model and this run starts fresh" in caplog.text
+    assert (saved / "model.safetensors").read_bytes() == weights
+    assert json.loads((tmp_path / "metrics.json").read_text()) == {"sft_val_accuracy": 0.65}
+    model_path = tiny_assets / "base"
+    code = sft.main(
+        sft_args(tiny_assets, tmp_path / "other", f"trainer.save_path={model_path}", "trainer.overwrite=true")
+    )
+    assert code == 2
+    assert f"trainer.save_path={model_path} would write over model.path={model_path}" in caplog.text
+
+
+def test_offline_data_never_replaces_its_input_or_another_output(
+    tiny_assets: Path, tmp_path: Path, capfd: Any
+) -> None:
+    script = load_script("make_offline_data")
+    prefs = tmp_path / "prefs.parquet"
+    shutil.copy(tiny_assets / "data" / "pref_train.parquet", prefs)
+    before = prefs.read_bytes()
+    assert script.main(["--from-pairs", str(prefs), "--out", str(prefs)]) == 2
+    assert f"--out {prefs} would write over --from-pairs {prefs}" in capfd.readouterr().err
+    assert prefs.read_bytes() == before
+    out = tmp_path / "groups.parquet"
+    assert script.main(["--from-pairs", str(prefs), "--out", str(out)]) == 0
+    assert script.main(["--from-pairs", str(prefs), "--out", str(out)]) == 2
+    assert f"--out {out} already exists: choose another file, or pass --overwrite" in capfd.readouterr().err
+    assert script.main(["--from-pairs", str(prefs), "--out", str(out), "--overwrite"]) == 0
+
+
+SLOW_STEP_2 = [
+    "trainer.val_before_train=false",
+    "algorithm.adv_estimator=grpo",
+    "trainer.save_freq=1",
+    f"reward.custom_function={REWARD_FNS}:slow_after",
+]
+"""Step 2's scoring waits (``slow_after``): a window to signal a running trainer in."""
+
+
+def signalled_run(
+    tiny_assets: Path, out: Path, slow_s: int, *signals: signal.Signals
+) -> tuple[subprocess.Popen, str, float]:
+    """Start a run whose step 2 scoring waits ``slow_s`` seconds, send ``signals`` (0.5 s apart) during
+    that wait; the process, its stderr and the seconds from the last signal to its exit."""
+    env = {"PPO_TEST_SLOW_S": str(slow_s), "PPO_TEST_FAST_CALLS": str(1 + 8)}
+    proc = launch(base_args(tiny_assets, out, steps=4) + SLOW_STEP_2, env=env)
+    wait_until(proc, has_metrics(out), timeout=400)
+    time.sleep(1)
+    for i, signum in enumerate(signals):
+        if i:
+            time.sleep(0.5)
+        proc.send_signal(signum)
+    sent = time.time()
+    _, stderr = proc.communicate(timeout=300)
+    return proc, stderr, time.time() - sent
+
+
+@pytest.mark.slow
+def test_sighup_is_a_stop_signal(tiny_assets: Path, tmp_path: Path) -> None:
+    """A closed terminal (SIGHUP) stops the run at the next boundary with its last step saved; it
+    used to kill it at once."""
+    out = tmp_path / "run"
+    proc, stderr, _ = signalled_run(tiny_assets, out, 6, signal.SIGHUP)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "SIGHUP received" in stderr and "stopping: saved step 1 (SIGHUP)" in stderr
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000001"
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_exits_at_once_quietly(tiny_assets: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc, stderr, waited = signalled_run(tiny_assets, out, 30, signal.SIGINT, signal.SIGINT)
+    assert waited < 15  # not the 30 s of the slow scoring
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr[-3000:]
+    assert "interrupted; the last complete checkpoint is intact" in stderr
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000001"
+
+
+@pytest.mark.slow
+def test_validation_stops_between_chunks(tiny_assets: Path, tmp_path: Path, one_rank: Any) -> None:
+    """A stop during a long validation ends it at the next chunk with no metrics (the step's update is
+    kept and saved by step 6), instead of running on past the SIGTERM-to-SIGKILL grace period."""
+    from ppo.build import build
+    from ppo.config_loader import load_config
+    from ppo.periodic_validation import validate
+
+    cfg = load_config(None, base_args(tiny_assets, tmp_path, steps=1) + ["data.val_batch_size=2"])
+    run_ = build(cfg, one_rank)
+
+    class StopAfter:
+        """A stop request that arrives after ``n`` boundaries."""
+
+        def __init__(self, n: int) -> None:
+            self.asked, self.n, self.name = 0, n, "SIGTERM"
+
+        def requested(self) -> bool:
+            self.asked += 1
+            return self.asked > self.n
+
+    full = validate(cfg, one_rank, run_)
+    assert "val/score" in full
+    stop = StopAfter(2)
+    assert validate(cfg, one_rank, run_, stop) == {}
+    assert stop.asked == 3  # 8 prompts in chunks of 2: stopped before the third of four
+
+
+@pytest.mark.slow
+def test_leftover_rank_variables_fail_fast(tiny_assets: Path, tmp_path: Path) -> None:
+    """RANK and WORLD_SIZE left in the shell of a plain ``python`` run: one line within the rendezvous
+    wait (here trainer.dist_timeout_s=5), instead of waiting silently for the 30-minute timeout."""
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29613"}
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    args = base_args(tiny_assets, tmp_path / "run", steps=1) + ["trainer.dist_timeout_s=5"]
+    start = time.time()
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train_ppo.py"), *args],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and time.time() - start < 60
+    assert "RANK=0 and WORLD_SIZE=2 are set in the environment (not by torchrun)" in proc.stderr
+    assert "Traceback" not in proc.stderr
