@@ -113,6 +113,11 @@ def config_error(error: ConfigError) -> int:
     return 2
 
 
+REPORT_DELAY_S = 10.0
+"""How long ranks other than 0 wait before reporting a failure that every rank sees (rank 0's report
+then ends the job under torchrun, and the error is said once)."""
+
+
 def _is_main() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
@@ -143,6 +148,10 @@ def answer_early(argv: list[str], description: str, schema: str) -> None:
         message = " | ".join(problems)
         if _is_main():
             print(f"error: {message}", file=sys.stderr)
+        else:
+            # Rank 0 reports it; under torchrun its exit ends this rank first, so that the failure
+            # summary names the root cause once, not once per rank.
+            time.sleep(REPORT_DELAY_S)
         _record_for_torchrun(message)
         sys.exit(2)
 

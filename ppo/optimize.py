@@ -145,7 +145,7 @@ def actor_loss(
     a = cfg.actor
     on_policy = cfg.on_policy
     sppo = a.policy_loss.loss_mode == "sppo"
-    scale = sum_norm_scale(cfg, a.loss_scale_factor, sp)
+    scale = sum_norm_scale(cfg, a.loss_scale_factor)
 
     def loss_fn(sel: torch.Tensor, counts: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         counts = {**counts, "loss_scale_factor": scale}
@@ -209,7 +209,7 @@ def actor_loss(
 def critic_loss(cfg: PPOConfig, critic: torch.nn.Module, batch: Batch, sp: ulysses.SPGroup) -> LossFn:
     """The critic's share of a mini-batch's clipped value loss on the rows ``sel`` of ``batch``."""
     c = cfg.critic
-    scale = sum_norm_scale(cfg, None, sp)
+    scale = sum_norm_scale(cfg, None)
 
     def loss_fn(sel: torch.Tensor, counts: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         counts = {**counts, "loss_scale_factor": scale}
@@ -310,13 +310,12 @@ def update_prm(cfg: PPOConfig, prm: Trained, batch: Batch, sp: ulysses.SPGroup) 
     return out
 
 
-def sum_norm_scale(cfg: PPOConfig, loss_scale_factor: int | None, sp: ulysses.SPGroup) -> float:
-    """What each rank divides ``seq-mean-token-sum-norm``'s token sums by: ``loss_scale_factor`` (default
-    ``data.max_response_length``, the width responses are padded to) times the sequence-parallel size.
-    The mode has no count to normalize by, and the ranks of a sequence-parallel group each compute the
-    loss of the group's whole rows: each takes ``1/sp`` of it, as the token counts (which count every
-    token ``sp`` times) do for the other modes, so the ranks' losses and gradients sum to the batch's."""
-    return float(loss_scale_factor or cfg.data.max_response_length) * sp.size
+def sum_norm_scale(cfg: PPOConfig, loss_scale_factor: int | None) -> float:
+    """What ``seq-mean-token-sum-norm`` divides its sequence mean by: ``loss_scale_factor`` (default
+    ``data.max_response_length``, the width responses are padded to). Sequence parallelism needs nothing
+    more: the ranks of a group each hold the group's whole rows, so the global ``num_seqs`` counts every
+    row ``sp`` times and each rank's loss is already ``1/sp`` of the row's."""
+    return float(loss_scale_factor or cfg.data.max_response_length)
 
 
 def cov_selection(

@@ -46,7 +46,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ppo import attention, checkpoint_files, data, lora, models, rewards, run_folder, sharding, ulysses
 from ppo.checkpoint_files import CheckpointError
-from ppo.cli import config_error, parse_cli, print_config
+from ppo.cli import REPORT_DELAY_S, config_error, parse_cli, print_config
 from ppo.config import (
     ConfigError,
     DPOConfig,
@@ -91,9 +91,6 @@ EXPECTED_ERRORS = (
     OSError,  # a missing model folder (models.ModelPathError), a full disk, a permission
 )
 """Failures caused by the user's input or the machine: one line on rank 0, exit code 2."""
-
-REPORT_DELAY_S = 10.0
-"""How long ranks other than 0 wait before reporting a failure (see the module docstring)."""
 
 
 class ErrorFile(ErrorHandler):
