@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check of throughput and LoRA memory: one prepared run that measures everything the
-# README's GPU tables hold and ends with one JSON line (scripts/gpu_summary.py). Nothing is downloaded:
+# GPU tables of docs/performance.md hold and ends with one JSON line (scripts/gpu_summary.py). Nothing is downloaded:
 # models have the Qwen2.5 shapes and random weights (scripts/make_shaped_model.py), data and tokenizer
 # are the synthetic task's (scripts/make_tiny_assets.py). Every stage has its own time limit; a stage that
 # fails or runs out of time leaves nulls in the summary and the others still run.

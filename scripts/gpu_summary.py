@@ -1,4 +1,4 @@
-"""One JSON line of the figures scripts/gpu_check.sh measured (the tables of the README's Performance).
+"""One JSON line of the figures scripts/gpu_check.sh measured (the GPU tables of docs/performance.md).
 
 Reads what gpu_check.sh wrote under its output folder; a stage that did not run (or failed) gives nulls,
 so the line is always printed and always has the same keys:

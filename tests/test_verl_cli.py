@@ -393,7 +393,7 @@ def test_a_verl_yaml_file_reads_as_its_command_line(tmp_path: Path) -> None:
 
 def test_the_table_keeps_step_with_the_schema() -> None:
     """Every verl key renames to one of ours, and none of ours is shadowed by an entry that ignores or
-    refuses it (a key verl has that the schema gained since: remove its entry, and the README's row)."""
+    refuses it (a key verl has that the schema gained since: remove its entry, and its row in docs/coming_from_verl.md)."""
     ours = set(all_keys(PPOConfig))
     assert not [k for k, rule in VERL_KEYS.items() if rule.ours and rule.ours not in ours]
     # A section's ``.*`` entry (verl's other rollout.multi_turn.* keys) never catches our own keys in it.
