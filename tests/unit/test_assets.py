@@ -132,7 +132,11 @@ def test_data_files_load_with_ppo_data(built: Path) -> None:
     train = load_prompts(data / "train.parquet", tok, max_prompt_length=64)
     assert len(train) == 4096 and len(load_prompts(data / "val.parquet", tok, max_prompt_length=64)) == 500
     assert max(len(r.input_ids) for r in train) == 10  # "<s><|user|>ab + cd<|assistant|>"
-    assert train[0].data_source == "synthetic/arith" and train[0].extra_info == {"split": "train", "index": 0}
+    assert train[0].data_source == "synthetic/arith" and train[0].extra_info == {
+        "ability": "math",
+        "split": "train",
+        "index": 0,
+    }  # ability: a top-level column
     sft = load_sft_examples(data / "sft_val.parquet", tok, max_length=64)
     assert len(sft) == 500
     # "ab + cd = r\n#### r" + EOS: 7 + 3 + 6 characters + 2 * len(r) + 1 = 21 (r = 71) or 23 (r = 128).
@@ -242,7 +246,7 @@ def test_make_assets_writes_the_offline_data_the_offline_demo_reads() -> None:
     makefile = ROOT.joinpath("Makefile").read_text()
     assert "\nASSETS ?= assets\n" in makefile and "\nA := $(ASSETS)\n" in makefile
     recipe = makefile.split("\nassets:")[1].split("\n\n")[0].replace("$(A)", "assets")
-    command = recipe.split("scripts/make_offline_data.py")[1].replace("\\\n", " ").split()
+    command = recipe.split("scripts/make_offline_data.py")[1].split("\n\t@")[0].replace("\\\n", " ").split()
     options = dict(zip(command[::2], command[1::2], strict=True))
     cfg = load_config(ROOT / "configs" / "demo_cpu_offline.yaml")
     assert "rm -rf assets/runs assets/metrics.json assets/offline" in recipe  # no stale shards resumed
