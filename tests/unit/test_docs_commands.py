@@ -332,3 +332,16 @@ def test_links_between_pages_resolve(page: Path):
         elif anchor and path.suffix == ".md" and anchor not in anchors(path):
             broken.append(target)
     assert broken == [], f"{page.relative_to(ROOT)}: broken links {broken}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_files_named_in_the_text_exist(page: Path):
+    """A repository file a page names in its text (``tests/runs/test_stop.py::test_x``,
+    ``configs/demo_cpu.yaml``) exists: files move, and the pages must follow."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    named = re.findall(
+        r"(?<![\w./-])((?:configs|scripts|docs|kernels|ppo|tests)/[\w./-]+\.(?:py|yaml|md|sh|sbatch|png))",
+        text,
+    )
+    missing = sorted({p for p in named if not (ROOT / p).exists()})
+    assert missing == [], f"{page.relative_to(ROOT)} names files that do not exist: {missing}"
