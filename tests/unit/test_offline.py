@@ -1,21 +1,13 @@
-"""Tests of offline RLHF data: ``ppo/offline.py`` (loading ranked groups and preference pairs, the rollout
-they stand for) and ``scripts/make_offline_data.py`` (sampling, ranking, resuming, converting pairs).
-
-The script runs on a tiny Llama whose weights are set so that it samples short strings of digits,
-spaces and ``#`` and ends about one response in seven tokens (so groups fill quickly and a few
-responses are empty or never end); its rule is ``tests/reward_fns.py:digit_score``::
-
-    pytest tests/test_offline.py                 # about a minute on 2 cores
-    pytest tests/test_offline.py -m "not slow"   # without the script's shared 1-rank run and its 2-rank run
-"""
+"""Offline RLHF data, in process: ``ppo/offline.py`` loading ranked groups and preference pairs (the checks
+that name file, row and column) and the rollout they stand for, by hand and against ``generate``; the
+truncated importance weights against the policy that produced the data, their metrics and start-up rules.
+The script that writes the data (``scripts/make_offline_data.py``) and the trainer on offline data are in
+tests/runs/test_offline_runs.py."""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +15,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from transformers import (
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
     GenerationConfig,
-    LlamaForCausalLM,
 )
 
-from ppo import data, models
+from ppo import algorithms, offline
+from ppo.config import ConfigError
+from ppo.config_loader import load_config
 from ppo.data import DataError, PromptRecord, encode_response, load_prompts
 from ppo.offline import (
     OfflineGroup,
@@ -43,16 +34,12 @@ from ppo.offline import (
 )
 from ppo.rewards import scores_from_ranks
 from ppo.rollout import generate, generation_config, response_mask_from_eos
-from tests.helpers import ROOT, arith_row, load_script, torchrun, write_parquet
-from tests.reward_fns import digit_score
-
-make_offline_data = load_script("make_offline_data")
+from tests.helpers import arith_row, base_args, write_parquet
 
 EOS = 2
+
+
 PAD = 0
-
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def group_row(a: int, b: int, **extra: Any) -> dict[str, Any]:
@@ -62,11 +49,7 @@ def group_row(a: int, b: int, **extra: Any) -> dict[str, Any]:
     return arith_row(a, b, responses=responses, ranks=[0, 1, 2, 2], scores=None) | extra
 
 
-# ----------------------------------------------------------------------------------------------------
-# Loading groups
-# ----------------------------------------------------------------------------------------------------
-
-
+@pytest.mark.usefixtures("one_thread")
 def test_groups_load_as_the_trainer_would_tokenize_them(tok: Any, tmp_path: Path, caplog: Any) -> None:
     rows = [group_row(23, 48), group_row(11, 12, ranks=None, scores=[0.5, 2.0, 2.0, -1.0])]
     path = write_parquet(tmp_path / "groups.parquet", rows)
@@ -94,6 +77,7 @@ def test_groups_load_as_the_trainer_would_tokenize_them(tok: Any, tmp_path: Path
     assert dataset_scores(groups[1:], "cpu").tolist() == [0.5, 2.0, 2.0, -1.0]
 
 
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize(
     "ranks",
     [[0, 1, 2, 3], [3, 2, 1, 0], [0, 0, 2, 3], [2, 0, 0, 3], [0, 1, 1, 3], [0, 1, 1, 1], [0, 0, 0, 0]],
@@ -106,6 +90,7 @@ def test_valid_competition_ranks(tok: Any, tmp_path: Path, ranks: list[int]) -> 
     assert group.ranks == ranks
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_repeated_responses_that_agree_are_kept(tok: Any, tmp_path: Path) -> None:
     # A confident policy samples the same answer twice; the rule gives both the same score and rank.
     row = group_row(23, 48, responses=["#### 71", "#### 61", "#### 71", "#### 61"], ranks=[0, 2, 0, 2])
@@ -114,6 +99,7 @@ def test_repeated_responses_that_agree_are_kept(tok: Any, tmp_path: Path) -> Non
     assert group.responses[0] == group.responses[2] and group.ranks == [0, 2, 0, 2]
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_ranks_and_scores_together_must_agree(tok: Any, tmp_path: Path) -> None:
     # make_offline_data.py writes both: scores [0.5, 1, 1, 0] rank [2, 0, 0, 3] (higher is better).
     path = write_parquet(
@@ -166,6 +152,7 @@ BAD_GROUPS = [
 ]
 
 
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize(("change", "message"), BAD_GROUPS, ids=[m[:40] for _, m in BAD_GROUPS])
 def test_bad_group_fails_naming_file_row_and_column(
     tok: Any, tmp_path: Path, change: dict[str, Any], message: str
@@ -176,6 +163,7 @@ def test_bad_group_fails_naming_file_row_and_column(
     assert str(e.value).startswith(f"{path}: row 1, column") and "\n" not in str(e.value)
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_file_level_errors(tok: Any, tmp_path: Path) -> None:
     load = dict(group_size=4, max_prompt_length=16, max_response_length=32)
     only_ranks = write_parquet(tmp_path / "ranks.parquet", [group_row(23, 48)])
@@ -199,6 +187,7 @@ def test_file_level_errors(tok: Any, tmp_path: Path) -> None:
         load_offline_groups(text, tok, **load)
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_long_responses_and_prompts_drop_whole_groups(tok: Any, tmp_path: Path, caplog: Any) -> None:
     long_response = group_row(11, 12, responses=["x" * 12, "b", "c", "d"])  # 12 + EOS = 13 tokens
     long_prompt = group_row(11, 12, prompt=[{"role": "user", "content": "11 + 12, please"}])
@@ -221,6 +210,7 @@ def test_long_responses_and_prompts_drop_whole_groups(tok: Any, tmp_path: Path, 
         load_offline_groups(path, tok, group_size=4, max_prompt_length=10, max_response_length=5)
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_preference_pairs_load_as_groups_of_two(
     tok: Any, tiny_assets: Path, tmp_path: Path, caplog: Any
 ) -> None:
@@ -253,11 +243,6 @@ def test_preference_pairs_load_as_groups_of_two(
         load_offline_groups(path, tok, group_size=2, require_scores=True, **load)
 
 
-# ----------------------------------------------------------------------------------------------------
-# The rollout a batch of groups stands for
-# ----------------------------------------------------------------------------------------------------
-
-
 def make_group(prompt: list[int], responses: list[list[int]], index: int = 0) -> OfflineGroup:
     record = PromptRecord(
         input_ids=prompt, prompt_text="", data_source="d", ground_truth=None, extra_info={}, index=index
@@ -265,6 +250,7 @@ def make_group(prompt: list[int], responses: list[list[int]], index: int = 0) ->
     return OfflineGroup(record=record, responses=responses, ranks=list(range(len(responses))), scores=None)
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_offline_rollout_by_hand() -> None:
     groups = [
         make_group([1, 5, 6], [[10, 11, EOS], [12, EOS]]),
@@ -289,6 +275,7 @@ def test_offline_rollout_by_hand() -> None:
     assert torch.equal(rollout.response_mask, mask) and torch.equal(rollout.truncated, truncated)
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_offline_rollout_of_loaded_text(tok: Any, tmp_path: Path) -> None:
     # A text that tokenizes without any EOS: its only EOS is the appended one, which ends the mask.
     path = write_parquet(tmp_path / "g.parquet", [group_row(23, 48)])
@@ -325,6 +312,7 @@ class ScriptedLM(torch.nn.Module):
         return torch.cat([input_ids, out], dim=1)
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_offline_rollout_equals_what_generate_returns_for_the_same_tokens() -> None:
     prompts = [[1, 5, 6], [1, 7]]
     responses = [[[10, 11, EOS], [12, EOS]], [[13, EOS], [14, 15, 16, EOS]]]
@@ -340,6 +328,7 @@ def test_offline_rollout_equals_what_generate_returns_for_the_same_tokens() -> N
     assert [p.tolist() for p in offline.prompts] == [p.tolist() for p in generated.prompts]
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_early_eos_of_the_model_is_refused() -> None:
     # The model's generation config may add EOS ids the tokenizer does not know (Qwen's <|endoftext|>).
     groups = [make_group([1], [[10, 99, 11, EOS], [12, EOS]], index=7)]
@@ -357,6 +346,7 @@ def test_early_eos_of_the_model_is_refused() -> None:
         check_eos([make_group([1], [[10, 99], [11, EOS]], index=3)], [99])
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_mixing_offline_and_sampled_groups() -> None:
     a = offline_rollout(
         [make_group([1], [[10, EOS], [11, EOS]])],
@@ -381,259 +371,142 @@ def test_mixing_offline_and_sampled_groups() -> None:
     assert num_offline_groups(5, 1.0) == 5
 
 
-# ----------------------------------------------------------------------------------------------------
-# scripts/make_offline_data.py
-# ----------------------------------------------------------------------------------------------------
+E = math.e
 
 
-@pytest.fixture(scope="module")
-def policy(tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Llama of ``tiny_assets`` set to sample strings of digits, spaces and ``#`` that end about
-    one response in seven tokens; with a reward model beside it (``rm/``).
-
-    Its embeddings carry a large constant in dimension 0, so after the final norm that dimension is
-    about sqrt(hidden) at every position and the LM head's column 0 sets fixed logits: 0 for the 12
-    allowed characters, 0.75 for EOS (p = e^0.75 / (e^0.75 + 12) = 0.15), about -23 for the rest.
-    """
-    root = tmp_path_factory.mktemp("offline_policy")
-    tokenizer = AutoTokenizer.from_pretrained(tiny_assets / "tokenizer")
-    model = LlamaForCausalLM.from_pretrained(tiny_assets / "base")
-    hidden = model.config.hidden_size
-    allowed = tokenizer.convert_tokens_to_ids(list("0123456789 #"))
-    with torch.no_grad():
-        model.model.embed_tokens.weight[:, 0] = 10.0
-        head = model.lm_head.weight
-        head.zero_()
-        head[:, 0] = -2.0
-        head[allowed, 0] = 0.0
-        head[EOS, 0] = 0.75 / hidden**0.5
-    model.save_pretrained(root / "lm")
-    tokenizer.save_pretrained(root / "lm")
-    torch.manual_seed(1)
-    rm = AutoModelForSequenceClassification.from_pretrained(root / "lm", num_labels=1)
-    with torch.no_grad():
-        rm.score.weight.normal_(0, 1.0)
-    rm.save_pretrained(root / "rm")
-    tokenizer.save_pretrained(root / "rm")
-    return root
-
-
-@pytest.fixture(scope="module")
-def prompts(tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Six training prompts of the synthetic task (with an ``ability`` column the output must keep)."""
-    rows = pq.read_table(tiny_assets / "data" / "train.parquet").to_pylist()[:6]
-    return write_parquet(tmp_path_factory.mktemp("offline_prompts") / "prompts.parquet", rows)
-
-
-def script_args(policy: Path, prompts: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        "--model", str(policy / "lm"),
-        "--data", str(prompts),
-        "--out", str(out),
-        "--k", "3",
-        "--max-prompt-length", "16",
-        "--max-response-length", "16",
-        "--shard-size", "2",
-        "--micro-batch", "8",
-        "--seed", "5",
-        "--custom-function", f"{ROOT / 'tests' / 'reward_fns.py'}:digit_score",
-        *extra,
-    ]  # fmt: skip
-
-
-def competition(values: list[float]) -> list[int]:
-    """Competition ranks by hand: the number of strictly better (higher) values."""
-    return [sum(w > v for w in values) for v in values]
-
-
-@pytest.fixture(scope="module")
-def one_rank_groups(policy: Path, prompts: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("one_rank_groups") / "groups.parquet"
-    assert (
-        make_offline_data.main(script_args(policy, prompts, out, "--metrics", str(out.parent / "m.json")))
-        == 0
-    )
-    return out
-
-
-def check_groups(out: Path, prompts: Path, tok: Any, k: int = 3) -> list[dict[str, Any]]:
-    """The written groups: non-empty ended responses, rule scores, competition ranks, the input's columns;
-    they load back whole with the same limits."""
-    rows = pq.read_table(out).to_pylist()
-    inputs = pq.read_table(prompts).to_pylist()
-    by_prompt = {repr(r["prompt"]): r for r in inputs}
-    assert len(rows) >= 5  # a prompt drops only when 4 rounds leave it short of 3 usable samples
-    for row in rows:
-        source = by_prompt[repr(row["prompt"])]
-        assert {
-            key: row[key] for key in source
-        } == source  # every input column kept (ability, extra_info, ...)
-        texts = row["responses"]
-        assert len(texts) == k and all(t.strip() for t in texts)
-        assert all(set(t) <= set("0123456789 #") for t in texts)
-        assert row["scores"] == [digit_score("", t, "") for t in texts]
-        assert row["ranks"] == competition(row["scores"])
-    order = [inputs.index(by_prompt[repr(r["prompt"])]) for r in rows]
-    assert order == sorted(order)  # prompt order
-    groups = load_offline_groups(out, tok, group_size=k, max_prompt_length=16, max_response_length=16)
-    assert len(groups) == len(rows)
-    return rows
-
-
-@pytest.mark.slow
-def test_script_samples_scores_and_ranks(one_rank_groups: Path, prompts: Path, tok: Any) -> None:
-    rows = check_groups(one_rank_groups, prompts, tok)
-    final = json.loads((one_rank_groups.parent / "m.json").read_text())
-    unequal = sum(len(set(r["scores"])) > 1 for r in rows) / len(rows)
-    assert final["offline_unequal_share"] == pytest.approx(unequal) and unequal > 0  # a ranking signal
-    mean = sum(sum(r["scores"]) for r in rows) / (3 * len(rows))
-    assert final["offline_mean_score"] == pytest.approx(mean)
-    assert (final["offline_groups"], final["offline_prompts"], final["offline_group_size"]) == (
-        len(rows),
-        6,
-        3,
-    )
-    shards = sorted(
-        p.name for p in one_rank_groups.with_name(one_rank_groups.name + ".shards").glob("shard_*.parquet")
-    )
-    assert shards == ["shard_00000.parquet", "shard_00001.parquet", "shard_00002.parquet"]
-
-
-@pytest.mark.slow
-def test_script_reads_json_lines_prompts_as_parquet(
-    one_rank_groups: Path, policy: Path, prompts: Path, tmp_path: Path
-) -> None:
-    """The same prompts as JSON lines give the same groups, the input's columns kept."""
-    jsonl = tmp_path / "prompts.jsonl"
-    jsonl.write_text("".join(json.dumps(r) + "\n" for r in pq.read_table(prompts).to_pylist()))
-    out = tmp_path / "groups.parquet"
-    assert make_offline_data.main(script_args(policy, jsonl, out)) == 0
-    assert pq.read_table(out).to_pylist() == pq.read_table(one_rank_groups).to_pylist()
-
-
-@pytest.mark.slow
-def test_script_is_deterministic_and_resumes_per_shard(
-    one_rank_groups: Path, policy: Path, prompts: Path, tmp_path: Path, capfd: Any
-) -> None:
-    out = tmp_path / "groups.parquet"
-    shards = tmp_path / "groups.parquet.shards"
-    shutil.copytree(one_rank_groups.with_name(one_rank_groups.name + ".shards"), shards)
-    # Shard 1 is gone (the run was killed), shard 0 is marked so its reuse shows in the output.
-    (shards / "shard_00001.parquet").unlink()
-    marked = pq.read_table(shards / "shard_00000.parquet").to_pylist()
-    marked[0]["scores"] = [9.0, 8.0, 7.0]
-    write_parquet(shards / "shard_00000.parquet", marked)
-    assert make_offline_data.main(script_args(policy, prompts, out)) == 0
-    assert "6 prompts in 3 shards of 2 (2 already written)" in capfd.readouterr().err
-    resumed, first = pq.read_table(out).to_pylist(), pq.read_table(one_rank_groups).to_pylist()
-    assert resumed[0]["scores"] == [9.0, 8.0, 7.0]  # the shard on disk was reused, not resampled
-    assert resumed[1:] == first[1:]  # shard 1 resampled exactly as the first run sampled it
-    # A finished output is not replaced without --overwrite; shards made with other options never mix in.
-    assert make_offline_data.main(script_args(policy, prompts, out, "--temperature", "0.7")) == 2
-    assert f"--out {out} already exists" in capfd.readouterr().err
-    out.unlink()
-    assert make_offline_data.main(script_args(policy, prompts, out, "--temperature", "0.7")) == 2
-    err = capfd.readouterr().err
-    assert f"{shards} holds shards made with other options (temperature differ)" in err
-    assert "Traceback" not in err
-
-
-def test_script_ranks_by_a_reward_model(policy: Path, prompts: Path, tok: Any, tmp_path: Path) -> None:
-    out = tmp_path / "rm.parquet"
-    args = script_args(policy, prompts, out, "--reward-model", str(policy / "rm"), "--max-prompts", "3")
-    args.remove(next(a for a in args if a.endswith("digit_score")))
-    args.remove("--custom-function")
-    assert make_offline_data.main(args) == 0
-    rows = pq.read_table(out).to_pylist()
-    assert 2 <= len(rows) <= 3
-    rm = models.load_reward_model(str(policy / "rm"))
-    records = {tuple(r.input_ids): r for r in load_prompts(prompts, tok, max_prompt_length=16)}
-    for row in rows:
-        ids = data.encode_prompt(row["prompt"], tok, apply_chat_template=True, where="")[1]
-        assert tuple(ids) in records
-        with torch.no_grad():  # prompt + response + EOS, scored at its last token
-            expected = [rm(input_ids=torch.tensor([ids + encode_response(t, tok)])).logits[0, 0].item()
-                        for t in row["responses"]]  # fmt: skip
-        torch.testing.assert_close(torch.tensor(row["scores"]), torch.tensor(expected), atol=1e-4, rtol=1e-4)
-        assert row["ranks"] == competition(row["scores"])
-
-
-def test_script_drops_prompts_short_of_usable_samples(
-    policy: Path, prompts: Path, tmp_path: Path, capfd: Any
-) -> None:
-    # One round of 3 samples: a prompt keeps its group only if none of the 3 is empty or unended.
-    out = tmp_path / "short.parquet"
-    assert (
-        make_offline_data.main(
-            script_args(policy, prompts, out, "--max-rounds", "1", "--metrics", str(tmp_path / "m.json"))
+def test_rollout_is_weights_by_hand() -> None:
+    old = torch.tensor([[-1.0, -2.0, -3.0]])
+    rollout = torch.tensor([[-2.0, -1.0, -3.0]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    # Token level: d = old - rollout = [1, -1, 0] -> exp = [e, 1/e, 1], truncated at 2: [2, 0.3679, 1].
+    w = algorithms.rollout_is_weights(old, rollout, mask, level="token", threshold=2.0)
+    assert torch.allclose(w, torch.tensor([[2.0, 1 / E, 1.0]]))
+    # Sequence level: sum d = 0 -> every token exp(0) = 1; geometric: mean d = 0 -> 1.
+    for level in ("sequence", "geometric"):
+        assert torch.equal(
+            algorithms.rollout_is_weights(old, rollout, mask, level=level, threshold=2.0), torch.ones(1, 3)
         )
-        == 0
+
+    old, rollout = torch.tensor([[-1.0, -1.0, 0.0]]), torch.tensor([[-2.0, -2.0, 5.0]])
+    mask = torch.tensor([[True, True, False]])  # the third token is padding: weight 0 whatever it holds
+    # d = [1, 1]: token e each; sequence exp(2) = 7.389; geometric exp(mean 1) = e (threshold 10).
+    expected = {"token": [E, E], "sequence": [E**2, E**2], "geometric": [E, E]}
+    for level, values in expected.items():
+        w = algorithms.rollout_is_weights(old, rollout, mask, level=level, threshold=10.0)
+        assert torch.allclose(w, torch.tensor([[*values, 0.0]])), level
+    # A row whose behaviour policy is unknown (NaN: sampled by the policy itself) weighs 1.
+    w = algorithms.rollout_is_weights(old, torch.full((1, 3), math.nan), mask, level="token", threshold=2.0)
+    assert torch.equal(w, torch.tensor([[1.0, 1.0, 0.0]]))
+    with pytest.raises(ValueError, match="unknown rollout_is_level 'word'"):
+        algorithms.rollout_is_weights(old, rollout, mask, level="word", threshold=2.0)
+
+
+def test_mismatch_metrics_by_hand() -> None:
+    old = torch.tensor([[-1.0, -2.0, -9.0]])
+    rollout = torch.tensor([[-2.0, -2.0, math.nan]])  # the last token's behaviour is unknown: not counted
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    m = algorithms.mismatch_metrics(old, rollout, mask, threshold=2.0)
+    # d = [1, 0], r = [e, 1]: k1 KL(mu || pi) = mean(-d) = -0.5; k3 = mean(r - d - 1) = (e - 2) / 2;
+    # mean weight truncated at 2 (verl's) (2 + 1) / 2; one of two ratios above 2.
+    assert m["mismatch_kl"].item() == pytest.approx(-0.5)
+    assert m["mismatch_k3_kl"].item() == pytest.approx((E - 2) / 2)
+    assert m["rollout_is_mean"].item() == pytest.approx((2 + 1) / 2)
+    assert m["rollout_is_ratio_fraction_high"].item() == pytest.approx(0.5)
+
+
+def test_policy_loss_weighs_each_token() -> None:
+    logprobs = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    advantages = torch.tensor([[1.0, -1.0]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    weights = torch.tensor([[2.0, 0.5]])
+    # Ratio 1: per-token loss -A = [-1, 1]; weighted [-2, 0.5]; token-mean -0.75. Gradient of the
+    # token-mean w.r.t. log pi_t is -A_t * w_t / 2 = [-1, 0.25].
+    loss, _ = algorithms.policy_loss(
+        logprobs, logprobs.detach(), advantages, mask, 0.2, 0.2, 3.0, "token-mean", is_weights=weights
     )
-    err = capfd.readouterr().err
-    dropped = [
-        int(m) for m in re.findall(r"groups, (\d+) prompts dropped \(fewer than 3 usable samples\)", err)
-    ]
-    rows = pq.read_table(out).to_pylist()
-    assert len(dropped) == 3 and sum(dropped) == 6 - len(rows) > 0
-    assert f"from 6 prompts ({6 - len(rows)} dropped)" in err
-    assert json.loads((tmp_path / "m.json").read_text())["offline_groups"] == len(rows)
+    assert loss.item() == pytest.approx(-0.75)
+    loss.backward()
+    assert torch.allclose(logprobs.grad, torch.tensor([[-1.0, 0.25]]))
 
 
-@pytest.mark.parametrize(
-    ("extra", "message"),
-    [
-        (["--k", "1"], "error: --k=1 must be >= 2"),
-        (["--top-p", "0"], r"error: --top-p=0.0 must be in \(0, 1\]"),
-        (["--shard-size", "0"], "error: --shard-size=0 must be > 0"),
-        (["--model", "/nonexistent/model"], "/nonexistent/model"),
-        (["--data", "/nonexistent/prompts.parquet"], "/nonexistent/prompts.parquet: no such data file"),
-        (
-            ["--from-pairs", "x.parquet"],
-            "error: --from-pairs converts a preference file; it takes no --model",
-        ),
-        (["--reward-model", "x"], "error: rank by --reward-model or by the rule"),
-    ],
-)
-def test_script_bad_input_is_one_line_and_exit_2(
-    policy: Path, prompts: Path, tmp_path: Path, capfd: Any, extra: list[str], message: str
-) -> None:
-    assert make_offline_data.main(script_args(policy, prompts, tmp_path / "o.parquet", *extra)) == 2
-    err = capfd.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert re.search(message, lines[0]), lines[0]
-
-
-def test_script_converts_preference_pairs(tiny_assets: Path, tok: Any, tmp_path: Path, capfd: Any) -> None:
-    pairs = pq.read_table(tiny_assets / "data" / "pref_val.parquet").to_pylist()[:5]
-    rows = pairs[:2] + [{**pairs[2], "rejected": pairs[2]["chosen"]}] + pairs[3:]
-    src = write_parquet(tmp_path / "pairs.parquet", rows)
-    out = tmp_path / "groups.parquet"
-    assert make_offline_data.main(["--from-pairs", str(src), "--out", str(out)]) == 0
-    err = capfd.readouterr().err
-    assert "skipped 1 of 5 rows" in err and "(rows 2)" in err and f"wrote {out}: 4 groups of 2" in err
-    written = pq.read_table(out).to_pylist()
-    kept = [r for i, r in enumerate(rows) if i != 2]
-    assert [w["responses"] for w in written] == [[r["chosen"], r["rejected"]] for r in kept]
-    assert all(w["ranks"] == [0, 1] for w in written)
-    assert [w["mistake"] for w in written] == [r["mistake"] for r in kept] and "chosen" not in written[0]
-    # The converted file loads as the same groups as the preference file itself.
-    load = dict(group_size=2, max_prompt_length=16, max_response_length=32, require_ground_truth=False)
-    direct, converted = load_offline_groups(src, tok, **load), load_offline_groups(out, tok, **load)
-    assert [g.responses for g in direct] == [g.responses for g in converted]
-    assert [g.record.input_ids for g in direct] == [g.record.input_ids for g in converted]
-    assert make_offline_data.main(["--from-pairs", str(tmp_path / "none.parquet"), "--out", str(out)]) == 2
-
-
-@pytest.mark.slow
-def test_script_on_two_ranks(policy: Path, prompts: Path, tok: Any, tmp_path: Path) -> None:
-    out = tmp_path / "two.parquet"
-    proc = torchrun(
-        ROOT / "scripts" / "make_offline_data.py", *script_args(policy, prompts, out), timeout=240
+def test_rollout_is_needs_offline_data_and_a_threshold() -> None:
+    with pytest.raises(ConfigError, match="algorithm.rollout_is_threshold weighs responses by the policy"):
+        load_config(None, ["algorithm.rollout_is_threshold=2.0"])  # online: no behaviour policy recorded
+    with pytest.raises(ConfigError, match="rollout_is=true applies importance weights"):
+        load_config(
+            None, ["rollout.source=dataset", "algorithm.adv_estimator=grpo", "algorithm.rollout_is=true"]
+        )
+    cfg = load_config(
+        None,
+        [
+            "rollout.source=dataset",
+            "algorithm.adv_estimator=grpo",
+            "algorithm.rollout_is_threshold=2.0",
+            "algorithm.rollout_is=true",
+        ],
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    check_groups(out, prompts, tok)
-    assert (
-        "shard 3/3" in proc.stderr
-        and "6 prompts in 3 shards of 2 (0 already written) on 2 ranks" in proc.stderr
+    assert cfg.algorithm.rollout_is and cfg.algorithm.rollout_is_level == "token"
+
+
+def test_offline_fraction_applies_to_the_global_batch() -> None:
+    # 2 ranks of 4 groups (8 in all), 0.1: round(0.8) = 1 offline group, on rank 0 (per rank it was 0).
+    assert [offline.num_offline_groups(4, 0.1, rank=r, world_size=2) for r in (0, 1)] == [1, 0]
+    # 2 ranks of 1 group, 0.5: one offline (rank 0), one sampled (rank 1); per rank it was 1 and 1.
+    assert [offline.num_offline_groups(1, 0.5, rank=r, world_size=2) for r in (0, 1)] == [1, 0]
+    # 4 ranks of 4 groups, 0.4: round(6.4) = 6, spread 2, 2, 1, 1.
+    assert [offline.num_offline_groups(4, 0.4, rank=r, world_size=4) for r in range(4)] == [2, 2, 1, 1]
+    # Fractions the batch cannot honour are refused with the nearest that works.
+    base = ["rollout.offline_fraction=0.05", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8"]
+    with pytest.raises(ConfigError, match=r"gives 0 offline groups a step: use at least 0.125"):
+        load_config(None, [*base, "algorithm.adv_estimator=grpo"])
+    with pytest.raises(ConfigError, match=r"gives 8 offline groups a step: use at most 0.875"):
+        load_config(None, [*base[1:], "rollout.offline_fraction=0.97", "algorithm.adv_estimator=grpo"])
+
+
+def test_offline_groups_refuse_gae() -> None:
+    with pytest.raises(
+        ConfigError,
+        match=r"algorithm.adv_estimator=gae with offline groups .* algorithm.adv_estimator=grpo or rloo",
+    ):
+        load_config(None, ["rollout.source=dataset"])  # gae is the default estimator
+    with pytest.raises(ConfigError, match="algorithm.adv_estimator=gae with offline groups"):
+        load_config(None, ["rollout.offline_fraction=0.5"])
+
+
+def test_lora_dropout_scores_in_eval_mode(tiny_assets: Path, tmp_path: Path, one_rank: Any) -> None:
+    """With adapter dropout, old log-probs are scored with dropout off: two scorings agree exactly and
+    equal the eval-mode forward (in training mode they differed by up to 0.9 nats a token)."""
+    from ppo.batch import Batch, group_index
+    from ppo.build import build
+    from ppo.forwards import forward_logprobs
+    from ppo.rollout import sample
+
+    cfg = load_config(
+        None,
+        base_args(tiny_assets, tmp_path, steps=1)
+        + ["actor.lora.rank=8", "actor.lora.dropout=0.5", "trainer.val_before_train=false"],
     )
+    run_ = build(cfg, one_rank)
+    records = run_.loader.records[:4]
+    rollout = sample(run_.sampler, records, do_sample=True)
+    batch = Batch(rollout=rollout, records=records, group_ids=group_index(4, 1, torch.device("cpu")))
+    actor = run_.actor.model
+    assert actor.training  # the actor trains with dropout on
+    with torch.no_grad():  # adapters as after some training (peft starts B at 0: no effect, no noise)
+        for name, p in actor.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(0))
+    mb = cfg.actor.ppo_micro_batch_size_per_gpu
+    first = forward_logprobs(cfg, actor, batch, mb, run_.sp)
+    second = forward_logprobs(cfg, actor, batch, mb, run_.sp)
+    assert actor.training  # its mode is restored
+    assert torch.equal(first, second)
+    actor.eval()
+    assert torch.equal(forward_logprobs(cfg, actor, batch, mb, run_.sp), first)
+    actor.train()
+    with torch.no_grad():  # the same forward in training mode draws dropout masks: it differs
+        from ppo import ulysses
+        from ppo.packing import pack_rows
+
+        noisy, _ = ulysses.packed_logprobs(actor, pack_rows(batch, batch.rows()), temperature=1.0)
+    assert (noisy - first).abs().max() > 1e-3
