@@ -1,5 +1,5 @@
 """Runs of the trainer with user code that exits or hangs: each ends non-zero with one line naming the
-function, the rank and the prompt's row (fast cases of the same rules: tests/test_user_code.py)."""
+function, the rank and the prompt's row (fast cases of the same rules: tests/unit/test_user_code.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Tests for ppo.algorithms: hand-derived values (derivation next to each assertion), edge cases, gradients.
 
-Run: ``.venv/bin/pytest tests/test_algorithms.py``
+Run: ``.venv/bin/pytest tests/unit/test_algorithms.py``
 """
 
 import math

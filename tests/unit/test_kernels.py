@@ -10,7 +10,7 @@ gradients in the input dtype, fp32 arithmetic otherwise), times the magnitude in
 were set at 4-10x the worst error seen on CPU. Both fused paths compute the logits with a GEMM in the
 input dtype (like the naive LM head), so both are held to the input dtype's roundoff of the logits.
 
-Run: .venv/bin/python -m pytest tests/test_kernels.py  (about 20-30 s on 2 CPU cores).
+Run: .venv/bin/python -m pytest tests/unit/test_kernels.py  (about 20-30 s on 2 CPU cores).
 """
 
 import importlib.util
@@ -33,7 +33,7 @@ from kernels import torch_ops  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 FAST_BACKENDS = [
     "torch",

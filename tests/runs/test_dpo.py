@@ -6,8 +6,8 @@ another micro-batch budget against one rank.
 The runs use the untrained tiny Llama of ``tiny_assets`` on a hand-written file of ranked groups of the
 synthetic task; what is checked is the plumbing, exactly::
 
-    pytest tests/test_dpo.py
-    pytest tests/test_dpo.py -m "not slow"
+    pytest tests/runs/test_dpo.py
+    pytest tests/runs/test_dpo.py -m "not slow"
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The SP checks run this file as a gloo worker under ``torch.distributed.run`` (2 
 the same 2 ranks; see ``_worker`` at the bottom) and compare every result with one process running the
 whole packed row on an unsharded copy of the model::
 
-    pytest tests/test_ulysses.py        # about 35 s on 2 cores, most of it the 2-rank worker
+    pytest tests/runs/test_ulysses.py        # about 35 s on 2 cores, most of it the 2-rank worker
 """
 
 from __future__ import annotations

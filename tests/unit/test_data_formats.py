@@ -2,7 +2,7 @@
 ``datasets``' ``save_to_disk`` give the records the same rows give from Parquet, pass the same checks
 and fail with the file, row (or line) and column; a missing input says how to make it.
 
-Uses the character-level tokenizer of ``scripts/make_tiny_assets.py`` (see ``tests/test_data.py``).
+Uses the character-level tokenizer of ``scripts/make_tiny_assets.py`` (see ``tests/unit/test_data.py``).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ Runs on a tiny Llama (hidden 32, 2 layers) with the character tokenizer and a fe
 task of ``scripts/make_tiny_assets.py``; the scripts run in this process as one rank, and under
 ``torch.distributed.run`` as 2 gloo ranks for the comparison with one rank::
 
-    pytest tests/test_stages.py                 # about a minute on 2 cores
-    pytest tests/test_stages.py -m "not slow"   # one rank only, seconds (the 2-rank comparison is slow)
+    pytest tests/runs/test_stages.py                 # about a minute on 2 cores
+    pytest tests/runs/test_stages.py -m "not slow"   # one rank only, seconds (the 2-rank comparison is slow)
 """
 
 from __future__ import annotations

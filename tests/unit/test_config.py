@@ -45,7 +45,7 @@ from ppo.config_keys import all_keys
 from ppo.config_loader import load_config, to_dict, to_yaml
 from tests.helpers import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def write_yaml(tmp_path: Path, text: str) -> Path:

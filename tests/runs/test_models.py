@@ -5,8 +5,8 @@ real ``from_pretrained`` path (no hub). The sharded checks run this file as a gl
 ``torch.distributed.run`` (2 ranks; 1 rank in-process; see ``_worker`` at the bottom) and compare every sharded
 result with an unsharded copy of the same model on the same global batch::
 
-    pytest tests/test_models.py            # all, about 40 s on 2 cores
-    pytest tests/test_models.py -m "not slow"
+    pytest tests/runs/test_models.py            # all, about 40 s on 2 cores
+    pytest tests/runs/test_models.py -m "not slow"
 """
 
 from __future__ import annotations

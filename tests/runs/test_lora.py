@@ -4,7 +4,7 @@ on 2 gloo ranks against an unsharded copy, merged rollout, trainable-only checkp
 The sharded checks run this file as a worker under ``torch.distributed.run`` (2 ranks; ``_worker`` at the
 bottom); each compares with the same model unsharded on the same global batch::
 
-    pytest tests/test_lora.py     # 21 tests, ~45 s on a busy 2-core machine (~27 s of CPU)
+    pytest tests/runs/test_lora.py     # 21 tests, ~45 s on a busy 2-core machine (~27 s of CPU)
 """
 
 from __future__ import annotations
@@ -395,7 +395,7 @@ def _worker(assets: Path, root: Path, out: Path) -> None:
         return nll(logits, ids, first)
 
     def adamw(model: nn.Module) -> torch.optim.Optimizer:
-        # eps well above fp32 summation noise of the gradients (see tests/test_models.py, step_params)
+        # eps well above fp32 summation noise of the gradients (see tests/runs/test_models.py, step_params)
         return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-4)
 
     def params_diff(sharded: nn.Module, ref: nn.Module) -> float:

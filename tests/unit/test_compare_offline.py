@@ -5,8 +5,8 @@ The KL is checked on policies built by hand whose next-token distribution is the
 so the sequence KL is a number worked out on paper; the orchestrator's trainings are not run here (the
 comparison itself is ``make compare-offline``)::
 
-    pytest tests/test_compare_offline.py                 # about 20 s on 2 cores, the 2-rank checks included
-    pytest tests/test_compare_offline.py -m "not slow"
+    pytest tests/unit/test_compare_offline.py                 # about 20 s on 2 cores, the 2-rank checks included
+    pytest tests/unit/test_compare_offline.py -m "not slow"
 """
 
 from __future__ import annotations

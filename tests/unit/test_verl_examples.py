@@ -1,7 +1,7 @@
 """verl's example scripts run here with only model paths, data paths and sizes appended, as a user appends
 them through the scripts' ``$@``: GAE with dynamic batch size, GRPO (and with LoRA), REINFORCE++, RLOO,
 GSPO, DAPO, KL-Cov, PPO with a reward model; the multi-turn GSM8K tool example is refused with one line
-that says what to write instead. Their key=value lines are transcribed in ``tests/verl_examples.yaml``.
+that says what to write instead. Their key=value lines are transcribed in ``tests/unit/verl_examples.yaml``.
 
 Also here, what such a command line relies on: the last value of a key decides (Hydra's rule, so ``$@``
 overrides work), a key given in two spellings is named in a warning, verl's warm-up default, metrics kept

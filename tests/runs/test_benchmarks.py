@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Imported by name (not by path): the benchmarks import bench_common and bench_rollout, and their
 # dataclasses need their modules in sys.modules.
 sys.path.insert(0, str(ROOT / "scripts"))
