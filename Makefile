@@ -117,6 +117,11 @@ parity: parity-env
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
+# The fast in-process room only (tests/unit: math, config, data, kernels, parsing), slow ones left out.
+.PHONY: test-unit
+test-unit: install
+	$(PY) -m pytest -q -m "not slow" tests/unit
+
 # docs/configuration.md, the config reference, generated from the schema's field docstrings
 # (scripts/config_reference.py; tests/unit/test_config_reference.py fails when it is stale).
 .PHONY: docs

@@ -14,7 +14,7 @@ accounting) over per-chunk primitives in Triton (`kernels/triton_ops.py`) or PyT
 (`kernels/torch_ops.py`, which also holds the naive `*_reference` of each op); `backend` picks one
 ("auto" = Triton on CUDA, else torch; see `kernels/dispatch.py`).
 
-Tests: `.venv/bin/python -m pytest tests/test_kernels.py` (Triton under TRITON_INTERPRET=1 on CPU). Benchmark: `.venv/bin/python scripts/bench_kernels.py`. Compile check of the
+Tests: `.venv/bin/python -m pytest tests/unit/test_kernels.py` (Triton under TRITON_INTERPRET=1 on CPU). Benchmark: `.venv/bin/python scripts/bench_kernels.py`. Compile check of the
 Triton kernels for a GPU without one: `.venv/bin/python -m kernels.aot_check`. On a GPU machine:
 `bash scripts/gpu_check.sh`.
 """

@@ -29,7 +29,7 @@ Chunks come from a memory budget (`chunk_budget_bytes`: 256 MiB on CUDA, 64 MiB 
 lives at the peak. The from-logits op walks token chunks the same way (one chunk on Triton, whose kernels
 stream rows). Tokens whose label is `ignore_index` give 0 and no gradient.
 
-Run the tests with `.venv/bin/python -m pytest tests/test_kernels.py`.
+Run the tests with `.venv/bin/python -m pytest tests/unit/test_kernels.py`.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ hidden `[T, H]`, LM-head weight `[V, H]`. With z = logits.float() / temperature:
 Tokens whose label is `ignore_index` get logp = entropy = 0 and no gradient. The compute dtype is
 fp32, or fp64 when the inputs are fp64 (so `torch.autograd.gradcheck` can check the backward).
 
-Run the tests with `.venv/bin/python -m pytest tests/test_kernels.py`.
+Run the tests with `.venv/bin/python -m pytest tests/unit/test_kernels.py`.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ On CPU these kernels run only under the Triton interpreter: `TRITON_INTERPRET=1`
 environment before this module is imported (the `@triton.jit` decorators read it). The interpreter gets
 bf16 arithmetic and bf16 `tl.dot` wrong, so tiles are upcast to fp32 before `tl.dot` there (`UPCAST`).
 
-Run the tests with `.venv/bin/python -m pytest tests/test_kernels.py` (CPU + interpreter, or CUDA).
+Run the tests with `.venv/bin/python -m pytest tests/unit/test_kernels.py` (CPU + interpreter, or CUDA).
 """
 
 from __future__ import annotations

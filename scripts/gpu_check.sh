@@ -54,7 +54,7 @@ EOF
 cat "$RUNS/device.txt"
 
 # -- kernels ----------------------------------------------------------------------------------------
-stage kernel_tests 150 bash -c "'$PYTHON' -m pytest tests/test_kernels.py -q -rs -p no:cacheprovider \
+stage kernel_tests 150 bash -c "'$PYTHON' -m pytest tests/unit/test_kernels.py -q -rs -p no:cacheprovider \
     | tee '$RUNS/pytest.txt'"
 PATHS="from_logits fused"
 "$PYTHON" -c "import liger_kernel" 2>/dev/null && PATHS="$PATHS liger"
