@@ -50,7 +50,7 @@ from ppo.distributed import (
     reduce_metrics,
 )
 from ppo.metrics import Timer, batch_metrics, perf_metrics, profiled
-from ppo.optimize import actor_loss, cov_selection, critic_loss, optimize, update_prm
+from ppo.optimize import actor_loss, cov_selection, critic_loss, optimize, rollout_rejection, update_prm
 from ppo.periodic_validation import validate
 from ppo.rollout import gather_group, sample
 from ppo.step_end import EndStep, TrainingError
@@ -200,7 +200,7 @@ def collect_round(cfg: PPOConfig, run: Run, items: list, timer: Timer) -> Batch:
         sampled,
         group_size=n,
         with_scores=cfg.reward.style == "dataset",
-        with_logprobs=cfg.algorithm.rollout_is_threshold is not None,
+        with_logprobs=cfg.algorithm.reads_data_logprobs,
         max_response_length=cfg.data.max_response_length,
         pad_token_id=run.tokenizer.pad_token_id,
         eos_token_ids=run.sampler.eos_ids,
@@ -320,18 +320,21 @@ def update_actor(cfg: PPOConfig, run: Run, batch: Batch) -> dict[str, float]:
         cov_mask = torch.zeros_like(batch.response_mask)
         dp_rank = run.loader.rank // run.sp.size
         hook = cov_selection(cfg, batch, cov_mask, run.sp, dp_rank=dp_rank, step=run.state.step)
+    kept, rejection_metrics = rollout_rejection(cfg, batch)  # algorithm.rollout_rs's tokens, else None
     out = optimize(
         a,
         "actor",
         actor,
         batch,
-        actor_loss(cfg, actor.model, batch, run.sp, cov_mask=cov_mask),
+        actor_loss(cfg, actor.model, batch, run.sp, cov_mask=cov_mask, loss_mask=kept),
         num_mini=cfg.data.train_batch_size // a.ppo_mini_batch_size,
         shuffle=a.shuffle,
         sp=run.sp,
         early_stop_kl=a.early_stop_kl,
         before_mini_batch=hook,
+        loss_mask=kept,
     )
+    out.update(rejection_metrics)
     actor.scheduler.step()
     out["actor/lr"] = lr
     out.setdefault("actor/early_stopped", 0.0)

@@ -215,11 +215,13 @@ def load_data(
                 **load,
             )
             train_records = [g.record for g in items]
-            if cfg.algorithm.rollout_is_threshold is not None and all(g.logprobs is None for g in items):
+            alg = cfg.algorithm
+            if alg.reads_data_logprobs and all(g.logprobs is None for g in items):
+                key = "rollout_is_threshold" if alg.rollout_is_threshold is not None else "rollout_rs"
                 raise data.DataError(
-                    "algorithm.rollout_is_threshold weighs the offline responses by the policy that sampled "
-                    "them, but no group of data.train_files has a 'logprobs' column (scripts/"
-                    "make_offline_data.py writes it); set algorithm.rollout_is_threshold=null"
+                    f"algorithm.{key} compares the offline responses with the policy that sampled them, but "
+                    "no group of data.train_files has a 'logprobs' column (scripts/make_offline_data.py "
+                    f"writes it); set algorithm.{key}=null"
                 )
         else:
             items = train_records = data.load_prompts(

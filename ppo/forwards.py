@@ -23,10 +23,17 @@ from ppo.packing import micro_batches, pack_rows, unpack
 def needs_old_logprobs(cfg: PPOConfig) -> bool:
     """On-policy (one epoch, one mini-batch) the ratio is exactly 1, so the update uses its own
     detached log-probs as the old ones (verl's shortcut) and the scoring forward is needed only for
-    the KL in the reward, the rollback check and Clip-Cov's choice of tokens (made before the update's
-    forwards, from the old log-probs)."""
+    the KL in the reward, the rollback check, and Clip-Cov's choice of tokens and rejection sampling's
+    (made before the update's forwards, from the old log-probs)."""
     clip_cov = cfg.actor.policy_loss.loss_mode == "clip_cov"  # picks its tokens by the old log-probs
-    return not cfg.on_policy or cfg.algorithm.use_kl_in_reward or cfg.algorithm.rollback_kl > 0 or clip_cov
+    alg = cfg.algorithm
+    return (
+        not cfg.on_policy
+        or alg.use_kl_in_reward
+        or alg.rollback_kl > 0
+        or clip_cov
+        or alg.rollout_rs is not None
+    )
 
 
 @torch.no_grad()

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ppo import algorithms, forwards, ulysses
+from ppo.algorithms.correction import mismatch_sums, rollout_rs_mask
 from ppo.batch import Batch
 from ppo.batch_advantages import kl_estimate
 from ppo.config import ActorConfig, CriticConfig, PPOConfig
@@ -38,7 +39,30 @@ logger = logging.getLogger("ppo")
 
 LossFn = Callable[[torch.Tensor, dict[str, float]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """``(micro-batch row indices, global counts) -> (loss, metric contributions)``: the loss is this
-micro-batch's share of the mini-batch's global loss; each metric is its share of the mini-batch value."""
+micro-batch's share of the mini-batch's global loss; each metric is its share of the mini-batch value,
+or a ``ratio_parts`` pair (a sum and a count) for a mean over some of the tokens."""
+
+RATIO_SUM, RATIO_COUNT = "#sum", "#count"
+"""Suffixes of a ratio metric's two parts (``ratio_parts``), summed separately over micro-batches, ranks
+and mini-batches and divided once at the end of ``optimize``."""
+
+
+def ratio_parts(key: str, total: torch.Tensor, count: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A metric that is a mean over the rows or tokens it concerns (not over every token of the
+    mini-batch): its sum and its count on this micro-batch, which ``optimize`` reduces and divides."""
+    return {key + RATIO_SUM: total, key + RATIO_COUNT: count}
+
+
+def resolve_ratios(metrics: dict[str, float]) -> dict[str, float]:
+    """``metrics`` with each ``ratio_parts`` pair replaced by ``sum / count`` (0 with nothing counted)."""
+    out = {k: v for k, v in metrics.items() if not k.endswith((RATIO_SUM, RATIO_COUNT))}
+    for key in metrics:
+        if key.endswith(RATIO_SUM):
+            name = key.removesuffix(RATIO_SUM)
+            count = metrics[name + RATIO_COUNT]
+            out[name] = metrics[key] / count if count > 0 else 0.0
+    return out
+
 
 MiniBatchHook = Callable[[torch.Tensor, int], None]
 """``(mini-batch row indices, mini-batch index) -> None``, run on every rank before a mini-batch's
@@ -76,6 +100,7 @@ def optimize(
     sp: ulysses.SPGroup,
     early_stop_kl: float = 0.0,
     before_mini_batch: MiniBatchHook | None = None,
+    loss_mask: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """``role.ppo_epochs`` passes over the batch in ``num_mini`` mini-batches; per mini-batch, gradient
     accumulation over token-budget micro-batches, then one optimizer step.
@@ -85,8 +110,10 @@ def optimize(
     global mini-batch's. The metrics of a mini-batch are reduced once, so the early-stop decision (on
     ``<prefix>/ppo_kl``) is the same on every rank. A non-finite gradient norm skips that update.
     ``before_mini_batch`` (``MiniBatchHook``) runs before each mini-batch's micro-batches, so that what
-    it decides cannot depend on how the mini-batch is split.
+    it decides cannot depend on how the mini-batch is split. ``loss_mask [B, R]``: the tokens trained and
+    counted, when not ``batch.loss_mask`` (the actor's after rejection sampling, ``rollout_rejection``).
     """
+    trained_mask = batch.loss_mask if loss_mask is None else loss_mask
     sums: dict[str, float] = {}
     grad_norms: list[float] = []
     updates = skipped = 0
@@ -94,7 +121,7 @@ def optimize(
     for _ in range(role.ppo_epochs):
         for idx in mini_batches(len(batch.records), num_mini, shuffle, sp):
             idx = idx.to(batch.response_mask.device)
-            counts = global_counts(batch.loss_mask[idx])  # the generated tokens: what is trained
+            counts = global_counts(trained_mask[idx])  # the generated tokens: what is trained
             if before_mini_batch is not None:
                 before_mini_batch(idx, updates)
             contributions: dict[str, torch.Tensor] = {}
@@ -121,7 +148,7 @@ def optimize(
         if early_stopped:
             break
     # Every rank holds the same global values; the step's mean reduction over ranks keeps them.
-    out = {k: v / updates for k, v in sums.items()}
+    out = resolve_ratios({k: v / updates for k, v in sums.items()})
     out[f"{prefix}/grad_norm"] = float(np.mean(grad_norms))
     out[f"{prefix}/num_updates"] = float(updates)
     out[f"{prefix}/skipped_updates"] = float(skipped)
@@ -137,19 +164,23 @@ def actor_loss(
     sp: ulysses.SPGroup,
     *,
     cov_mask: torch.Tensor | None = None,
+    loss_mask: torch.Tensor | None = None,
 ) -> LossFn:
     """The actor's share of a mini-batch's loss on the rows ``sel`` of ``batch``: the policy loss of
     ``actor.policy_loss.loss_mode`` (SPPO: ``algorithms.sppo_loss`` on its targets), minus the entropy bonus, plus the KL loss; with the on-policy
     shortcut the old log-probs are the forward's own, detached. ``cov_mask [B, R]``: Clip-Cov's or
-    KL-Cov's tokens of the current mini-batch (``cov_selection`` fills it before the mini-batch)."""
+    KL-Cov's tokens of the current mini-batch (``cov_selection`` fills it before the mini-batch).
+    ``loss_mask [B, R]``: the tokens trained, when not ``batch.loss_mask`` (``rollout_rejection``'s: the
+    importance weights and ``mismatch/*`` stay over every generated token, as verl's)."""
     a = cfg.actor
     on_policy = cfg.on_policy
     sppo = a.policy_loss.loss_mode == "sppo"
     scale = sum_norm_scale(cfg, a.loss_scale_factor)
+    trained_mask = batch.loss_mask if loss_mask is None else loss_mask
 
     def loss_fn(sel: torch.Tensor, counts: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         counts = {**counts, "loss_scale_factor": scale}
-        mask = batch.loss_mask[sel]
+        mask = trained_mask[sel]
         logprobs, entropy = ulysses.packed_logprobs(
             actor,
             pack_rows(batch, sel),
@@ -191,7 +222,7 @@ def actor_loss(
         parts = {"actor/pg_loss": pg_loss, "actor/entropy": mean_entropy}
         # SPPO's metrics are per response and already this micro-batch's share; the others per token.
         parts.update({f"actor/{k}": v if sppo else v * weight for k, v in pg_metrics.items()})
-        parts.update({f"mismatch/{k}": v * weight for k, v in mismatch.items()})
+        parts.update(mismatch)
         if a.use_kl_loss:
             kl = kl_estimate(logprobs, batch.ref_logprobs[sel], a.kl_loss_type, a.kernels)
             kl_loss = algorithms.agg_loss(kl, mask, a.loss_agg_mode, **counts)
@@ -375,16 +406,61 @@ def off_policy_weights(
 ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
     """With ``algorithm.rollout_is_threshold``: the truncated importance weights of the rows ``sel``
     against the policy that sampled the offline responses (applied with ``algorithm.rollout_is``) and
-    the ``mismatch/*`` metrics; else ``(None, {})``."""
+    the ``mismatch/*`` metrics as ``ratio_parts`` (means over the tokens, or sequences, whose sampler's
+    log-probs are known: sampled rows of a mixed batch do not dilute them); else ``(None, {})``."""
     alg = cfg.algorithm
     if alg.rollout_is_threshold is None:
         return None, {}
     rollout_logprobs, mask = batch.data_logprobs[sel], batch.loss_mask[sel]
-    metrics = algorithms.mismatch_metrics(old_logprobs, rollout_logprobs, mask, alg.rollout_is_threshold)
+    sums = mismatch_sums(
+        old_logprobs, rollout_logprobs, mask, alg.rollout_is_threshold, level=alg.rollout_is_level
+    )
+    metrics: dict[str, torch.Tensor] = {}
+    for key, (total, count) in sums.items():
+        metrics.update(ratio_parts(f"mismatch/{key}", total, count))
     if not alg.rollout_is:
         return None, metrics
     weights = algorithms.rollout_is_weights(
         old_logprobs, rollout_logprobs, mask, level=alg.rollout_is_level, threshold=alg.rollout_is_threshold
     )
-    metrics["rollout_is_weight_mean"] = algorithms.masked_mean(weights, mask)
+    # Over every trained token: a sampled row's weight is 1.
+    metrics.update(ratio_parts("mismatch/rollout_is_weight_mean", (weights * mask).sum(), mask.sum().float()))
     return weights, metrics
+
+
+def rollout_rejection(cfg: PPOConfig, batch: Batch) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """Rejection sampling (``algorithm.rollout_rs``, verl 0.9.1's): ``[B, R]`` the tokens the actor
+    trains, ``batch.loss_mask`` without those whose divergence from the sampler of their offline response
+    breaks a bound (``rollout_rs_mask``, from the old log-probs; responses without the sampler's
+    log-probs are kept), and over all ranks ``mismatch/rollout_rs_masked_fraction`` (the share of those
+    responses' tokens rejected) and ``mismatch/rollout_rs_seq_masked_fraction`` (the share of them with a
+    rejected token). As verl's modified ``response_mask``, the kept tokens are the policy loss's, the
+    entropy's and the KL loss's, and their counts normalize them; the importance weights and the other
+    ``mismatch/*`` metrics stay over every generated token. ``(None, {})`` without ``rollout_rs``."""
+    alg = cfg.algorithm
+    if alg.rollout_rs is None:
+        return None, {}
+    mask = batch.loss_mask
+    if batch.data_logprobs is None:  # no response of this rank's batch has them: nothing to reject
+        known = torch.zeros_like(mask)
+        kept = mask
+    else:
+        known = mask & ~torch.isnan(batch.data_logprobs)
+        kept = rollout_rs_mask(
+            batch.old_logprobs,
+            batch.data_logprobs,
+            mask,
+            options=alg.rollout_rs,
+            thresholds=alg.rollout_rs_threshold,
+        )
+    rejected = known & ~kept
+    rows = known.any(-1)
+    # The ranks of a sequence-parallel group hold the same rows: each sum counts them sp times, the shares
+    # stay exact.
+    tokens, rejected_tokens, seqs, rejected_seqs = all_reduce_scalars(
+        [float(known.sum()), float(rejected.sum()), float(rows.sum()), float(rejected.any(-1).sum())], "sum"
+    )
+    return kept, {
+        "mismatch/rollout_rs_masked_fraction": rejected_tokens / tokens if tokens else 0.0,
+        "mismatch/rollout_rs_seq_masked_fraction": rejected_seqs / seqs if seqs else 0.0,
+    }

@@ -553,10 +553,9 @@ VERL_KEYS: dict[str, VerlKey] = {
     "algorithm.rollout_correction.loss_type": _ignored(
         "used only with bypass_mode=true", ("ppo_clip", "reinforce")
     ),
-    "algorithm.rollout_correction.rollout_rs": _refused(
-        "rejection of off-policy tokens (verl's rollout_rs) is not applied in the update here", (None,)
-    ),
-    "algorithm.rollout_correction.rollout_rs_threshold": _ignored("used only with rollout_rs"),
+    # Rejection sampling: the actor trains on the offline responses' tokens within the bounds.
+    "algorithm.rollout_correction.rollout_rs": renamed_to("algorithm.rollout_rs"),
+    "algorithm.rollout_correction.rollout_rs_threshold": renamed_to("algorithm.rollout_rs_threshold"),
     "algorithm.rollout_correction.*": _ignored("not a setting of verl 0.9.1's rollout correction"),
     # ---------------------------------------------------------------- data
     "data.tokenizer": _refused("ours is model.tokenizer_path"),

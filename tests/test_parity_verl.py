@@ -338,11 +338,18 @@ def test_rollout_is_weights(level: str) -> None:
     mine = ours.rollout_is_weights(b["old"], rollout, mask, level=level, threshold=2.0)
     close(mine * mask, theirs * mask)
     off = verl_corr.compute_offpolicy_metrics(b["old"], rollout, mask.double())
-    ours_m = ours.mismatch_metrics(b["old"], rollout, mask, threshold=2.0)
+    ours_m = ours.mismatch_metrics(b["old"], rollout, mask, threshold=2.0, level=level)
     close(ours_m["mismatch_kl"], off["kl"])
     close(ours_m["mismatch_k3_kl"], off["k3_kl"])
-    if level == "token":
-        close(ours_m["rollout_is_mean"], ours.masked_mean(torch.exp(log_ratio), mask))
+    # verl's IS metrics at the weights' level; its sequence-level share is over every row, empty ones
+    # included: compare on the rows with tokens (row 2 has none)
+    rows = mask.any(-1)
+    _, at_level = verl_corr.compute_rollout_correction_weights(
+        log_ratio[rows], mask[rows].double(), level, 2.0
+    )
+    close(ours_m["rollout_is_mean"], at_level["rollout_is_mean"])
+    close(ours_m["rollout_is_ratio_fraction_high"], at_level["rollout_is_ratio_fraction_high"])
+    assert 0 < at_level["rollout_is_ratio_fraction_high"] < 1, "some weights above the threshold, not all"
 
 
 @pytest.mark.parametrize(

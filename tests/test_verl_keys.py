@@ -161,10 +161,39 @@ def test_verl_091_rollout_correction_is_ours() -> None:
         f"{section}.rollout_is_threshold=2.0",
         f"{section}.bypass_mode=false",
     ]
-    assert load_config(None, defaults).algorithm == load_config(None, []).algorithm
+    assert (
+        load_config(None, [*defaults, f"{section}.rollout_rs=null"]).algorithm
+        == load_config(None, []).algorithm
+    )
+    # Rejection sampling: verl's criteria and bounds are ours (a YAML number reads as its string).
+    alg = load_config(
+        None,
+        [
+            *offline,
+            f"{section}.rollout_rs=token_k2,seq_mean_k1",
+            f"{section}.rollout_rs_threshold=0.05,0.5_2",
+        ],
+    ).algorithm
+    assert (alg.rollout_rs, alg.rollout_rs_threshold, alg.rollout_is_threshold) == (
+        "token_k2,seq_mean_k1",
+        "0.05,0.5_2",
+        None,
+    )
+    assert load_config(
+        None, [*offline, "algorithm.rollout_rs=seq_max_k3", "algorithm.rollout_rs_threshold=0.1"]
+    )
+    for wrong, fragment in [
+        (f"{section}.rollout_rs=token_k4", "known are token_k1"),
+        (f"{section}.rollout_rs_threshold=0.1_0.2", "one upper bound > 0"),  # k2 takes no ratio pair
+        ("rollout.offline_fraction=0", "only offline data records"),
+    ]:
+        args = [*offline, f"{section}.rollout_rs=token_k2", f"{section}.rollout_rs_threshold=0.1", wrong]
+        with pytest.raises(ConfigError, match=fragment):
+            load_config(None, args)
+    with pytest.raises(ConfigError, match="rollout_rs_threshold must give"):
+        load_config(None, [*offline, f"{section}.rollout_rs=token_k2"])
     for refused, fragment in [
         (f"{section}.rollout_is_threshold=0.5_2.0", "IcePop"),
-        (f"{section}.rollout_rs=token_k1", "rejection of off-policy tokens"),
         (f"{section}.bypass_mode=true", "verl's decoupled mode"),
         (f"{section}.rollout_is=geometric", "must be null, token or sequence"),
     ]:

@@ -16,7 +16,7 @@ import math
 import torch
 
 from ppo.algorithms.stats import masked_mean
-from ppo.choices import ROLLOUT_IS_LEVELS
+from ppo.choices import ROLLOUT_IS_LEVELS, rollout_rs_bounds
 
 
 def rollout_is_weights(
@@ -51,60 +51,68 @@ def rollout_is_weights(
     return torch.where(mask, weights, torch.zeros_like(weights)).detach()
 
 
-def mismatch_metrics(
-    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor, threshold: float
-) -> dict[str, torch.Tensor]:
-    """How far the policy is from the one that produced the responses, over the masked tokens whose
-    ``rollout_logprobs`` are known (verl's names, without the ``mismatch/`` prefix):
-
-    - ``mismatch_kl`` = mean of ``log μ - log π_old`` (k1 estimate of KL(μ ‖ π_old), can be negative);
-    - ``mismatch_k3_kl`` = mean of ``r - log r - 1`` with ``r = π_old / μ`` (k3, non-negative);
-    - ``rollout_is_mean`` = mean token ratio ``r`` (before truncation);
-    - ``rollout_is_ratio_fraction_high`` = share of tokens with ``r > threshold``.
-
-    Detached scalar tensors (0 when no token is known).
-    """
+def mismatch_sums(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    threshold: float,
+    *,
+    level: str = "token",
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The ``mismatch_metrics`` of these rows as ``(sum, count)`` pairs (detached scalar tensors), so that
+    micro-batches and ranks add up to the batch's mean ``Σ sum / Σ count``: the count is the masked
+    tokens with known ``rollout_logprobs`` (for ``rollout_is_ratio_fraction_high`` at sequence or
+    geometric level: the sequences with one), not every token of the rows."""
+    if level not in ROLLOUT_IS_LEVELS:
+        raise ValueError(f"unknown rollout_is_level {level!r}; known: {', '.join(ROLLOUT_IS_LEVELS)}")
     mask = response_mask.bool() & ~torch.isnan(rollout_logprobs)
     d = torch.where(mask, old_logprobs.detach() - rollout_logprobs, torch.zeros_like(old_logprobs))
     ratio = d.clamp(-20.0, 20.0).exp()
+    weights = rollout_is_weights(old_logprobs, rollout_logprobs, mask, level=level, threshold=threshold)
+    num_tokens = mask.sum().to(d.dtype)
+
+    def token_sum(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.where(mask, x, torch.zeros_like(x)).sum(), num_tokens
+
+    if level == "token":
+        high = token_sum((ratio > threshold).to(d.dtype))
+    else:  # one log-ratio per sequence, unclamped, compared in log space (as verl)
+        rows = mask.any(-1)
+        seq_d = d.sum(-1) if level == "sequence" else masked_mean(d, mask, dim=-1)
+        high = ((rows & (seq_d > math.log(threshold))).sum().to(d.dtype), rows.sum().to(d.dtype))
     return {
-        "mismatch_kl": masked_mean(-d, mask),
-        "mismatch_k3_kl": masked_mean(ratio - d - 1.0, mask),
-        "rollout_is_mean": masked_mean(ratio, mask),
-        "rollout_is_ratio_fraction_high": masked_mean((ratio > threshold).float(), mask),
+        "mismatch_kl": token_sum(-d),
+        "mismatch_k3_kl": token_sum(ratio - d - 1.0),
+        "rollout_is_mean": token_sum(weights),
+        "rollout_is_ratio_fraction_high": high,
     }
 
 
-ROLLOUT_RS_OPTIONS = (
-    "token_k1",
-    "token_k2",
-    "token_k3",
-    "seq_sum_k1",
-    "seq_sum_k2",
-    "seq_sum_k3",
-    "seq_mean_k1",
-    "seq_mean_k2",
-    "seq_mean_k3",
-    "seq_max_k2",
-    "seq_max_k3",
-)
-"""verl 0.9.1's rejection criteria (``rollout_rs``): a divergence per token (``token_*``) or its sum, mean
-or maximum over the sequence (``seq_*``); ``k1 = -log r``, ``k2 = (log r)^2 / 2``, ``k3 = r - 1 - log r``
-with ``r = π_old / μ``."""
+def mismatch_metrics(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    threshold: float,
+    *,
+    level: str = "token",
+) -> dict[str, torch.Tensor]:
+    """How far the policy is from the one that produced the responses, over the masked tokens whose
+    ``rollout_logprobs`` are known (verl 0.9.1's ``rollout_corr/*`` names, without the ``mismatch/``
+    prefix), with ``r = π_old / μ`` per token:
 
+    - ``mismatch_kl`` = mean of ``log μ - log π_old`` (k1 estimate of KL(μ ‖ π_old), can be negative);
+    - ``mismatch_k3_kl`` = mean of ``r - log r - 1`` (k3, non-negative);
+    - ``rollout_is_mean`` = token mean of the truncated weights of ``level`` (``rollout_is_weights``: at
+      sequence level every token carries its sequence's weight);
+    - ``rollout_is_ratio_fraction_high`` = share of tokens with ``r > threshold`` (``level="token"``), or
+      of sequences whose ratio of ``level`` (``exp Σ_t log r_t``, geometric: ``exp mean_t log r_t``) is.
 
-def _rs_bounds(option: str, spec: str) -> tuple[float | None, float]:
-    """(lower, upper) bounds of one criterion: for ``*_k1`` ratio bounds ``lower_upper`` (one number is the
-    upper, its reciprocal the lower), compared in log space; else a single positive upper bound."""
-    if option.endswith("k1"):
-        lower, _, upper = spec.partition("_") if "_" in spec else (str(1.0 / float(spec)), "", spec)
-        low, high = float(lower), float(upper)
-        if not 0 < low <= high:
-            raise ValueError(f"{option}: ratio bounds {spec!r} must satisfy 0 < lower <= upper")
-        return math.log(low), math.log(high)
-    if "_" in spec or float(spec) <= 0:
-        raise ValueError(f"{option}: threshold {spec!r} must be one positive upper bound")
-    return None, float(spec)
+    Detached scalar tensors (0 when no token is known). Example: one sequence, ``log r = [1, -0.5]``,
+    threshold 2: token level ``rollout_is_mean = (2 + e^-0.5) / 2 = 1.303`` and fraction high 1/2;
+    sequence level the weight ``e^0.5 = 1.649`` on both tokens, and fraction high 0 (1.649 <= 2).
+    """
+    sums = mismatch_sums(old_logprobs, rollout_logprobs, response_mask, threshold, level=level)
+    return {k: total / count.clamp(min=1) for k, (total, count) in sums.items()}
 
 
 def rollout_rs_mask(
@@ -118,8 +126,8 @@ def rollout_rs_mask(
     """Rejection sampling of off-policy tokens (verl 0.9.1's ``rollout_rs``): ``response_mask`` with the
     tokens, or whole sequences, whose divergence from the sampler breaks a bound set to False.
 
-    ``options``: comma-separated criteria of ``ROLLOUT_RS_OPTIONS`` (all must pass); ``thresholds``: one
-    bound for all of them, or one per criterion, comma-separated (see ``_rs_bounds``). With
+    ``options``: comma-separated criteria of ``choices.ROLLOUT_RS_OPTIONS`` (all must pass); ``thresholds``: one
+    bound for all of them, or one per criterion, comma-separated (see ``choices.rollout_rs_bounds``). With
     ``d = log π_old - log μ`` clamped to [-20, 20]: ``k1 = -d``, ``k2 = d^2 / 2``, ``k3 = exp(d) - 1 - d``;
     a ``seq_sum``/``seq_mean``/``seq_max`` criterion compares the masked sum/mean/max of a sequence's
     values and keeps or drops all its tokens. Rows whose ``rollout_logprobs`` are NaN (sampled by the
@@ -128,14 +136,7 @@ def rollout_rs_mask(
     Example: ``old = [-1, -1]``, ``μ = [-1, -3]`` (d = [0, 2]), ``token_k2`` with bound 1: k2 = [0, 2], the
     second token is dropped; ``seq_mean_k2`` with bound 1: the mean 1 passes (bounds are inclusive).
     """
-    names = list(dict.fromkeys(o.strip() for o in options.split(",") if o.strip()))
-    unknown = [o for o in names if o not in ROLLOUT_RS_OPTIONS]
-    if not names or unknown:
-        raise ValueError(f"rollout_rs options {options!r}: known are {', '.join(ROLLOUT_RS_OPTIONS)}")
-    specs = [s.strip() for s in str(thresholds).split(",") if s.strip()]
-    if len(specs) not in (1, len(names)):
-        raise ValueError(f"rollout_rs_threshold {thresholds!r}: give one bound, or one per option of {names}")
-    specs = specs * len(names) if len(specs) == 1 else specs
+    bounds = rollout_rs_bounds(options, thresholds)
     mask = response_mask.bool()
     known = ~torch.isnan(rollout_logprobs)
     d = torch.where(mask & known, old_logprobs.detach() - rollout_logprobs, torch.zeros_like(old_logprobs))
@@ -144,8 +145,7 @@ def rollout_rs_mask(
     weight = mask.to(d.dtype)
     count = weight.sum(-1)
     keep = torch.ones_like(mask)
-    for name, spec in zip(names, specs, strict=True):
-        lower, upper = _rs_bounds(name, spec)
+    for name, lower, upper in bounds:
         values = divergence[name[-2:]]
         if name.startswith("seq_sum"):
             values = (values * weight).sum(-1, keepdim=True)

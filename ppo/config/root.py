@@ -380,6 +380,13 @@ def _check_offline(cfg: PPOConfig) -> None:
             "algorithm.rollout_is_threshold",
             "rollout.offline_fraction",
         )
+    if cfg.algorithm.rollout_rs is not None and fraction == 0:
+        raise FieldError(
+            "algorithm.rollout_rs rejects tokens by their divergence from the policy that sampled them, which "
+            "only offline data records here (rollout.source=dataset or rollout.offline_fraction > 0)",
+            "algorithm.rollout_rs",
+            "rollout.offline_fraction",
+        )
     if cfg.reward.style == "dataset" and fraction < 1.0:
         raise FieldError(
             "reward.style=dataset reads the offline data's scores, which sampled responses do not have: "

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ppo.choices import ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSS_MODES
+from ppo.choices import ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSS_MODES, rollout_rs_bounds
 from ppo.config.errors import FieldError, _require, check_kl_kind
 from ppo.config.shared import FSDPConfig, OptimConfig, RunTrainerConfig
 
@@ -558,6 +558,17 @@ class AlgorithmConfig:
     """Weights per token, per sequence (the product of its token ratios), or their geometric mean."""
     rollout_is_mode: Literal["truncate"] = "truncate"
     """How weights above the threshold are bounded: truncated to it (verl's ``truncate``)."""
+    rollout_rs: str | None = None
+    """Rejection sampling (verl 0.9.1's ``rollout_correction.rollout_rs``): comma-separated criteria, all
+    of which a token must pass to be trained: ``token_k1|k2|k3`` per token, ``seq_sum_*``, ``seq_mean_*``
+    (k1, k2, k3) and ``seq_max_*`` (k2, k3) per sequence, of the divergence between the policy an update
+    starts from and the one that sampled the offline responses (k1 = -log r, k2 = (log r)^2 / 2,
+    k3 = r - 1 - log r, r = pi_old / pi_data). Rejected tokens leave the actor's loss and its token
+    counts (``mismatch/rollout_rs_*``); responses without the sampler's ``logprobs`` are kept. null: off."""
+    rollout_rs_threshold: str | None = None
+    """Bounds of ``rollout_rs``: one for all criteria or one per criterion, comma-separated; a ``*_k1``
+    criterion takes ratio bounds ``lower_upper`` (one number: the upper, its reciprocal the lower), the
+    others one upper bound (e.g. ``0.05``)."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """DAPO's dynamic sampling."""
     reward_dpo_coef: float = 5.0
@@ -574,6 +585,11 @@ class AlgorithmConfig:
     """SPPO with ``sppo_target=softmean``: the soft mean's beta (0: the mean; verl recipe's
     ``algorithm.sppo_eta``)."""
 
+    @property
+    def reads_data_logprobs(self) -> bool:
+        """The offline data's sampler log-probs are read: importance weights, their metrics, or rejection."""
+        return self.rollout_is_threshold is not None or self.rollout_rs is not None
+
     def __post_init__(self) -> None:
         if self.kl_penalty != "full":
             check_kl_kind(self.kl_penalty, "kl_penalty")
@@ -585,6 +601,17 @@ class AlgorithmConfig:
                 "rollout_is",
                 "rollout_is_threshold",
             )
+        if self.rollout_rs is not None:
+            if self.rollout_rs_threshold is None:
+                raise FieldError(
+                    "rollout_rs rejects tokens beyond bounds, which rollout_rs_threshold must give (e.g. 0.05)",
+                    "rollout_rs",
+                    "rollout_rs_threshold",
+                )
+            try:
+                rollout_rs_bounds(self.rollout_rs, self.rollout_rs_threshold)
+            except ValueError as err:
+                raise FieldError(str(err), "rollout_rs", "rollout_rs_threshold") from None
         _require(self, "[0, 1]", "gamma", "lam")
         _require(self, ">= 0", "rollback_kl", "max_rollbacks")
         _require(self, "(0, 1]", "rollback_lr_factor")
