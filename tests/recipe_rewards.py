@@ -1,4 +1,4 @@
-"""Reward functions of the recipe tests (``tests/test_recipes.py``), loaded with
+"""Reward functions of the recipe tests (``tests/unit/test_recipes.py``), loaded with
 ``reward.custom_function=FILE:NAME``."""
 
 from __future__ import annotations

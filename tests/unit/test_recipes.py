@@ -6,7 +6,7 @@ ranks (``Ranks``); then end to end on the tiny model: every estimator and loss g
 parameters on 1 rank (two token budgets), 2 ranks and 2 ranks of sequence parallelism; dynamic
 sampling when one rank's groups always tie, and across a kill -9 in a refill round.
 
-    pytest tests/test_recipes.py -m "not slow"     # the math and the config, seconds
+    pytest tests/unit/test_recipes.py -m "not slow"     # the math and the config, seconds
 """
 
 from __future__ import annotations
