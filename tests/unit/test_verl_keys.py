@@ -21,7 +21,7 @@ import yaml
 from ppo.config import ConfigError, PPOConfig
 from ppo.config_loader import load_config
 
-SIDE = Path(__file__).resolve().parents[1] / ".verl091"
+SIDE = Path(__file__).resolve().parents[2] / ".verl091"
 GENERATED = SIDE / "verl" / "trainer" / "config" / "_generated_ppo_trainer.yaml"
 
 pytestmark = pytest.mark.skipif(

@@ -21,7 +21,7 @@ import torch
 from ppo import algorithms as ours
 from ppo.algorithms.correction import rollout_rs_mask
 
-SIDE = Path(__file__).resolve().parents[1] / ".verl091"
+SIDE = Path(__file__).resolve().parents[2] / ".verl091"
 
 
 def _import_verl() -> tuple[types.ModuleType, types.ModuleType] | None:
