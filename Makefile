@@ -96,7 +96,7 @@ compare-offline: install
 test: install
 	$(PY) -m pytest -q
 
-# The math of ppo/algorithms against the released verl 0.9.1 (tests/test_parity_verl.py; docs/coming_from_verl.md).
+# The math of ppo/algorithms against the released verl 0.9.1 (tests/unit/test_parity_verl.py; docs/coming_from_verl.md).
 # verl's wheel goes into .verl091/ without its dependencies, with only the small packages that importing
 # its core_algos and rollout_corr_helper needs (no ray, vllm or flash-attn); the tests put the folder on
 # sys.path and skip without it. Built once (a few seconds), then the parity tests run in seconds.
@@ -111,7 +111,7 @@ parity-env: .verl091/.installed
 	touch $@
 
 parity: parity-env
-	$(PY) -m pytest -q tests/test_parity_verl.py
+	$(PY) -m pytest -q tests/unit/test_parity_verl.py
 
 # The inner loop: everything but the tests marked slow (2-rank runs, end-to-end trainer runs).
 test-fast: install
