@@ -54,7 +54,3 @@ def one_rank() -> Iterator[DistInfo]:
     info = init_distributed("cpu")
     yield info
     destroy_distributed()
-
-
-# Files written before tests/helpers.py existed still import the helpers from here.
-from tests.helpers import *  # noqa: E402, F403

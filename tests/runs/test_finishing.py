@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ppo.metrics import CONSOLE_LEGEND
-from tests.conftest import base_args, load_script, read_metrics, run
+from tests.helpers import base_args, load_script, read_metrics, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.conftest import (
+from tests.helpers import (
     REWARD_FNS,
     ROOT,
     base_args,

@@ -11,7 +11,7 @@ import pytest
 from ppo.config import PPOConfig
 from ppo.metrics import CONSOLE_KEYS, CONSOLE_LEGEND, MetricsLogger, console_line
 from ppo.monitor import ZERO_REWARD_STEPS, HealthMonitor, run_summary
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 
 def test_critic_warmup_step_says_warmup() -> None:

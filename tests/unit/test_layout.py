@@ -71,3 +71,19 @@ def test_the_math_is_pure_torch() -> None:
         if module.startswith("ppo.algorithms"):
             assert all(d.startswith("ppo.algorithms") or d == "ppo.choices" for d in deps), (module, deps)
     assert module_graph()["ppo.choices"] == set()
+
+
+def test_tests_take_helpers_from_one_module() -> None:
+    """Fixtures live in tests/conftest.py and shared helpers in tests/helpers.py: no test file imports
+    ``tests.conftest`` (pytest loads it; importing it twice would build its session fixtures' module
+    again), and every test file is in one of the two rooms."""
+    tests = ROOT / "tests"
+    importers = [
+        str(path.relative_to(ROOT))
+        for path in sorted(tests.rglob("*.py"))
+        if "tests.conftest" in imports_of(path, {"tests.conftest"})
+    ]
+    assert importers == []
+    assert sorted(p.name for p in tests.glob("test_*.py")) == [], (
+        "a test file belongs in tests/unit or tests/runs"
+    )

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 MAKEFILE = (ROOT / "Makefile").read_text()
 

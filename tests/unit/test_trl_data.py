@@ -11,7 +11,7 @@ import pytest
 
 from ppo import rewards
 from ppo.data import PromptRecord, load_prompts
-from tests.conftest import write_parquet
+from tests.helpers import write_parquet
 
 
 class ChatTokenizer:
