@@ -1,0 +1,221 @@
+"""The pure parts of scripts/bench_scaling.py (the exponent fit, the points of each axis, a row from a run's
+metrics, the table and JSON output, the rigged policy of the turns axis) and bench_overhead.py's floor
+table. The end-to-end runs are in tests/runs/test_bench_scaling.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
+import bench_overhead  # noqa: E402
+import bench_scaling  # noqa: E402
+from bench_scaling import Point  # noqa: E402
+
+
+@pytest.mark.parametrize("k", [1.0, 0.0, -1.0, 1.7])
+def test_fit_exponent_recovers_a_power_law(k: float) -> None:
+    # value = 3 * work^k exactly, so the log-log least squares line has slope k and intercept log 3.
+    work = [32.0, 128.0, 512.0, 1024.0]
+    got_k, got_c = bench_scaling.fit_exponent(work, [3.0 * w**k for w in work])
+    assert abs(got_k - k) < 1e-6
+    assert abs(got_c - 3.0) < 1e-6
+
+
+def test_fit_exponent_of_noisy_points_is_the_least_squares_slope() -> None:
+    # log2 work = 0, 1, 2 and log2 value = 0, 1, 3: slope = cov / var = (0*-4/3 + ... ) by hand:
+    # x mean 1, y mean 4/3; sum (x - 1)(y - 4/3) = (-1)(-4/3) + 0 + (1)(5/3) = 3; sum (x - 1)^2 = 2: k = 1.5.
+    k, _ = bench_scaling.fit_exponent([1.0, 2.0, 4.0], [1.0, 2.0, 8.0])
+    assert abs(k - 1.5) < 1e-12
+
+
+def test_fit_exponent_refuses_what_has_no_log_log_line() -> None:
+    with pytest.raises(ValueError, match="distinct"):
+        bench_scaling.fit_exponent([2.0, 2.0], [1.0, 3.0])
+    with pytest.raises(ValueError, match="positive"):
+        bench_scaling.fit_exponent([1.0, 2.0], [0.0, 3.0])
+
+
+def test_fit_line_slope() -> None:
+    # value = 5 + 0.25 * work exactly.
+    assert abs(bench_scaling.fit_line([0.0, 4.0, 8.0], [5.0, 6.0, 7.0]) - 0.25) < 1e-12
+
+
+def test_axis_points() -> None:
+    xs = {axis: [p.x for p in bench_scaling.axis_points(axis)] for axis in bench_scaling.AXES}
+    assert xs == {
+        "response_len": [32, 128, 512, 1024],
+        "batch": [8, 32, 128],
+        "n": [1, 4, 16],
+        "ranks": [1, 2, 1, 2],
+        "turns": [1, 2, 4, 8],
+        "sp": [128, 256, 512],
+    }
+    ranks = bench_scaling.axis_points("ranks")
+    # Weak scaling: the same 16 prompts per rank; strong: the same 16 prompts in all.
+    assert [(p.series, p.nproc, p.num_prompts) for p in ranks] == [
+        ("ranks/weak", 1, 16),
+        ("ranks/weak", 2, 32),
+        ("ranks/strong", 1, 16),
+        ("ranks/strong", 2, 16),
+    ]
+    # A turn is 8 generated tokens and an 8-token observation: the response budget holds exactly t turns.
+    assert [p.response_len for p in bench_scaling.axis_points("turns")] == [16, 32, 64, 128]
+    assert all(p.nproc == 2 and p.sp == 2 for p in bench_scaling.axis_points("sp"))
+    assert [p.response_len for p in bench_scaling.axis_points("response_len")] == [32, 128, 512, 1024]
+    assert [p.x for p in bench_scaling.axis_points("batch", quick=True)] == [2, 4]
+    with pytest.raises(ValueError, match="unknown axis"):
+        bench_scaling.axis_points("depth")
+
+
+def test_overrides_of_single_and_multi_turn_points() -> None:
+    paths = {"policy": Path("/p"), "forced": Path("/f"), "prompts": Path("/d.parquet")}
+    args = bench_scaling.parse_args(["--steps", "3"])
+    single = bench_scaling.overrides(Point("n", 4, num_prompts=8, n=4), paths, Path("/o"), args)
+    assert {"model.path=/p", "rollout.n=4", "rollout.ignore_eos=true", "data.train_batch_size=8"} <= set(
+        single
+    )
+    assert not any(o.startswith("rollout.multi_turn") for o in single)
+    turns = bench_scaling.overrides(
+        Point("turns", 2, num_prompts=8, response_len=32, turns=2), paths, Path("/o"), args
+    )
+    assert "model.path=/f" in turns and "rollout.ignore_eos=true" not in turns
+    assert {"rollout.multi_turn.stop=[aaaaaaaa]", "rollout.multi_turn.max_assistant_turns=2"} <= set(turns)
+    sp = bench_scaling.overrides(
+        Point("sp", 128, num_prompts=4, response_len=128, nproc=2, sp=2), paths, Path("/o"), args
+    )
+    assert "actor.ulysses_sequence_parallel_size=2" in sp
+
+
+def metrics_line(step: int, gen: float, scale: float = 1.0) -> dict[str, float]:
+    return {
+        "step": step,
+        "timing_s/step": 10.0 * scale,
+        "timing_s/gen": gen,
+        "timing_s/ref": 1.0 * scale,
+        "timing_s/values": 0.5 * scale,
+        "timing_s/update_actor": 3.0 * scale,
+        "timing_s/update_critic": 2.0 * scale,
+        "timing_s/reward": 0.25 * scale,
+        "perf/total_num_tokens": 400.0,
+        "perf/max_memory_gib": 0.5 + step,
+    }
+
+
+def test_summarize_takes_medians_after_the_warm_up() -> None:
+    point = Point("ranks/weak", 2, num_prompts=32, response_len=40, nproc=2)
+    lines = [metrics_line(1, 100.0), metrics_line(2, 2.0), metrics_line(3, 4.0), metrics_line(4, 3.0)]
+    row = bench_scaling.summarize(point, lines, warmup=1)
+    # Steps 2-4 counted: gen median 3; score = ref + values = 1.5; train = 5; other = 10 - 3 - 1.5 - 5.
+    assert (row["step_s"], row["gen_s"], row["score_s"], row["train_s"]) == (10.0, 3.0, 1.5, 5.0)
+    assert row["other_s"] == 0.5
+    assert row["gen_ms_per_token"] == 1000 * 3.0 / 40
+    assert row["tokens_per_s"] == 40.0 and row["tokens"] == 400.0
+    assert row["work"] == 2.0  # the ranks axis is fitted against the number of ranks
+    assert row["mem_gib"] == 4.5 and row["steps"] == 3
+    # On the other axes the work is tokens per data-parallel rank (SP: both ranks hold the same rows).
+    assert bench_scaling.summarize(Point("sp", 8, 2, nproc=2, sp=2), lines, 1)["work"] == 400.0
+    assert bench_scaling.summarize(Point("batch", 8, 8), lines, 1)["work"] == 400.0
+    with pytest.raises(ValueError, match="no step after"):
+        bench_scaling.summarize(point, lines[:1], warmup=1)
+
+
+def synthetic_rows() -> list[dict]:
+    # Times exactly c * work^k: step k=1, gen k=0.5, score k=1, train k=2; memory 0.5 GiB + 1 MiB per token.
+    rows = []
+    for work in (100.0, 400.0, 1600.0):
+        rows.append(
+            {
+                "series": "batch",
+                "x": int(work / 50),
+                "tokens": work,
+                "work": work,
+                "step_s": 0.01 * work,
+                "gen_s": 0.1 * work**0.5,
+                "score_s": 0.002 * work,
+                "train_s": 1e-6 * work**2,
+                "other_s": 0.0,
+                "gen_ms_per_token": 1.0,
+                "tokens_per_s": 100.0,
+                "mem_gib": 0.5 + work / 1024,
+            }
+        )
+    return rows
+
+
+def test_fits_per_series() -> None:
+    (fit,) = bench_scaling.fits(synthetic_rows())
+    assert fit["series"] == "batch"
+    for name, k in (("step", 1.0), ("gen", 0.5), ("score", 1.0), ("train", 2.0)):
+        assert abs(fit[f"{name}_k"] - k) < 1e-9, name
+    # 1/1024 GiB per token = 1 MiB per token = 1000 MiB per 1000 tokens.
+    assert abs(fit["mem_mib_per_ktok"] - 1000.0) < 1e-6
+    assert list(fit) == bench_scaling.FIT_COLUMNS
+
+
+def test_report_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = synthetic_rows()
+    fitted = bench_scaling.fits(rows)
+    bench_scaling.print_report(rows, fitted, as_json=True)
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["kind"] for line in lines] == ["point"] * 3 + ["fit"]
+    assert lines[0]["step_s"] == 1.0 and lines[0]["series"] == "batch"
+    assert abs(lines[3]["train_k"] - 2.0) < 1e-9
+    bench_scaling.print_report(rows, fitted, as_json=False)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == bench_scaling.TABLE_COLUMNS
+    assert out[1].split()[:5] == ["batch", "2", "100", "100", "1"]
+    assert out[6].split() == bench_scaling.FIT_COLUMNS
+    assert out[7].split()[:5] == ["batch", "1", "0.5", "1", "2"]
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    rows = synthetic_rows()
+    path = tmp_path / "figs" / "scaling.png"
+    bench_scaling.plot(rows, bench_scaling.fits(rows), path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_rigged_policy_writes_the_forced_token() -> None:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=50,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        pad_token_id=0,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    bench_scaling.rig_forced_token(model, 17)
+    prompts = torch.randint(3, 50, (4, 6))
+    out = model.generate(prompts, max_new_tokens=12, do_sample=True, temperature=1.0, top_k=0, pad_token_id=0)
+    assert (out[:, 6:] == 17).all()
+
+
+def test_floor_rows_gap() -> None:
+    ours = bench_overhead.OverheadRow(
+        trainer="ours", steps=1, step_cpu_s=1.0, step_cpu_min_s=1.0, step_cpu_max_s=1.0, step_wall_s=1.0
+    )
+    for i, phase in enumerate(bench_overhead.OUR_PHASES):
+        setattr(ours, f"{phase}_s", 1.0 + i)  # 1, 2, ..., 8: sum 36
+    floor = {phase: 0.5 for phase in bench_overhead.OUR_PHASES}
+    rows = bench_overhead.floor_rows(ours, floor)
+    assert [r.phase for r in rows] == [*bench_overhead.OUR_PHASES, "sum"]
+    assert (rows[0].gap_s, rows[0].gap_pct) == (0.5, 50.0)  # 1 s in the trainer, 0.5 s bare
+    assert (rows[3].gap_s, rows[3].gap_pct) == (3.5, 87.5)  # 4 s against 0.5 s
+    # Sum: 36 s against 8 x 0.5 = 4 s: a gap of 32 s, 88.89 %.
+    assert (rows[-1].trainer_s, rows[-1].floor_s, rows[-1].gap_s) == (36.0, 4.0, 32.0)
+    assert math.isclose(rows[-1].gap_pct, 100 * 32 / 36)
