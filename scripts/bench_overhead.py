@@ -24,10 +24,23 @@ line compares ours with a reference TRL step time (``TRL_REFERENCE_S``) instead.
 One process, one torch thread (``--threads``), the CPU clock: on a machine shared with other jobs wall
 time mostly measures the scheduler (see bench_rollout.py).
 
+``--floor`` adds a second table, our step at its arithmetic floor: for each phase, the bare calls it
+consists of on the same models and shapes, called directly with no trainer around them (plain
+``transformers`` models, no FSDP; the ``--num-prompts`` prompts left-padded into one batch, responses of
+``--response-len`` tokens): ``gen`` one ``generate``; ``old_log_prob`` and ``ref`` a forward and the
+log-softmax gather of the response tokens; ``values`` the critic's forward; ``reward`` the reward model's;
+``adv`` the k1 KL and GAE (``ppo.algorithms``); ``update_actor`` and ``update_critic`` ``--epochs`` x 2
+mini-batches of forward, backward and an AdamW step. Columns: ``phase``, ``trainer_s`` (the trainer's
+median wall seconds, as above), ``floor_s`` (median wall seconds of ``--floor-reps`` repeats, after one
+warm-up), ``gap_s`` and ``gap_pct`` (the trainer's time above the floor, in % of the trainer's): where
+the rest of the step goes. The floor's padded batch holds a few % more tokens than the trainer's packed
+rows (prompt padding), so a small negative gap is possible.
+
 Run:
     .venv/bin/python scripts/bench_overhead.py                       # ours only (TRL not installed)
     pip install --no-deps --target /tmp/trl trl==1.12.0              # TRL beside, not into, the venv
     .venv/bin/python scripts/bench_overhead.py --trl-path /tmp/trl   # TRL side by side
+    .venv/bin/python scripts/bench_overhead.py --trl no --floor      # ours against the bare calls
 """
 
 from __future__ import annotations
@@ -90,6 +103,20 @@ class OverheadRow:
     update_actor_s: float | None = None
     vs_trl: float | None = None
     """trl_gc_frozen's step_cpu_s / this row's (the target for ours: >= 1.5)."""
+
+
+@dataclasses.dataclass
+class FloorRow:
+    """One phase of our step against the bare calls it consists of."""
+
+    phase: str
+    trainer_s: float | None
+    """The trainer's median wall seconds (``timing_s/<phase>``)."""
+    floor_s: float
+    """Median wall seconds of the phase's bare calls (same models and shapes, no trainer)."""
+    gap_s: float | None
+    gap_pct: float | None
+    """``(trainer_s - floor_s) / trainer_s``, in %."""
 
 
 def write_assets(folder: Path, args: argparse.Namespace) -> dict[str, Path]:
@@ -279,9 +306,137 @@ def run_trl(
     return [b[0] - a[0] for a, b in kept], [b[1] - a[1] for a, b in kept]
 
 
-def run_overhead(args: argparse.Namespace) -> tuple[list[OverheadRow], str | None]:
-    """Ours, then TRL as shipped and with gc frozen, ``--rounds`` times; rows and TRL's version (or
-    why it did not run). ``train_ppo.main`` joins and leaves the process group itself."""
+def floor_calls(args: argparse.Namespace, paths: dict[str, Path]) -> dict[str, Any]:
+    """Each phase of our step as the bare calls it consists of (the module docstring's ``--floor``), as
+    closures over one shared state; the responses of ``gen`` feed the phases after it."""
+    from transformers import AutoTokenizer
+
+    from ppo import data, models
+    from ppo.algorithms import compute_gae, kl_penalty
+
+    tokenizer = AutoTokenizer.from_pretrained(paths["policy"])
+    records = data.load_prompts(paths["prompts"], tokenizer, max_prompt_length=32, require_ground_truth=False)
+    prompts = [r.input_ids for r in records[: args.num_prompts]]
+    width = max(map(len, prompts))
+    pad = tokenizer.pad_token_id
+    prompt_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    prompt_mask = prompt_ids != pad
+    torch.manual_seed(args.seed)
+    actor = AutoModelForCausalLM.from_pretrained(paths["policy"]).train()
+    ref = AutoModelForCausalLM.from_pretrained(paths["policy"]).requires_grad_(False).eval()
+    critic = models.load_critic(
+        str(paths["policy"]), attn_implementation="sdpa", config_key="model.path"
+    ).train()
+    reward = AutoModelForSequenceClassification.from_pretrained(paths["reward"], num_labels=1).eval()
+    optimizers = {
+        "actor": torch.optim.AdamW(actor.parameters(), lr=1e-6),
+        "critic": torch.optim.AdamW(critic.parameters(), lr=1e-6),
+    }
+    length = args.response_len
+    state: dict[str, torch.Tensor] = {}
+
+    def gen() -> None:
+        with torch.no_grad():
+            state["ids"] = actor.generate(
+                input_ids=prompt_ids,
+                attention_mask=prompt_mask,
+                max_new_tokens=length,
+                min_new_tokens=length,
+                do_sample=True,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=pad,
+            )
+        state["mask"] = torch.cat([prompt_mask, torch.ones(len(prompts), length, dtype=torch.bool)], dim=1)
+
+    def logprobs(model: torch.nn.Module, rows: slice = slice(None)) -> torch.Tensor:
+        ids, mask = state["ids"][rows], state["mask"][rows]
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, -length - 1 : -1].float()
+        return logits.log_softmax(-1).gather(-1, ids[:, -length:, None]).squeeze(-1)
+
+    def values(rows: slice = slice(None)) -> torch.Tensor:
+        out = critic(input_ids=state["ids"][rows], attention_mask=state["mask"][rows]).logits
+        return out[:, -length - 1 : -1, 0]
+
+    def no_grad(fn: Any) -> Any:
+        def call() -> None:
+            with torch.no_grad():
+                fn()
+
+        return call
+
+    def adv() -> None:
+        rewards = -kl_penalty(state["old"], state["ref"], "kl")
+        rewards[:, -1] += state["score"]
+        response_mask = torch.ones_like(rewards, dtype=torch.bool)
+        compute_gae(rewards, state["values"], response_mask, gamma=1.0, lam=1.0)
+
+    def update(name: str, loss_of: Any) -> None:
+        half = len(prompts) // NUM_MINI_BATCHES
+        for _ in range(args.epochs):
+            for m in range(NUM_MINI_BATCHES):
+                loss_of(slice(m * half, (m + 1) * half)).mean().backward()
+                optimizers[name].step()
+                optimizers[name].zero_grad(set_to_none=True)
+
+    return {
+        "gen": gen,
+        "old_log_prob": no_grad(lambda: state.__setitem__("old", logprobs(actor))),
+        "ref": no_grad(lambda: state.__setitem__("ref", logprobs(ref))),
+        "values": no_grad(lambda: state.__setitem__("values", values())),
+        "reward": no_grad(
+            lambda: state.__setitem__(
+                "score", reward(input_ids=state["ids"], attention_mask=state["mask"]).logits[:, 0]
+            )
+        ),
+        "adv": no_grad(adv),
+        "update_critic": lambda: update("critic", lambda rows: values(rows).square()),
+        "update_actor": lambda: update("actor", lambda rows: -logprobs(actor, rows)),
+    }
+
+
+def floor_times(args: argparse.Namespace, paths: dict[str, Path]) -> dict[str, float]:
+    """The median wall seconds of each phase's bare calls: ``--floor-reps`` repeats of the whole
+    sequence, after one not counted."""
+    calls = floor_calls(args, paths)
+    times: dict[str, list[float]] = {p: [] for p in calls}
+    for rep in range(args.floor_reps + 1):
+        for phase, call in calls.items():  # in step order: each phase reads what the ones before wrote
+            start = time.perf_counter()
+            call()
+            if rep:
+                times[phase].append(time.perf_counter() - start)
+    return {p: statistics.median(t) for p, t in times.items()}
+
+
+def floor_rows(ours: OverheadRow, floor: dict[str, float]) -> list[FloorRow]:
+    """Each phase's trainer time (from ``ours``) next to its floor, and their sum."""
+    rows = []
+    for phase in OUR_PHASES:
+        floor_s = floor[phase]
+        trainer = getattr(ours, f"{phase}_s")
+        gap = None if trainer is None else trainer - floor_s
+        pct = None if gap is None or trainer == 0 else 100 * gap / trainer
+        rows.append(FloorRow(phase=phase, trainer_s=trainer, floor_s=floor_s, gap_s=gap, gap_pct=pct))
+    total_trainer = sum(r.trainer_s or 0.0 for r in rows)
+    total_floor = sum(r.floor_s for r in rows)
+    gap = total_trainer - total_floor
+    rows.append(
+        FloorRow(
+            phase="sum",
+            trainer_s=total_trainer,
+            floor_s=total_floor,
+            gap_s=gap,
+            gap_pct=100 * gap / total_trainer if total_trainer else None,
+        )
+    )
+    return rows
+
+
+def run_overhead(args: argparse.Namespace) -> tuple[list[OverheadRow], str | None, list[FloorRow]]:
+    """Ours, then TRL as shipped and with gc frozen, ``--rounds`` times; rows, TRL's version (or why it
+    did not run), and with ``--floor`` our phases against their bare calls (else an empty list).
+    ``train_ppo.main`` joins and leaves the process group itself."""
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
         raise SystemExit("bench_overhead.py measures one process; start it without torchrun")
     trl_ppo, trl_note = import_trl(args)
@@ -303,6 +458,7 @@ def run_overhead(args: argparse.Namespace) -> tuple[list[OverheadRow], str | Non
                 c, w = run_trl(trl_ppo, args, paths, folder / f"{name}_{r}", freeze_gc=freeze)
                 cpu.setdefault(name, []).extend(c)
                 wall.setdefault(name, []).extend(w)
+        floor = floor_times(args, paths) if args.floor else None
     rows = []
     for name in cpu:
         row = OverheadRow(
@@ -320,7 +476,7 @@ def run_overhead(args: argparse.Namespace) -> tuple[list[OverheadRow], str | Non
     trl = next((r for r in rows if r.trainer == "trl_gc_frozen"), None)
     for row in rows:
         row.vs_trl = trl.step_cpu_s / row.step_cpu_s if trl is not None else None
-    return rows, trl_note
+    return rows, trl_note, floor_rows(rows[0], floor) if floor is not None else []
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -336,18 +492,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="alternating runs of each trainer")
     parser.add_argument("--trl", default="auto", choices=["auto", "yes", "no"], help="run TRL beside ours")
     parser.add_argument("--trl-path", default=None, help="a folder holding TRL (pip install --target)")
+    parser.add_argument("--floor", action="store_true", help="our phases against their bare calls")
+    parser.add_argument("--floor-reps", type=int, default=5, help="counted repeats of the bare calls")
     add_common_args(parser)
     args = parser.parse_args(argv)
-    if args.num_prompts % NUM_MINI_BATCHES or args.steps < 3 or args.rounds < 1:
-        parser.error(f"need --num-prompts a multiple of {NUM_MINI_BATCHES}, --steps >= 3, --rounds >= 1")
+    if args.num_prompts % NUM_MINI_BATCHES or args.steps < 3 or args.rounds < 1 or args.floor_reps < 1:
+        parser.error(
+            f"need --num-prompts a multiple of {NUM_MINI_BATCHES}, --steps >= 3, --rounds >= 1, --floor-reps >= 1"
+        )
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     set_threads(args.threads)
-    rows, trl_note = run_overhead(args)
+    rows, trl_note, floor = run_overhead(args)
     print_rows(rows, args.json)
+    if floor:
+        if not args.json:
+            print("\nour phases at their floor (bare calls, same shapes; wall seconds):")
+        print_rows(floor, args.json)
     if not args.json:
         ours = rows[0]
         trl = next((r for r in rows if r.trainer == "trl_gc_frozen"), None)

@@ -33,7 +33,8 @@ one sequence), ``tokens_per_s`` (all ranks), ``mem_gib``
 (the trainer's own ``perf/max_memory_gib``, maxed over ranks: on CPU the process's peak resident set
 (``ru_maxrss``, a baseline of the interpreter, torch and the models included), on CUDA the peak of
 ``torch.cuda.max_memory_allocated``). ``--json`` writes one object per point with every ``timing_s/*``
-phase, and one per fit.
+phase, the mean response length (``response_tokens``: the point's response budget when the work is
+exact), and one object per fit.
 
 Exponents: per series and phase group, ``time = c * work^k`` fitted by least squares on log-log
 (``fit_exponent``). How to read them:
@@ -313,8 +314,7 @@ def summarize(point: Point, metrics: list[dict], warmup: int) -> dict[str, Any]:
     tokens = statistics.median(m["perf/total_num_tokens"] for m in counted)
     groups = {g: sum(med.get(p, 0.0) for p in names) for g, names in PHASE_GROUPS.items()}
     step = med["step"]
-    dp = point.nproc // point.sp
-    tokens_per_rank = tokens / dp
+    tokens_per_rank = tokens / point.nproc  # SP: each rank of a group holds 1/sp of every sequence
     return {
         "series": point.series,
         "x": point.x,
@@ -328,6 +328,8 @@ def summarize(point: Point, metrics: list[dict], warmup: int) -> dict[str, Any]:
         "gen_ms_per_token": 1000 * groups["gen"] / point.response_len,
         "tokens_per_s": tokens / step,
         "mem_gib": max(m["perf/max_memory_gib"] for m in counted),
+        # The mean response length, to check that the point did the work it set (ignore_eos, exact turns).
+        "response_tokens": statistics.median(m["response_length/mean"] for m in counted),
         "steps": len(counted),
         "point": dataclasses.asdict(point),
         "timing_s": med,

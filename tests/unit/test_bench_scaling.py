@@ -106,6 +106,7 @@ def metrics_line(step: int, gen: float, scale: float = 1.0) -> dict[str, float]:
         "timing_s/reward": 0.25 * scale,
         "perf/total_num_tokens": 400.0,
         "perf/max_memory_gib": 0.5 + step,
+        "response_length/mean": 40.0,
     }
 
 
@@ -119,9 +120,9 @@ def test_summarize_takes_medians_after_the_warm_up() -> None:
     assert row["gen_ms_per_token"] == 1000 * 3.0 / 40
     assert row["tokens_per_s"] == 40.0 and row["tokens"] == 400.0
     assert row["work"] == 2.0  # the ranks axis is fitted against the number of ranks
-    assert row["mem_gib"] == 4.5 and row["steps"] == 3
-    # On the other axes the work is tokens per data-parallel rank (SP: both ranks hold the same rows).
-    assert bench_scaling.summarize(Point("sp", 8, 2, nproc=2, sp=2), lines, 1)["work"] == 400.0
+    assert row["mem_gib"] == 4.5 and row["steps"] == 3 and row["response_tokens"] == 40.0
+    # On the other axes the work is tokens per rank (SP: each of the 2 ranks holds half of every sequence).
+    assert bench_scaling.summarize(Point("sp", 8, 2, nproc=2, sp=2), lines, 1)["work"] == 200.0
     assert bench_scaling.summarize(Point("batch", 8, 8), lines, 1)["work"] == 400.0
     with pytest.raises(ValueError, match="no step after"):
         bench_scaling.summarize(point, lines[:1], warmup=1)
