@@ -54,8 +54,9 @@ Exponents: per series and phase group, ``time = c * work^k`` fitted by least squ
   the slope of a straight-line fit (MiB per 1000 tokens per rank), which is what grows with the tokens
   of a micro-batch (activations, logits).
 
-The default run (all axes) takes about 8 minutes on 2 quiet CPU cores; ``--quick`` is a seconds-long
-smoke run of tiny points.
+The default run (all axes, 18 trainer runs of 3 steps: a few seconds of start-up each, the longest
+point 1024 decoding steps) takes about 4 minutes on 2 quiet CPU cores; ``--quick`` is a smoke run of
+tiny points (seconds of work per point, mostly start-up).
 
 Run:
     .venv/bin/python scripts/bench_scaling.py --png outputs/scaling.png           # table + figure
