@@ -497,6 +497,35 @@ VERL_KEYS: dict[str, VerlKey] = {
     "reward.sandbox_fusion.*": _ignored("used only with reward_model.sandbox_fusion.url"),
     "reward.strategy": _refused(STRATEGY, ("fsdp", "fsdp2")),
     "reward.profiler.*": _ignored(PROFILER),
+    # verl's PRIME recipe (recipe/prime): its implicit PRM is reward.prime here (algorithm.adv_estimator=prime).
+    "reward.model.beta_train": renamed_to("reward.prime.beta_train"),
+    "reward.model.update": renamed_to("reward.prime.update"),
+    "reward.model.loss_type": renamed_to("reward.prime.loss_type"),
+    "reward.model.ref_type": _refused("the PRM's reference is the run's frozen reference model", ("freeze",)),
+    "reward.model.ref_path": _ignored(
+        "the PRM and its reference are the run's reference model (ref.model_path, else model.path)"
+    ),
+    "reward.model.optim.grad_clip": renamed_to("reward.prime.grad_clip"),
+    **{
+        f"reward.model.optim.{k}": renamed_to(f"reward.prime.optim.{k}")
+        for k in ("lr", "weight_decay", "betas", "lr_warmup_steps", "lr_warmup_steps_ratio", "min_lr_ratio")
+    },
+    "reward.model.optim.warmup_style": renamed_to("reward.prime.optim.lr_scheduler"),
+    "reward.model.optim.lr_scheduler_type": renamed_to("reward.prime.optim.lr_scheduler"),
+    "reward.model.optim.total_training_steps": _ignored(
+        "verl fills it in from the run's length; here the schedule follows trainer.total_training_steps"
+    ),
+    "reward.prime_norm": renamed_to("reward.prime.prime_norm"),
+    "reward.prime_granularity": _refused("the PRM rewards every response token here", ("token",)),
+    "reward.lambda": _refused("the PRM's token rewards are used as they are here (lambda 0)", (0, 0.0)),
+    "reward.prime_use_gt": _ignored("used only with reward_model.lambda > 0"),
+    "reward.mini_batch_size": renamed_to("reward.prime.mini_batch_size"),
+    "data.oversample_factor": _refused(
+        "the accuracy filter samples data.gen_batch_size prompts a step here: set data.gen_batch_size to "
+        "oversample_factor * data.train_batch_size",
+        (1, 1.0),
+    ),
+    "data.filter_truncate": _ignored("the accuracy filter here filters by accuracy only", (False,)),
     # verl 0.9.1's reward model block (reward.reward_model, here reward.model after VERL_SECTIONS).
     "reward.model.enable": renamed_to("reward.style", {True: "model"}, harmless=(False, None)),
     "reward.model.model_path": renamed_to("reward.model_path"),

@@ -224,3 +224,34 @@ def test_prime_keys() -> None:
         load_config(None, ["algorithm.adv_estimator=prime", "algorithm.use_kl_in_reward=true"])
     with pytest.raises(ConfigError, match="multiple of data.train_batch_size"):
         load_config(None, ["data.filter_accuracy=true", "data.gen_batch_size=40"])
+
+
+def test_the_recipes_keys_translate() -> None:
+    """verl's PRIME recipe keys (reward_model.*, data.*) land on ours or are refused with a reason."""
+    cfg = load_config(
+        None,
+        [
+            "algorithm.adv_estimator=prime",
+            "reward_model.model.beta_train=0.1",
+            "reward_model.model.update=after",
+            "reward_model.model.optim.lr=2e-6",
+            "reward_model.model.optim.grad_clip=5.0",
+            "reward_model.prime_norm=none",
+            "reward_model.prime_granularity=token",
+            "reward_model.mini_batch_size=8",
+            "data.oversample_factor=1",
+        ],
+    )
+    p = cfg.reward.prime
+    assert (p.beta_train, p.update, p.optim.lr, p.grad_clip, p.prime_norm) == (
+        0.1,
+        "after",
+        2e-6,
+        5.0,
+        "none",
+    )
+    assert p.mini_batch_size == 8
+    with pytest.raises(ConfigError, match="gen_batch_size"):
+        load_config(None, ["data.oversample_factor=4"])
+    with pytest.raises(ConfigError, match="every response token"):
+        load_config(None, ["reward_model.prime_granularity=whole"])
