@@ -254,7 +254,7 @@ def score(cfg: PPOConfig, run: Run, batch: Batch, timer: Timer, stop: runner.Sto
 
 def score_responses(cfg: PPOConfig, run: Run, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
     """``[B]`` the reward's score of each response (``rewards.batch_scores``), before any shaping, and
-    the rule's metrics (``reward/extra/*``; with ``reward.num_workers``, ``reward/{timeouts,errors}``)."""
+    the rule's metrics (``reward/extra/*``; with ``reward.pool_workers``, ``reward/{timeouts,errors}``)."""
     return rewards.batch_scores(
         batch,
         cfg.reward,

@@ -72,7 +72,7 @@ class Run:
     reward_model: torch.nn.Module | None
     scorer: rewards.RuleScorer
     reward_pool: RewardPool | None
-    """The rule reward's worker processes (``reward.num_workers > 0``); None scores in this process."""
+    """The rule reward's worker processes (``reward.pool_workers > 0``); None scores in this process."""
     kl_ctrl: KLController
     checkpointer: Checkpointer
     state: TrainerState
@@ -175,17 +175,17 @@ def check_machine(cfg: PPOConfig, device: torch.device) -> None:
 
 
 def make_reward_pool(cfg: PPOConfig) -> RewardPool | None:
-    """Worker processes for the rule reward (training and validation) with ``reward.num_workers > 0``,
+    """Worker processes for the rule reward (training and validation) with ``reward.pool_workers > 0``,
     else None."""
     r = cfg.reward
-    if r.num_workers == 0:
+    if r.pool_workers == 0:
         return None
     return RewardPool(
         functools.partial(rewards.make_rule_scorer, r.custom_function, r.format_score, r.reward_kwargs),
         name=f"reward.custom_function={r.custom_function!r}"
         if r.custom_function
         else "the built-in rule reward",
-        num_workers=r.num_workers,
+        num_workers=r.pool_workers,
         timeout_s=r.timeout_s,
         error_score=r.error_score,
     )

@@ -1,7 +1,7 @@
 """Rule rewards in worker processes with a time limit: a user's reward function that hangs, crashes or
 returns something that is not a number can no longer stall or stop a multi-node job.
 
-With ``reward.num_workers > 0`` each rank scores its responses in that many worker processes, one call
+With ``reward.pool_workers > 0`` each rank scores its responses in that many worker processes, one call
 at a time each; a call that runs longer than ``reward.timeout_s`` (its worker is killed and replaced),
 raises, or returns a non-number is a failure: ``rewards.rule_scores`` scores it ``reward.error_score``,
 counts it (``reward/timeouts``, ``reward/errors``) and stops the run only when every response of a call on
@@ -14,7 +14,7 @@ every rank failed; the first failing row is logged once::
 
 Workers start with the ``spawn`` method (a clean interpreter: no copy of the trainer's threads, process
 group or CUDA state) and build the scorer once (``make_scorer``, a picklable function of no arguments).
-``reward.num_workers=0`` (the default) scores in the trainer's own process, where a failing function stops
+``reward.pool_workers=0`` (the default) scores in the trainer's own process, where a failing function stops
 the run at once.
 """
 

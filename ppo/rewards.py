@@ -9,13 +9,13 @@ A scorer takes verl's ``(data_source, solution_str, ground_truth, extra_info)`` 
 The built-in scorer handles GSM8K-style answers (``#### <number>`` at the end), which the synthetic
 task of ``scripts/make_tiny_assets.py`` (``data_source="synthetic/arith"``) also uses. A user's scorer
 is given as ``reward.custom_function=module.path:function`` or ``path/to/file.py:function`` (``:function``
-left out: ``compute_score``) and called by keyword, as verl calls it. With ``reward.num_workers`` the batch
+left out: ``compute_score``) and called by keyword, as verl calls it. With ``reward.pool_workers`` the batch
 is scored in worker processes with a time limit (``ppo.reward_pool``); without, ``reward.timeout_s`` holds
 in the trainer's process too (``make_rule_scorer(..., timeout_s=)``): a call past it stops the run. In
 the trainer's process a function that raises or calls ``sys.exit()`` stops every rank with one line
 naming it, the rank and the prompt's row; ``os._exit()`` (or a crash of the interpreter) cannot be
 caught there and ends the rank: a function that may do that belongs in workers
-(``reward.num_workers > 0``), where it is a counted error.
+(``reward.pool_workers > 0``), where it is a counted error.
 
 Learned reward models (``reward.style=model``) are scored by ``reward_model_scores``; ranking
 (``reward.style=ranking``) turns the rule's or the model's scores of a group into competition ranks
@@ -227,7 +227,7 @@ def make_rule_scorer(
     ``format_score`` applies to the built-in scorer only. ``timeout_s`` (the trainer's process, where
     ``reward.timeout_s`` would otherwise do nothing): a call of the custom function that runs longer is
     interrupted (SIGALRM, main thread only) and is a RewardError; code that hangs in C holding the GIL
-    cannot be interrupted there, only in workers (``reward.num_workers``).
+    cannot be interrupted there, only in workers (``reward.pool_workers``).
     """
     if custom_function is None:
         builtin = functools.partial(default_compute_score, format_score=format_score)
@@ -255,7 +255,7 @@ def make_rule_scorer(
             raise RewardError(
                 f"{name} ran longer than reward.timeout_s={timeout_s} (data_source={data_source!r}, response "
                 f"{solution_str[:60]!r}); to score such calls reward.error_score and train on, set "
-                "reward.num_workers=1 or more"
+                "reward.pool_workers=1 or more"
             ) from None
         except KeyboardInterrupt:  # Ctrl-C while scoring: the trainer's own stop, not the function's
             raise
@@ -311,7 +311,7 @@ class TRLScorer:
     "content": text}]`` where the prompt is chat messages (TRL's conversational format); every other
     column of the file comes as a list (``ground_truth`` also from ``reward_model.ground_truth``). A
     function without ``**kwargs`` gets only the lists it names. ``reward.timeout_s`` holds for the whole
-    call. Called in the trainer's process only: with ``reward.num_workers`` it stops at start-up."""
+    call. Called in the trainer's process only: with ``reward.pool_workers`` it stops at start-up."""
 
     def __init__(
         self, fn: Callable[..., Any], name: str, kwargs: dict[str, Any], timeout_s: float | None
@@ -327,7 +327,7 @@ class TRLScorer:
         """A single row without its prompt: what reward workers do; a batched function cannot run there."""
         raise RewardError(
             f"{self.name} is a TRL-style batched function (prompts, completions): it runs in the trainer's "
-            "process; set reward.num_workers=0"
+            "process; set reward.pool_workers=0"
         )
 
     def score_batch(self, records: Sequence[PromptRecord], texts: Sequence[str]) -> list[Score]:

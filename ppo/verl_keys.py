@@ -117,7 +117,7 @@ OVERLONG_LOGGED = (
 STRATEGY = "this trainer shards with FSDP2 (fully_shard per decoder layer)"
 REWARD_WORKERS = (
     "verl's reward workers (Ray actors, and their GPUs); here each rank scores its own responses (a "
-    "reward model is sharded over every rank), and reward.num_workers starts a per-rank process pool "
+    "reward model is sharded over every rank), and reward.pool_workers starts a per-rank process pool "
     "for the rule reward"
 )
 DTYPES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -537,8 +537,8 @@ VERL_KEYS: dict[str, VerlKey] = {
         "the reward model's inference engine in verl; here the reward model scores by a forward pass on "
         "the training ranks"
     ),
-    # verl's reward workers are Ray actors; the rule reward's per-rank process pool is reward.num_workers.
-    "reward.num_workers": _ignored(REWARD_WORKERS),
+    # reward.num_workers (verl's Ray reward workers, 0.6.0's reward_model.num_workers) is ours with verl's
+    # meaning: it starts nothing; the rule reward's per-rank process pool is reward.pool_workers.
     "reward.reward_loop_module_path": _refused("verl's reward loops do not exist here"),
     "reward.reward_loop_class_name": _refused("verl's reward loops do not exist here"),
     **{
@@ -722,15 +722,15 @@ VERL_NULL_IS_DEFAULT = frozenset(
         "critic.ppo_micro_batch_size_per_gpu",
         "reward.micro_batch_size_per_gpu",
         "data.val_batch_size",
-        "reward.num_workers",
     }
 )
 """Keys verl shares with us whose verl default is null ("derived", or "all at once"), where ours is a
 number: null takes our default."""
 
-VERL_HOMONYMS = frozenset({"reward.num_workers"})
-"""Our keys that verl's older spelling means otherwise: their row applies to that spelling alone
-(``reward_model.num_workers`` counts verl's reward workers; ``reward.num_workers`` is our per-rank pool)."""
+VERL_HOMONYMS: frozenset[str] = frozenset()
+"""Our keys that verl's older spelling means otherwise: their row applies to that spelling alone. None
+now: ``reward.num_workers``, which was our per-rank pool, means verl's reward workers as
+``reward_model.num_workers`` does (the pool is ``reward.pool_workers``)."""
 
 VERL_VALUES: dict[str, dict[Any, Any]] = {"algorithm.filter_groups.metric": {"reward": "seq_reward"}}
 """Values of keys verl shares with us that only verl spells that way, in either spelling of the key

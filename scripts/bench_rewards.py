@@ -1,4 +1,4 @@
-"""Benchmark what scoring rule rewards in worker processes costs (``reward.num_workers``,
+"""Benchmark what scoring rule rewards in worker processes costs (``reward.pool_workers``,
 ``reward.timeout_s``) against scoring in the trainer's process, per 1000 responses.
 
 The responses are worked answers of the synthetic task (``scripts/make_tiny_assets.py``), scored by the

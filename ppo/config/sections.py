@@ -462,14 +462,18 @@ class RewardConfig:
     the others; ``linear`` scores ``1 - rank / (k - 1)`` for rank 0 (best) to k - 1."""
     micro_batch_size_per_gpu: int = 16
     """Sequences per reward-model forward on one rank."""
-    num_workers: int = 0
+    pool_workers: int = 0
     """Score the rule reward in this many worker processes per rank, each call limited to ``timeout_s``
-    (0: in the trainer's own process, where a failing function stops the run at once)."""
+    (0: in the trainer's own process, where a failing function stops the run at once). This key was
+    ``reward.num_workers``, which is verl's count of Ray reward workers."""
+    num_workers: int | None = None
+    """verl 0.9.1's number of Ray reward workers (its default 8): accepted, starts nothing here, where
+    each rank scores its own responses; the rule reward's per-rank process pool is ``pool_workers``."""
     timeout_s: float = 60.0
-    """With ``num_workers > 0``: a call that runs longer is abandoned (its worker replaced) and scored
+    """With ``pool_workers > 0``: a call that runs longer is abandoned (its worker replaced) and scored
     ``error_score``, counted in ``reward/timeouts``."""
     error_score: float = 0.0
-    """With ``num_workers > 0``: the score of a response whose call timed out, raised or returned no
+    """With ``pool_workers > 0``: the score of a response whose call timed out, raised or returned no
     number (``reward/timeouts``, ``reward/errors``); a step whose every call failed stops the run."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     """DAPO's length penalty near ``data.max_response_length``, added to every score."""
@@ -481,7 +485,7 @@ class RewardConfig:
 
     def __post_init__(self) -> None:
         _require(self, "> 0", "micro_batch_size_per_gpu", "timeout_s")
-        _require(self, ">= 0", "num_workers")
+        _require(self, ">= 0", "pool_workers", "num_workers")
 
 
 @dataclass(kw_only=True)

@@ -37,7 +37,7 @@ def test_sys_exit_in_a_reward_function_on_one_of_two_ranks(tiny_assets: Path, tm
 def test_reward_timeout_holds_without_workers(
     tiny_assets: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """reward.timeout_s=2 with reward.num_workers=0 and a function that hangs: the run stops after about
+    """reward.timeout_s=2 with reward.pool_workers=0 and a function that hangs: the run stops after about
     2 s of scoring, naming the key to set (it waited for ever)."""
     args = base_args(tiny_assets, tmp_path / "run", steps=1) + [
         "trainer.val_before_train=false",
@@ -50,7 +50,7 @@ def test_reward_timeout_holds_without_workers(
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1, errors
     assert f"reward.custom_function='{REWARD_FNS}:hangs' ran longer than reward.timeout_s=2.0" in errors[0]
-    assert "set reward.num_workers=1 or more; prompt row " in errors[0]
+    assert "set reward.pool_workers=1 or more; prompt row " in errors[0]
 
 
 def test_sys_exit_in_an_environment_step_is_one_line(

@@ -593,6 +593,7 @@ RANGE_CASES = [
         "algorithm.filter_groups.max_num_gen_batches=-1",
         "algorithm.filter_groups.max_num_gen_batches",
     ),
+    (PPOConfig, "reward.pool_workers=-1", "reward.pool_workers"),
     (PPOConfig, "reward.num_workers=-1", "reward.num_workers"),
     (PPOConfig, "trainer.log_val_generations=-1", "trainer.log_val_generations"),
     (PPOConfig, "reward.timeout_s=0", "reward.timeout_s"),

@@ -1,4 +1,4 @@
-"""Rule rewards in worker processes (``reward.num_workers``): a function that hangs, raises, returns text
+"""Rule rewards in worker processes (``reward.pool_workers``): a function that hangs, raises, returns text
 or kills its process scores ``reward.error_score`` and is counted; the run goes on, on every rank, and
 stops only when every response failed."""
 
@@ -95,14 +95,14 @@ def test_a_worker_that_dies_is_replaced(tmp_path: Path, monkeypatch: pytest.Monk
 def test_a_reward_function_that_fails_on_one_of_two_ranks(
     tiny_assets: Path, tmp_path: Path, how: str
 ) -> None:
-    """Rank 1's first reward call hangs (or kills its worker): with reward.num_workers=1 both ranks finish
+    """Rank 1's first reward call hangs (or kills its worker): with reward.pool_workers=1 both ranks finish
     every step together, the response scores 0 and step 1 counts it; the warning names the row once."""
     out = tmp_path / "run"
     args = base_args(tiny_assets, out, steps=2) + [
         "trainer.val_before_train=false",
         "algorithm.adv_estimator=grpo",
         f"reward.custom_function={REWARD_FNS}:fails_once",
-        "reward.num_workers=1",
+        "reward.pool_workers=1",
         f"reward.timeout_s={TIMEOUT_S}",
         "trainer.dist_timeout_s=60",
     ]

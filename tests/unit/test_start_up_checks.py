@@ -63,13 +63,13 @@ def test_reward_function_keys_without_a_function_warn() -> None:
     (msg,) = warnings("reward.timeout_s=5")
     assert msg.endswith("reward.timeout_s=5.0 is ignored")
     # reward_kwargs go to a custom function only, even with workers scoring the built-in rule.
-    (msg,) = warnings("reward.num_workers=2", "reward.reward_kwargs={scale: 2}", "reward.timeout_s=5")
+    (msg,) = warnings("reward.pool_workers=2", "reward.reward_kwargs={scale: 2}", "reward.timeout_s=5")
     assert msg.endswith("reward.reward_kwargs={'scale': 2} is ignored")
     # Used as set: no warning.
     assert (
         warnings(f"reward.custom_function={REWARD_FNS}:digit_score", "reward.reward_kwargs={scale: 2}") == []
     )
-    assert warnings("reward.num_workers=2", "reward.timeout_s=5", "reward.error_score=-1") == []
+    assert warnings("reward.pool_workers=2", "reward.timeout_s=5", "reward.error_score=-1") == []
 
 
 @pytest.mark.parametrize("loss", ["dpo", "ipo", "simpo", "kto"])

@@ -148,5 +148,5 @@ def test_trl_function_returning_none_is_one_clear_error(tmp_path: Path) -> None:
         rewards.RewardError, match=r"returned \[None, None\] for 2 completions; expected a list of 2"
     ):
         rewards.rule_scores(scorer, [_record("a", "1")] * 2, ["x", "y"])
-    with pytest.raises(rewards.RewardError, match="set reward.num_workers=0"):
+    with pytest.raises(rewards.RewardError, match="set reward.pool_workers=0"):
         scorer("trl", "x", "1", {})

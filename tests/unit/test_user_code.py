@@ -193,7 +193,7 @@ def test_an_in_process_reward_call_past_its_timeout_stops_with_one_line() -> Non
         rule_scores(scorer, rows(2), ["12", "x7"])
     assert str(e.value) == (
         f"reward.custom_function={spec!r} ran longer than reward.timeout_s=0.5 (data_source='d', response "
-        "'x7'); to score such calls reward.error_score and train on, set reward.num_workers=1 or more; "
+        "'x7'); to score such calls reward.error_score and train on, set reward.pool_workers=1 or more; "
         "prompt row 41"
     )
     # the limit is per call and is lifted after it: a later call and a later sleep are not cut short

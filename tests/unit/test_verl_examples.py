@@ -89,7 +89,7 @@ def test_a_verl_example_is_taken_with_paths_and_sizes_appended(
     )
     if "actor_rollout_ref.rollout.name=vllm" in EXAMPLES[name]:
         assert "warning: actor_rollout_ref.rollout.name='vllm' (from the command line) is ignored" in err
-    assert cfg["reward"]["num_workers"] == 0  # verl's reward workers start no process pool here
+    assert cfg["reward"]["pool_workers"] == 0  # verl's reward workers start no process pool here
     assert cfg["trainer"]["logger"] == ["console", "wandb"] and cfg["trainer"]["tensorboard"] is True
 
 
