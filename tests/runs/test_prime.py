@@ -145,3 +145,20 @@ def test_the_accuracy_filter_keeps_a_batch(tiny_assets: Path, tmp_path: Path) ->
     assert rows[0]["prime/filter_keep_rate"] == 1.0
     assert 0.0 <= rows[0]["prime/acc"] <= 1.0
     assert rows[0]["reward_model/num_updates"] == 2.0
+
+
+def test_prime_with_lora_trains_the_prms_adapters(tiny_assets: Path, tmp_path: Path) -> None:
+    """Under the actor's LoRA the PRM gets adapters too, and the reference is the actor without its
+    adapters: the PRM's log-ratio starts at exactly 0 (its adapters' B matrices start at 0)."""
+    rows = train(
+        tiny_assets,
+        tmp_path / "run",
+        *PRIME,
+        "actor.lora.rank=4",
+        "reward.prime.update=after",
+        "reward.prime.mini_batch_size=4",
+        steps=2,
+    )
+    assert rows[0]["reward_model/raw_reward"] == 0.0  # one mini-batch: step 1 scores with the untrained PRM
+    assert rows[1]["reward_model/raw_reward"] != 0.0
+    assert rows[1]["reward_model/grad_norm"] > 0
