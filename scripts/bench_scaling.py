@@ -33,8 +33,9 @@ one sequence), ``tokens_per_s`` (all ranks), ``mem_gib``
 (the trainer's own ``perf/max_memory_gib``, maxed over ranks: on CPU the process's peak resident set
 (``ru_maxrss``, a baseline of the interpreter, torch and the models included), on CUDA the peak of
 ``torch.cuda.max_memory_allocated``). ``--json`` writes one object per point with every ``timing_s/*``
-phase, the mean response length (``response_tokens``: the point's response budget when the work is
-exact), and one object per fit.
+phase, the mean response length (``response_tokens``, the trainer's ``response_length/mean``: the
+policy's tokens, so the point's response budget, or ``TURN_TOKENS`` per turn on ``turns``: a check that
+the work is exact), and one object per fit.
 
 Exponents: per series and phase group, ``time = c * work^k`` fitted by least squares on log-log
 (``fit_exponent``). How to read them:

@@ -41,10 +41,11 @@ def test_quick_batch_axis(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
 
 @pytest.mark.slow
 def test_quick_turns_axis_has_exact_turns(capsys: pytest.CaptureFixture[str]) -> None:
-    """The rigged policy writes 8 forced characters per turn, the environment answers with 8, so a
-    trajectory of t turns is exactly 16 t tokens."""
+    """The rigged policy writes 8 forced characters per turn (the stop string), so a trajectory of t
+    turns has exactly 8 t generated tokens (the trainer's response length counts the policy's tokens,
+    not the environment's 8-token answers)."""
     points, _ = run_json(capsys, "--axes", "turns")
-    assert [(p["x"], p["response_tokens"]) for p in points] == [(1, 16.0), (2, 32.0)]
+    assert [(p["x"], p["response_tokens"]) for p in points] == [(1, 8.0), (2, 16.0)]
 
 
 @pytest.mark.slow
