@@ -26,8 +26,9 @@ Axes (``--axes``; fixed values: 8 prompts, ``rollout.n=1``, 32 response tokens, 
 Columns, per point (medians over the counted steps): ``series``, ``x`` (the knob: response tokens,
 prompts, n, ranks, turns, or response tokens under SP), ``tokens`` (prompt + response tokens per step,
 ``perf/total_num_tokens``), ``work`` (what the exponent is fitted against: tokens per rank per step, or
-the number of ranks on the ranks axis), ``step_s``, ``gen_s``, ``score_s`` (old log-probs + reference +
-values), ``train_s`` (critic + actor updates), ``other_s`` (the rest of the step: reward, advantages,
+the number of ranks on the ranks axis), ``step_s``, ``gen_s``, ``score_s`` (reference + values, and old
+log-probs where the trainer computes them: not with one epoch of one mini-batch, where they are the
+update's own), ``train_s`` (critic + actor updates), ``other_s`` (the rest of the step: reward, advantages,
 packing, metrics), ``gen_ms_per_token`` (generation time per decoded position: ``gen_s`` over the response tokens of
 one sequence), ``tokens_per_s`` (all ranks), ``mem_gib``
 (the trainer's own ``perf/max_memory_gib``, maxed over ranks: on CPU the process's peak resident set
