@@ -604,6 +604,11 @@ RANGE_CASES = [
         "rollout.multi_turn.max_tool_response_length",
     ),
     (PPOConfig, "rollout.multi_turn.step_timeout_s=0", "rollout.multi_turn.step_timeout_s"),
+    (PPOConfig, "reward.prime.beta_train=0", "reward.prime.beta_train"),
+    (PPOConfig, "reward.prime.mini_batch_size=0", "reward.prime.mini_batch_size"),
+    (PPOConfig, "reward.prime.grad_clip=-1", "reward.prime.grad_clip"),
+    (PPOConfig, "data.accuracy_lower_bound=-0.1", "data.accuracy_lower_bound"),
+    (PPOConfig, "data.accuracy_upper_bound=1.5", "data.accuracy_upper_bound"),
     (RewardModelConfig, "loss.margin=-0.5", "loss.margin"),
     (RewardModelConfig, "data.max_length=-1", "data.max_length"),
     (RewardModelConfig, "trainer.save_freq=-3", "trainer.save_freq"),
@@ -614,6 +619,8 @@ UNRANGED = {
     (RewardConfig, "error_score"),
     (PolicyLossConfig, "clip_cov_lb"),
     (PolicyLossConfig, "clip_cov_ub"),
+    (AlgorithmConfig, "reward_dpo_coef"),
+    (AlgorithmConfig, "reward_gt_coef"),
 }
 """Numeric fields any finite value is valid for (the Clip-Cov bounds' order is a cross-field check)."""
 
