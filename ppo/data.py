@@ -480,6 +480,10 @@ TRL_GROUND_TRUTH = "ground_truth"
 VERL_COLUMNS = ("data_source", "reward_model", "extra_info")
 """Columns of verl's layout that the loader reads itself (with the prompt's)."""
 
+GROUP_COLUMNS = ("responses", "ranks", "scores", "logprobs", "chosen", "rejected")
+"""Columns of offline groups and preference pairs (``ppo.offline``): the trainer's data, never copied into
+a reward function's ``extra_info`` (a group's responses would ride along with every one of its rows)."""
+
 
 def _trl_ground_truth(row: dict[str, Any]) -> Any:
     """The row's ``reward_model`` cell, with a top-level ``ground_truth`` (TRL's layout) as its ground
@@ -495,7 +499,8 @@ def _other_columns(row: dict[str, Any], prompt_key: str) -> dict[str, Any]:
     """The row's top-level columns other than the prompt and verl's own (``ground_truth`` included: TRL's
     reward functions receive every column): they reach the reward function inside ``extra_info``, whose
     own keys win."""
-    return {k: v for k, v in row.items() if k != prompt_key and k not in VERL_COLUMNS and v is not None}
+    own = (prompt_key, *VERL_COLUMNS, *GROUP_COLUMNS)
+    return {k: v for k, v in row.items() if k not in own and v is not None}
 
 
 def _check_data_source(value: Any, where: str) -> str:

@@ -230,7 +230,9 @@ def test_preference_pairs_load_as_groups_of_two(
         row = rows[g.index]
         assert g.responses == [encode_response(row["chosen"], tok), encode_response(row["rejected"], tok)]
         assert (g.ranks, g.scores) == ([0, 1], None)
-        assert g.record.data_source == "synthetic/arith" and g.record.ground_truth is None
+        # The demo's preference files carry a top-level ground_truth column (TRL's layout): it is the
+        # ground truth, as in a prompt file.
+        assert g.record.data_source == "synthetic/arith" and g.record.ground_truth == str(row["ground_truth"])
     assert scores_from_ranks(dataset_ranks(groups, "cpu"), 2, "best").tolist() == [1, 0] * 3
     with pytest.raises(
         DataError,
