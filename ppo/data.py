@@ -374,7 +374,6 @@ def load_prompts(
     records: list[PromptRecord] = []
     total = dropped = offset = 0
     for path in paths:
-        logger.info("start-up: reading and tokenizing %s", path)
         hints = {
             prompt_key: "set data.prompt_key to the column that holds the prompts",
             "reward_model": "the rule reward needs reward_model.ground_truth (or a top-level ground_truth "
@@ -391,6 +390,8 @@ def load_prompts(
             # TRL's layout: a top-level ground_truth column stands in for reward_model
             trl = [c for c in required if c != "reward_model"] if TRL_GROUND_TRUTH in rows[0] else required
             _check_columns(path, list(rows[0]), trl, hints)
+        # After the read: a missing or malformed file is its one error line, with no progress line before it
+        logger.info("start-up: tokenizing %d rows of %s", len(rows), path)
         if apply_chat_template:
             warn_mixed_prompts(path, [row[prompt_key] for row in rows], prompt_key)
         warn_string_prompts(path, [row[prompt_key] for row in rows], prompt_key, tokenizer)
