@@ -824,7 +824,11 @@ SIBLING_CASES = [
         {"actor.clip_ratio", "actor.clip_ratio_low", "actor.clip_ratio_high"},
     ),
     (PPOConfig, "actor.ppo_epochs=2", {"actor.ppo_epochs", "critic.ppo_epochs"}),
-    (PPOConfig, "actor.ppo_mini_batch_size=8", {"actor.ppo_mini_batch_size", "critic.ppo_mini_batch_size"}),
+    (
+        PPOConfig,
+        "actor.ppo_mini_batch_size=8",
+        {"actor.ppo_mini_batch_size", "critic.ppo_mini_batch_size", "reward.prime.mini_batch_size"},
+    ),
 ]
 
 
