@@ -200,6 +200,7 @@ class ActorConfig:
 
     def __post_init__(self) -> None:
         _require(self, ">= 1", "sppo_refresh_steps")
+        _require(self, "> 0", "sppo_eta")
         _require(
             self,
             "> 0",
@@ -598,6 +599,7 @@ class AlgorithmConfig:
         if self.kl_penalty != "full":
             check_kl_kind(self.kl_penalty, "kl_penalty")
         _require(self, "> 1", "rollout_is_threshold")
+        _require(self, ">= 0", "sppo_beta")
         if self.rollout_is and self.rollout_is_threshold is None:
             raise FieldError(
                 "rollout_is=true applies importance weights, whose truncation rollout_is_threshold is unset "

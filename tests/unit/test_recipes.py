@@ -505,7 +505,7 @@ def test_verl_keys_load(override: str) -> None:
 
 def test_allowed_names_come_from_algorithms() -> None:
     assert {"reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo"} <= set(ADV_ESTIMATORS)
-    assert POLICY_LOSS_MODES == ("vanilla", "gspo", "clip_cov", "kl_cov")
+    assert POLICY_LOSS_MODES == ("vanilla", "gspo", "clip_cov", "kl_cov", "sppo")
 
 
 REFUSED = [
