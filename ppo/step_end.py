@@ -1,7 +1,7 @@
 """How a PPO step, or the whole run, ends before its time: the two exceptions the loop's phases raise.
 
-    raise EndStep("skip", "non-finite reward")     # train_ppo.end_step handles every kind
-    raise TrainingError("KL exploded again after every rollback")   # exit code 2, one line on rank 0
+``EndStep("skip", "non-finite reward")`` ends one step (``train_ppo.end_step`` handles every kind);
+``TrainingError("KL exploded again after every rollback")`` ends the run (exit code 2, one line on rank 0).
 """
 
 from __future__ import annotations
