@@ -143,6 +143,24 @@ def build_models(
     }
 
 
+def tiny_llama_config(tokenizer: Any, hidden: int, layers: int, max_positions: int) -> LlamaConfig:
+    """A Llama of ``layers`` x ``hidden`` (4 heads, MLP 4x) over ``tokenizer``'s vocabulary and special
+    tokens, untied head: the trainer-driving benchmarks' model (bench_overhead, bench_scaling)."""
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
 def random_prompts(num: int, max_len: int, vocab_size: int, seed: int) -> list[torch.Tensor]:
     """``num`` prompts of random tokens, lengths uniform in ``[max_len // 2, max_len]`` (so left
     padding matters), the same on every rank for a given seed."""

@@ -61,12 +61,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import add_common_args, print_rows, set_threads  # noqa: E402
+from bench_common import add_common_args, print_rows, set_threads, tiny_llama_config  # noqa: E402
 
 NUM_MINI_BATCHES = 2
 """Optimizer steps per model per PPO epoch (mini-batches of the rollout)."""
@@ -126,19 +126,7 @@ def write_assets(folder: Path, args: argparse.Namespace) -> dict[str, Path]:
     import pyarrow.parquet as pq
 
     tokenizer = make_tiny_assets.build_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=args.hidden,
-        intermediate_size=4 * args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    config = tiny_llama_config(tokenizer, args.hidden, args.layers, max_positions=256)
     paths = {"policy": folder / "policy", "reward": folder / "reward", "prompts": folder / "prompts.parquet"}
     torch.manual_seed(args.seed)
     AutoModelForCausalLM.from_config(config).save_pretrained(paths["policy"])

@@ -85,7 +85,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import print_table  # noqa: E402
+from bench_common import print_table, tiny_llama_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 AXES = ("response_len", "batch", "n", "ranks", "turns", "sp")
@@ -201,22 +201,10 @@ def write_assets(folder: Path, args: argparse.Namespace) -> dict[str, Path]:
     import make_tiny_assets
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     tokenizer = make_tiny_assets.build_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=args.hidden,
-        intermediate_size=4 * args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    config = tiny_llama_config(tokenizer, args.hidden, args.layers, max_positions=2048)
     paths = {"policy": folder / "policy", "forced": folder / "forced", "prompts": folder / "prompts.parquet"}
     for name in ("policy", "forced"):
         torch.manual_seed(args.seed)
