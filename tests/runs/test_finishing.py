@@ -37,7 +37,7 @@ def test_ppo_run_ends_with_a_summary_and_a_rerun_says_so(
     assert lines[first_step - 1] == CONSOLE_LEGEND
     # start-up phases say what they do; the critic's expected missing head is one line, not a report
     phases = [m.split(" ", 2)[1] for m in lines if m.startswith("start-up")]
-    assert phases[:4] == ["loading", "reading", "reading", "loading"]  # tokenizer, train, val, actor
+    assert phases[:4] == ["loading", "tokenizing", "tokenizing", "loading"]  # tokenizer, train, val, actor
     assert "start-up done: training from step 1 (a step: rollout, score, update)" in lines
     assert not any("LOAD REPORT" in m for m in lines)
     assert any("initialized score.bias, score.weight to zero" in m for m in lines)
