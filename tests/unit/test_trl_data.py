@@ -119,9 +119,8 @@ def test_trl_function_is_called_once_per_batch(tmp_path: Path) -> None:
     assert scores.tolist() == [2.0, 0.0] and metrics == {}
     import sys
 
-    module = next(
-        m for name, m in sys.modules.items() if name.startswith("ppo_custom_reward_") and "trl_reward" in name
-    )
+    # this test's file: another test loads a trl_reward.py of its own in the same session
+    module = next(m for m in list(sys.modules.values()) if getattr(m, "__file__", None) == str(fn_file))
     (call,) = module.CALLS
     assert call == (
         [chat, "3 + 4 ="],
