@@ -8,6 +8,7 @@ root is on their ``PYTHONPATH``); the fixtures are in ``tests/conftest.py``.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -29,6 +30,33 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+
+VERL_SIDE = ROOT / ".verl091"
+"""verl 0.9.1 installed without its dependencies (``make parity-env``): the release the parity tests
+compare against; absent until built."""
+
+
+def import_verl(*modules: str) -> list[Any] | None:
+    """verl's ``modules`` (dotted names) from ``VERL_SIDE``, or None where it is not built.
+
+    verl.protocol imports ray for type names only, so where ray is not installed a stand-in module with
+    those names takes its place: importing the math needs no cluster."""
+    if not (VERL_SIDE / "verl").is_dir():
+        return None
+    if str(VERL_SIDE) not in sys.path:
+        sys.path.insert(0, str(VERL_SIDE))
+    if "ray" not in sys.modules:
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            import types
+
+            stub = types.ModuleType("ray")
+            stub.ObjectRef = type("ObjectRef", (), {})
+            sys.modules["ray"] = stub
+    return [importlib.import_module(name) for name in modules]
+
+
 REWARD_FNS = ROOT / "tests" / "reward_fns.py"
 """Reward functions the end-to-end runs load with ``reward.custom_function=FILE:NAME``."""
 

@@ -9,9 +9,6 @@ the trainer does. Differences that are by design are named in the test that show
 
 from __future__ import annotations
 
-import sys
-import types
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -20,28 +17,9 @@ import torch
 
 from ppo import algorithms as ours
 from ppo.algorithms.correction import rollout_rs_mask
+from tests.helpers import import_verl
 
-SIDE = Path(__file__).resolve().parents[2] / ".verl091"
-
-
-def _import_verl() -> tuple[types.ModuleType, types.ModuleType] | None:
-    if not (SIDE / "verl").is_dir():
-        return None
-    sys.path.insert(0, str(SIDE))
-    # verl.protocol imports ray for type names only; importing the math needs no cluster
-    if "ray" not in sys.modules:
-        try:
-            import ray  # noqa: F401
-        except ImportError:
-            stub = types.ModuleType("ray")
-            stub.ObjectRef = type("ObjectRef", (), {})
-            sys.modules["ray"] = stub
-    from verl.trainer.ppo import core_algos, rollout_corr_helper
-
-    return core_algos, rollout_corr_helper
-
-
-_verl = _import_verl()
+_verl = import_verl("verl.trainer.ppo.core_algos", "verl.trainer.ppo.rollout_corr_helper")
 pytestmark = pytest.mark.skipif(_verl is None, reason="verl 0.9.1 side environment absent: run `make parity`")
 if _verl is not None:
     verl, verl_corr = _verl

@@ -4,18 +4,13 @@
 
 from __future__ import annotations
 
-import sys
-import types
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
 from ppo.algorithms import bootstrap_best, pass_at_k
 from ppo.periodic_validation import bootstrap_draws, k_values
-
-SIDE = Path(__file__).resolve().parents[2] / ".verl091"
+from tests.helpers import VERL_SIDE, import_verl
 
 
 def test_best_at_k_is_verls_bootstrap_not_pass_at_k() -> None:
@@ -43,27 +38,11 @@ def test_bootstrap_draws_are_numpys_seed_42() -> None:
     assert set(bootstrap_draws(8, k_values(8)[1:])) == {2, 4, 8}  # verl's k: 2, 4, ..., n
 
 
-def _verl_metric_utils() -> types.ModuleType | None:
-    if not (SIDE / "verl").is_dir():
-        return None
-    sys.path.insert(0, str(SIDE))
-    if "ray" not in sys.modules:
-        try:
-            import ray  # noqa: F401
-        except ImportError:
-            stub = types.ModuleType("ray")
-            stub.ObjectRef = type("ObjectRef", (), {})
-            sys.modules["ray"] = stub
-    from verl.trainer.ppo import metric_utils
-
-    return metric_utils
-
-
 @pytest.mark.skipif(
-    not (SIDE / "verl").is_dir(), reason="verl 0.9.1 side environment absent: run `make parity`"
+    not (VERL_SIDE / "verl").is_dir(), reason="verl 0.9.1 side environment absent: run `make parity`"
 )
 def test_best_at_k_matches_verl_process_validation_metrics() -> None:
-    metric_utils = _verl_metric_utils()
+    (metric_utils,) = import_verl("verl.trainer.ppo.metric_utils")
     gen = torch.Generator().manual_seed(0)
     n, prompts = 6, 5
     scores = (torch.rand(prompts, n, generator=gen) < 0.3).double()

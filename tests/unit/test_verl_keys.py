@@ -20,8 +20,9 @@ import yaml
 
 from ppo.config import ConfigError, PPOConfig
 from ppo.config_loader import load_config
+from tests.helpers import VERL_SIDE
 
-SIDE = Path(__file__).resolve().parents[2] / ".verl091"
+SIDE = VERL_SIDE
 GENERATED = SIDE / "verl" / "trainer" / "config" / "_generated_ppo_trainer.yaml"
 
 pytestmark = pytest.mark.skipif(
