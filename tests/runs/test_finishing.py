@@ -63,6 +63,7 @@ def test_stage_stopped_early_says_so_and_a_finished_rerun_warns(
     args = [
         f"model.path={tiny_assets / 'base'}",
         f"data.train_files={d / 'sft_train.parquet'}",
+        f"data.val_files={d / 'sft_val.parquet'}",
         "data.train_batch_size=16",
         "data.max_length=40",
         "trainer.device=cpu",
