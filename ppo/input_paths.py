@@ -71,6 +71,79 @@ def check_model_path(path: str, config_key: str) -> str:
     return expanded
 
 
+HUB_TIMEOUT_S = 10.0
+"""How long the start-up check waits for the hub's answer about a model id that is not cached."""
+
+
+def hub_cache_dirs() -> list[str]:
+    """Where transformers looks for downloaded models: ``HF_HUB_CACHE``, ``$HF_HOME/hub`` (default
+    ``~/.cache/huggingface/hub``) and the older ``TRANSFORMERS_CACHE``."""
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
+    )
+    dirs = [os.environ.get("HF_HUB_CACHE") or os.path.join(home, "hub")]
+    if os.environ.get("TRANSFORMERS_CACHE"):
+        dirs.append(os.environ["TRANSFORMERS_CACHE"])
+    return [os.path.expanduser(d) for d in dirs]
+
+
+def _hub_token() -> str | None:
+    """``HF_TOKEN``, or the token ``huggingface-cli login`` saved."""
+    if os.environ.get("HF_TOKEN"):
+        return os.environ["HF_TOKEN"]
+    home = os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface")
+    path = os.environ.get("HF_TOKEN_PATH") or os.path.join(home, "token")
+    try:
+        return Path(path).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def hub_problem(path: str, config_key: str) -> str | None:
+    """Why the hub id ``path`` (``name`` or ``org/name``: not a folder here) cannot be loaded, asked before
+    torch loads: None when the model is in the cache or the hub has it. Offline
+    (``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE``) only the cache counts; online, the hub's model API
+    (``HF_ENDPOINT``, with ``HF_TOKEN`` for private models) answers within ``HUB_TIMEOUT_S``. A folder
+    that was meant (``models/my-sft`` run from the wrong directory) then fails in seconds, naming the key,
+    instead of after transformers' retries."""
+    if os.path.exists(os.path.expanduser(path)) or looks_local(path):
+        return None
+    caches = hub_cache_dirs()
+    if any(os.path.isdir(os.path.join(d, "models--" + path.replace("/", "--"), "snapshots")) for d in caches):
+        return None
+    head = f"{config_key}={path!r}: no such folder (looked for {where(path)}), not in the Hugging Face cache ({caches[0]})"
+    if any(
+        os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
+        for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    ):
+        return f"{head}, and the hub is off (HF_HUB_OFFLINE). Set {config_key} to a save_pretrained folder."
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    request = urllib.request.Request(f"{endpoint}/api/models/{urllib.parse.quote(path)}", method="GET")
+    if token := _hub_token():
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=HUB_TIMEOUT_S):
+            return None
+    except urllib.error.HTTPError as e:
+        if e.code in (401, 403, 404):
+            private = "" if token else "; a private or gated model needs HF_TOKEN"
+            return (
+                f"{head}, and {endpoint} has no model {path!r} (HTTP {e.code}{private}). "
+                f"Set {config_key} to a save_pretrained folder or a hub id."
+            )
+        return None  # the hub is up but answered oddly: let transformers try (and say what went wrong)
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        return (
+            f"{head}, and {endpoint} could not be reached ({reason}). "
+            f"Set {config_key} to a save_pretrained folder, or download the model first."
+        )
+
+
 def code_problem(spec: str, key: str) -> str | None:
     """Why ``spec`` (``path/to/file.py:name`` or ``module.path:name``) cannot be imported, if its file or
     module does not exist; the module is found, not run (its own errors show where it is imported)."""
@@ -95,6 +168,9 @@ def input_problems(cfg: Any) -> list[str]:
             check_model_path(path, key)
         except ModelPathError as e:
             problems.append(str(e))
+            continue
+        if problem := hub_problem(path, key):
+            problems.append(problem)
     for key in ("train_files", "val_files", "eval_prompt_files"):
         for path in getattr(cfg.data, key, None) or []:
             if not os.path.exists(path):

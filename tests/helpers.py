@@ -64,6 +64,9 @@ REWARD_FNS = ROOT / "tests" / "reward_fns.py"
 # triton: set it before any test module loads, wherever no GPU can run the kernels for real.
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Tests never reach the Hugging Face hub: a hub id a test names (a preset's Qwen/...) is checked against the
+# cache only; the tests of the hub check set their own endpoint.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def load_script(name: str) -> Any:

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import logging
 import os
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,7 @@ import pytest
 from ppo.config import ConfigError, DPOConfig, PPOConfig, SFTConfig
 from ppo.config_loader import load_config
 from ppo.data import load_prompts
+from ppo.input_paths import hub_problem
 from tests.helpers import REWARD_FNS, arith_row, base_args, load_script, run, write_parquet
 
 
@@ -314,6 +318,94 @@ def test_missing_inputs_end_the_run_before_torch_loads(tiny_assets: Path, tmp_pa
     assert stdout == "2 False" and stderr.startswith("error: model.path='./sft': no such folder")
     stdout, stderr = answer_early("PPOConfig", *ok, cwd=tmp_path)
     assert (stdout, stderr) == ("", "")
+
+
+class FakeHub(http.server.BaseHTTPRequestHandler):
+    """The hub's model API: ``org/good`` exists, ``org/private`` needs a token, nothing else exists."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        path = self.path.removeprefix("/api/models/")
+        if path == "org/private":
+            code = 200 if self.headers.get("Authorization") == "Bearer t0k" else 401
+        else:
+            code = 200 if path == "org/good" else 404
+        self.send_response(code)
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[str]:
+    """``FakeHub`` at ``HF_ENDPOINT``, online, with an empty cache and no token."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN", "TRANSFORMERS_CACHE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    yield endpoint
+    server.shutdown()
+
+
+def test_a_model_id_that_is_no_folder_is_asked_of_the_hub_before_torch_loads(
+    hub: str, tmp_path: Path
+) -> None:
+    """``models/my-sft`` run from a directory without ``models/`` reads as the hub id org/name: it fails at
+    start-up with the key, in seconds, instead of after transformers' retries of the hub."""
+    cache = tmp_path / "hf" / "hub"
+    head = (
+        f"model.path='models/my-sft': no such folder (looked for {tmp_path}/models/my-sft, relative to the "
+        f"working directory {tmp_path}), not in the Hugging Face cache ({cache})"
+    )
+    assert hub_problem("models/my-sft", "model.path") == (
+        f"{head}, and {hub} has no model 'models/my-sft' (HTTP 404; a private or gated model needs "
+        f"HF_TOKEN). Set model.path to a save_pretrained folder or a hub id."
+    )
+    assert hub_problem("org/good", "model.path") is None  # the hub has it
+    assert hub_problem("org/private", "model.path").startswith("model.path='org/private': no such folder")
+    os.environ["HF_TOKEN"] = "t0k"
+    try:
+        assert hub_problem("org/private", "model.path") is None  # with the token, it is there
+    finally:
+        del os.environ["HF_TOKEN"]
+    # In the cache: no question to the hub (the cache answers offline too).
+    (cache / "models--models--my-sft" / "snapshots").mkdir(parents=True)
+    assert hub_problem("models/my-sft", "model.path") is None
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        assert hub_problem("models/my-sft", "model.path") is None
+        assert hub_problem("org/good", "model.path") == (
+            f"model.path='org/good': no such folder (looked for {tmp_path}/org/good, relative to the working "
+            f"directory {tmp_path}), not in the Hugging Face cache ({cache}), and the hub is off "
+            f"(HF_HUB_OFFLINE). Set model.path to a save_pretrained folder."
+        )
+    finally:
+        del os.environ["HF_HUB_OFFLINE"]
+    # A hub that cannot be reached.
+    os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"  # discard port: nothing listens
+    assert hub_problem("org/good", "model.path").endswith(
+        "and http://127.0.0.1:9 could not be reached ([Errno 111] Connection refused). "
+        "Set model.path to a save_pretrained folder, or download the model first."
+    )
+
+
+def test_a_missing_model_id_ends_the_run_in_one_line(hub: str, tiny_assets: Path, tmp_path: Path) -> None:
+    data = tiny_assets / "data" / "train.parquet"
+    ok = [f"model.path={tiny_assets / 'base'}", f"data.train_files={data}", f"data.val_files={data}"]
+    stdout, stderr = answer_early("PPOConfig", *ok, "model.path=models/my-sft", cwd=tmp_path)  # hub's env
+    assert stdout == "2 False"
+    assert stderr.startswith("error: model.path='models/my-sft': no such folder (looked for ")
+    assert stderr.endswith(
+        f"and {hub} has no model 'models/my-sft' (HTTP 404; a private or gated model "
+        "needs HF_TOKEN). Set model.path to a save_pretrained folder or a hub id."
+    )
 
 
 def test_print_config_names_missing_inputs(
