@@ -152,7 +152,7 @@ def collect(
             run.loader,
             timer,
             sample_round=lambda items: collect_round(cfg, run, items, timer),
-            score_responses=lambda b: score_responses(cfg, run, b),
+            score_responses=lambda b: score_responses(cfg, run, b, stop),
             between_rounds=lambda: at_boundary(stop),
             device=run.device,
         )
@@ -162,7 +162,7 @@ def collect(
             run.loader,
             timer,
             sample_round=lambda items: collect_round(cfg, run, items, timer),
-            score_responses=lambda b: score_responses(cfg, run, b),
+            score_responses=lambda b: score_responses(cfg, run, b, stop),
         )
     else:
         batch = collect_round(cfg, run, next(run.loader), timer)
@@ -241,7 +241,7 @@ def score(cfg: PPOConfig, run: Run, batch: Batch, timer: Timer, stop: runner.Sto
                 cfg.reward.overlong_buffer,
                 max_response_length=cfg.data.max_response_length,
             )
-            scores, reward_metrics = score_responses(cfg, run, batch)
+            scores, reward_metrics = score_responses(cfg, run, batch, stop)
             batch.scores = scores + penalties
             metrics.update(reward_metrics)
             if cfg.reward.overlong_buffer.enable:
@@ -252,9 +252,12 @@ def score(cfg: PPOConfig, run: Run, batch: Batch, timer: Timer, stop: runner.Sto
     return metrics
 
 
-def score_responses(cfg: PPOConfig, run: Run, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+def score_responses(
+    cfg: PPOConfig, run: Run, batch: Batch, stop: runner.StopRequest
+) -> tuple[torch.Tensor, dict[str, float]]:
     """``[B]`` the reward's score of each response (``rewards.batch_scores``), before any shaping, and
-    the rule's metrics (``reward/extra/*``; with ``reward.pool_workers``, ``reward/{timeouts,errors}``)."""
+    the rule's metrics (``reward/extra/*``; with ``reward.pool_workers``, ``reward/{timeouts,errors}``).
+    Reward workers give up at once on this rank's stop signal; the step ends at the next boundary."""
     return rewards.batch_scores(
         batch,
         cfg.reward,
@@ -263,6 +266,7 @@ def score_responses(cfg: PPOConfig, run: Run, batch: Batch) -> tuple[torch.Tenso
         tokenizer=run.tokenizer,
         reward_model=run.reward_model,
         pool=run.reward_pool,
+        stop=lambda: stop.name is not None,
     )
 
 

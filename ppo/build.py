@@ -10,7 +10,6 @@ below takes what it uses as arguments.
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from ppo import (
     offline,
     rewards,
     rollout,
+    rule_scoring,
     runner,
     sharding,
     ulysses,
@@ -70,7 +70,7 @@ class Run:
     """SPPO's old policy with ``actor.sppo_refresh_steps > 1``: a snapshot of the actor, loaded and
     sharded as the actor is, refreshed every that many steps and checkpointed; None otherwise."""
     reward_model: torch.nn.Module | None
-    scorer: rewards.RuleScorer
+    scorer: rule_scoring.RuleScorer
     reward_pool: RewardPool | None
     """The rule reward's worker processes (``reward.pool_workers > 0``); None scores in this process."""
     kl_ctrl: KLController
@@ -89,7 +89,7 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
     check_machine(cfg, info.device)
     out_dir = runner.prepare_run(cfg, info)
     tokenizer = runner.load_tokenizer(cfg.model)
-    scorer = rewards.make_rule_scorer(  # in this process: reward.timeout_s holds here too
+    scorer = rule_scoring.make_rule_scorer(  # in this process: reward.timeout_s holds here too
         cfg.reward.custom_function,
         cfg.reward.format_score,
         cfg.reward.reward_kwargs,
@@ -181,18 +181,22 @@ def make_reward_pool(cfg: PPOConfig) -> RewardPool | None:
     if r.pool_workers == 0:
         return None
     return RewardPool(
-        functools.partial(rewards.make_rule_scorer, r.custom_function, r.format_score, r.reward_kwargs),
-        name=f"reward.custom_function={r.custom_function!r}"
-        if r.custom_function
-        else "the built-in rule reward",
+        custom_function=r.custom_function,
+        format_score=r.format_score,
+        reward_kwargs=r.reward_kwargs,
         num_workers=r.pool_workers,
         timeout_s=r.timeout_s,
         error_score=r.error_score,
+        total_timeout_s=r.total_timeout_s,
     )
 
 
 def load_data(
-    cfg: PPOConfig, info: DistInfo, tokenizer: Any, scorer: rewards.RuleScorer, pool: RewardPool | None = None
+    cfg: PPOConfig,
+    info: DistInfo,
+    tokenizer: Any,
+    scorer: rule_scoring.RuleScorer,
+    pool: RewardPool | None = None,
 ) -> tuple[list[data.PromptRecord] | list[offline.OfflineGroup], list[data.PromptRecord]]:
     """The training items (prompt records, or offline groups with ``rollout.offline_fraction``) and the
     validation prompts; the rule scorer checked against the training prompts' sources (in ``pool``
@@ -244,11 +248,13 @@ def load_data(
 def check_val_sources(records: list[data.PromptRecord], custom_function: str | None) -> None:
     """Every validation prompt's ``data_source`` has a rule scorer (as the training prompts'): a source
     without one would be generated for and scored by nothing."""
-    unknown = sorted({r.data_source for r in records if not rewards.has_rule(r.data_source, custom_function)})
+    unknown = sorted(
+        {r.data_source for r in records if not rule_scoring.has_rule(r.data_source, custom_function)}
+    )
     if unknown:
-        raise rewards.RewardError(
+        raise rule_scoring.RewardError(
             f"no rule reward for data_source {', '.join(map(repr, unknown))} in data.val_files; known: "
-            f"{', '.join(rewards.RULE_DATA_SOURCES)}. Set reward.custom_function=module:function or "
+            f"{', '.join(rule_scoring.RULE_DATA_SOURCES)}. Set reward.custom_function=module:function or "
             f"file.py:function, use a reward model (reward.style=model), or drop those rows"
         )
 

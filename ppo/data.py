@@ -6,7 +6,7 @@ Prompt files follow verl's layout, one row per prompt, in any of ``FORMATS`` (Pa
 ``datasets``' ``save_to_disk``), read by ``read_rows`` into the same rows and checked alike::
 
     prompt        list of chat messages [{"role": ..., "content": ...}] or a plain string
-    data_source   str, picks the rule scorer (``ppo.rewards.default_compute_score``)
+    data_source   str, picks the rule scorer (``ppo.rule_scoring.default_compute_score``)
     reward_model  struct {style, ground_truth}
     extra_info    struct/dict (optional column)
     ground_truth  (optional, TRL's layout) the ground truth where ``reward_model`` has none

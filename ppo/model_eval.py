@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from ppo import algorithms, models, rewards, runner, sharding, ulysses
+from ppo import algorithms, models, rule_scoring, runner, sharding, ulysses
 from ppo.batch import Rollout, decode_responses
 from ppo.data import PromptRecord
 from ppo.distributed import DistInfo, all_reduce_scalars
@@ -126,7 +126,7 @@ def answer_metrics(
     """
     if ref is not None and num_samples < 1:
         raise ValueError("the KL to the reference is estimated on samples: pass num_samples >= 1 with ref")
-    scorer = rewards.make_rule_scorer(None, 0.0)
+    scorer = rule_scoring.make_rule_scorer(None, 0.0)
     mine = runner.my_share(records, info)
     prompts = [torch.tensor(r.input_ids, dtype=torch.long) for r in mine]
     common = dict(
@@ -188,7 +188,7 @@ def right_answers(
     tokenizer: PreTrainedTokenizerBase,
     rollout: Rollout,
     records: list[PromptRecord],
-    scorer: rewards.RuleScorer,
+    scorer: rule_scoring.RuleScorer,
     repeats: int,
 ) -> list[bool]:
     """Whether the rule scores each response 1; response ``i`` answers ``records[i // repeats]``."""

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from ppo import rewards
+from ppo import rule_scoring
 from ppo.batch import Rollout
 from ppo.config import MultiTurnConfig
 from ppo.data import PromptRecord
@@ -57,14 +57,14 @@ from ppo.data import PromptRecord
 logger = logging.getLogger("ppo")
 
 
-class EnvError(rewards.RewardError):
+class EnvError(rule_scoring.RewardError):
     """The environment class cannot be loaded, or a call returned something the loop cannot use."""
 
 
 def load_environment(spec: str) -> type:
     """The environment class of ``rollout.multi_turn.env`` (``file.py:Class`` or ``module:Class``), checked
     for ``reset`` and ``step`` methods; EnvError (one line naming the key) otherwise."""
-    cls = rewards.load_custom_function(spec, key="rollout.multi_turn.env", default_name=None)
+    cls = rule_scoring.load_custom_function(spec, key="rollout.multi_turn.env", default_name=None)
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
     if not isinstance(cls, type) or missing:
         raise EnvError(

@@ -23,7 +23,7 @@ from collections import Counter
 import numpy as np
 import torch
 
-from ppo import rewards, runner
+from ppo import rewards, rule_scoring, runner
 from ppo.algorithms import bootstrap_best, pass_at_k
 from ppo.batch import Rollout, concat_rollouts, decode_responses
 from ppo.build import Run
@@ -283,7 +283,7 @@ def rule_scores(
     rows = [
         i
         for i, r in enumerate(records)
-        if rewards.has_rule(r.data_source, fn) and (r.ground_truth is not None or fn is not None)
+        if rule_scoring.has_rule(r.data_source, fn) and (r.ground_truth is not None or fn is not None)
     ]
     scores, _ = rewards.rule_scores(
         run.scorer, [records[i] for i in rows], [texts[i] for i in rows], run.reward_pool
@@ -335,8 +335,8 @@ def k_values(n: int) -> list[int]:
 def prediction(data_source: str, text: str) -> str | None:
     """The final answer a majority vote counts: the normalized ``#### N`` number for the GSM8K-style
     sources (None without one), else the whole stripped response."""
-    if data_source in rewards.RULE_DATA_SOURCES:
-        return rewards.extract_gsm8k_answer(text)
+    if data_source in rule_scoring.RULE_DATA_SOURCES:
+        return rule_scoring.extract_gsm8k_answer(text)
     return text.strip()
 
 

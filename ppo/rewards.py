@@ -1,21 +1,8 @@
-"""Rule rewards: score a decoded response against the row's ground truth, chosen by ``data_source``.
+"""A step's rewards: rule scores of decoded responses (the scorer itself is ``ppo.rule_scoring``; in
+worker processes with ``reward.pool_workers``, ``ppo.reward_pool``), reward-model scores, ranking, and
+DAPO's overlong penalty.
 
-A scorer takes verl's ``(data_source, solution_str, ground_truth, extra_info)`` and returns a ``Score``
-(the number, and the other number-valued keys of a dict result)::
-
-    score_fn = make_rule_scorer(cfg.reward.custom_function, cfg.reward.format_score, cfg.reward.reward_kwargs)
-    scores = [score_fn(r.data_source, text, r.ground_truth, r.extra_info).value for r, text in ...]
-
-The built-in scorer handles GSM8K-style answers (``#### <number>`` at the end), which the synthetic
-task of ``scripts/make_tiny_assets.py`` (``data_source="synthetic/arith"``) also uses. A user's scorer
-is given as ``reward.custom_function=module.path:function`` or ``path/to/file.py:function`` (``:function``
-left out: ``compute_score``) and called by keyword, as verl calls it. With ``reward.pool_workers`` the batch
-is scored in worker processes with a time limit (``ppo.reward_pool``); without, ``reward.timeout_s`` holds
-in the trainer's process too (``make_rule_scorer(..., timeout_s=)``): a call past it stops the run. In
-the trainer's process a function that raises or calls ``sys.exit()`` stops every rank with one line
-naming it, the rank and the prompt's row; ``os._exit()`` (or a crash of the interpreter) cannot be
-caught there and ends the rank: a function that may do that belongs in workers
-(``reward.pool_workers > 0``), where it is a counted error.
+    scores, metrics = rule_scores(scorer, records, texts, pool)      # [B] float32, reward/* metrics
 
 Learned reward models (``reward.style=model``) are scored by ``reward_model_scores``; ranking
 (``reward.style=ranking``) turns the rule's or the model's scores of a group into competition ranks
@@ -26,23 +13,10 @@ per-sequence ``scores [B]``.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import difflib
-import functools
-import importlib
-import importlib.util
-import inspect
 import logging
 import math
-import re
-import signal
-import sys
-import threading
-from collections.abc import Callable, Iterator, Sequence
-from numbers import Real
-from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import torch
 
@@ -53,404 +27,18 @@ from ppo.data import PromptRecord
 from ppo.distributed import agree_on_failure, all_gather_object
 from ppo.packing import DUMMY_SEQUENCE, pack_sequences, plan_eval_micro_batches
 from ppo.reward_pool import RewardPool
+from ppo.rule_scoring import (
+    RULE_DATA_SOURCES,
+    RewardError,
+    RuleScorer,
+    Score,
+    TRLScorer,
+    check_scorer,
+    has_rule,
+    warn_if_not_finite,
+)
 
 logger = logging.getLogger("ppo")
-
-
-class Score(NamedTuple):
-    """What a rule scorer returns for one response."""
-
-    value: float
-    """The score (NaN and inf pass through: the trainer skips such a step on every rank)."""
-    extras: dict[str, float]
-    """A dict result's other number-valued keys (verl's ``reward_extra_info``), logged as metrics."""
-
-
-RuleScorer = Callable[[str, str, str | None, dict], Score]
-"""``(data_source, solution_str, ground_truth, extra_info) -> Score`` (ground truth None where the data
-has none)."""
-
-DEFAULT_FUNCTION_NAME = "compute_score"
-"""The function of ``reward.custom_function=file.py`` without ``:name``, as verl's."""
-
-GSM8K_CLIP_CHARS = 300
-"""Only the last this many characters of a response are searched for the answer (as verl does), so a
-long response cannot win by listing many ``####`` lines early on."""
-
-# "#### 1,234.5", "#### $72", "#### -$5", "####  -3". The number must start with a digit; a trailing
-# sentence period is not part of it. Spaces or tabs may follow ####, a newline may not.
-_GSM8K_ANSWER = re.compile(r"####[ \t]*(-?\$?|\$-)[ \t]*([0-9][0-9,]*(?:\.[0-9]+)?)")
-_NUMBER = re.compile(r"(-?\$?|\$-)[ \t]*([0-9][0-9,]*(?:\.[0-9]+)?)")
-
-
-class RewardError(ValueError):
-    """A reward function cannot be found or used; the message says which and why."""
-
-
-def normalize_number(sign: str, digits: str) -> str:
-    """Canonical text of a number: commas and ``$`` removed, leading zeros and trailing decimal zeros
-    dropped, ``-0`` as ``0``. So ``"1,000"``, ``"$1000"`` and ``"1000.00"`` all give ``"1000"``, and
-    ``"72.50"`` gives ``"72.5"``."""
-    digits = digits.replace(",", "")
-    whole, _, frac = digits.partition(".")
-    whole = whole.lstrip("0") or "0"
-    frac = frac.rstrip("0")
-    text = f"{whole}.{frac}" if frac else whole
-    negative = "-" in sign and text != "0"
-    return f"-{text}" if negative else text
-
-
-def extract_gsm8k_answer(solution_str: str) -> str | None:
-    """The normalized number after the last ``####`` in the last ``GSM8K_CLIP_CHARS`` characters, or
-    None when there is none."""
-    matches = _GSM8K_ANSWER.findall(solution_str[-GSM8K_CLIP_CHARS:])
-    if not matches:
-        return None
-    sign, digits = matches[-1]
-    return normalize_number(sign, digits)
-
-
-def _normalize_truth(ground_truth: str) -> str:
-    """A ground truth that is a number is normalized like an answer; other text is only stripped."""
-    text = str(ground_truth).strip()
-    m = _NUMBER.fullmatch(text)
-    return normalize_number(*m.groups()) if m else text
-
-
-def gsm8k_score(solution_str: str, ground_truth: str, *, format_score: float = 0.0) -> float:
-    """GSM8K rule: 1.0 if the last ``#### <number>`` near the end equals the ground truth, else
-    ``format_score`` if there is such an answer, else 0.0.
-
-    Both sides are compared as normalized number strings (``normalize_number``): commas and ``$`` are
-    ignored and ``72.0`` equals ``72``, but no rounding happens (``72.01`` is wrong).
-    """
-    answer = extract_gsm8k_answer(solution_str)
-    if answer is None:
-        return 0.0
-    return 1.0 if answer == _normalize_truth(ground_truth) else format_score
-
-
-_GSM8K_SOURCES = ("openai/gsm8k", "gsm8k", "synthetic/arith")
-RULE_DATA_SOURCES: tuple[str, ...] = _GSM8K_SOURCES
-"""Data sources the built-in rule scorer knows."""
-
-
-def default_compute_score(
-    data_source: str,
-    solution_str: str,
-    ground_truth: str,
-    extra_info: dict[str, Any] | None = None,
-    *,
-    format_score: float = 0.0,
-) -> float:
-    """Score one response with the built-in rule for its ``data_source``.
-
-    Raises RewardError for a data source without a built-in rule (use ``reward.custom_function``).
-    """
-    if data_source in _GSM8K_SOURCES:
-        return gsm8k_score(solution_str, ground_truth, format_score=format_score)
-    raise RewardError(
-        f"no rule reward for data_source={data_source!r}; known: {', '.join(RULE_DATA_SOURCES)}. "
-        f"Score other data with reward.custom_function=module.path:function or file.py:function"
-    )
-
-
-def load_custom_function(
-    spec: str, key: str = "reward.custom_function", default_name: str | None = DEFAULT_FUNCTION_NAME
-) -> Callable[..., Any]:
-    """Import ``module.path:function`` or ``path/to/file.py:function`` and return the function (or class:
-    ``rollout.multi_turn.env``, which passes no ``default_name``); errors name ``key``. Without
-    ``:function`` the name is ``default_name``.
-
-    Raises RewardError for a malformed spec, a missing file or module, a missing attribute (with the
-    closest names) or an attribute that is not callable. Errors raised by the module's own code while
-    it is imported propagate unchanged.
-    """
-    target, sep, name = spec.rpartition(":")
-    if not sep and default_name is not None:
-        target, name = spec, default_name
-    if not target or not name:
-        shapes = "module.path:function or path/to/file.py:function"
-        raise RewardError(
-            f"{key}={spec!r} must look like {shapes}"
-            + (f" (function default: {default_name})" if default_name else "")
-        )
-    if target.endswith(".py") or "/" in target or "\\" in target:
-        path = Path(target)
-        if not path.is_file():
-            raise RewardError(f"{key}={spec!r}: file {path} does not exist")
-        # A name that is the same in every process, so objects from the module unpickle on any rank.
-        module_name = "ppo_custom_reward_" + re.sub(r"\W", "_", str(path.resolve()))
-        module_spec = importlib.util.spec_from_file_location(module_name, path)
-        if module_spec is None or module_spec.loader is None:
-            raise RewardError(f"{key}={spec!r}: cannot import {path} as a Python file")
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[module_name] = module  # so pickling and dataclasses inside it work
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as e:
-            del sys.modules[module_name]
-            raise RewardError(f"{key}={spec!r}: importing {path} raised {type(e).__name__}: {e}") from e
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ModuleNotFoundError as e:
-            if e.name is None or not (target == e.name or target.startswith(e.name + ".")):
-                raise  # the module exists but one of its own imports is missing
-            raise RewardError(f"{key}={spec!r}: no module named {e.name!r} (is it on PYTHONPATH?)") from e
-        except Exception as e:
-            raise RewardError(f"{key}={spec!r}: importing {target} raised {type(e).__name__}: {e}") from e
-    if not hasattr(module, name):
-        public = [k for k in vars(module) if not k.startswith("_") and callable(getattr(module, k))]
-        close = difflib.get_close_matches(name, public, n=3)
-        hint = f"; did you mean {' or '.join(close)}?" if close else f"; it defines {sorted(public)}"
-        raise RewardError(f"{key}={spec!r}: {target} has no attribute {name!r}{hint}")
-    fn = getattr(module, name)
-    if not callable(fn):
-        raise RewardError(f"{key}={spec!r}: {target}.{name} is a {type(fn).__name__}, not a function")
-    return fn
-
-
-def make_rule_scorer(
-    custom_function: str | None,
-    format_score: float,
-    reward_kwargs: dict[str, Any] | None = None,
-    *,
-    timeout_s: float | None = None,
-) -> RuleScorer:
-    """The rule scorer of a run: the user's function if given, else ``default_compute_score``.
-
-    A custom function is called by keyword, as verl calls it: ``fn(data_source=, solution_str=,
-    ground_truth=, extra_info=, **reward_kwargs)``, and must return a number or a dict with a ``"score"``
-    number, or (an ``async def``) a coroutine that gives one, run to completion here (verl's convention; the dict's other number-valued keys become ``Score.extras``). A call that
-    raises or returns anything else is a RewardError naming the function, the data source and the value.
-    ``format_score`` applies to the built-in scorer only. ``timeout_s`` (the trainer's process, where
-    ``reward.timeout_s`` would otherwise do nothing): a call of the custom function that runs longer is
-    interrupted (SIGALRM, main thread only) and is a RewardError; code that hangs in C holding the GIL
-    cannot be interrupted there, only in workers (``reward.pool_workers``).
-    """
-    if custom_function is None:
-        builtin = functools.partial(default_compute_score, format_score=format_score)
-        return lambda *row: Score(builtin(*row), {})
-    fn = load_custom_function(custom_function)
-    kwargs = dict(reward_kwargs or {})
-    name = f"reward.custom_function={custom_function!r}"
-    if is_trl_function(fn):
-        return TRLScorer(fn, name, kwargs, timeout_s)
-    dropped: set[str] = set()  # dict keys whose non-number values were not logged (warned once each)
-
-    def score(data_source: str, solution_str: str, ground_truth: str | None, extra_info: dict) -> Score:
-        try:
-            with _time_limit(timeout_s):
-                result = fn(
-                    data_source=data_source,
-                    solution_str=solution_str,
-                    ground_truth=ground_truth,
-                    extra_info=extra_info,
-                    **kwargs,
-                )
-                if inspect.isawaitable(result):  # an async def compute_score: await it here
-                    result = _await(result)
-        except _CallTimedOut:
-            raise RewardError(
-                f"{name} ran longer than reward.timeout_s={timeout_s} (data_source={data_source!r}, response "
-                f"{solution_str[:60]!r}); to score such calls reward.error_score and train on, set "
-                "reward.pool_workers=1 or more"
-            ) from None
-        except KeyboardInterrupt:  # Ctrl-C while scoring: the trainer's own stop, not the function's
-            raise
-        except BaseException as e:  # sys.exit() too: a scorer must return, never end the trainer
-            raise RewardError(
-                f"{name} raised {type(e).__name__}: {e} (data_source={data_source!r}, response "
-                f"{solution_str[:60]!r})" + (_EXIT_HINT if isinstance(e, SystemExit) else "")
-            ) from e
-        value = result.get("score") if isinstance(result, dict) else result
-        if not _is_number(value):
-            raise RewardError(
-                f"{name} returned {result!r:.80} for data_source={data_source!r}, response "
-                f"{solution_str[:60]!r}; expected a number or a dict with a 'score' number"
-            )
-        extras = {}
-        if isinstance(result, dict):
-            extras = {str(k): float(v) for k, v in result.items() if k != "score" and isinstance(v, Real)}
-            for k, v in result.items():
-                if k != "score" and not isinstance(v, Real) and str(k) not in dropped:
-                    dropped.add(str(k))
-                    logger.warning(
-                        "%s returned %.60r for key %r, not a number: it is not logged as reward/extra/%s "
-                        "(warned once)",
-                        name,
-                        v,
-                        str(k),
-                        k,
-                    )
-        return Score(float(value), extras)
-
-    return score
-
-
-TRL_RESERVED = ("prompts", "completions", "completion_ids", "trainer_state")
-"""The arguments TRL's trainers give a reward function themselves (no data column takes their names)."""
-
-
-def is_trl_function(fn: Callable[..., Any]) -> bool:
-    """Whether ``fn`` is a TRL-style batched reward function: it has parameters named ``prompts`` and
-    ``completions`` (``f(prompts, completions, **kwargs) -> list[float]``)."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    return "prompts" in params and "completions" in params
-
-
-class TRLScorer:
-    """A TRL-style reward function called once per batch, as TRL's GRPO and RLOO trainers call it:
-    ``fn(prompts=[...], completions=[...], ground_truth=[...], data_source=[...], extra_info=[...],
-    <column>=[...], **reward.reward_kwargs) -> list[float]``. ``prompts`` are the prompt cells as the file
-    holds them (strings or chat messages); ``completions`` are strings, or ``[{"role": "assistant",
-    "content": text}]`` where the prompt is chat messages (TRL's conversational format); every other
-    column of the file comes as a list (``ground_truth`` also from ``reward_model.ground_truth``). A
-    function without ``**kwargs`` gets only the lists it names. ``reward.timeout_s`` holds for the whole
-    call. Called in the trainer's process only: with ``reward.pool_workers`` it stops at start-up."""
-
-    def __init__(
-        self, fn: Callable[..., Any], name: str, kwargs: dict[str, Any], timeout_s: float | None
-    ) -> None:
-        self.fn, self.name, self.kwargs, self.timeout_s = fn, name, kwargs, timeout_s
-        params = inspect.signature(fn).parameters.values()
-        self.any_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-        self.names = {p.name for p in params}
-
-    def __call__(
-        self, data_source: str, solution_str: str, ground_truth: str | None, extra_info: dict
-    ) -> Score:
-        """A single row without its prompt: what reward workers do; a batched function cannot run there."""
-        raise RewardError(
-            f"{self.name} is a TRL-style batched function (prompts, completions): it runs in the trainer's "
-            "process; set reward.pool_workers=0"
-        )
-
-    def score_batch(self, records: Sequence[PromptRecord], texts: Sequence[str]) -> list[Score]:
-        """One call for the responses ``texts`` to ``records`` (the same length); a Score each."""
-        columns: dict[str, list[Any]] = {
-            "data_source": [r.data_source for r in records],
-            "ground_truth": [r.ground_truth for r in records],
-            "extra_info": [r.extra_info for r in records],
-        }
-        for key in dict.fromkeys(k for r in records for k in r.extra_info):
-            if key not in TRL_RESERVED and key not in columns:
-                columns[key] = [r.extra_info.get(key) for r in records]
-        columns |= self.kwargs
-        if not self.any_kwargs:
-            columns = {k: v for k, v in columns.items() if k in self.names}
-        prompts = [r.prompt if r.prompt is not None else r.prompt_text for r in records]
-        completions = [
-            t if isinstance(p, str) else [{"role": "assistant", "content": t}]
-            for p, t in zip(prompts, texts, strict=True)
-        ]
-        try:
-            with _time_limit(self.timeout_s):
-                result = self.fn(prompts=prompts, completions=completions, **columns)
-                if inspect.isawaitable(result):
-                    result = _await(result)
-        except _CallTimedOut:
-            raise RewardError(
-                f"{self.name} ran longer than reward.timeout_s={self.timeout_s} on a batch"
-            ) from None
-        except KeyboardInterrupt:
-            raise
-        except BaseException as e:
-            raise RewardError(f"{self.name} raised {type(e).__name__}: {e} (a batch of {len(texts)})") from e
-        values = list(result) if isinstance(result, (list, tuple)) or hasattr(result, "tolist") else None
-        if values is not None and hasattr(result, "tolist"):
-            values = result.tolist()
-        if values is None or len(values) != len(texts) or not all(_is_number(v) for v in values):
-            raise RewardError(
-                f"{self.name} returned {result!r:.80} for {len(texts)} completions; expected a list of "
-                f"{len(texts)} numbers (TRL's None, 'does not apply', has no meaning for a single function)"
-            )
-        return [Score(float(v), {}) for v in values]
-
-
-def _await(awaitable: Any) -> Any:
-    """Run an awaitable to completion from synchronous code: on a fresh event loop, or, where this thread
-    already runs one (a notebook), on a fresh loop in a thread of its own."""
-
-    async def wrap() -> Any:
-        return await awaitable
-
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(wrap())
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out["result"] = asyncio.run(wrap())
-        except BaseException as e:
-            out["error"] = e
-
-    thread = threading.Thread(target=run, name="reward-await")
-    thread.start()
-    thread.join()
-    if "error" in out:
-        raise out["error"]
-    return out["result"]
-
-
-class _CallTimedOut(BaseException):
-    """SIGALRM's exception in an in-process reward call past its time limit (not an ``Exception``, so the
-    function's own ``except Exception`` cannot swallow it)."""
-
-
-@contextlib.contextmanager
-def _time_limit(seconds: float | None) -> Iterator[None]:
-    """Raise ``_CallTimedOut`` in the block after ``seconds`` (wall clock); no limit with None, off the
-    main thread (signals reach the main thread only) or where there is no SIGALRM."""
-    if (
-        seconds is None
-        or not hasattr(signal, "setitimer")
-        or threading.current_thread() is not threading.main_thread()
-    ):
-        yield
-        return
-
-    def expire(signum: int, frame: Any) -> None:
-        raise _CallTimedOut
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-_EXIT_HINT = "; a reward function must return a score, not exit the process"
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, Real) and not isinstance(value, bool)
-
-
-def has_rule(data_source: str, custom_function: str | None) -> bool:
-    """Whether the rule reward can score ``data_source``: a custom function scores every source."""
-    return custom_function is not None or data_source in RULE_DATA_SOURCES
-
-
-def check_scorer(scorer: RuleScorer, data_source: str, ground_truth: str | None, extra_info: dict) -> None:
-    """Call ``scorer`` once on an empty response before any model loads, so a broken reward function
-    (it raises, returns no number) fails in seconds and not at the first scoring. A non-finite score
-    only warns: the trainer skips such steps."""
-    _warn_if_not_finite(scorer(data_source, "", ground_truth, extra_info).value)
-
-
-def _warn_if_not_finite(value: float) -> None:
-    """The start-up check's warning: a non-finite score of the empty response (such steps are skipped)."""
-    if not math.isfinite(value):
-        logger.warning("the rule reward returned %s for an empty response; such steps are skipped", value)
 
 
 RankScoreMode = Literal["best", "linear"]
@@ -621,15 +209,15 @@ def check_rule_coverage(
         )
     first = records[0]
     if isinstance(scorer, TRLScorer):
-        _warn_if_not_finite(scorer.score_batch([first], [""])[0].value)
+        warn_if_not_finite(scorer.score_batch([first], [""])[0].value)
     if pool is None:
         if not isinstance(scorer, TRLScorer):
             check_scorer(scorer, first.data_source, first.ground_truth, first.extra_info)
         return
-    scored, _, _, failure = pool.score([first], [""])
-    if failure is not None:
-        raise RewardError(f"{pool.name} cannot score an empty response at start-up: {failure}")
-    _warn_if_not_finite(scored[0].value)
+    out = pool.score([first], [""])
+    if out.first is not None:
+        raise RewardError(f"{pool.name} cannot score an empty response at start-up: {out.first}")
+    warn_if_not_finite(out.scored[0].value)
 
 
 def batch_scores(
@@ -641,8 +229,10 @@ def batch_scores(
     tokenizer: Any,
     reward_model: torch.nn.Module | None,
     pool: RewardPool | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Per-sequence scores ``[B]`` of a step's batch, on its device: the rule (in ``pool`` where given) or
+    """Per-sequence scores ``[B]`` of a step's batch, on its device: the rule (in ``pool`` where given,
+    which ends its call early once ``stop()``, this rank's stop request, turns true) or
     the reward model; with ``reward.style=ranking`` scores from each group's ranks (the data set's for
     offline groups, by the rule or the reward model for sampled ones); with ``reward.style=dataset`` the
     data set's scores. Also the rule's metrics (``rule_scores``; {} without the rule). A reward
@@ -660,7 +250,7 @@ def batch_scores(
         )
     else:
         texts = decode_responses(tokenizer, batch.rollout)
-        scores, metrics = rule_scores(scorer, batch.records, texts, pool)
+        scores, metrics = rule_scores(scorer, batch.records, texts, pool, stop)
     if reward.style == "ranking":
         scores = rank_scores(scores, batch.group_ids.cpu(), reward.rank_scores)
         if offline_rows is not None and bool(offline_rows.any()):
@@ -672,7 +262,11 @@ def batch_scores(
 
 
 def rule_scores(
-    scorer: RuleScorer, records: list[PromptRecord], texts: list[str], pool: RewardPool | None = None
+    scorer: RuleScorer,
+    records: list[PromptRecord],
+    texts: list[str],
+    pool: RewardPool | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """``[B]`` float32 (CPU) scores of the response texts against their records, and the call's metrics
     over every rank (the same on each): ``reward/extra/<key>`` (the mean of a dict result's other number
@@ -681,6 +275,9 @@ def rule_scores(
 
     In process, a reward function that fails on any rank stops every rank (``agree_on_failure``), naming
     the prompt's row; in ``pool`` only a call that failed on every response of every rank stops the run.
+    Rows that ``reward.total_timeout_s`` cut count as timeouts (one warning a run names the key); rows
+    abandoned because ``stop()`` turned true (``RewardPool.score``) score ``pool.error_score`` and count as
+    nothing: the trainer stops at its next phase boundary without training on them.
     """
     if pool is None:
         scored = agree_on_failure(
@@ -691,11 +288,18 @@ def rule_scores(
             ),
             RewardError,
         )
-        timeouts = errors = 0
+        timeouts = errors = abandoned = capped = 0
         first = None
     else:
-        results, timeouts, errors, first = pool.score(records, texts)
-        scored = [Score(pool.error_score, {}) if s is None else s for s in results]
+        out = pool.score(records, texts, stop)
+        timeouts, errors, abandoned, capped, first = (
+            out.timeouts,
+            out.errors,
+            out.abandoned,
+            out.capped,
+            out.first,
+        )
+        scored = [Score(pool.error_score, {}) if s is None else s for s in out.scored]
     extras: dict[str, list[float]] = {}
     for s in scored:
         for k, v in s.extras.items():
@@ -704,6 +308,8 @@ def rule_scores(
         "extras": {k: (sum(v), len(v)) for k, v in extras.items()},  # key -> (sum, count) on this rank
         "timeouts": timeouts,
         "errors": errors,
+        "abandoned": abandoned,
+        "capped": capped,
         "rows": len(texts),
         "first": first,
     }
@@ -713,13 +319,24 @@ def rule_scores(
         parts = [rank["extras"][k] for rank in ranks if k in rank["extras"]]
         metrics[f"reward/extra/{k}"] = sum(p[0] for p in parts) / sum(p[1] for p in parts)
     if pool is not None:
-        timeouts, errors = (sum(rank[key] for rank in ranks) for key in ("timeouts", "errors"))
-        rows = sum(rank["rows"] for rank in ranks)
+        timeouts, errors, abandoned, capped, rows = (
+            sum(rank[key] for rank in ranks) for key in ("timeouts", "errors", "abandoned", "capped", "rows")
+        )
         failures = [f"rank {i}, {rank['first']}" for i, rank in enumerate(ranks) if rank["first"] is not None]
         if failures and not pool.logged:
             logger.warning("%s failed (scored %s; logged once): %s", pool.name, pool.error_score, failures[0])
             pool.logged = True
-        if rows and timeouts + errors == rows:
+        if capped and not pool.cap_logged:
+            logger.warning(
+                "reward.total_timeout_s=%s cut a step's scoring: %d of its %d responses were not scored in "
+                "time (scored %s, counted in reward/timeouts; logged once)",
+                pool.total_timeout_s,
+                capped,
+                rows,
+                pool.error_score,
+            )
+            pool.cap_logged = True
+        if rows and not abandoned and timeouts + errors == rows:
             raise RewardError(
                 f"{pool.name} failed on every one of the {rows} responses on all ranks (e.g. {failures[0]}); "
                 "nothing to train on"

@@ -44,7 +44,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ppo import attention, checkpoint_files, data, lora, models, rewards, run_folder, sharding, ulysses
+from ppo import attention, checkpoint_files, data, lora, models, rule_scoring, run_folder, sharding, ulysses
 from ppo.checkpoint_files import CheckpointError
 from ppo.cli import REPORT_DELAY_S, config_error, parse_cli, print_config
 from ppo.config import (
@@ -86,7 +86,7 @@ EXPECTED_ERRORS = (
     ConfigError,
     data.DataError,
     CheckpointError,
-    rewards.RewardError,
+    rule_scoring.RewardError,
     TrainingError,
     OSError,  # a missing model folder (models.ModelPathError), a full disk, a permission
 )

@@ -51,7 +51,7 @@ import pyarrow.parquet as pq
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ppo import data, models, offline, rewards, runner, sharding, ulysses
+from ppo import data, models, offline, rewards, rule_scoring, runner, sharding, ulysses
 from ppo.config import FSDPConfig, ModelConfig
 from ppo.distributed import (
     DistInfo,
@@ -222,18 +222,20 @@ def make_groups(args: argparse.Namespace, info: DistInfo) -> None:
         )
     if args.max_prompts:
         records = records[: args.max_prompts]
-    scorer = rewards.make_rule_scorer(args.custom_function, args.format_score)
+    scorer = rule_scoring.make_rule_scorer(args.custom_function, args.format_score)
     if use_rule:
         unknown = sorted(
-            {r.data_source for r in records if not rewards.has_rule(r.data_source, args.custom_function)}
+            {r.data_source for r in records if not rule_scoring.has_rule(r.data_source, args.custom_function)}
         )
         if unknown:
-            raise rewards.RewardError(
+            raise rule_scoring.RewardError(
                 f"no rule reward for data_source {', '.join(map(repr, unknown))}; known: "
-                f"{', '.join(rewards.RULE_DATA_SOURCES)}. Pass --custom-function module:function or "
+                f"{', '.join(rule_scoring.RULE_DATA_SOURCES)}. Pass --custom-function module:function or "
                 f"--reward-model PATH"
             )
-        rewards.check_scorer(scorer, records[0].data_source, records[0].ground_truth, records[0].extra_info)
+        rule_scoring.check_scorer(
+            scorer, records[0].data_source, records[0].ground_truth, records[0].extra_info
+        )
     shard_dir = args.out.with_name(args.out.name + ".shards")
     num_shards = math.ceil(len(records) / args.shard_size)
     done = prepare_shard_dir(shard_dir, args, info)
@@ -280,7 +282,7 @@ def make_groups(args: argparse.Namespace, info: DistInfo) -> None:
         found = sample_groups(policy, mine, config, tokenizer, args)
         kept = [(r, texts) for r, texts in zip(mine, found, strict=True) if len(texts) == args.k]
         if reward_model is None:
-            scores = agree_on_failure(lambda kept=kept: rule_scores(scorer, kept), rewards.RewardError)
+            scores = agree_on_failure(lambda kept=kept: rule_scores(scorer, kept), rule_scoring.RewardError)
         else:
             scores = model_scores(reward_model, kept, tokenizer, args.micro_batch, info.device)
         logprobs = sampler_logprobs(policy, kept, tokenizer, args.temperature, args.micro_batch)
@@ -345,7 +347,9 @@ def sample_groups(
     return found
 
 
-def rule_scores(scorer: rewards.RuleScorer, kept: list[tuple[data.PromptRecord, list[str]]]) -> torch.Tensor:
+def rule_scores(
+    scorer: rule_scoring.RuleScorer, kept: list[tuple[data.PromptRecord, list[str]]]
+) -> torch.Tensor:
     """The rule's score of every response, ``[num groups * k]`` float64; RewardError on a non-finite one."""
     scores = torch.tensor(
         [scorer(r.data_source, t, r.ground_truth, r.extra_info).value for r, texts in kept for t in texts],
@@ -368,7 +372,7 @@ def model_scores(
     scores = rewards.reward_model_scores(
         reward_model, seqs, micro_batch_size=micro_batch_size, device=device
     ).double()
-    agree_on_failure(lambda: check_finite(kept, scores), rewards.RewardError)
+    agree_on_failure(lambda: check_finite(kept, scores), rule_scoring.RewardError)
     return scores
 
 
@@ -378,7 +382,7 @@ def check_finite(kept: list[tuple[data.PromptRecord, list[str]]], scores: torch.
     if bad:
         k = len(kept[0][1])
         record, texts = kept[bad[0] // k]
-        raise rewards.RewardError(
+        raise rule_scoring.RewardError(
             f"score {scores[bad[0]].item()} for prompt row {record.index}, response "
             f"{texts[bad[0] % k]!r:.60}: a group with a non-finite score cannot be ranked"
         )

@@ -41,7 +41,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 DATA_SOURCE = "openai/gsm8k"
-"""``data_source`` of every row; ``ppo.rewards.default_compute_score`` knows it."""
+"""``data_source`` of every row; ``ppo.rule_scoring.default_compute_score`` knows it."""
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 """Appended to each question (verl's wording), so the policy learns the format the reward reads."""
 DEFAULT_OUT = "data/gsm8k"

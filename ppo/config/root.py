@@ -114,6 +114,7 @@ class PPOConfig:
             *_recipe_warnings(self),
             *_critic_warmup_warnings(self),
             *_reward_function_warnings(self),
+            *_reward_cap_warnings(self),
             *repeated_file_warnings(self.data),
         ]
 
@@ -623,6 +624,17 @@ def _critic_warmup_warnings(cfg: PPOConfig) -> list[str]:
             f"which has no critic: steps 1 to {warmup - 1} train nothing; set trainer.critic_warmup=0"
         ]
     return []
+
+
+def _reward_cap_warnings(cfg: PPOConfig) -> list[str]:
+    """``reward.total_timeout_s`` caps the reward workers' scoring: without workers it does nothing."""
+    r = cfg.reward
+    if r.total_timeout_s is None or r.pool_workers > 0:
+        return []
+    return [
+        f"reward.total_timeout_s={r.total_timeout_s} caps the scoring in reward workers and is ignored with "
+        "reward.pool_workers=0 (the trainer's process limits each call to reward.timeout_s)"
+    ]
 
 
 def _reward_function_warnings(cfg: PPOConfig) -> list[str]:

@@ -476,6 +476,11 @@ class RewardConfig:
     error_score: float = 0.0
     """With ``pool_workers > 0``: the score of a response whose call timed out, raised or returned no
     number (``reward/timeouts``, ``reward/errors``); a step whose every call failed stops the run."""
+    total_timeout_s: float | None = None
+    """With ``pool_workers > 0``: the most seconds one rank spends scoring a step's responses (a round of
+    dynamic sampling is scored on its own); past it the calls still running are abandoned (their workers
+    replaced) and every response not scored yet scores ``error_score``, counted in ``reward/timeouts``.
+    None: no cap (a step whose calls all hang costs ``ceil(responses / pool_workers) * timeout_s``)."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     """DAPO's length penalty near ``data.max_response_length``, added to every score."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
@@ -485,7 +490,7 @@ class RewardConfig:
     """PRIME's implicit process reward model (``algorithm.adv_estimator=prime``)."""
 
     def __post_init__(self) -> None:
-        _require(self, "> 0", "micro_batch_size_per_gpu", "timeout_s")
+        _require(self, "> 0", "micro_batch_size_per_gpu", "timeout_s", "total_timeout_s")
         _require(self, ">= 0", "pool_workers", "num_workers")
 
 

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
-from ppo import data, models, rewards, runner, stage_data
+from ppo import data, models, rule_scoring, runner, stage_data
 from ppo.distributed import DistInfo
 from ppo.packing import pack_sequences, plan_eval_micro_batches
 from tests.helpers import (
@@ -197,7 +197,7 @@ def test_sft_steps_lower_the_loss_and_save_a_loadable_model(tiny: Path, tmp_path
             ids, max_new_tokens=40 - longest, do_sample=False, pad_token_id=tok.pad_token_id
         )
         text = tok.decode(answer[0, ids.shape[1] :], skip_special_tokens=True)
-        right += rewards.gsm8k_score(text, r.ground_truth) >= 1.0
+        right += rule_scoring.gsm8k_score(text, r.ground_truth) >= 1.0
     assert final["sft_val_accuracy"] == right / 8
     assert final["sft_sample_accuracy"] * 8 * sft.NUM_EVAL_SAMPLES == pytest.approx(
         round(final["sft_sample_accuracy"] * 8 * sft.NUM_EVAL_SAMPLES)

@@ -4,14 +4,13 @@ reward workers (``RewardPool``), where it used to fail with "returned <coroutine
 from __future__ import annotations
 
 import asyncio
-import functools
 from pathlib import Path
 
 import pytest
 
 from ppo.data import PromptRecord
 from ppo.reward_pool import RewardPool
-from ppo.rewards import RewardError, Score, make_rule_scorer
+from ppo.rule_scoring import RewardError, Score, make_rule_scorer
 
 ASYNC_FN = """
 import asyncio
@@ -47,8 +46,9 @@ def test_async_compute_score_in_process(async_fn: str) -> None:
 
 def test_async_compute_score_in_reward_workers(async_fn: str) -> None:
     pool = RewardPool(
-        functools.partial(make_rule_scorer, async_fn, 0.0, {}),
-        name="test",
+        custom_function=async_fn,
+        format_score=0.0,
+        reward_kwargs={},
         num_workers=1,
         timeout_s=60.0,
         error_score=0.0,
@@ -58,8 +58,8 @@ def test_async_compute_score_in_reward_workers(async_fn: str) -> None:
             input_ids=[1], prompt_text="q", data_source="src", ground_truth="42", extra_info={}, index=0
         )
         records = [row, row]
-        scored, timeouts, errors, first = pool.score(records, ["42", "7"])
+        out = pool.score(records, ["42", "7"])
     finally:
         pool.close()
-    assert (timeouts, errors, first) == (0, 0, None)
-    assert scored == [Score(1.0, {"length": 2.0}), Score(0.0, {"length": 1.0})]
+    assert (out.timeouts, out.errors, out.first) == (0, 0, None)
+    assert out.scored == [Score(1.0, {"length": 2.0}), Score(0.0, {"length": 1.0})]

@@ -23,7 +23,7 @@ import torch
 import yaml
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from ppo import data, model_eval, models, rewards
+from ppo import data, model_eval, models, rule_scoring
 from ppo.distributed import DistInfo
 from ppo.rollout import generate, generation_config
 from tests.helpers import Checks, assert_check, load_script, tiny_config, worker_results
@@ -106,10 +106,10 @@ def records(tiny_assets: Path, tok: Any) -> list[data.PromptRecord]:
     return [dataclasses.replace(r, ground_truth="7" if i < 5 else "3") for i, r in enumerate(loaded)]
 
 
-def first_char_scorer(data_source: str, text: str, ground_truth: str, extra_info: dict) -> rewards.Score:
+def first_char_scorer(data_source: str, text: str, ground_truth: str, extra_info: dict) -> rule_scoring.Score:
     """1 when the response starts with the ground truth: the hand-built policies' answers are single
     characters repeated, which no ``#### N`` rule would ever score."""
-    return rewards.Score(float(text[:1] == ground_truth), {})
+    return rule_scoring.Score(float(text[:1] == ground_truth), {})
 
 
 ONE_RANK = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -162,7 +162,7 @@ def test_log_probs_of_the_hand_built_policies_are_exact(
 def test_answer_metrics_kl_and_accuracy_match_the_hand_values(
     tok: Any, policies: dict[str, LlamaForCausalLM], records: list, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(rewards, "make_rule_scorer", lambda *args: first_char_scorer)
+    monkeypatch.setattr(rule_scoring, "make_rule_scorer", lambda *args: first_char_scorer)
     m = model_eval.answer_metrics(
         policies["p"],
         tok,
@@ -212,11 +212,11 @@ def test_greedy_answers_are_plain_generate_ones(
     them; without samples nothing else is reported."""
     seen: list[tuple[str, str]] = []
 
-    def scorer(data_source: str, text: str, ground_truth: str, extra_info: dict) -> rewards.Score:
+    def scorer(data_source: str, text: str, ground_truth: str, extra_info: dict) -> rule_scoring.Score:
         seen.append((ground_truth, text))
-        return rewards.Score(float(len(seen) % 2), {})  # every other answer right: 4 of 8
+        return rule_scoring.Score(float(len(seen) % 2), {})  # every other answer right: 4 of 8
 
-    monkeypatch.setattr(rewards, "make_rule_scorer", lambda *args: scorer)
+    monkeypatch.setattr(rule_scoring, "make_rule_scorer", lambda *args: scorer)
     model = models.load_causal_lm(str(tiny_assets / "base"))
     m = model_eval.answer_metrics(model, tok, records, ONE_RANK, max_new_tokens=10, seed=0)
     assert m == {"val/accuracy": 0.5, "val/num_prompts": 8}
@@ -276,7 +276,7 @@ def _worker(root: Path, out: Path) -> None:
 
     info = init_distributed(device="cpu", timeout_s=60)
     record = Checks(out, info.is_main, agree=True).record
-    rewards.make_rule_scorer = lambda *args: first_char_scorer  # this process only
+    rule_scoring.make_rule_scorer = lambda *args: first_char_scorer  # this process only
     try:
         tokenizer = AutoTokenizer.from_pretrained(root / "p")
         loaded = data.load_prompts(root / "val.parquet", tokenizer, max_prompt_length=64)[:8]

@@ -597,6 +597,7 @@ RANGE_CASES = [
     (PPOConfig, "reward.num_workers=-1", "reward.num_workers"),
     (PPOConfig, "trainer.log_val_generations=-1", "trainer.log_val_generations"),
     (PPOConfig, "reward.timeout_s=0", "reward.timeout_s"),
+    (PPOConfig, "reward.total_timeout_s=0", "reward.total_timeout_s"),
     (PPOConfig, "rollout.multi_turn.max_assistant_turns=0", "rollout.multi_turn.max_assistant_turns"),
     (
         PPOConfig,

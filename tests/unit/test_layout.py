@@ -4,6 +4,8 @@ included, so the step's data types sit below everything that uses them and ``Run
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 from tests.helpers import ROOT
@@ -71,6 +73,23 @@ def test_the_math_is_pure_torch() -> None:
         if module.startswith("ppo.algorithms"):
             assert all(d.startswith("ppo.algorithms") or d == "ppo.choices" for d in deps), (module, deps)
     assert module_graph()["ppo.choices"] == set()
+
+
+WORKER_IMPORTS = """\
+import sys
+import ppo.reward_worker
+print(" ".join(sorted(m for m in sys.modules if m.split(".")[0] not in (*sys.stdlib_module_names, "__main__"))))
+"""
+
+
+def test_the_reward_worker_imports_only_the_standard_library() -> None:
+    """A reward worker (``python -m ppo.reward_worker``) loads ``ppo.rule_scoring`` and the standard
+    library, never torch or the trainer: it starts in a fraction of a second (``-S``: no site-packages)."""
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", WORKER_IMPORTS], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["ppo", "ppo.reward_worker", "ppo.rule_scoring"]
 
 
 def test_tests_take_helpers_from_one_module() -> None:

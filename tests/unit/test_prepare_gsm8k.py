@@ -11,7 +11,7 @@ import pytest
 
 from ppo.data import load_prompts
 from ppo.models import load_tokenizer
-from ppo.rewards import gsm8k_score
+from ppo.rule_scoring import gsm8k_score
 from tests.helpers import load_script
 
 prepare = load_script("prepare_gsm8k")

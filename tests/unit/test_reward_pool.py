@@ -1,19 +1,25 @@
 """Rule rewards in worker processes (``reward.pool_workers``): a function that hangs, raises, returns text
 or kills its process scores ``reward.error_score`` and is counted; the run goes on, on every rank, and
-stops only when every response failed."""
+stops only when every response failed. Workers import neither torch nor the trainer, a timed-out one is
+replaced without holding up the others, ``reward.total_timeout_s`` caps a call and a stop request ends
+one at once."""
 
 from __future__ import annotations
 
-import functools
 import json
+import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from ppo.config import ConfigError
+from ppo.config_loader import load_config
 from ppo.data import PromptRecord
 from ppo.reward_pool import RewardPool
-from ppo.rewards import RewardError, check_rule_coverage, make_rule_scorer, rule_scores
+from ppo.rewards import check_rule_coverage, rule_scores
+from ppo.rule_scoring import RewardError, Score, make_rule_scorer
 from tests.helpers import REWARD_FNS, ROOT, base_args, read_metrics, torchrun
 
 TIMEOUT_S = 3.0
@@ -28,14 +34,23 @@ def records(n: int) -> list[PromptRecord]:
     ]
 
 
-def make_pool(function: str, num_workers: int = 2, error_score: float = -1.0) -> RewardPool:
-    spec = f"{REWARD_FNS}:{function}"
+def make_pool(
+    function: str,
+    num_workers: int = 2,
+    error_score: float = -1.0,
+    *,
+    timeout_s: float = TIMEOUT_S,
+    total_timeout_s: float | None = None,
+    fn_file: Path = REWARD_FNS,
+) -> RewardPool:
     return RewardPool(
-        functools.partial(make_rule_scorer, spec, 0.0, {}),
-        name=f"reward.custom_function={spec!r}",
+        custom_function=f"{fn_file}:{function}",
+        format_score=0.0,
+        reward_kwargs={},
         num_workers=num_workers,
-        timeout_s=TIMEOUT_S,
+        timeout_s=timeout_s,
         error_score=error_score,
+        total_timeout_s=total_timeout_s,
     )
 
 
@@ -62,10 +77,10 @@ def test_every_failure_scores_the_error_score_and_is_counted(hanging_pool: Rewar
 
 
 def test_the_first_failing_row_is_named_once(hanging_pool: RewardPool) -> None:
-    scored, timeouts, errors, first = hanging_pool.score(records(3), ["1", "9", "35"])
-    assert (scored[2], timeouts, errors) == (None, 0, 1)
-    assert first is not None and first.startswith("prompt row 102 (d): ")
-    assert "raised ValueError: no threes" in first
+    out = hanging_pool.score(records(3), ["1", "9", "35"])
+    assert (out.scored[2], out.timeouts, out.errors) == (None, 0, 1)
+    assert out.first is not None and out.first.startswith("prompt row 102 (d): ")
+    assert "raised ValueError: no threes" in out.first
 
 
 def test_a_call_where_every_response_fails_stops_the_run(hanging_pool: RewardPool) -> None:
@@ -82,12 +97,12 @@ def test_a_worker_that_dies_is_replaced(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setenv("PPO_TEST_FAIL_MARKER", str(tmp_path / "failed"))
     pool = make_pool("fails_once", num_workers=1, error_score=0.0)
     try:
-        scored, timeouts, errors, first = pool.score(records(3), ["1", "2", "ab"])
+        out = pool.score(records(3), ["1", "2", "ab"])
     finally:
         pool.close()
-    assert [s if s is None else s.value for s in scored] == [None, 1.0, 0.0]
-    assert (timeouts, errors) == (0, 1)
-    assert first == "prompt row 100 (d): the reward worker died"
+    assert [s if s is None else s.value for s in out.scored] == [None, 1.0, 0.0]
+    assert (out.timeouts, out.errors) == (0, 1)
+    assert out.first == "prompt row 100 (d): the reward worker died"
 
 
 @pytest.mark.slow
@@ -131,3 +146,166 @@ def test_the_start_up_check_runs_in_the_pool() -> None:
             check_rule_coverage(make_rule_scorer(None, 0.0), records(1), f"{REWARD_FNS}:raises", pool)
     finally:
         pool.close()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Workers: what they import, how they are replaced, the cap on a call, a stop request
+# ----------------------------------------------------------------------------------------------------
+
+PROBE = """
+import sys
+
+
+def probe(data_source, solution_str, ground_truth, extra_info=None):
+    print("a user's print goes to stderr, not into the protocol")
+    main = sys.modules["__main__"]
+    return {
+        "score": 1.0,
+        "torch": float("torch" in sys.modules),
+        "ppo_rewards": float("ppo.rewards" in sys.modules),
+        "worker_main": float(getattr(main.__spec__, "name", None) == "ppo.reward_worker"),
+    }
+"""
+
+
+def write_fn(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "user_rewards.py"
+    path.write_text(text)
+    return path
+
+
+def test_a_worker_imports_neither_torch_nor_the_trainer(tmp_path: Path) -> None:
+    """The worker's ``__main__`` is ``ppo.reward_worker`` (not the trainer's script, as under ``spawn``),
+    torch and ``ppo.rewards`` are not loaded, and the function's print does not break the protocol."""
+    pool = make_pool("probe", num_workers=1, fn_file=write_fn(tmp_path, PROBE))
+    try:
+        out = pool.score(records(1), ["x"])
+    finally:
+        pool.close()
+    assert out.scored == [Score(1.0, {"torch": 0.0, "ppo_rewards": 0.0, "worker_main": 1.0})]
+
+
+def test_a_timed_out_worker_is_replaced_without_holding_up_the_other_rows() -> None:
+    """2 workers, timeout 1 s, a hang at rows 0 and 4: both workers hang by row 5; each is replaced
+    without waiting and its replacement takes the rest when it is ready. Replacing them synchronously with
+    ``spawn``ed children (which imported torch and the trainer) took 11.2 s for this call on the 2-core
+    machine; the pool now takes 1.3 s (the timeout plus a bare interpreter's start)."""
+    pool = make_pool("hangs_on_seven", timeout_s=1.0)
+    try:
+        texts = ["x7", "12", "4", "ab1", "7", "22", "1a", "9"]  # hangs_on_seven: digit share, 7 hangs
+        start = time.monotonic()
+        out = pool.score(records(len(texts)), texts)
+        elapsed = time.monotonic() - start
+        values = [s if s is None else s.value for s in out.scored]
+        assert values == [None, 1.0, 1.0, 1 / 3, None, 1.0, 0.5, 1.0]
+        assert (out.timeouts, out.errors, out.abandoned, out.capped) == (2, 0, 0, 0)
+        assert out.first == "prompt row 100 (d): ran longer than reward.timeout_s=1.0"
+        assert elapsed < 5.0, elapsed
+    finally:
+        pool.close()
+
+
+def test_total_timeout_cuts_a_call_and_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Every call hangs: 8 rows on 2 workers with timeout_s=5 would take ceil(8 / 2) * 5 = 20 s;
+    reward.total_timeout_s=1.5 cuts the call after 1.5 s, every row a timeout."""
+    pool = make_pool("hangs_on_seven", timeout_s=5.0, total_timeout_s=1.5)
+    try:
+        start = time.monotonic()
+        out = pool.score(records(8), ["7"] * 8)
+        elapsed = time.monotonic() - start
+        assert out.scored == [None] * 8
+        assert (out.timeouts, out.errors, out.abandoned, out.capped) == (8, 0, 0, 8)
+        assert out.first == "prompt row 100 (d): cut by reward.total_timeout_s=1.5"
+        assert elapsed < 4.0, elapsed
+        with (
+            caplog.at_level(logging.WARNING, logger="ppo"),
+            pytest.raises(RewardError, match="every one of the 8"),
+        ):
+            rule_scores(make_rule_scorer(None, 0.0), records(8), ["7"] * 8, pool)
+    finally:
+        pool.close()
+    assert [r.getMessage() for r in caplog.records if "total_timeout_s" in r.getMessage()] == [
+        f"reward.custom_function='{REWARD_FNS}:hangs_on_seven' failed (scored -1.0; logged once): rank 0, "
+        "prompt row 100 (d): cut by reward.total_timeout_s=1.5",
+        "reward.total_timeout_s=1.5 cut a step's scoring: 8 of its 8 responses were not scored in time "
+        "(scored -1.0, counted in reward/timeouts; logged once)",
+    ]
+
+
+def test_a_stop_request_ends_a_call_at_once() -> None:
+    """A stop request 0.5 s into a call whose workers hang (timeout 30 s): the call returns within a
+    poll, the rows not scored abandoned (not failures: no "failed on every response" error), their
+    scores error_score."""
+    pool = make_pool("hangs_on_seven", timeout_s=30.0)
+    try:
+        start = time.monotonic()
+        out = pool.score(records(4), ["1", "7", "7", "12"], stop=lambda: time.monotonic() > start + 0.5)
+        elapsed = time.monotonic() - start
+        assert [s if s is None else s.value for s in out.scored] == [1.0, None, None, None]
+        assert (out.timeouts, out.errors, out.abandoned, out.first) == (0, 0, 3, None)
+        assert elapsed < 3.0, elapsed
+        start = time.monotonic()
+        scores, metrics = rule_scores(
+            make_rule_scorer(None, 0.0), records(2), ["7", "7"], pool, lambda: time.monotonic() > start + 0.5
+        )
+        assert scores.tolist() == [-1.0, -1.0]
+        assert metrics == {"reward/timeouts": 0.0, "reward/errors": 0.0}
+    finally:
+        pool.close()
+
+
+SELF_TERM = """
+import os
+import signal
+from pathlib import Path
+
+
+def term(data_source, solution_str, ground_truth, extra_info=None):
+    Path(os.environ["PPO_TEST_STOP_MARKER"]).write_text("stop")  # the trainer's stop request...
+    os.kill(os.getpid(), signal.SIGTERM)  # ...and the same signal reaching the worker
+"""
+
+
+def test_a_worker_killed_by_the_stop_signal_is_not_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = tmp_path / "stop"
+    monkeypatch.setenv("PPO_TEST_STOP_MARKER", str(marker))
+    pool = make_pool("term", num_workers=1, fn_file=write_fn(tmp_path, SELF_TERM))
+    try:
+        out = pool.score(records(2), ["a", "b"], stop=marker.exists)
+    finally:
+        pool.close()
+    assert (out.scored, out.timeouts, out.errors, out.abandoned, out.first) == ([None, None], 0, 0, 2, None)
+
+
+def test_a_function_that_cannot_be_imported_is_one_line(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    path = write_fn(tmp_path, "import not_a_module_of_anyone\n\n\ndef score(**kwargs):\n    return 1.0\n")
+    with pytest.raises(RewardError) as e:
+        make_pool("score", fn_file=path)
+    assert str(e.value) == (
+        f"a reward worker could not start: reward.custom_function='{path}:score': importing {path} raised "
+        "ModuleNotFoundError: No module named 'not_a_module_of_anyone'"
+    )
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_worker_that_exits_while_importing_says_so(tmp_path: Path) -> None:
+    path = write_fn(tmp_path, "import os\n\nos._exit(4)\n")
+    with pytest.raises(RewardError) as e:
+        make_pool("score", fn_file=path)
+    assert str(e.value) == (
+        f"a reward worker for reward.custom_function='{path}:score' did not start: it exited with code 4 "
+        "while importing the function (its output is above)"
+    )
+
+
+def test_total_timeout_is_checked_and_needs_workers() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["reward.total_timeout_s=0"])
+    assert str(e.value) == "reward.total_timeout_s must be > 0, got 0.0 (from the command line)"
+    assert load_config(None, ["reward.total_timeout_s=30"]).warnings() == [
+        "reward.total_timeout_s=30.0 caps the scoring in reward workers and is ignored with "
+        "reward.pool_workers=0 (the trainer's process limits each call to reward.timeout_s)"
+    ]
+    assert load_config(None, ["reward.total_timeout_s=30", "reward.pool_workers=2"]).warnings() == []

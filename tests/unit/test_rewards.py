@@ -12,19 +12,21 @@ import torch
 
 from ppo.data import PromptRecord
 from ppo.rewards import (
+    competition_ranks,
+    rank_scores,
+    reward_model_scores,
+    rule_scores,
+    scores_from_ranks,
+)
+from ppo.rule_scoring import (
     GSM8K_CLIP_CHARS,
     RULE_DATA_SOURCES,
     RewardError,
-    competition_ranks,
     default_compute_score,
     extract_gsm8k_answer,
     gsm8k_score,
     load_custom_function,
     make_rule_scorer,
-    rank_scores,
-    reward_model_scores,
-    rule_scores,
-    scores_from_ranks,
 )
 
 FMT = 0.1  # a format score distinct from 0 and 1, so each case shows which branch it took

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ppo import rewards
+from ppo import rewards, rule_scoring
 from ppo.data import PromptRecord, load_prompts
 from tests.helpers import write_parquet
 
@@ -86,7 +86,7 @@ def test_trl_function_is_detected() -> None:
     def verl(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
         return 0.0
 
-    assert rewards.is_trl_function(trl) and not rewards.is_trl_function(verl)
+    assert rule_scoring.is_trl_function(trl) and not rule_scoring.is_trl_function(verl)
 
 
 def _record(prompt: object, truth: str, **extra: object) -> PromptRecord:
@@ -112,7 +112,7 @@ def test_trl_function_is_called_once_per_batch(tmp_path: Path) -> None:
         "    texts = [c if isinstance(c, str) else c[0]['content'] for c in completions]\n"
         "    return [scale * float(t.strip() == g) for t, g in zip(texts, ground_truth)]\n"
     )
-    scorer = rewards.make_rule_scorer(f"{fn_file}:accuracy", 0.0, {"scale": 2.0})
+    scorer = rule_scoring.make_rule_scorer(f"{fn_file}:accuracy", 0.0, {"scale": 2.0})
     chat = [{"role": "user", "content": "1 + 1"}]
     records = [_record(chat, "2", solution="two"), _record("3 + 4 =", "7", solution="seven")]
     scores, metrics = rewards.rule_scores(scorer, records, [" 2", "8"])
@@ -134,7 +134,7 @@ def test_trl_function_is_called_once_per_batch(tmp_path: Path) -> None:
 def test_trl_function_without_kwargs_gets_what_it_names(tmp_path: Path) -> None:
     fn_file = tmp_path / "trl_plain.py"
     fn_file.write_text("def length(prompts, completions):\n    return [len(c) for c in completions]\n")
-    scorer = rewards.make_rule_scorer(f"{fn_file}:length", 0.0)
+    scorer = rule_scoring.make_rule_scorer(f"{fn_file}:length", 0.0)
     scores, _ = rewards.rule_scores(scorer, [_record("a", "1", solution="x")] * 2, ["abc", "de"])
     assert scores.tolist() == [3.0, 2.0]
 
@@ -142,10 +142,10 @@ def test_trl_function_without_kwargs_gets_what_it_names(tmp_path: Path) -> None:
 def test_trl_function_returning_none_is_one_clear_error(tmp_path: Path) -> None:
     fn_file = tmp_path / "trl_none.py"
     fn_file.write_text("def none(prompts, completions, **kw):\n    return [None for _ in completions]\n")
-    scorer = rewards.make_rule_scorer(f"{fn_file}:none", 0.0)
+    scorer = rule_scoring.make_rule_scorer(f"{fn_file}:none", 0.0)
     with pytest.raises(
-        rewards.RewardError, match=r"returned \[None, None\] for 2 completions; expected a list of 2"
+        rule_scoring.RewardError, match=r"returned \[None, None\] for 2 completions; expected a list of 2"
     ):
         rewards.rule_scores(scorer, [_record("a", "1")] * 2, ["x", "y"])
-    with pytest.raises(rewards.RewardError, match="set reward.pool_workers=0"):
+    with pytest.raises(rule_scoring.RewardError, match="set reward.pool_workers=0"):
         scorer("trl", "x", "1", {})

@@ -4,7 +4,6 @@ and nothing a user had is replaced without an explicit request that says what it
 from __future__ import annotations
 
 import errno
-import functools
 import json
 import math
 import sys
@@ -24,8 +23,9 @@ from ppo.data import PromptRecord
 from ppo.metrics import MetricsLogger
 from ppo.multi_turn import EnvError, MultiTurn, make_settings
 from ppo.reward_pool import RewardPool
-from ppo.rewards import RewardError, make_rule_scorer, rule_scores
+from ppo.rewards import rule_scores
 from ppo.rollout import Sampler, sample
+from ppo.rule_scoring import RewardError, make_rule_scorer
 from tests.helpers import REWARD_FNS, load_script
 
 export_hf = load_script("export_hf")
@@ -165,18 +165,19 @@ def test_a_reward_function_calling_sys_exit_is_a_reward_error() -> None:
 def test_a_reward_worker_calling_sys_exit_is_a_counted_error() -> None:
     spec = f"{REWARD_FNS}:exits"
     pool = RewardPool(
-        functools.partial(make_rule_scorer, spec, 0.0, {}),
-        name=f"reward.custom_function={spec!r}",
+        custom_function=spec,
+        format_score=0.0,
+        reward_kwargs={},
         num_workers=1,
         timeout_s=30.0,
         error_score=-1.0,
     )
     try:
-        scored, timeouts, errors, first = pool.score(rows(2), ["", "an answer"])
+        out = pool.score(rows(2), ["", "an answer"])
     finally:
         pool.close()
-    assert (scored[1], timeouts, errors) == (None, 0, 1)
-    assert first is not None and first.startswith(
+    assert (out.scored[1], out.timeouts, out.errors) == (None, 0, 1)
+    assert out.first is not None and out.first.startswith(
         f"prompt row 41 (d): reward.custom_function={spec!r} raised SystemExit: 0"
     )
 
