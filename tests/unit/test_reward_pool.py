@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +24,7 @@ from ppo.data import PromptRecord
 from ppo.reward_pool import RewardPool
 from ppo.rewards import check_rule_coverage, rule_scores
 from ppo.rule_scoring import RewardError, Score, make_rule_scorer
-from tests.helpers import REWARD_FNS, ROOT, base_args, read_metrics, torchrun
+from tests.helpers import REWARD_FNS, ROOT, base_args, has_metrics, read_metrics, torchrun, wait_until
 
 TIMEOUT_S = 3.0
 
@@ -279,6 +283,50 @@ def test_a_worker_killed_by_the_stop_signal_is_not_an_error(
     assert (out.scored, out.timeouts, out.errors, out.abandoned, out.first) == ([None, None], 0, 0, 2, None)
 
 
+ORPHAN = """
+import sys
+from types import SimpleNamespace
+
+from ppo.reward_pool import RewardPool
+
+pool = RewardPool(custom_function=sys.argv[1], format_score=0.0, reward_kwargs={}, num_workers=1, timeout_s=600,
+                  error_score=0.0)
+print(pool.workers[0].proc.pid, flush=True)
+pool.score([SimpleNamespace(data_source="d", ground_truth="g", extra_info={}, index=0)], ["7"])  # hangs
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_a_worker_stuck_in_a_call_exits_when_the_trainer_is_killed() -> None:
+    """SIGKILL leaves the trainer no time to close its pool, and a worker hanging in the user's call never
+    reads the EOF on its stdin: its watcher thread sees the parent gone and ends it within seconds."""
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", ORPHAN, f"{REWARD_FNS}:hangs_on_seven"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        worker = int(trainer.stdout.readline())  # type: ignore[union-attr]
+        time.sleep(0.5)  # in the hanging call
+        assert alive(worker)
+        trainer.kill()
+        trainer.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(worker)
+    finally:
+        trainer.kill()
+
+
 def test_a_function_that_cannot_be_imported_is_one_line(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
     path = write_fn(tmp_path, "import not_a_module_of_anyone\n\n\ndef score(**kwargs):\n    return 1.0\n")
     with pytest.raises(RewardError) as e:
@@ -309,3 +357,47 @@ def test_total_timeout_is_checked_and_needs_workers() -> None:
         "reward.pool_workers=0 (the trainer's process limits each call to reward.timeout_s)"
     ]
     assert load_config(None, ["reward.total_timeout_s=30", "reward.pool_workers=2"]).warnings() == []
+
+
+@pytest.mark.slow
+def test_a_stop_signal_while_every_reward_call_hangs_saves_the_last_step(
+    tiny_assets: Path, tmp_path: Path
+) -> None:
+    """Both ranks' reward calls of step 2 hang (reward.timeout_s=600, no cap); SIGTERM to the launcher's
+    process group, as Slurm sends it (it may reach the reward workers too): scoring gives up within half a
+    second, the run saves step 1 and exits well inside torchrun's grace, with no traceback but torchrun's
+    own SignalException. The scoring used to wait out its 600 s time limit."""
+    out = tmp_path / "run"
+    args = base_args(tiny_assets, out, steps=4) + [
+        "trainer.val_before_train=false",
+        "algorithm.adv_estimator=grpo",
+        f"reward.custom_function={REWARD_FNS}:slow_after",
+        "reward.pool_workers=1",
+        "reward.timeout_s=600",
+    ]
+    # A worker's calls before the slow one: the start-up probe, then its rank's 4 responses of step 1.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PPO_TEST_SLOW_S": "3600", "PPO_TEST_FAST_CALLS": "5"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.Popen(
+        [*cmd, str(ROOT / "train_ppo.py"), *args],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        wait_until(proc, has_metrics(out), timeout=400)
+        time.sleep(2)  # inside step 2's hanging scoring
+        sent = time.time()
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert time.time() - sent < 25, stderr[-3000:]
+    assert "stopping: saved step 1" in stderr, stderr[-3000:]
+    assert "did not start" not in stderr and "the reward worker died" not in stderr, stderr[-3000:]
+    signalled = "torch.distributed.elastic.multiprocessing.api.SignalException: Process"
+    assert stderr.count("Traceback") == stderr.count(signalled), stderr[-3000:]  # torchrun's own only
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000001"
+    assert [r["step"] for r in read_metrics(out)] == [1]
