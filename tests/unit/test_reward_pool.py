@@ -327,6 +327,19 @@ def test_a_worker_stuck_in_a_call_exits_when_the_trainer_is_killed() -> None:
         trainer.kill()
 
 
+def test_a_worker_ignores_ctrl_c() -> None:
+    """Ctrl-C in a terminal reaches the whole process group: the trainer stops at a phase boundary and
+    closes its workers, which must not die under it first."""
+    pool = make_pool("digit_score", num_workers=1)
+    try:
+        pid = pool.workers[0].proc.pid
+        os.kill(pid, signal.SIGINT)
+        out = pool.score(records(1), ["12"])
+        assert (out.scored, out.errors, pool.workers[0].proc.pid) == ([Score(1.0, {})], 0, pid)
+    finally:
+        pool.close()
+
+
 def test_a_function_that_cannot_be_imported_is_one_line(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
     path = write_fn(tmp_path, "import not_a_module_of_anyone\n\n\ndef score(**kwargs):\n    return 1.0\n")
     with pytest.raises(RewardError) as e:
