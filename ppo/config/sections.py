@@ -478,9 +478,10 @@ class RewardConfig:
     number (``reward/timeouts``, ``reward/errors``); a step whose every call failed stops the run."""
     total_timeout_s: float | None = None
     """With ``pool_workers > 0``: the most seconds one rank spends scoring a step's responses (a round of
-    dynamic sampling is scored on its own); past it the calls still running are abandoned (their workers
-    replaced) and every response not scored yet scores ``error_score``, counted in ``reward/timeouts``.
-    None: no cap (a step whose calls all hang costs ``ceil(responses / pool_workers) * timeout_s``)."""
+    dynamic sampling and a validation pass are each capped on their own); past it the calls still running
+    are abandoned (their workers replaced) and every response not scored yet scores ``error_score``,
+    counted in ``reward/timeouts``. None: no cap (a step whose calls all hang costs
+    ``ceil(responses / pool_workers) * timeout_s``)."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     """DAPO's length penalty near ``data.max_response_length``, added to every score."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
