@@ -14,12 +14,27 @@ Axes (``--axes``; fixed values: 8 prompts, ``rollout.n=1``, 32 response tokens, 
 - ``response_len``: tokens per response, 32 -> 1024 (8 prompts).
 - ``batch``: prompts per step, 8 -> 128 (``data.train_batch_size``).
 - ``n``: responses per prompt, 1 -> 16 (``rollout.n``; 8 prompts).
-- ``ranks``: 1 -> 2 ranks (gloo, one thread each), two series: ``ranks/weak`` (the same work per rank:
-  16 prompts per rank) and ``ranks/strong`` (the same total work: 16 prompts in all).
+- ``ranks``: 1 -> 2 ranks (gloo, one thread each), three series: ``ranks/weak`` (the same work per rank:
+  16 prompts per rank), ``ranks/strong`` (the same total work: 16 prompts in all) and the control
+  ``ranks/independent``: at ``x=2`` two independent 1-rank runs of ``ranks/weak``'s per-rank work, started
+  together (no process group between them: nothing is communicated), so the machine's own cost of running
+  two busy processes (two cores sharing caches and memory bandwidth) shows apart from the trainer's. Their
+  mean is the table's row, each one's row is printed below it (``processes`` in ``--json``); each runs
+  ``PAIR_EXTRA_STEPS`` more steps and only the steps during which the other was training count
+  (``overlapping_steps``). ``ranks/weak`` minus ``ranks/independent`` at ``x=2``, per phase, is what the
+  2-rank trainer adds: FSDP (its collectives, hooks and DTensor optimizer; a world of one runs unwrapped),
+  the metric reductions.
 - ``turns``: multi-turn rollouts, 1 -> 8 turns (``rollout.multi_turn``) of ``TURN_TOKENS`` generated
   tokens, each answered by ``FixedAnswer`` (below) with ``OBSERVATION``. The turns are exact: the policy
   of this axis is rigged to always write the character ``FORCED_CHAR`` (``rig_forced_token``), and the
-  stop string is ``TURN_TOKENS`` of them.
+  stop string is ``TURN_TOKENS`` of them. Each turn is one ``generate`` call whose prompt is the whole
+  trajectory so far (``ppo.multi_turn.run_turns``), so its first forward prefills the prompt and every
+  earlier turn and observation again: ``turn_work`` counts the prefill tokens (quadratic in the turns) and
+  decoding steps (linear) by arithmetic, and ``profile_turns`` times them, in this process, on the
+  trainer's sampler under forward hooks (``ForwardClock``, CPU time; its counts must equal the
+  arithmetic). ``turn_cost_model`` turns that into CPU seconds per prefill token, per decoding step and per
+  ``generate`` call (everything else), printed with each point's modelled seconds (``model_s``) and the
+  exponents of the rollout with and without its prefill.
 - ``sp``: tokens per rank under Ulysses sequence parallelism (``actor.ulysses_sequence_parallel_size=2``,
   2 ranks, one group): 4 prompts of 128 -> 512 response tokens, each rank holding half of every sequence.
 
@@ -77,6 +92,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +145,9 @@ class Point:
     sp: int = 1
     turns: int = 0
     """Assistant turns (0: a single-turn rollout)."""
+    copies: int = 1
+    """Independent 1-rank runs of the point started together (``ranks/independent``): the same work per
+    process as ``ranks/weak``'s ranks, no process group between them."""
 
 
 def axis_points(axis: str, quick: bool = False) -> list[Point]:
@@ -156,6 +175,8 @@ def axis_points(axis: str, quick: bool = False) -> list[Point]:
             Point("ranks/weak", 2, num_prompts=2 * per_rank, response_len=length, nproc=2),
             Point("ranks/strong", 1, **one),
             Point("ranks/strong", 2, num_prompts=per_rank, response_len=length, nproc=2),
+            Point("ranks/independent", 1, **one),
+            Point("ranks/independent", 2, **one, copies=2),
         ]
     if axis == "turns":
         per_turn = TURN_TOKENS + len(OBSERVATION)
@@ -233,8 +254,138 @@ def rig_forced_token(model: torch.nn.Module, token_id: int) -> None:
     model.lm_head.weight[token_id, 0] = 4.0
 
 
-def overrides(point: Point, paths: dict[str, Path], out_dir: Path, args: argparse.Namespace) -> list[str]:
-    """train_ppo's command line for ``point``."""
+def turn_work(prompt_lens: list[int], turns: int) -> dict[str, int]:
+    """What generation does on the ``turns`` axis, by arithmetic: turn ``t`` (0-based) is one ``generate``
+    call on every row's prompt and its ``t`` earlier turns (``TURN_TOKENS`` generated + ``OBSERVATION``'s
+    tokens each), left-padded to the widest row; its first forward (the prefill) reads all of them and
+    writes the first token, then ``TURN_TOKENS - 1`` decoding forwards of one token per row follow.
+
+    Returns ``generate_calls``, ``prefill_tokens`` (rows x padded width, summed over turns: quadratic in
+    ``turns``), ``decode_steps`` (linear) and ``generated_tokens``."""
+    rows, width, per_turn = len(prompt_lens), max(prompt_lens), TURN_TOKENS + len(OBSERVATION)
+    return {
+        "generate_calls": turns,
+        "prefill_tokens": sum(rows * (width + t * per_turn) for t in range(turns)),
+        "decode_steps": turns * (TURN_TOKENS - 1),
+        "generated_tokens": rows * turns * TURN_TOKENS,
+    }
+
+
+class ForwardClock:
+    """Forward hooks on a model that sort its forwards into prefills (more than one new token per row: the
+    first forward of a ``generate`` call) and decoding steps (one), with their CPU seconds and tokens."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.prefill_s = self.decode_s = 0.0
+        self.prefill_tokens = self.decode_steps = 0
+        self._start = 0.0
+        self._shape: tuple[int, ...] = ()
+        self._handles = [
+            model.register_forward_pre_hook(self._pre, with_kwargs=True),
+            model.register_forward_hook(self._post, with_kwargs=True),
+        ]
+
+    def _pre(self, _module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self._shape = tuple(ids.shape)
+        self._start = time.process_time()
+
+    def _post(self, _module: torch.nn.Module, _args: tuple, _kwargs: dict[str, Any], _out: Any) -> None:
+        seconds = time.process_time() - self._start
+        rows, new = self._shape
+        if new > 1:
+            self.prefill_s += seconds
+            self.prefill_tokens += rows * new
+        else:
+            self.decode_s += seconds
+            self.decode_steps += 1
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def profile_turns(paths: dict[str, Path], args: argparse.Namespace, turns: list[int]) -> list[dict]:
+    """Where generation goes on the ``turns`` axis, in this process: the trainer's sampler
+    (``ppo.rollout.sample`` with the same multi-turn settings, model, prompts and one torch thread) runs
+    each point's rollout ``TURN_REPEATS`` times under a ``ForwardClock``; the run of median CPU time. Per
+    point: ``turn_work``'s counts (and the clock's, which must equal them), ``gen_cpu_s`` (the whole
+    rollout), ``prefill_s`` and ``decode_s`` (the model's forwards) and ``rest_s`` (the rest: ``generate``'s
+    per-step machinery, stop strings, the turn loop and the environment)."""
+    from transformers import AutoTokenizer
+
+    from ppo import data, models, multi_turn, rollout
+    from ppo.attention import PACKED_ATTENTION
+    from ppo.config.sections import MultiTurnConfig, RolloutConfig
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    tokenizer = AutoTokenizer.from_pretrained(paths["forced"])
+    model = models.load_causal_lm(str(paths["forced"]), attn_implementation=PACKED_ATTENTION).train()
+    records = data.load_prompts(
+        paths["prompts"], tokenizer, max_prompt_length=PROMPT_LEN, require_ground_truth=False
+    )
+    records = records[:TURN_PROFILE_PROMPTS]
+    per_turn = TURN_TOKENS + len(OBSERVATION)
+    out = []
+    try:
+        for t in turns:
+            mt = MultiTurnConfig(
+                enable=True,
+                env=f"{Path(__file__).resolve()}:FixedAnswer",
+                stop=[FORCED_CHAR * TURN_TOKENS],
+                max_assistant_turns=t,
+            )
+            sampler = rollout.Sampler(
+                actor=model,
+                engine=None,
+                settings=RolloutConfig(
+                    n=1, micro_batch_size_per_gpu=len(records), compile=False, multi_turn=mt
+                ),
+                max_response_length=t * per_turn,
+                eos_ids=[tokenizer.eos_token_id],
+                pad_token_id=tokenizer.pad_token_id,
+                multi_turn=multi_turn.make_settings(mt, tokenizer, t * per_turn),
+            )
+            samples = []
+            for _ in range(TURN_REPEATS):
+                clock = ForwardClock(model)
+                start = time.process_time()
+                result = rollout.sample(sampler, records, do_sample=True)
+                total = time.process_time() - start
+                clock.remove()
+                generated = int(result.loss_mask.sum())
+                samples.append((total, clock, generated))
+            work = turn_work([len(r.input_ids) for r in records], t)
+            total, clock, generated = sorted(samples, key=lambda x: x[0])[len(samples) // 2]  # the median run
+            counted = {
+                "prefill_tokens": clock.prefill_tokens,
+                "decode_steps": clock.decode_steps,
+                "generated_tokens": generated,
+            }
+            med = {
+                "gen_cpu_s": total,
+                "prefill_s": clock.prefill_s,
+                "decode_s": clock.decode_s,
+                "rest_s": total - clock.prefill_s - clock.decode_s,
+            }
+            if any(counted[k] != work[k] for k in counted):
+                raise RuntimeError(f"turns={t}: the forwards counted {counted}, the arithmetic says {work}")
+            out.append({"turns": t, **work, **med})
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+TURN_PROFILE_PROMPTS = 8
+"""Rows of ``profile_turns`` (the ``turns`` axis's 8 prompts)."""
+TURN_REPEATS = 3
+
+
+def overrides(
+    point: Point, paths: dict[str, Path], out_dir: Path, args: argparse.Namespace, steps: int | None = None
+) -> list[str]:
+    """train_ppo's command line for ``point`` (``steps``: ``--steps`` unless given)."""
     budget = 1 << 20  # every rank's batch in one micro-batch
     cmd = [
         f"model.path={paths['forced' if point.turns else 'policy']}",
@@ -253,7 +404,7 @@ def overrides(point: Point, paths: dict[str, Path], out_dir: Path, args: argpars
         "critic.optim.lr=1e-6",
         "algorithm.adv_estimator=gae",
         "algorithm.use_kl_in_reward=true",  # the reference's forward is part of the step
-        f"trainer.total_training_steps={args.steps}",
+        f"trainer.total_training_steps={steps or args.steps}",
         "trainer.logger=[jsonl]",
         "trainer.val_before_train=false",
         "trainer.resume_mode=disable",
@@ -275,9 +426,13 @@ def overrides(point: Point, paths: dict[str, Path], out_dir: Path, args: argpars
     return cmd
 
 
-def run_point(point: Point, paths: dict[str, Path], out_dir: Path, args: argparse.Namespace) -> list[dict]:
-    """``train_ppo.py`` for ``point`` in a fresh process (torchrun for 2 ranks); its ``metrics.jsonl``."""
-    script = [str(ROOT / "train_ppo.py"), *overrides(point, paths, out_dir, args)]
+def run_point(
+    point: Point, paths: dict[str, Path], out_dir: Path, args: argparse.Namespace
+) -> list[list[dict]]:
+    """``train_ppo.py`` for ``point`` in a fresh process (torchrun for 2 ranks; ``copies`` processes started
+    together for ``ranks/independent``): each process's ``metrics.jsonl`` lines (one list for torchrun, whose
+    timings are rank 0's). Of independent processes only the steps that ran entirely while every other
+    process was in its training loop are kept (``overlapping_steps``)."""
     if point.nproc > 1:
         launch = [
             sys.executable,
@@ -289,10 +444,152 @@ def run_point(point: Point, paths: dict[str, Path], out_dir: Path, args: argpars
     else:
         launch = [sys.executable]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([*launch, *script], capture_output=True, text=True, env=env, cwd=ROOT)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{point} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    dirs = [out_dir] if point.copies == 1 else [out_dir / f"process_{i}" for i in range(point.copies)]
+    steps = args.steps + (PAIR_EXTRA_STEPS if point.copies > 1 else 0)
+    procs = []
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)
+        script = [str(ROOT / "train_ppo.py"), *overrides(point, paths, d, args, steps=steps)]
+        with open(d / "stdout.txt", "w") as out, open(d / "stderr.txt", "w") as err:
+            procs.append(subprocess.Popen([*launch, *script], stdout=out, stderr=err, env=env, cwd=ROOT))
+    ends = watch_step_ends(procs, [d / "metrics.jsonl" for d in dirs])
+    for proc, d in zip(procs, dirs, strict=True):
+        if proc.wait() != 0:
+            for other in procs:
+                other.kill()
+            raise RuntimeError(
+                f"{point} failed ({proc.returncode}):\n{(d / 'stderr.txt').read_text()[-4000:]}"
+            )
+    runs = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in dirs]
+    for run, process_ends in zip(runs, ends, strict=True):
+        clocks = step_clocks(process_ends)
+        for m in run:  # CPU per rank: a torchrun tree's is its ranks' and its agent's (next to none)
+            cpu, wait = clocks.get(m["step"], (None, None))
+            m["bench/cpu_s"] = None if cpu is None else cpu / point.nproc
+            m["bench/wait_s"] = wait  # the machine's, not the process's
+    if point.copies > 1:
+        walls = [[e.wall_s for e in process_ends for _ in range(e.lines)] for process_ends in ends]
+        kept = overlapping_steps(walls)
+        runs = [[m for m in run if m["step"] in keep] for run, keep in zip(runs, kept, strict=True)]
+    return runs
+
+
+PAIR_EXTRA_STEPS = 6
+"""Steps added to each independent process of ``ranks/independent``: their start-ups end up to a few
+hundred milliseconds apart, so the first and last steps of one may run while the other is not training;
+those are dropped (``overlapping_steps``) and the extra steps leave enough that overlap."""
+
+
+@dataclasses.dataclass
+class StepEnd:
+    """When one step's line appeared in a process's ``metrics.jsonl``, and the CPU clocks of the process
+    (with its children: a torchrun agent's ranks) at that moment."""
+
+    wall_s: float
+    """``time.perf_counter()``."""
+    cpu_s: float | None
+    """Seconds its threads have run on a core (``process_clocks``; None off Linux)."""
+    wait_s: float | None
+    """The machine's seconds so far during which some runnable task waited for a core."""
+    lines: int
+    """How many new lines this poll found (more than one: the steps' clocks cannot be told apart)."""
+
+
+def process_clocks(pid: int) -> tuple[float, float] | tuple[None, None]:
+    """(on-core seconds of ``pid``'s threads and of every process below it, from each thread's
+    ``se.sum_exec_runtime`` in ``/proc/<pid>/task/<tid>/sched``; the machine's seconds during which some
+    runnable task waited for a core, ``/proc/pressure/cpu``'s ``some total``), or (None, None) where the
+    files are missing (not Linux, or the process is gone)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (name)": state, ppid, ...
+        except (OSError, IndexError):
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    pids, cpu_ms, seen = [pid], 0.0, False
+    while pids:
+        current = pids.pop()
+        pids += parents.get(current, [])
+        tasks = Path(f"/proc/{current}/task")
+        try:
+            tids = [t.name for t in tasks.iterdir()]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                text = (tasks / tid / "sched").read_text()
+            except OSError:
+                continue  # a thread that ended between the listing and the read
+            for line in text.splitlines():
+                if line.startswith("se.sum_exec_runtime"):
+                    cpu_ms, seen = cpu_ms + float(line.split(":")[1]), True
+    try:
+        pressure = Path("/proc/pressure/cpu").read_text().split("\n")[0]
+        waited_us = int(pressure.rsplit("total=", 1)[1])
+    except (OSError, IndexError, ValueError):
+        return None, None
+    return (cpu_ms / 1e3, waited_us / 1e6) if seen else (None, None)
+
+
+def watch_step_ends(
+    procs: list[subprocess.Popen], files: list[Path], poll_s: float = 0.01
+) -> list[list[StepEnd]]:
+    """Until every process has exited: for each process, each step's end as seen by polling its
+    ``metrics.jsonl`` every ``poll_s`` (the trainer writes and flushes a line at the end of a step), with
+    the process tree's CPU clocks read then (``process_clocks``; only when a line appeared, so the
+    polling itself costs next to nothing)."""
+    ends: list[list[StepEnd]] = [[] for _ in files]
+    sizes = [0 for _ in files]
+
+    def poll() -> None:
+        for i, (proc, path) in enumerate(zip(procs, files, strict=True)):
+            try:
+                size = path.stat().st_size
+            except OSError:
+                continue
+            if size == sizes[i]:
+                continue
+            sizes[i] = size
+            lines = path.read_text().count("\n")
+            new = lines - sum(e.lines for e in ends[i])
+            if new > 0:
+                cpu, wait = process_clocks(proc.pid)
+                ends[i].append(StepEnd(time.perf_counter(), cpu, wait, new))
+
+    while any(p.poll() is None for p in procs):
+        poll()
+        time.sleep(poll_s)
+    poll()
+    return ends
+
+
+def step_clocks(ends: list[StepEnd]) -> dict[int, tuple[float, float]]:
+    """Step number -> (CPU seconds of the process tree, the machine's waiting seconds) during that step, for the steps
+    whose start and end were both seen on their own (a poll that found one new line after one that
+    did); the first step's start is not seen."""
+    out = {}
+    step = 0
+    for prev, end in zip([None, *ends], ends, strict=False):
+        step += end.lines
+        ok = prev is not None and end.lines == 1 and end.cpu_s is not None and prev.cpu_s is not None
+        if ok:
+            out[step] = (end.cpu_s - prev.cpu_s, end.wait_s - prev.wait_s)
+    return out
+
+
+def overlapping_steps(ends: list[list[float]]) -> list[set[int]]:
+    """Per process, the steps (1-based) that ran while every other process was training: step ``s`` runs
+    from step ``s - 1``'s end to its own (step 1 is never kept: its start is not seen), and is kept when
+    that lies between every other process's first and last step ends. ``ends``: per process, the wall
+    time of each step's end, in order."""
+    kept = []
+    for i, mine in enumerate(ends):
+        others = [e for j, e in enumerate(ends) if j != i]
+        lo = max((e[0] for e in others), default=-math.inf)
+        hi = min((e[-1] for e in others), default=math.inf)
+        kept.append({s + 1 for s in range(1, len(mine)) if mine[s - 1] >= lo and mine[s] <= hi})
+    return kept
 
 
 def summarize(point: Point, metrics: list[dict], warmup: int) -> dict[str, Any]:
@@ -306,6 +603,10 @@ def summarize(point: Point, metrics: list[dict], warmup: int) -> dict[str, Any]:
     groups = {g: sum(med.get(p, 0.0) for p in names) for g, names in PHASE_GROUPS.items()}
     step = med["step"]
     tokens_per_rank = tokens / point.nproc  # SP: each rank of a group holds 1/sp of every sequence
+    clocks = {
+        name: [m[f"bench/{name}"] for m in counted if m.get(f"bench/{name}") is not None]
+        for name in ("cpu_s", "wait_s")
+    }
     return {
         "series": point.series,
         "x": point.x,
@@ -316,6 +617,8 @@ def summarize(point: Point, metrics: list[dict], warmup: int) -> dict[str, Any]:
         "score_s": groups["score"],
         "train_s": groups["train"],
         "other_s": step - sum(groups.values()),
+        "cpu_s": statistics.median(clocks["cpu_s"]) if clocks["cpu_s"] else None,
+        "wait_s": statistics.median(clocks["wait_s"]) if clocks["wait_s"] else None,
         "gen_ms_per_token": 1000 * groups["gen"] / point.response_len,
         "tokens_per_s": tokens / step,
         "mem_gib": max(m["perf/max_memory_gib"] for m in counted),
@@ -327,8 +630,31 @@ def summarize(point: Point, metrics: list[dict], warmup: int) -> dict[str, Any]:
     }
 
 
+def combine(rows: list[dict]) -> dict[str, Any]:
+    """One row for processes that ran at once, from each one's row: the mean of their times (every phase,
+    ``gen_ms_per_token``), their tokens and throughputs summed, the largest memory; each process's own row
+    under ``processes``. A single row is returned as it is."""
+    if len(rows) == 1:
+        return rows[0]
+    out = dict(rows[0])
+    for column in ("step_s", "gen_s", "score_s", "train_s", "other_s", "gen_ms_per_token", "response_tokens"):
+        out[column] = statistics.fmean(r[column] for r in rows)
+    for column in ("cpu_s", "wait_s"):
+        values = [r[column] for r in rows if r.get(column) is not None]
+        out[column] = statistics.fmean(values) if values else None
+    out["timing_s"] = {
+        p: statistics.fmean(r["timing_s"].get(p, 0.0) for r in rows) for p in rows[0]["timing_s"]
+    }
+    out["tokens"] = sum(r["tokens"] for r in rows)
+    out["tokens_per_s"] = sum(r["tokens_per_s"] for r in rows)
+    out["mem_gib"] = max(r["mem_gib"] for r in rows)
+    out["steps"] = min(r["steps"] for r in rows)
+    out["processes"] = [{k: v for k, v in r.items() if k != "point"} for r in rows]
+    return out
+
+
 TABLE_COLUMNS = [
-    "series", "x", "tokens", "work", "step_s", "gen_s", "score_s", "train_s", "other_s",
+    "series", "x", "tokens", "work", "step_s", "gen_s", "score_s", "train_s", "other_s", "cpu_s", "wait_s",
     "gen_ms_per_token", "tokens_per_s", "mem_gib",
 ]  # fmt: skip
 
@@ -355,18 +681,89 @@ def fits(rows: list[dict]) -> list[dict]:
 FIT_COLUMNS = ["series", *(f"{n}_k" for n in FITTED), "mem_mib_per_ktok"]
 
 
-def print_report(rows: list[dict], fitted: list[dict], as_json: bool) -> None:
-    """The points and the exponents: two tables, or one JSON object per line (``kind``: point | fit)."""
+def turn_cost_model(profile: list[dict]) -> dict[str, Any]:
+    """The cost model of multi-turn generation from ``profile_turns``'s points: CPU seconds per prefill
+    token, per decoding step and per ``generate`` call (of everything else), each the ratio of its summed
+    seconds to its summed count over the points, and the exponents ``k`` (against the generated tokens) of
+    the whole rollout, of its prefill, and of the rollout without the prefill."""
+    tokens = [float(p["generated_tokens"]) for p in profile]
+    model: dict[str, Any] = {
+        "prefill_ms_per_ktok": 1e6
+        * sum(p["prefill_s"] for p in profile)
+        / sum(p["prefill_tokens"] for p in profile),
+        "decode_ms_per_step": 1e3
+        * sum(p["decode_s"] for p in profile)
+        / sum(p["decode_steps"] for p in profile),
+        "rest_ms_per_call": 1e3
+        * sum(p["rest_s"] for p in profile)
+        / sum(p["generate_calls"] for p in profile),
+    }
+    if len(set(tokens)) > 1:
+        model["gen_k"] = fit_exponent(tokens, [p["gen_cpu_s"] for p in profile])[0]
+        model["prefill_k"] = fit_exponent(tokens, [p["prefill_s"] for p in profile])[0]
+        model["without_prefill_k"] = fit_exponent(tokens, [p["gen_cpu_s"] - p["prefill_s"] for p in profile])[
+            0
+        ]
+    return model
+
+
+TURN_COLUMNS = [
+    "turns", "generate_calls", "prefill_tokens", "decode_steps", "generated_tokens",
+    "gen_cpu_s", "prefill_s", "decode_s", "rest_s", "model_s",
+]  # fmt: skip
+
+
+def with_model(profile: list[dict], model: dict[str, Any]) -> list[dict]:
+    """``profile``'s points with ``model_s``, the cost model's CPU seconds for each."""
+    return [
+        {
+            **p,
+            "model_s": p["prefill_tokens"] * model["prefill_ms_per_ktok"] / 1e6
+            + p["decode_steps"] * model["decode_ms_per_step"] / 1e3
+            + p["generate_calls"] * model["rest_ms_per_call"] / 1e3,
+        }
+        for p in profile
+    ]
+
+
+def print_report(
+    rows: list[dict], fitted: list[dict], as_json: bool, turn_profile: list[dict] | None = None
+) -> None:
+    """The points, the exponents, each independent process's row and the turns profile: tables, or one
+    JSON object per line (``kind``: point | fit | turn_profile | turn_model)."""
+    model = turn_cost_model(turn_profile) if turn_profile else None
     if as_json:
         for r in rows:
             print(json.dumps({"kind": "point", **r}))
         for f in fitted:
             print(json.dumps({"kind": "fit", **f}))
+        if model is not None:
+            for p in with_model(turn_profile, model):
+                print(json.dumps({"kind": "turn_profile", **p}))
+            print(json.dumps({"kind": "turn_model", **model}))
         return
     print_table(rows, TABLE_COLUMNS)
     print()
     print("exponents k of time = c * work^k (least squares on log-log; work = tokens per rank, or ranks)")
     print_table(fitted, FIT_COLUMNS)
+    each = [
+        {**proc, "series": f"{r['series']} #{i}", "x": r["x"]}
+        for r in rows
+        for i, proc in enumerate(r.get("processes", []))
+    ]
+    if each:
+        print()
+        print("independent processes run together, each one's row (the table above holds their mean)")
+        print_table(each, TABLE_COLUMNS)
+    if model is not None:
+        print()
+        print("turns: where the rollout's CPU time goes (in this process, the trainer's sampler, medians)")
+        print_table(with_model(turn_profile, model), TURN_COLUMNS)
+        print(
+            "cost model: "
+            + ", ".join(f"{k} {v:.4g}" for k, v in model.items())
+            + " (model_s = prefill tokens x prefill cost + decoding steps x step cost + calls x call cost)"
+        )
 
 
 def plot(rows: list[dict], fitted: list[dict], path: Path) -> None:
@@ -420,6 +817,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="one JSON object per point and per fit")
     parser.add_argument("--png", type=Path, default=None, help="write the log-log curves here")
+    parser.add_argument(
+        "--assets",
+        type=Path,
+        default=None,
+        help="write the models and prompts here and keep them (policy, forced)",
+    )
     args = parser.parse_args(argv)
     args.axes = [a.strip() for a in args.axes.split(",") if a.strip()]
     unknown = [a for a in args.axes if a not in AXES]
@@ -435,9 +838,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rows = []
+    turn_profile = None
     with tempfile.TemporaryDirectory(prefix="bench_scaling_") as tmp:
         folder = Path(tmp)
-        paths = write_assets(folder, args)
+        if args.assets is not None:
+            args.assets.mkdir(parents=True, exist_ok=True)
+        paths = write_assets(args.assets or folder, args)
         done: dict[Point, dict] = {}
         for axis in args.axes:
             for point in axis_points(axis, args.quick):
@@ -446,14 +852,17 @@ def main(argv: list[str] | None = None) -> int:
                 key = dataclasses.replace(point, series="", x=0)
                 if key not in done:
                     out_dir = folder / f"run_{len(done)}"
-                    done[key] = summarize(point, run_point(point, paths, out_dir, args), args.warmup)
+                    runs = run_point(point, paths, out_dir, args)
+                    done[key] = combine([summarize(point, m, args.warmup) for m in runs])
                 rows.append(
                     {**done[key], "series": point.series, "x": point.x, "point": dataclasses.asdict(point)}
                 )
                 if point.series.startswith("ranks/"):
                     rows[-1]["work"] = float(point.x)
+        if "turns" in args.axes:
+            turn_profile = profile_turns(paths, args, [p.x for p in axis_points("turns", args.quick)])
     fitted = fits(rows)
-    print_report(rows, fitted, args.json)
+    print_report(rows, fitted, args.json, turn_profile)
     if args.png is not None:
         plot(rows, fitted, args.png)
         print(f"wrote {args.png}", file=sys.stderr)

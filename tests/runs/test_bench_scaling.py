@@ -17,10 +17,12 @@ import bench_overhead  # noqa: E402
 import bench_scaling  # noqa: E402
 
 
-def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[list[dict], list[dict]]:
+def run_json(
+    capsys: pytest.CaptureFixture[str], *argv: str, kinds: tuple[str, ...] = ("point", "fit")
+) -> tuple:
     assert bench_scaling.main(["--quick", "--json", *argv]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    return [x for x in lines if x["kind"] == "point"], [x for x in lines if x["kind"] == "fit"]
+    return tuple([x for x in lines if x["kind"] == kind] for kind in kinds)
 
 
 @pytest.mark.slow
@@ -44,8 +46,36 @@ def test_quick_turns_axis_has_exact_turns(capsys: pytest.CaptureFixture[str]) ->
     """The rigged policy writes 8 forced characters per turn (the stop string), so a trajectory of t
     turns has exactly 8 t generated tokens (the trainer's response length counts the policy's tokens,
     not the environment's 8-token answers)."""
-    points, _ = run_json(capsys, "--axes", "turns")
+    points, profile, (model,) = run_json(
+        capsys, "--axes", "turns", kinds=("point", "turn_profile", "turn_model")
+    )
     assert [(p["x"], p["response_tokens"]) for p in points] == [(1, 8.0), (2, 16.0)]
+    # The profile's forwards were counted as the arithmetic says (profile_turns checks it, or raises):
+    # 8 rows, 7 decoding steps and 8 generated tokens a turn.
+    assert [(p["turns"], p["decode_steps"], p["generated_tokens"]) for p in profile] == [
+        (1, 7, 64),
+        (2, 14, 128),
+    ]
+    for p in profile:
+        assert math.isclose(p["gen_cpu_s"], p["prefill_s"] + p["decode_s"] + p["rest_s"])
+    assert {"prefill_ms_per_ktok", "decode_ms_per_step", "rest_ms_per_call", "prefill_k"} <= set(model)
+
+
+@pytest.mark.slow
+def test_quick_ranks_axis_with_its_independent_control(capsys: pytest.CaptureFixture[str]) -> None:
+    """Two independent 1-rank processes of ranks/weak's per-rank work run together: their row holds each
+    one's row, with only the steps that overlapped the other's training counted."""
+    points, fits = run_json(capsys, "--axes", "ranks")
+    assert [(p["series"], p["x"]) for p in points] == [
+        ("ranks/weak", 1), ("ranks/weak", 2), ("ranks/strong", 1), ("ranks/strong", 2),
+        ("ranks/independent", 1), ("ranks/independent", 2),
+    ]  # fmt: skip
+    pair = points[-1]
+    assert len(pair["processes"]) == 2 and "processes" not in points[-2]
+    assert pair["tokens"] == sum(p["tokens"] for p in pair["processes"]) == 2 * points[-2]["tokens"]
+    assert math.isclose(pair["step_s"], sum(p["step_s"] for p in pair["processes"]) / 2)
+    assert all(p["steps"] >= 1 for p in pair["processes"])
+    assert [f["series"] for f in fits] == ["ranks/weak", "ranks/strong", "ranks/independent"]
 
 
 @pytest.mark.slow

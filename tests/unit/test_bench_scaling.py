@@ -54,7 +54,7 @@ def test_axis_points() -> None:
         "response_len": [32, 128, 512, 1024],
         "batch": [8, 32, 128],
         "n": [1, 4, 16],
-        "ranks": [1, 2, 1, 2],
+        "ranks": [1, 2, 1, 2, 1, 2],
         "turns": [1, 2, 4, 8],
         "sp": [128, 256, 512],
     }
@@ -65,7 +65,11 @@ def test_axis_points() -> None:
         ("ranks/weak", 2, 32),
         ("ranks/strong", 1, 16),
         ("ranks/strong", 2, 16),
+        ("ranks/independent", 1, 16),
+        ("ranks/independent", 1, 16),
     ]
+    # The control: two 1-rank processes of ranks/weak's per-rank work, started together.
+    assert [p.copies for p in ranks] == [1, 1, 1, 1, 1, 2]
     # A turn is 8 generated tokens and an 8-token observation: the response budget holds exactly t turns.
     assert [p.response_len for p in bench_scaling.axis_points("turns")] == [16, 32, 64, 128]
     assert all(p.nproc == 2 and p.sp == 2 for p in bench_scaling.axis_points("sp"))
@@ -92,6 +96,93 @@ def test_overrides_of_single_and_multi_turn_points() -> None:
         Point("sp", 128, num_prompts=4, response_len=128, nproc=2, sp=2), paths, Path("/o"), args
     )
     assert "actor.ulysses_sequence_parallel_size=2" in sp
+
+
+def test_overlapping_steps_keeps_what_ran_while_the_other_trained() -> None:
+    # Process 0's steps end at 1, 2, ..., 6 s; process 1 started later: its steps end at 2.5, 3.5, ..., 7.5.
+    # Process 0's step s runs from s - 1 to s: kept when it lies within [2.5, 7.5] (the other's first and
+    # last step ends): steps 4 (3-4), 5, 6. Process 1's step s runs from 1.5 + (s - 1) to 1.5 + s: kept
+    # within [1, 6]: steps 2 (2.5-3.5), 3 (3.5-4.5), 4 (4.5-5.5); step 5 ends at 6.5.
+    ends = [[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], [2.5, 3.5, 4.5, 5.5, 6.5, 7.5]]
+    assert bench_scaling.overlapping_steps(ends) == [{4, 5, 6}, {2, 3, 4}]
+    # One process: every step but the first (whose start is not seen).
+    assert bench_scaling.overlapping_steps([[1.0, 2.0, 3.0]]) == [{2, 3}]
+
+
+def test_step_clocks_are_differences_between_step_ends() -> None:
+    end = bench_scaling.StepEnd
+    # Steps 1-2 ended at 1.0 and 1.5 CPU s (the machine waited 0.1 s in all by then, 0.3 s after step 2);
+    # steps 3 and 4 were seen in one poll (their clocks cannot be told apart), step 5 on its own.
+    ends = [end(0.0, 1.0, 0.1, 1), end(0.0, 1.5, 0.3, 1), end(0.0, 2.5, 0.3, 2), end(0.0, 2.75, 0.5, 1)]
+    assert bench_scaling.step_clocks(ends) == {2: (0.5, 0.19999999999999998), 5: (0.25, 0.2)}
+    # Off Linux the clocks are None: no step gets any.
+    assert bench_scaling.step_clocks([end(0.0, None, None, 1), end(1.0, None, None, 1)]) == {}
+
+
+def test_process_clocks_of_this_process() -> None:
+    import os
+    import time
+
+    cpu, waited = bench_scaling.process_clocks(os.getpid())
+    if cpu is None:
+        pytest.skip("no /proc/<pid>/task/*/sched or /proc/pressure/cpu here")
+    # The scheduler's on-core time of this process's threads is its CPU time (one thread works here).
+    assert abs(cpu - time.process_time()) < 0.05
+    assert waited >= 0.0
+
+
+def test_combine_averages_times_and_sums_work() -> None:
+    a = {"step_s": 1.0, "gen_s": 0.4, "score_s": 0.2, "train_s": 0.3, "other_s": 0.1, "gen_ms_per_token": 4.0,
+         "response_tokens": 32.0, "tokens": 100.0, "tokens_per_s": 100.0, "mem_gib": 0.5, "steps": 4,
+         "timing_s": {"gen": 0.4, "step": 1.0}, "series": "ranks/independent", "x": 2, "work": 2.0,
+         "point": {}}  # fmt: skip
+    b = {**a, "step_s": 2.0, "gen_s": 0.8, "tokens_per_s": 50.0, "mem_gib": 0.7, "steps": 3,
+         "timing_s": {"gen": 0.8, "step": 2.0}}  # fmt: skip
+    row = bench_scaling.combine([a, b])
+    assert (row["step_s"], row["gen_s"], row["score_s"]) == (1.5, 0.6000000000000001, 0.2)
+    assert row["timing_s"] == {"gen": 0.6000000000000001, "step": 1.5}
+    assert (row["tokens"], row["tokens_per_s"], row["mem_gib"], row["steps"]) == (200.0, 150.0, 0.7, 3)
+    assert [p["step_s"] for p in row["processes"]] == [1.0, 2.0]
+    assert bench_scaling.combine([a]) is a
+
+
+def test_turn_work_by_arithmetic() -> None:
+    # 3 rows, prompts of 10, 12, 9 tokens: each turn is left-padded to 12 + 16 t (8 generated + the
+    # 8-token observation per earlier turn). 3 turns: 3 x (12 + 28 + 44) = 252 prefill tokens; 7 decoding
+    # steps a turn (the prefill writes the first of 8 tokens); 3 rows x 3 turns x 8 tokens generated.
+    assert len(bench_scaling.OBSERVATION) == bench_scaling.TURN_TOKENS == 8
+    assert bench_scaling.turn_work([10, 12, 9], 3) == {
+        "generate_calls": 3,
+        "prefill_tokens": 252,
+        "decode_steps": 21,
+        "generated_tokens": 72,
+    }
+
+
+def turn_profile_points() -> list[dict]:
+    # prefill 2 us per token, decoding 1 ms per step, 5 ms per call, exactly.
+    points = []
+    for turns in (1, 2, 4):
+        work = bench_scaling.turn_work([10] * 8, turns)
+        prefill, decode, rest = 2e-6 * work["prefill_tokens"], 1e-3 * work["decode_steps"], 5e-3 * turns
+        points.append({"turns": turns, **work, "gen_cpu_s": prefill + decode + rest, "prefill_s": prefill,
+                       "decode_s": decode, "rest_s": rest})  # fmt: skip
+    return points
+
+
+def test_turn_cost_model_recovers_the_unit_costs() -> None:
+    points = turn_profile_points()
+    model = bench_scaling.turn_cost_model(points)
+    assert math.isclose(model["prefill_ms_per_ktok"], 2.0)
+    assert math.isclose(model["decode_ms_per_step"], 1.0)
+    assert math.isclose(model["rest_ms_per_call"], 5.0)
+    # Without the prefill the cost is 12 ms per turn: linear in the generated tokens.
+    assert math.isclose(model["without_prefill_k"], 1.0)
+    # The prefill grows faster: 8 x (10 + 26 + ...) = 80, 288, 1088 tokens for 64, 128, 256 generated;
+    # log2 of those: 6.3219, 8.1699, 10.0875 at log2 work 6, 7, 8, a slope of (10.0875 - 6.3219) / 2.
+    assert abs(model["prefill_k"] - 1.8828) < 1e-3
+    for p in bench_scaling.with_model(points, model):
+        assert math.isclose(p["model_s"], p["gen_cpu_s"])
 
 
 def metrics_line(step: int, gen: float, scale: float = 1.0) -> dict[str, float]:
@@ -143,6 +234,8 @@ def synthetic_rows() -> list[dict]:
                 "score_s": 0.002 * work,
                 "train_s": 1e-6 * work**2,
                 "other_s": 0.0,
+                "cpu_s": 0.01 * work,
+                "wait_s": 0.0,
                 "gen_ms_per_token": 1.0,
                 "tokens_per_s": 100.0,
                 "mem_gib": 0.5 + work / 1024,
