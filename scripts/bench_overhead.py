@@ -30,7 +30,9 @@ consists of on the same models and shapes, called directly with no trainer aroun
 ``--response-len`` tokens): ``gen`` one ``generate``; ``old_log_prob`` and ``ref`` a forward and the
 log-softmax gather of the response tokens; ``values`` the critic's forward; ``reward`` the reward model's;
 ``adv`` the k1 KL and GAE (``ppo.algorithms``); ``update_actor`` and ``update_critic`` ``--epochs`` x 2
-mini-batches of forward, backward and an AdamW step. Columns: ``phase``, ``trainer_s`` (the trainer's
+mini-batches of forward, the loss, backward, gradient clipping and a fused AdamW step (the actor's loss as the
+trainer's: log-probs and entropy from the logits with ``kernels.logprobs_from_logits``, the clipped
+``policy_loss``, the entropy's mean; the critic's the squared values). Columns: ``phase``, ``trainer_s`` (the trainer's
 median wall seconds, as above), ``floor_s`` (median wall seconds of ``--floor-reps`` repeats, after one
 warm-up), ``gap_s`` and ``gap_pct`` (the trainer's time above the floor, in % of the trainer's): where
 the rest of the step goes. The floor's padded batch holds a few % more tokens than the trainer's packed
@@ -299,8 +301,9 @@ def floor_calls(args: argparse.Namespace, paths: dict[str, Path]) -> dict[str, A
     closures over one shared state; the responses of ``gen`` feed the phases after it."""
     from transformers import AutoTokenizer
 
+    import kernels
     from ppo import data, models
-    from ppo.algorithms import compute_gae, kl_penalty
+    from ppo.algorithms import agg_loss, compute_gae, kl_penalty, policy_loss
 
     tokenizer = AutoTokenizer.from_pretrained(paths["policy"])
     records = data.load_prompts(paths["prompts"], tokenizer, max_prompt_length=32, require_ground_truth=False)
@@ -316,9 +319,10 @@ def floor_calls(args: argparse.Namespace, paths: dict[str, Path]) -> dict[str, A
         str(paths["policy"]), attn_implementation="sdpa", config_key="model.path"
     ).train()
     reward = AutoModelForSequenceClassification.from_pretrained(paths["reward"], num_labels=1).eval()
+    nets = {"actor": actor, "critic": critic}
+    # Fused AdamW, as the trainer steps (ppo.optim.with_optimizer).
     optimizers = {
-        "actor": torch.optim.AdamW(actor.parameters(), lr=1e-6),
-        "critic": torch.optim.AdamW(critic.parameters(), lr=1e-6),
+        name: torch.optim.AdamW(net.parameters(), lr=1e-6, fused=True) for name, net in nets.items()
     }
     length = args.response_len
     state: dict[str, torch.Tensor] = {}
@@ -357,13 +361,30 @@ def floor_calls(args: argparse.Namespace, paths: dict[str, Path]) -> dict[str, A
         rewards = -kl_penalty(state["old"], state["ref"], "kl")
         rewards[:, -1] += state["score"]
         response_mask = torch.ones_like(rewards, dtype=torch.bool)
-        compute_gae(rewards, state["values"], response_mask, gamma=1.0, lam=1.0)
+        state["adv"], _ = compute_gae(rewards, state["values"], response_mask, gamma=1.0, lam=1.0)
+
+    def ppo_loss(rows: slice) -> torch.Tensor:
+        # The actor's loss as the trainer computes it: log-probs and entropy from the logits (kernels),
+        # the clipped policy loss, the entropy's token mean (a metric).
+        ids, mask = state["ids"][rows], state["mask"][rows]
+        logits = actor(input_ids=ids, attention_mask=mask).logits[:, -length - 1 : -1]
+        lp, entropy = kernels.logprobs_from_logits(
+            logits.reshape(-1, logits.shape[-1]), ids[:, -length:].reshape(-1), compute_entropy=True
+        )
+        lp, entropy = lp.view(-1, length), entropy.view(-1, length)
+        response_mask = torch.ones_like(lp, dtype=torch.bool)
+        loss, _ = policy_loss(
+            lp, state["old"][rows], state["adv"][rows], response_mask, 0.2, 0.2, 3.0, "token-mean"
+        )
+        agg_loss(entropy.detach(), response_mask, "token-mean")
+        return loss
 
     def update(name: str, loss_of: Any) -> None:
         half = len(prompts) // NUM_MINI_BATCHES
         for _ in range(args.epochs):
             for m in range(NUM_MINI_BATCHES):
                 loss_of(slice(m * half, (m + 1) * half)).mean().backward()
+                torch.nn.utils.clip_grad_norm_(nets[name].parameters(), 1.0)  # as the trainer clips
                 optimizers[name].step()
                 optimizers[name].zero_grad(set_to_none=True)
 
@@ -379,7 +400,7 @@ def floor_calls(args: argparse.Namespace, paths: dict[str, Path]) -> dict[str, A
         ),
         "adv": no_grad(adv),
         "update_critic": lambda: update("critic", lambda rows: values(rows).square()),
-        "update_actor": lambda: update("actor", lambda rows: -logprobs(actor, rows)),
+        "update_actor": lambda: update("actor", ppo_loss),
     }
 
 
