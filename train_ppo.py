@@ -89,7 +89,12 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
                 check_scores(cfg, run, batch, metrics)
                 at_boundary(stop)
 
-                # 3. advantages: KL in the reward, then GAE or a group baseline
+                # 3. advantages: PRIME's token rewards (its PRM first learns this step's outcomes, only
+                # once the step is sure to train: not on a skipped, rolled-back or stopped step), KL in
+                # the reward, then GAE or a group baseline
+                if run.prm is not None:
+                    with timer("prm"):
+                        metrics.update(update_prm(cfg, run.prm, batch, run.sp))
                 with timer("adv"):
                     metrics.update(batch_advantages.compute_advantages(cfg, batch, run.kl_ctrl, step))
 
@@ -215,8 +220,7 @@ def collect_round(cfg: PPOConfig, run: Run, items: list, timer: Timer) -> Batch:
 
 def score(cfg: PPOConfig, run: Run, batch: Batch, timer: Timer, stop: runner.StopRequest) -> dict[str, float]:
     """Old log-probs (unless the on-policy shortcut makes them the update's own), reference log-probs
-    (and ``actor/ref_kl``), values and scores, into ``batch``; a stop signal is honoured between them.
-    With PRIME, last, the implicit PRM's update and token rewards (``update_prm``)."""
+    (and ``actor/ref_kl``), values and scores, into ``batch``; a stop signal is honoured between them."""
     metrics: dict[str, float] = {}
     if forwards.needs_old_logprobs(cfg):
         with timer("old_log_prob"):  # the actor's, or SPPO's snapshot of it (refreshed every N steps)
@@ -246,9 +250,6 @@ def score(cfg: PPOConfig, run: Run, batch: Batch, timer: Timer, stop: runner.Sto
             metrics.update(reward_metrics)
             if cfg.reward.overlong_buffer.enable:
                 metrics.update(rewards.overlong_metrics(penalties))
-    if run.prm is not None:  # PRIME: the implicit PRM learns the outcome labels, then gives token rewards
-        with timer("prm"):
-            metrics.update(update_prm(cfg, run.prm, batch, run.sp))
     return metrics
 
 

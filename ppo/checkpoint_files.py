@@ -221,6 +221,35 @@ class PendingSave:
     keep: int
 
 
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every trainable parameter of an AdamW that has not stepped yet the state its first step
+    creates: ``step`` 0 and zero moments (``exp_avg``, ``exp_avg_sq``; ``max_exp_avg_sq`` with amsgrad).
+
+    ``get_state_dict`` would otherwise create the state by a step with zero gradients at lr 0, which
+    leaves ``step`` = 1: every later update's bias correction ``1 - beta^t`` then counts one step too
+    many, so a run that saves before its optimizer's first update (a skipped first step, the actor
+    during ``trainer.critic_warmup``) would train differently from the same run without the save. With
+    this state the first real step is what it would have been (torch's AdamW increments ``step``, then
+    updates the moments from zero)."""
+    if optimizer.state or not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return
+    for group in optimizer.param_groups:
+        scalar = torch.float32 if group.get("fused") or group.get("capturable") else torch.get_default_dtype()
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            state = {
+                "step": torch.zeros((), dtype=scalar, device=p.device)
+                if group.get("fused") or group.get("capturable")
+                else torch.tensor(0.0, dtype=scalar),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            optimizer.state[p] = state
+
+
 def save(
     out_dir: Path,
     step: int,
@@ -254,6 +283,7 @@ def save(
         barrier()
         state = {}
         for name, model in _present(models).items():
+            init_optimizer_state(optimizers[name])
             model_sd, optim_sd = get_state_dict(model, optimizers[name], options=TRAINABLE_ONLY)
             state[f"{name}.model"] = model_sd
             state[f"{name}.optim"] = optim_sd
@@ -382,6 +412,7 @@ def load(
     meta = _read_json(ckpt_dir / "trainer.json")
     state = {}
     for name, model in _present(models).items():
+        init_optimizer_state(optimizers[name])
         model_sd, optim_sd = get_state_dict(model, optimizers[name], options=TRAINABLE_ONLY)
         state[f"{name}.model"] = model_sd
         state[f"{name}.optim"] = optim_sd

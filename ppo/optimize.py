@@ -1,6 +1,6 @@
 """Step 4's machinery: mini-batches, global counts, the one optimize loop the actor and the critic share,
 and their loss closures (``actor_loss``, ``critic_loss``): they differ only in the closure. PRIME's
-implicit PRM trains through the same loop in step 2 (``update_prm``, with ``prm_loss``).
+implicit PRM trains through the same loop at the start of step 3 (``update_prm``, with ``prm_loss``).
 
     loss_fn = actor_loss(cfg, actor.model, batch, sp)   # (sel, counts) -> (loss, {"actor/pg_loss": ...})
     metrics = optimize(cfg.actor, "actor", actor, batch, loss_fn,

@@ -183,3 +183,18 @@ class ExitsInStep:
         import sys
 
         sys.exit(3)
+
+
+def nan_at_first(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None, *, log: str
+) -> float:
+    """NaN for the first 8 responses (the first step's, with 4 prompts x 2), then ``digit_score``;
+    ``log`` is a file that counts the calls (one line each), so each run counts its own. The start-up
+    check's empty response scores 0 and is not counted."""
+    if not solution_str:
+        return 0.0
+    with open(log, "a+") as f:
+        f.write("x\n")
+        f.seek(0)
+        calls = len(f.readlines())
+    return math.nan if calls <= 8 else digit_score(data_source, solution_str, ground_truth)

@@ -85,6 +85,32 @@ def test_a_resumed_prime_run_continues_exactly(tiny_assets: Path, tmp_path: Path
     assert part[-1]["step"] == 3
 
 
+def test_a_skipped_step_leaves_the_prm_untrained(tiny_assets: Path, tmp_path: Path) -> None:
+    """Step 1's rewards are NaN: the step is skipped, and its PRM update with it (the PRM trained on the
+    broken labels before the check). Saving after the skipped step, before any optimizer has stepped,
+    changes nothing either: the checkpoint's optimizer state had ``step`` = 1 there, so every later
+    update's bias correction differed from a run that saves later."""
+    rows = {}
+    for save_freq in (1, 3):
+        out = tmp_path / f"save_every_{save_freq}"
+        rows[save_freq] = train(
+            tiny_assets,
+            out,
+            *PRIME,
+            f"trainer.save_freq={save_freq}",
+            f"reward.custom_function={REWARD_FNS}:nan_at_first",
+            f"reward.reward_kwargs={{log: {tmp_path / f'calls_{save_freq}.txt'}}}",
+            steps=3,
+        )
+        assert [r["step"] for r in rows[save_freq] if "reward_model/dpo_loss" in r] == [2, 3]
+        assert rows[save_freq][0]["trainer/skipped_steps"] == 1
+        dcp_to_torch_save(out / "checkpoints" / "step_00000003" / "dcp", tmp_path / "state.pt")
+        state = torch.load(tmp_path / "state.pt", weights_only=False)
+        for role, updates in (("prm", 4.0), ("actor", 4.0)):  # 2 mini-batches on each of steps 2 and 3
+            assert {float(p["step"]) for p in state[f"{role}.optim"]["state"].values()} == {updates}
+    assert deterministic(rows[1])[-1] == deterministic(rows[3])[-1]
+
+
 @pytest.fixture(scope="module")
 def groups_file(tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Eight prompts with four fixed responses each, scored by ``digit_score``: the same data on any
