@@ -2,7 +2,7 @@
 
 Every ``trainer.test_freq`` steps ``train_ppo.py`` asks for it: greedy (or sampled) answers to the
 validation prompts from the run's own sampler, scored as the run scores (its reward model, or the rule in
-its reward pool); stop signals end it between chunks. With ``rollout.val_kwargs`` a second pass of ``n``
+its reward pool); stop signals end it between chunks and while the reward pool scores. With ``rollout.val_kwargs`` a second pass of ``n``
 sampled answers per prompt measures exploration.
 
 metrics = validate(cfg, info, run)   # val/<data_source>/score, /accuracy, val/score, val/accuracy,
@@ -58,9 +58,9 @@ def validate(
     greedy pass's are logged as ``val/<data_source>/greedy_score``, ``.../greedy_accuracy``,
     ``val/greedy_score``, ``val/greedy_accuracy`` (no verl name: verl has no greedy pass then).
 
-    Generation runs in chunks of ``data.val_batch_size`` sequences (over all ranks); before each, a stop
-    signal (``stop``) ends validation at once with no metrics, so a long validation never outlasts the
-    grace period between SIGTERM and SIGKILL.
+    Generation runs in chunks of ``data.val_batch_size`` sequences (over all ranks); before each, and
+    while the reward pool scores, a stop signal (``stop``) ends validation at once with no metrics, so a
+    long validation never outlasts the grace period between SIGTERM and SIGKILL.
 
     Sampled answers draw from an RNG of their own, seeded by (``trainer.seed``, step, rank): validating,
     and how often, never changes what training samples (the global RNG is left as it was), and a
@@ -93,7 +93,9 @@ def _validate(cfg: PPOConfig, info: DistInfo, run: Run, stop: runner.StopRequest
         if run.reward_model is not None
         else None
     )
-    rule = rule_scores(cfg, run, mine, texts)
+    rule = rule_scores(cfg, run, mine, texts, stop)
+    if rule is None:
+        return {}
     if cfg.trainer.log_val_generations:
         shown = model_scores.tolist() if model_scores is not None else rule
         log_generations(run, info, mine, texts, shown, cfg.trainer.log_val_generations)
@@ -201,7 +203,9 @@ def sampled_metrics(
     if rollout is None:
         return None
     texts = decode_responses(run.tokenizer, rollout)
-    rule = rule_scores(cfg, run, records, texts)
+    rule = rule_scores(cfg, run, records, texts, stop)
+    if rule is None:
+        return None
     out: dict[str, float] = {}
     if v.do_sample:
         model_scores = (
@@ -274,11 +278,16 @@ def generate(
 
 
 def rule_scores(
-    cfg: PPOConfig, run: Run, records: list[PromptRecord], texts: list[str]
-) -> list[float | None]:
+    cfg: PPOConfig,
+    run: Run,
+    records: list[PromptRecord],
+    texts: list[str],
+    stop: runner.StopRequest | None,
+) -> list[float | None] | None:
     """The rule's score of each text, None where the source has no rule or the record no ground truth
     (``rewards.rule_scores``, in ``run.reward_pool`` where there is one); a reward function that fails on
-    any rank stops every rank."""
+    any rank stops every rank. None when a stop signal came: the pool's workers give up on it at once
+    (a hanging reward function would otherwise hold the stop for up to ``reward.timeout_s`` a call)."""
     fn = cfg.reward.custom_function
     rows = [
         i
@@ -286,8 +295,15 @@ def rule_scores(
         if rule_scoring.has_rule(r.data_source, fn) and (r.ground_truth is not None or fn is not None)
     ]
     scores, _ = rewards.rule_scores(
-        run.scorer, [records[i] for i in rows], [texts[i] for i in rows], run.reward_pool
+        run.scorer,
+        [records[i] for i in rows],
+        [texts[i] for i in rows],
+        run.reward_pool,
+        stop=None if stop is None else lambda: stop.name is not None,
     )
+    if stop is not None and stop.requested():
+        logger.warning("validation stopped while scoring (%s)", stop.name)
+        return None
     out: list[float | None] = [None] * len(records)
     for i, score in zip(rows, scores.tolist(), strict=True):
         out[i] = score

@@ -47,7 +47,8 @@ def slow_after(
 ) -> float:
     """``digit_score``, but the call after the first ``$PPO_TEST_FAST_CALLS`` of this process sleeps
     ``$PPO_TEST_SLOW_S`` seconds: a step made slow from a known point on (signal tests); with
-    ``$PPO_TEST_SLOW_RANK``, on that rank only (a reward function that hangs on one rank)."""
+    ``$PPO_TEST_SLOW_RANK``, on that rank only (a reward function that hangs on one rank); with
+    ``$PPO_TEST_SLOW_MARK``, the slow call first creates the file ``<mark>.<rank>``."""
     import os
     import time
 
@@ -56,6 +57,8 @@ def slow_after(
     if os.environ.get("PPO_TEST_SLOW_RANK", rank) != rank:
         return digit_score(data_source, solution_str, ground_truth, extra_info)
     if _calls["n"] == int(os.environ.get("PPO_TEST_FAST_CALLS", "0")) + 1:
+        if mark := os.environ.get("PPO_TEST_SLOW_MARK"):  # a file that says the slow call has begun
+            open(f"{mark}.{rank}", "w").close()
         time.sleep(float(os.environ.get("PPO_TEST_SLOW_S", "0")))
     return digit_score(data_source, solution_str, ground_truth, extra_info)
 

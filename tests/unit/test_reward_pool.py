@@ -414,3 +414,54 @@ def test_a_stop_signal_while_every_reward_call_hangs_saves_the_last_step(
     assert stderr.count("Traceback") == stderr.count(signalled), stderr[-3000:]  # torchrun's own only
     assert (out / "checkpoints" / "latest").read_text() == "step_00000001"
     assert [r["step"] for r in read_metrics(out)] == [1]
+
+
+@pytest.mark.slow
+def test_a_stop_signal_while_validation_scoring_hangs_saves_the_step(
+    tiny_assets: Path, tmp_path: Path
+) -> None:
+    """Step 1's validation (trainer.test_freq=1) hangs in the reward workers on both ranks; SIGTERM to the
+    process group: the validation gives up at once, step 1 is logged without validation metrics and
+    saved. The validation used to score the hanging call that the signal killed as a failure and log a
+    validation score with it (0.625 here); a signal that reaches the trainer alone waited out
+    reward.timeout_s (600 s) per hanging call."""
+    out, mark = tmp_path / "run", tmp_path / "slow"
+    args = base_args(tiny_assets, out, steps=4) + [
+        "trainer.val_before_train=false",
+        "trainer.test_freq=1",
+        "algorithm.adv_estimator=grpo",
+        f"reward.custom_function={REWARD_FNS}:slow_after",
+        "reward.pool_workers=1",
+        "reward.timeout_s=600",
+    ]
+    # A worker's calls before the slow one: the start-up probe, then its rank's 4 responses of step 1.
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PPO_TEST_SLOW_S": "3600",
+        "PPO_TEST_FAST_CALLS": "5",
+        "PPO_TEST_SLOW_MARK": str(mark),
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.Popen(
+        [*cmd, str(ROOT / "train_ppo.py"), *args],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        wait_until(proc, lambda: all(Path(f"{mark}.{r}").exists() for r in (0, 1)), timeout=400)
+        time.sleep(1)
+        sent = time.time()
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert time.time() - sent < 25, stderr[-3000:]
+    assert "validation stopped while scoring (SIGTERM)" in stderr, stderr[-3000:]
+    assert "stopping: saved step 1" in stderr, stderr[-3000:]
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000001"
+    (row,) = read_metrics(out)
+    assert row["step"] == 1 and not any(k.startswith("val") for k in row)
