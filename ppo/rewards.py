@@ -328,8 +328,9 @@ def rule_scores(
             pool.logged = True
         if capped and not pool.cap_logged:
             logger.warning(
-                "reward.total_timeout_s=%s cut a step's scoring: %d of its %d responses were not scored in "
-                "time (scored %s, counted in reward/timeouts; logged once)",
+                "reward.total_timeout_s=%s cut a scoring call (a step's, a validation's or the start-up "
+                "check's): %d of its %d responses were not scored in time (scored %s, counted in "
+                "reward/timeouts; logged once)",
                 pool.total_timeout_s,
                 capped,
                 rows,

@@ -231,8 +231,8 @@ def test_total_timeout_cuts_a_call_and_warns_once(caplog: pytest.LogCaptureFixtu
     assert [r.getMessage() for r in caplog.records if "total_timeout_s" in r.getMessage()] == [
         f"reward.custom_function='{REWARD_FNS}:hangs_on_seven' failed (scored -1.0; logged once): rank 0, "
         "prompt row 100 (d): cut by reward.total_timeout_s=1.5",
-        "reward.total_timeout_s=1.5 cut a step's scoring: 8 of its 8 responses were not scored in time "
-        "(scored -1.0, counted in reward/timeouts; logged once)",
+        "reward.total_timeout_s=1.5 cut a scoring call (a step's, a validation's or the start-up check's): "
+        "8 of its 8 responses were not scored in time (scored -1.0, counted in reward/timeouts; logged once)",
     ]
 
 
