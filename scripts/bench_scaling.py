@@ -45,7 +45,12 @@ the number of ranks on the ranks axis), ``step_s``, ``gen_s``, ``score_s`` (refe
 log-probs where the trainer computes them: not with one epoch of one mini-batch, where they are the
 update's own), ``train_s`` (critic + actor updates), ``other_s`` (the rest of the step: reward, advantages,
 packing, metrics), ``gen_ms_per_token`` (generation time per decoded position: ``gen_s`` over the response tokens of
-one sequence), ``tokens_per_s`` (all ranks), ``mem_gib``
+one sequence), ``cpu_s`` (CPU seconds per step of the process, per rank under torchrun: the on-core time of
+its threads, ``process_clocks``, read when each step's line appears in ``metrics.jsonl``), ``wait_s``
+(seconds of the step during which some runnable task on the machine waited for a core,
+``/proc/pressure/cpu``: near 0 when the run had the cores to itself; where it is not, the wall-clock
+columns measure the machine's load as much as the trainer, and ``cpu_s`` is the figure to compare),
+``tokens_per_s`` (all ranks), ``mem_gib``
 (the trainer's own ``perf/max_memory_gib``, maxed over ranks: on CPU the process's peak resident set
 (``ru_maxrss``, a baseline of the interpreter, torch and the models included), on CUDA the peak of
 ``torch.cuda.max_memory_allocated``). ``--json`` writes one object per point with every ``timing_s/*``
@@ -66,13 +71,18 @@ Exponents: per series and phase group, ``time = c * work^k`` fitted by least squ
   On ``batch`` and ``n`` generation's ``k < 1``: a decoding step costs about the same for 8 or 128 rows
   on a tiny model (per-step overhead, not arithmetic).
 - ``turns``: each turn re-reads the trajectory so far as a prompt (a prefill of the prefix), so
-  generation grows faster than the tokens when turns are many; ``other_s`` holds the environment calls.
+  generation grows faster than the tokens when turns are many (``gen_s`` also holds the environment's
+  calls); the profile below the tables splits it into prefill, decoding and the rest, and
+  ``without_prefill_k ~ 1`` says the prefill is the whole excess.
+- ``ranks/independent``: ``k ~ 0`` (and ``cpu_s`` as on one process) means the machine runs two busy
+  processes as fast as one; ``ranks/weak`` above it is then the trainer's own 2-rank cost.
 - memory: ``mem_k`` (log-log) is small on CPU because of the constant baseline; ``mem_mib_per_ktok`` is
   the slope of a straight-line fit (MiB per 1000 tokens per rank), which is what grows with the tokens
   of a micro-batch (activations, logits).
 
-The default run (all axes, 18 trainer runs of 3 steps: a few seconds of start-up each, the longest
-point 1024 decoding steps) takes about 4 minutes on 2 quiet CPU cores; ``--quick`` is a smoke run of
+The default run (all axes, 19 trainer launches of 3 steps, the independent pair of 9 each: a few seconds of
+start-up each, the longest point 1024 decoding steps; and the turns profile) takes about 4 minutes on 2
+quiet CPU cores; ``--quick`` is a smoke run of
 tiny points (seconds of work per point, mostly start-up).
 
 Run:
@@ -445,7 +455,9 @@ def run_point(
         launch = [sys.executable]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}
     dirs = [out_dir] if point.copies == 1 else [out_dir / f"process_{i}" for i in range(point.copies)]
-    steps = args.steps + (PAIR_EXTRA_STEPS if point.copies > 1 else 0)
+    steps = args.steps + (
+        (QUICK_PAIR_EXTRA_STEPS if args.quick else PAIR_EXTRA_STEPS) if point.copies > 1 else 0
+    )
     procs = []
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True)
@@ -470,6 +482,11 @@ def run_point(
     if point.copies > 1:
         walls = [[e.wall_s for e in process_ends for _ in range(e.lines)] for process_ends in ends]
         kept = overlapping_steps(walls)
+        if not all(k - set(range(args.warmup + 1)) for k in kept):
+            raise RuntimeError(
+                f"{point}: no counted step of every process ran while the others trained (start-ups too far "
+                f"apart for {steps} steps); the steps' ends: {walls}"
+            )
         runs = [[m for m in run if m["step"] in keep] for run, keep in zip(runs, kept, strict=True)]
     return runs
 
@@ -478,6 +495,8 @@ PAIR_EXTRA_STEPS = 6
 """Steps added to each independent process of ``ranks/independent``: their start-ups end up to a few
 hundred milliseconds apart, so the first and last steps of one may run while the other is not training;
 those are dropped (``overlapping_steps``) and the extra steps leave enough that overlap."""
+QUICK_PAIR_EXTRA_STEPS = 40
+"""The same for ``--quick``, whose steps take tens of milliseconds: 40 of them span the start-ups' spread."""
 
 
 @dataclasses.dataclass
@@ -757,7 +776,9 @@ def print_report(
         print_table(each, TABLE_COLUMNS)
     if model is not None:
         print()
-        print("turns: where the rollout's CPU time goes (in this process, the trainer's sampler, medians)")
+        print(
+            "turns: where the rollout's CPU time goes (in this process, the trainer's sampler, the median run)"
+        )
         print_table(with_model(turn_profile, model), TURN_COLUMNS)
         print(
             "cost model: "
