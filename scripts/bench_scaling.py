@@ -89,6 +89,11 @@ Run:
     .venv/bin/python scripts/bench_scaling.py --png outputs/scaling.png           # table + figure
     .venv/bin/python scripts/bench_scaling.py --axes response_len,ranks --json    # machine-readable
     .venv/bin/python scripts/bench_scaling.py --quick --axes batch                # smoke run
+    .venv/bin/python scripts/bench_scaling.py --turns-preset configs/demo_cpu_tools.yaml  # a preset's turns
+
+``--turns-preset`` runs only ``profile_preset``: a multi-turn preset's rollout on one rank (its share of
+the prompts, its model, sampler and environment) under forward hooks, each ``generate`` call's rows, padded
+width, prefill seconds and decoding steps and seconds: what re-reading earlier turns costs at its sizes.
 """
 
 from __future__ import annotations
@@ -384,6 +389,74 @@ def profile_turns(paths: dict[str, Path], args: argparse.Namespace, turns: list[
             out.append({"turns": t, **work, **med})
     finally:
         torch.set_num_threads(threads)
+    return out
+
+
+class CallClock(ForwardClock):
+    """A ``ForwardClock`` that also keeps each ``generate`` call's prefill (rows, width, seconds) and its
+    decoding steps and seconds."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self.calls: list[dict[str, float]] = []
+
+    def _post(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], out: Any) -> None:
+        prefill_s, decode_s = self.prefill_s, self.decode_s
+        super()._post(module, args, kwargs, out)
+        rows, new = self._shape
+        if new > 1:
+            self.calls.append({"rows": rows, "width": new, "prefill_s": self.prefill_s - prefill_s,
+                               "decode_steps": 0, "decode_s": 0.0})  # fmt: skip
+        else:
+            self.calls[-1]["decode_steps"] += 1
+            self.calls[-1]["decode_s"] += self.decode_s - decode_s
+
+
+def profile_preset(config: Path, ranks: int, repeats: int = 3) -> list[dict]:
+    """A multi-turn preset's rollout on one rank, in this process (one torch thread): its model, its first
+    ``data.train_batch_size / ranks`` prompts x ``rollout.n``, its sampler settings and environment, run by
+    ``rollout.sample`` ``repeats`` times under a ``CallClock``: per rollout its CPU seconds, the turn
+    counts, and each ``generate`` call's prefill and decoding (the preset's paths must exist, e.g. after
+    ``make assets``)."""
+    from transformers import AutoTokenizer
+
+    from ppo import data, models, multi_turn, rollout
+    from ppo.attention import PACKED_ATTENTION
+    from ppo.config_loader import load_config
+
+    cfg = load_config(config)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    model = models.load_causal_lm(cfg.model.path, attn_implementation=PACKED_ATTENTION).train()
+    prompts = data.load_prompts(
+        cfg.data.train_files,
+        tokenizer,
+        max_prompt_length=cfg.data.max_prompt_length,
+        require_ground_truth=False,
+    )[: cfg.data.train_batch_size // ranks]
+    records = [r for r in prompts for _ in range(cfg.rollout.n)]
+    sampler = rollout.Sampler(
+        actor=model,
+        engine=None,
+        settings=cfg.rollout,
+        max_response_length=cfg.data.max_response_length,
+        eos_ids=models.eos_token_ids(tokenizer, model),
+        pad_token_id=tokenizer.pad_token_id,
+        multi_turn=multi_turn.make_settings(cfg.rollout.multi_turn, tokenizer, cfg.data.max_response_length),
+    )
+    torch.manual_seed(0)
+    out = []
+    for _ in range(repeats):
+        clock = CallClock(model)
+        start = time.process_time()
+        result = rollout.sample(sampler, records, do_sample=cfg.rollout.do_sample)
+        total = time.process_time() - start
+        clock.remove()
+        out.append({
+            "trajectories": len(records),
+            "gen_cpu_s": total,
+            "tool_calls_mean": float(result.turn_stats["tool_calls"].mean()),
+            "calls": clock.calls,
+        })  # fmt: skip
     return out
 
 
@@ -839,6 +912,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="one JSON object per point and per fit")
     parser.add_argument("--png", type=Path, default=None, help="write the log-log curves here")
     parser.add_argument(
+        "--turns-preset",
+        type=Path,
+        default=None,
+        help="profile this multi-turn preset's rollout on one rank instead (e.g. configs/demo_cpu_tools.yaml)",
+    )
+    parser.add_argument("--preset-ranks", type=int, default=2, help="ranks the preset is sized for")
+    parser.add_argument(
         "--assets",
         type=Path,
         default=None,
@@ -858,6 +938,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.turns_preset is not None:
+        torch.set_num_threads(args.threads)
+        for i, run in enumerate(profile_preset(args.turns_preset, args.preset_ranks)):
+            if args.json:
+                print(json.dumps({"kind": "preset_rollout", **run}))
+                continue
+            print(
+                f"rollout {i}: {run['trajectories']} trajectories, {run['gen_cpu_s']:.3f} CPU s, "
+                f"{run['tool_calls_mean']:.2f} tool calls per trajectory"
+            )
+            print_table(run["calls"], ["rows", "width", "prefill_s", "decode_steps", "decode_s"])
+        return 0
     rows = []
     turn_profile = None
     with tempfile.TemporaryDirectory(prefix="bench_scaling_") as tmp:
