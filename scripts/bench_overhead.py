@@ -33,8 +33,9 @@ log-softmax gather of the response tokens; ``values`` the critic's forward; ``re
 mini-batches of forward, the loss, backward, gradient clipping and a fused AdamW step (the actor's loss as the
 trainer's: log-probs and entropy from the logits with ``kernels.logprobs_from_logits``, the clipped
 ``policy_loss``, the entropy's mean; the critic's the squared values). Columns: ``phase``, ``trainer_s`` (the trainer's
-median wall seconds, as above), ``floor_s`` (median wall seconds of ``--floor-reps`` repeats, after one
-warm-up), ``gap_s`` and ``gap_pct`` (the trainer's time above the floor, in % of the trainer's): where
+median wall seconds, as above), ``floor_s`` (median wall seconds of ``--floor-reps`` repeats after each
+of the ``--rounds`` runs of ours, each after one warm-up: the halves alternate, so that a machine whose
+speed drifts serves both alike), ``gap_s`` and ``gap_pct`` (the trainer's time above the floor, in % of the trainer's): where
 the rest of the step goes. The floor's padded batch holds a few % more tokens than the trainer's packed
 rows (prompt padding), so a small negative gap is possible.
 
@@ -404,9 +405,9 @@ def floor_calls(args: argparse.Namespace, paths: dict[str, Path]) -> dict[str, A
     }
 
 
-def floor_times(args: argparse.Namespace, paths: dict[str, Path]) -> dict[str, float]:
-    """The median wall seconds of each phase's bare calls: ``--floor-reps`` repeats of the whole
-    sequence, after one not counted."""
+def floor_times(args: argparse.Namespace, paths: dict[str, Path]) -> dict[str, list[float]]:
+    """The wall seconds of each phase's bare calls: ``--floor-reps`` repeats of the whole sequence, after
+    one not counted."""
     calls = floor_calls(args, paths)
     times: dict[str, list[float]] = {p: [] for p in calls}
     for rep in range(args.floor_reps + 1):
@@ -415,7 +416,7 @@ def floor_times(args: argparse.Namespace, paths: dict[str, Path]) -> dict[str, f
             call()
             if rep:
                 times[phase].append(time.perf_counter() - start)
-    return {p: statistics.median(t) for p, t in times.items()}
+    return times
 
 
 def floor_rows(ours: OverheadRow, floor: dict[str, float]) -> list[FloorRow]:
@@ -452,6 +453,7 @@ def run_overhead(args: argparse.Namespace) -> tuple[list[OverheadRow], str | Non
     cpu: dict[str, list[float]] = {}
     wall: dict[str, list[float]] = {}
     phases: dict[str, list[float]] = {p: [] for p in OUR_PHASES}
+    floor_samples: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="bench_overhead_") as tmp:
         folder = Path(tmp)
         paths = write_assets(folder, args)
@@ -461,13 +463,16 @@ def run_overhead(args: argparse.Namespace) -> tuple[list[OverheadRow], str | Non
             wall.setdefault("ours", []).extend(w)
             for p in OUR_PHASES:
                 phases[p].extend(ph[p])
+            if args.floor:  # after each round of ours, so that the machine's speed is alike for both
+                for p, t in floor_times(args, paths).items():
+                    floor_samples.setdefault(p, []).extend(t)
             if trl_ppo is None:
                 continue
             for name, freeze in (("trl", False), ("trl_gc_frozen", True)):
                 c, w = run_trl(trl_ppo, args, paths, folder / f"{name}_{r}", freeze_gc=freeze)
                 cpu.setdefault(name, []).extend(c)
                 wall.setdefault(name, []).extend(w)
-        floor = floor_times(args, paths) if args.floor else None
+        floor = {p: statistics.median(t) for p, t in floor_samples.items()} if args.floor else None
     rows = []
     for name in cpu:
         row = OverheadRow(
