@@ -305,6 +305,26 @@ def test_rigged_policy_writes_the_forced_token() -> None:
     assert (out[:, 6:] == 17).all()
 
 
+def test_call_clock_sorts_each_generate_call() -> None:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    clock = bench_scaling.CallClock(model)
+    for rows, width, new in ((2, 5, 4), (3, 7, 6)):
+        model.generate(
+            torch.randint(3, 50, (rows, width)), max_new_tokens=new, min_new_tokens=new, do_sample=False
+        )
+    clock.remove()
+    # Each call: one prefill of rows x width tokens (it writes the first token), then new - 1 decoding steps.
+    assert [(c["rows"], c["width"], c["decode_steps"]) for c in clock.calls] == [(2, 5, 3), (3, 7, 5)]
+    assert (clock.prefill_tokens, clock.decode_steps) == (2 * 5 + 3 * 7, 3 + 5)
+    assert math.isclose(sum(c["prefill_s"] for c in clock.calls), clock.prefill_s)
+    assert math.isclose(sum(c["decode_s"] for c in clock.calls), clock.decode_s)
+
+
 def test_floor_rows_gap() -> None:
     ours = bench_overhead.OverheadRow(
         trainer="ours", steps=1, step_cpu_s=1.0, step_cpu_min_s=1.0, step_cpu_max_s=1.0, step_wall_s=1.0
