@@ -221,7 +221,7 @@ class PendingSave:
     keep: int
 
 
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+def init_optimizer_state(optimizer: torch.optim.Optimizer | None) -> None:
     """Give every trainable parameter of an AdamW that has not stepped yet the state its first step
     creates: ``step`` 0 and zero moments (``exp_avg``, ``exp_avg_sq``; ``max_exp_avg_sq`` with amsgrad).
 
@@ -231,8 +231,8 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     during ``trainer.critic_warmup``) would train differently from the same run without the save. With
     this state the first real step is what it would have been (torch's AdamW increments ``step``, then
     updates the moments from zero)."""
-    if optimizer.state or not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
-        return
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) or optimizer.state:
+        return  # none (a model saved without one: SPPO's snapshot), or one that has stepped
     for group in optimizer.param_groups:
         scalar = torch.float32 if group.get("fused") or group.get("capturable") else torch.get_default_dtype()
         for p in group["params"]:
