@@ -39,11 +39,19 @@ speed drifts serves both alike), ``gap_s`` and ``gap_pct`` (the trainer's time a
 the rest of the step goes. The floor's padded batch holds a few % more tokens than the trainer's packed
 rows (prompt padding), so a small negative gap is possible.
 
+``--interleave`` measures the same table without whole runs: the trainer's own step functions
+(``trainer_calls``: ``train_ppo.collect``, ``forwards.*``, ``score_responses``, ``compute_advantages``,
+``update_critic``, ``update_actor`` on a Run built at world 1) and the bare calls alternate phase by
+phase, each trainer call followed at once by its bare one, for ``--floor-reps`` steps after one not
+counted; ``trainer_s`` is then the median of those calls. Runs minutes apart can differ by more than the
+gap (the machine's speed drifts); calls a fraction of a second apart cannot.
+
 Run:
     .venv/bin/python scripts/bench_overhead.py                       # ours only (TRL not installed)
     pip install --no-deps --target /tmp/trl trl==1.12.0              # TRL beside, not into, the venv
     .venv/bin/python scripts/bench_overhead.py --trl-path /tmp/trl   # TRL side by side
     .venv/bin/python scripts/bench_overhead.py --trl no --floor      # ours against the bare calls
+    .venv/bin/python scripts/bench_overhead.py --interleave --floor-reps 20   # the same, phase by phase
 """
 
 from __future__ import annotations
@@ -419,6 +427,80 @@ def floor_times(args: argparse.Namespace, paths: dict[str, Path]) -> dict[str, l
     return times
 
 
+def trainer_calls(
+    args: argparse.Namespace, paths: dict[str, Path], out_dir: Path
+) -> tuple[dict[str, Any], Any]:
+    """Each phase of our step as the trainer's own function (``train_ppo``'s step functions on the Run of
+    ``ppo.build.build``, world of one: the same models, packing, kernels and losses as a run), as
+    closures over one batch in step order (``gen`` collects the next prompts' responses, the phases after
+    it read and fill that batch), and the Run. Joins a one-process group: ``destroy_distributed`` after."""
+    import train_ppo
+    from ppo import batch_advantages, forwards, runner
+    from ppo.build import build
+    from ppo.config_loader import load_config
+    from ppo.distributed import init_distributed
+    from ppo.metrics import Timer
+
+    cfg = load_config(None, ppo_overrides(args, paths, out_dir))
+    run = build(cfg, init_distributed("cpu"))
+    stop = runner.StopRequest()
+    state: dict[str, Any] = {}
+
+    def gen() -> None:
+        state["batch"], _ = train_ppo.collect(cfg, run, Timer(), stop)
+
+    def old_log_prob() -> None:
+        b = state["batch"]
+        b.old_logprobs = forwards.forward_old_logprobs(cfg, run.actor.model, run.sppo_old, b, run.sp)
+
+    def values() -> None:
+        state["batch"].values = forwards.forward_values(cfg, run.critic.model, state["batch"], run.sp)
+
+    def reward() -> None:
+        state["batch"].scores, _ = train_ppo.score_responses(cfg, run, state["batch"], stop)
+
+    def adv() -> None:
+        run.state.step += 1
+        batch_advantages.compute_advantages(cfg, state["batch"], run.kl_ctrl, run.state.step)
+
+    calls = {
+        "gen": gen,
+        "old_log_prob": old_log_prob,
+        "ref": lambda: forwards.forward_reference(cfg, run.actor.model, run.ref, state["batch"], run.sp),
+        "values": values,
+        "reward": reward,
+        "adv": adv,
+        "update_critic": lambda: train_ppo.update_critic(cfg, run, state["batch"]),
+        "update_actor": lambda: train_ppo.update_actor(cfg, run, state["batch"]),
+    }
+    return calls, run
+
+
+def interleaved_times(
+    args: argparse.Namespace, paths: dict[str, Path], out_dir: Path
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """``--interleave``: the wall seconds of each phase, the trainer's function (``trainer_calls``) and
+    its bare calls (``floor_calls``) one right after the other, phase by phase in step order, for
+    ``--floor-reps`` steps after one not counted: whatever the machine's speed does, it does to both
+    within a fraction of a second."""
+    from ppo.distributed import destroy_distributed
+
+    ours, _ = trainer_calls(args, paths, out_dir)
+    try:
+        bare = floor_calls(args, paths)
+        times: tuple[dict[str, list[float]], dict[str, list[float]]] = ({}, {})
+        for rep in range(args.floor_reps + 1):
+            for phase in OUR_PHASES:
+                for calls, out in zip((ours, bare), times, strict=True):
+                    start = time.perf_counter()
+                    calls[phase]()
+                    if rep:
+                        out.setdefault(phase, []).append(time.perf_counter() - start)
+        return times
+    finally:
+        destroy_distributed()
+
+
 def floor_rows(ours: OverheadRow, floor: dict[str, float]) -> list[FloorRow]:
     """Each phase's trainer time (from ``ours``) next to its floor, and their sum."""
     rows = []
@@ -508,6 +590,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--trl-path", default=None, help="a folder holding TRL (pip install --target)")
     parser.add_argument("--floor", action="store_true", help="our phases against their bare calls")
     parser.add_argument("--floor-reps", type=int, default=5, help="counted repeats of the bare calls")
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="the floor table from the trainer's step functions and the bare calls alternating phase by phase",
+    )
     add_common_args(parser)
     args = parser.parse_args(argv)
     if args.num_prompts % NUM_MINI_BATCHES or args.steps < 3 or args.rounds < 1 or args.floor_reps < 1:
@@ -517,9 +604,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def run_interleaved(args: argparse.Namespace) -> list[FloorRow]:
+    """``--interleave``: the floor table of ``interleaved_times`` (medians), the trainer's column from its
+    own step functions instead of a run's ``timing_s``."""
+    with tempfile.TemporaryDirectory(prefix="bench_overhead_") as tmp:
+        paths = write_assets(Path(tmp), args)
+        ours, bare = interleaved_times(args, paths, Path(tmp) / "ours")
+    row = OverheadRow(
+        trainer="ours",
+        steps=args.floor_reps,
+        step_cpu_s=0.0,
+        step_cpu_min_s=0.0,
+        step_cpu_max_s=0.0,
+        step_wall_s=0.0,
+    )
+    for phase in OUR_PHASES:
+        setattr(row, f"{phase}_s", statistics.median(ours[phase]))
+    return floor_rows(row, {p: statistics.median(t) for p, t in bare.items()})
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     set_threads(args.threads)
+    if args.interleave:
+        floor = run_interleaved(args)
+        if not args.json:
+            print("our phases at their floor, interleaved phase by phase (wall seconds, medians):")
+        print_rows(floor, args.json)
+        return 0
     rows, trl_note, floor = run_overhead(args)
     print_rows(rows, args.json)
     if floor:

@@ -90,3 +90,29 @@ def test_overhead_floor_table(capsys: pytest.CaptureFixture[str]) -> None:
         assert r["trainer_s"] == ours[f"{r['phase']}_s"]
         assert math.isclose(r["gap_s"], r["trainer_s"] - r["floor_s"])
     assert math.isclose(floor[-1]["floor_s"], sum(r["floor_s"] for r in floor[:-1]))
+
+
+@pytest.mark.slow
+def test_overhead_interleaved_floor(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--interleave``: the trainer's step functions make a real step (2 epochs x 2 mini-batches: 4 AdamW
+    steps of each model), and the table alternates them with the bare calls, phase by phase."""
+    from ppo.distributed import destroy_distributed
+
+    args = bench_overhead.parse_args(["--num-prompts", "4", "--response-len", "8"])
+    paths = bench_overhead.write_assets(tmp_path, args)
+    calls, run = bench_overhead.trainer_calls(args, paths, tmp_path / "ours")
+    try:
+        for phase in bench_overhead.OUR_PHASES:
+            calls[phase]()
+        assert run.state.step == 1
+        for trained in (run.actor, run.critic):
+            assert {float(s["step"]) for s in trained.optimizer.state.values()} == {4.0}
+    finally:
+        destroy_distributed()
+    argv = ["--interleave", "--floor-reps", "2", "--num-prompts", "4", "--response-len", "8", "--json"]
+    assert bench_overhead.main(argv) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["phase"] for r in rows] == [*bench_overhead.OUR_PHASES, "sum"]
+    for r in rows:
+        assert math.isclose(r["gap_s"], r["trainer_s"] - r["floor_s"])
+    assert math.isclose(rows[-1]["trainer_s"], sum(r["trainer_s"] for r in rows[:-1]))
