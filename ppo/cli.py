@@ -101,9 +101,31 @@ def print_config(cfg: Any, args: argparse.Namespace) -> int:
     print(to_yaml(cfg), end="")
     if _is_main():
         # Missing inputs warn here: a preset may name the files of the machine it will run on.
-        for warning in [*args.notes, *cfg.warnings(), *input_problems(cfg)]:
+        problems = input_problems(cfg)
+        for warning in [*args.notes, *cfg.warnings(), *problems, *environment_problems(cfg, problems)]:
             print(f"warning: {warning}", file=sys.stderr)
     return 0
+
+
+def environment_problems(cfg: Any, problems: list[str]) -> list[str]:
+    """Why the multi-turn environment class cannot serve the run (``environments.check_environment``:
+    imported, its methods checked, one instance made), as the trainer's start-up would refuse it; nothing
+    when multi-turn is off or its file is already among ``problems``."""
+    multi_turn = getattr(getattr(cfg, "rollout", None), "multi_turn", None)
+    if (
+        multi_turn is None
+        or not multi_turn.enable
+        or any(p.startswith("rollout.multi_turn.env=") for p in problems)
+    ):
+        return []
+    from ppo.environments import check_environment
+    from ppo.rule_scoring import RewardError
+
+    try:
+        check_environment(multi_turn.env)
+    except RewardError as e:
+        return [str(e)]
+    return []
 
 
 def config_error(error: ConfigError) -> int:

@@ -49,29 +49,12 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from ppo import rule_scoring
 from ppo.batch import Rollout
 from ppo.config import MultiTurnConfig
 from ppo.data import PromptRecord
+from ppo.environments import EnvError, check_environment
 
 logger = logging.getLogger("ppo")
-
-
-class EnvError(rule_scoring.RewardError):
-    """The environment class cannot be loaded, or a call returned something the loop cannot use."""
-
-
-def load_environment(spec: str) -> type:
-    """The environment class of ``rollout.multi_turn.env`` (``file.py:Class`` or ``module:Class``), checked
-    for ``reset`` and ``step`` methods; EnvError (one line naming the key) otherwise."""
-    cls = rule_scoring.load_custom_function(spec, key="rollout.multi_turn.env", default_name=None)
-    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
-    if not isinstance(cls, type) or missing:
-        raise EnvError(
-            f"rollout.multi_turn.env={spec!r} must be a class with reset(row) and step(action_text) methods"
-            + (f"; it has no {', '.join(missing)}" if missing else "")
-        )
-    return cls
 
 
 def record_row(record: PromptRecord) -> dict[str, Any]:
@@ -126,26 +109,11 @@ class MultiTurn:
 
 
 def make_settings(config: MultiTurnConfig, tokenizer: Any, max_response_length: int) -> MultiTurn:
-    """The turn loop's settings from ``rollout.multi_turn`` (the environment class loaded and checked:
-    a bad ``env`` fails here, at start-up). Without ``max_assistant_turns`` the budget bounds the turns
-    (every turn generates at least one token). Refused here, in one line: no stop strings (the
-    environment would never be called) and a class that cannot be instantiated with no arguments."""
-    if not config.stop:
-        raise EnvError(
-            "rollout.multi_turn.enable=true but rollout.multi_turn.stop is empty: a turn ends at a stop string "
-            "and its text goes to the environment's step, so without one the environment is never called; "
-            "set rollout.multi_turn.stop=[...] (e.g. ['</tool_call>'])"
-        )
-    env_class = load_environment(config.env)
-    try:
-        env_class()
-    except KeyboardInterrupt:
-        raise
-    except BaseException as e:  # one instance per trajectory, made with no arguments
-        raise EnvError(
-            f"rollout.multi_turn.env={config.env!r}: {env_class.__name__}() raised {type(e).__name__}: {e} "
-            "(the class is instantiated with no arguments, one per trajectory; reset(row) gets the row)"
-        ) from None
+    """The turn loop's settings from ``rollout.multi_turn`` (the environment class loaded, checked and
+    instantiated once: a bad ``env`` fails here, at start-up, before any model loads;
+    ``environments.check_environment``). Without ``max_assistant_turns`` the budget bounds the turns
+    (every turn generates at least one token)."""
+    env_class = check_environment(config.env)
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
     return MultiTurn(
         env_class=env_class,

@@ -343,6 +343,13 @@ class MultiTurnConfig:
             )
         if any(not isinstance(x, str) or not x for x in self.stop):
             raise FieldError(f"stop={self.stop!r}: expected non-empty strings", "stop")
+        if self.enable and not self.stop:
+            raise FieldError(
+                "enable=true with no stop strings: a turn ends at a stop string and its text goes to the "
+                "environment's step, so without one the environment is never called; set "
+                "rollout.multi_turn.stop=[...] (e.g. ['</tool_call>'])",
+                "stop",
+            )
 
 
 @dataclass(kw_only=True)

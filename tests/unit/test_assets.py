@@ -21,7 +21,7 @@ from transformers import (
 
 from ppo.config_loader import load_config
 from ppo.data import load_prompts
-from ppo.multi_turn import load_environment
+from ppo.environments import load_environment
 from ppo.rule_scoring import RULE_DATA_SOURCES, default_compute_score, gsm8k_score
 from ppo.stage_data import load_preference_pairs, load_sft_examples
 from tests.helpers import ROOT, load_script

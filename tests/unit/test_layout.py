@@ -84,12 +84,21 @@ print(" ".join(sorted(m for m in sys.modules if m.split(".")[0] not in (*sys.std
 
 def test_the_reward_worker_imports_only_the_standard_library() -> None:
     """A reward worker (``python -m ppo.reward_worker``) loads ``ppo.rule_scoring`` and the standard
-    library, never torch or the trainer: it starts in a fraction of a second (``-S``: no site-packages)."""
-    out = subprocess.run(
-        [sys.executable, "-S", "-c", WORKER_IMPORTS], capture_output=True, text=True, cwd=ROOT, timeout=60
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["ppo", "ppo.reward_worker", "ppo.rule_scoring"]
+    library, never torch or the trainer: it starts in a fraction of a second (``-S``: no site-packages).
+    ``ppo.environments`` (what ``--print-config`` checks a multi-turn environment with) likewise."""
+    for module, loaded in (
+        ("ppo.reward_worker", ["ppo", "ppo.reward_worker", "ppo.rule_scoring"]),
+        ("ppo.environments", ["ppo", "ppo.environments", "ppo.rule_scoring"]),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-S", "-c", WORKER_IMPORTS.replace("ppo.reward_worker", module)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == loaded
 
 
 def test_tests_take_helpers_from_one_module() -> None:

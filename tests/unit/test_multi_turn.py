@@ -26,7 +26,8 @@ from ppo.batch import Batch, Rollout, group_index
 from ppo.config import RolloutConfig
 from ppo.config_loader import load_config
 from ppo.data import PromptRecord
-from ppo.multi_turn import EnvError, MultiTurn, load_environment
+from ppo.environments import EnvError, load_environment
+from ppo.multi_turn import MultiTurn
 from ppo.optimize import actor_loss, global_counts
 from ppo.packing import pack_rows
 from ppo.rollout import Sampler, sample

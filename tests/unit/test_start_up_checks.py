@@ -17,7 +17,7 @@ from ppo.config import ConfigError, DPOConfig, PPOConfig, SFTConfig
 from ppo.config_loader import load_config
 from ppo.data import load_prompts
 from ppo.input_paths import hub_problem
-from tests.helpers import REWARD_FNS, arith_row, base_args, load_script, run, write_parquet
+from tests.helpers import REWARD_FNS, ROOT, arith_row, base_args, load_script, run, write_parquet
 
 
 def one_error(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -157,6 +157,7 @@ def test_home_is_expanded_in_user_code_paths(monkeypatch: pytest.MonkeyPatch, tm
             "reward.custom_function=~/rewards.py:score",
             "rollout.multi_turn.enable=true",
             "rollout.multi_turn.env=~/env.py:Calculator",
+            "rollout.multi_turn.stop=[</calc>]",
         ],
     )
     assert cfg.reward.custom_function == f"{tmp_path}/rewards.py:score"
@@ -406,6 +407,46 @@ def test_a_missing_model_id_ends_the_run_in_one_line(hub: str, tiny_assets: Path
         f"and {hub} has no model 'models/my-sft' (HTTP 404; a private or gated model "
         "needs HF_TOKEN). Set model.path to a save_pretrained folder or a hub id."
     )
+
+
+def test_print_config_checks_the_environment_class(
+    tiny_assets: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--print-config`` imports the multi-turn environment and makes one instance, as the trainer's
+    start-up does: a class that cannot serve the run is a warning in the trainer's words (it imported
+    nothing of the environment and checked only that its file exists)."""
+    from ppo.cli import answer_early as early
+
+    envs = tmp_path / "envs.py"
+    envs.write_text(
+        "class NeedsArgs:\n    def __init__(self, tools):\n        pass\n"
+        "    def reset(self, row):\n        return None\n    def step(self, text):\n        return '', 0.0, True\n"
+    )
+    data = tiny_assets / "data" / "train.parquet"
+    args = [
+        f"model.path={tiny_assets / 'base'}",
+        f"data.train_files={data}",
+        f"data.val_files={data}",
+        "rollout.multi_turn.enable=true",
+        "rollout.multi_turn.stop=[</calc>]",
+    ]
+
+    def warnings(env: str) -> list[str]:
+        with pytest.raises(SystemExit) as e:
+            early(["--print-config", *args, f"rollout.multi_turn.env={env}"], "", "PPOConfig")
+        assert e.value.code == 0
+        err = capsys.readouterr().err
+        return [line for line in err.splitlines() if line.startswith("warning: rollout.multi_turn.env")]
+
+    assert warnings(f"{envs}:NeedsArgs") == [
+        f"warning: rollout.multi_turn.env='{envs}:NeedsArgs': NeedsArgs() raised TypeError: NeedsArgs.__init__() "
+        "missing 1 required positional argument: 'tools' (the class is instantiated with no arguments, one per "
+        "trajectory; reset(row) gets the row)"
+    ]
+    assert warnings(f"{envs}:Calc") == [
+        f"warning: rollout.multi_turn.env='{envs}:Calc': {envs} has no attribute 'Calc'; it defines ['NeedsArgs']"
+    ]
+    assert warnings(f"{ROOT / 'configs' / 'calculator.py'}:Calculator") == []
 
 
 def test_print_config_names_missing_inputs(

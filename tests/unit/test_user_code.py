@@ -17,11 +17,12 @@ from transformers import GenerationConfig
 
 from ppo import checkpoint_files, run_folder
 from ppo.checkpoint_files import CheckpointError
-from ppo.config import MultiTurnConfig, RolloutConfig
+from ppo.config import ConfigError, MultiTurnConfig, RolloutConfig
 from ppo.config_loader import load_config, to_yaml
 from ppo.data import PromptRecord
+from ppo.environments import EnvError
 from ppo.metrics import MetricsLogger
-from ppo.multi_turn import EnvError, MultiTurn, make_settings
+from ppo.multi_turn import MultiTurn, make_settings
 from ppo.reward_pool import RewardPool
 from ppo.rewards import rule_scores
 from ppo.rollout import Sampler, sample
@@ -337,10 +338,9 @@ def test_an_environment_class_is_checked_at_start_up(tok: Any, tmp_path: Path) -
         "required positional argument: 'tools' (the class is instantiated with no arguments, one per trajectory; "
         "reset(row) gets the row)"
     )
-    with pytest.raises(
-        EnvError, match=r"^rollout.multi_turn.enable=true but rollout.multi_turn.stop is empty"
-    ):
-        make_settings(MultiTurnConfig(enable=True, env=f"{path}:NeedsArgs"), tok, 64)
+    # No stop strings: the environment would never be called; refused with the config, before start-up.
+    with pytest.raises(ConfigError, match=r"^enable=true with no stop strings: a turn ends at a stop string"):
+        MultiTurnConfig(enable=True, env=f"{path}:NeedsArgs")
 
 
 # ----------------------------------------------------------------------------------------------------

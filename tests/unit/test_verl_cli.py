@@ -405,7 +405,12 @@ def test_the_table_keeps_step_with_the_schema() -> None:
     section = "actor_rollout_ref.rollout.multi_turn"
     cfg = load_config(
         None,
-        [f"{section}.enable=true", f"{section}.env=env.py:Env", f"{section}.tool_config_path=tools.yaml"],
+        [
+            f"{section}.enable=true",
+            f"{section}.env=env.py:Env",
+            f"{section}.stop=[</tool_call>]",
+            f"{section}.tool_config_path=tools.yaml",
+        ],
         notes=notes,
     )
     assert (cfg.rollout.multi_turn.enable, cfg.rollout.multi_turn.env) == (True, "env.py:Env")
