@@ -119,9 +119,10 @@ def test_the_multi_turn_example_is_refused_with_what_to_write(
         "write rollout.multi_turn.enable=true rollout.multi_turn.env=path/to/file.py:Class (reset(row)"
         in line
     )
-    # With an environment of ours, verl's tool settings are accepted with a warning.
+    # With an environment of ours and its stop strings, verl's tool settings are accepted with a warning.
     env = f"rollout.multi_turn.env={ROOT / 'tests' / 'reward_fns.py'}:TurnsByRow"
-    code, out, err = print_config([*script, *paths(tiny_assets, tmp_path), *SIZES, env], capsys)
+    stop = "rollout.multi_turn.stop=[</tool_call>]"
+    code, out, err = print_config([*script, *paths(tiny_assets, tmp_path), *SIZES, env, stop], capsys)
     assert code == 0, err
     assert yaml.safe_load(out)["rollout"]["multi_turn"]["max_assistant_turns"] == 5
     assert "multi_turn.tool_config_path=" in err and "is ignored: verl's tool and interaction settings" in err
