@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,32 @@ import pytest
 from tests.helpers import REWARD_FNS, ROOT, base_args, has_metrics, read_metrics, torchrun, wait_until
 
 TIMEOUT_S = 3.0
+
+
+def hanging_run(args: list[str], ready: Callable[[], bool], settle_s: float, **env: str) -> tuple[str, float]:
+    """``train_ppo.py`` under torchrun on 2 ranks with ``slow_after``'s environment (``env`` added): once
+    ``ready()`` holds and ``settle_s`` more seconds have passed, SIGTERM to the launcher's process group,
+    as Slurm sends it (it may reach the reward workers too). torchrun's stderr and the seconds from the
+    signal to its exit."""
+    run_env = {**os.environ, "OMP_NUM_THREADS": "1", "PPO_TEST_SLOW_S": "3600", **env}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.Popen(
+        [*cmd, str(ROOT / "train_ppo.py"), *args],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=run_env,
+        start_new_session=True,
+    )
+    try:
+        wait_until(proc, ready, timeout=400)
+        time.sleep(settle_s)
+        sent = time.time()
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+        return stderr, time.time() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.mark.slow
@@ -66,25 +93,9 @@ def test_a_stop_signal_while_every_reward_call_hangs_saves_the_last_step(
         "reward.timeout_s=600",
     ]
     # A worker's calls before the slow one: the start-up probe, then its rank's 4 responses of step 1.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PPO_TEST_SLOW_S": "3600", "PPO_TEST_FAST_CALLS": "5"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = subprocess.Popen(
-        [*cmd, str(ROOT / "train_ppo.py"), *args],
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        wait_until(proc, has_metrics(out), timeout=400)
-        time.sleep(2)  # inside step 2's hanging scoring
-        sent = time.time()
-        os.killpg(proc.pid, signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert time.time() - sent < 25, stderr[-3000:]
+    # Step 1 logged, then 2 s: inside step 2's hanging scoring.
+    stderr, waited = hanging_run(args, has_metrics(out), 2, PPO_TEST_FAST_CALLS="5")
+    assert waited < 25, stderr[-3000:]
     assert "stopping: saved step 1" in stderr, stderr[-3000:]
     assert "did not start" not in stderr and "the reward worker died" not in stderr, stderr[-3000:]
     signalled = "torch.distributed.elastic.multiprocessing.api.SignalException: Process"
@@ -112,31 +123,9 @@ def test_a_stop_signal_while_validation_scoring_hangs_saves_the_step(
         "reward.timeout_s=600",
     ]
     # A worker's calls before the slow one: the start-up probe, then its rank's 4 responses of step 1.
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PPO_TEST_SLOW_S": "3600",
-        "PPO_TEST_FAST_CALLS": "5",
-        "PPO_TEST_SLOW_MARK": str(mark),
-    }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = subprocess.Popen(
-        [*cmd, str(ROOT / "train_ppo.py"), *args],
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        wait_until(proc, lambda: all(Path(f"{mark}.{r}").exists() for r in (0, 1)), timeout=400)
-        time.sleep(1)
-        sent = time.time()
-        os.killpg(proc.pid, signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert time.time() - sent < 25, stderr[-3000:]
+    slow = lambda: all(Path(f"{mark}.{r}").exists() for r in (0, 1))  # noqa: E731 (both ranks hang)
+    stderr, waited = hanging_run(args, slow, 1, PPO_TEST_FAST_CALLS="5", PPO_TEST_SLOW_MARK=str(mark))
+    assert waited < 25, stderr[-3000:]
     assert "validation stopped while scoring (SIGTERM)" in stderr, stderr[-3000:]
     assert "stopping: saved step 1" in stderr, stderr[-3000:]
     assert (out / "checkpoints" / "latest").read_text() == "step_00000001"
