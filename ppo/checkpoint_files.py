@@ -234,14 +234,13 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer | None) -> None:
     if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) or optimizer.state:
         return  # none (a model saved without one: SPPO's snapshot), or one that has stepped
     for group in optimizer.param_groups:
-        scalar = torch.float32 if group.get("fused") or group.get("capturable") else torch.get_default_dtype()
+        on_device = bool(group.get("fused") or group.get("capturable"))  # torch keeps such a step beside p
+        scalar = torch.float32 if on_device else torch.get_default_dtype()
         for p in group["params"]:
             if not p.requires_grad:
                 continue
             state = {
-                "step": torch.zeros((), dtype=scalar, device=p.device)
-                if group.get("fused") or group.get("capturable")
-                else torch.tensor(0.0, dtype=scalar),
+                "step": torch.zeros((), dtype=scalar, device=p.device if on_device else "cpu"),
                 "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                 "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
             }

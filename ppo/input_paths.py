@@ -75,13 +75,18 @@ HUB_TIMEOUT_S = 10.0
 """How long the start-up check waits for the hub's answer about a model id that is not cached."""
 
 
-def hub_cache_dirs() -> list[str]:
-    """Where transformers looks for downloaded models: ``HF_HUB_CACHE``, ``$HF_HOME/hub`` (default
-    ``~/.cache/huggingface/hub``) and the older ``TRANSFORMERS_CACHE``."""
-    home = os.environ.get("HF_HOME") or os.path.join(
+def _hf_home() -> str:
+    """``HF_HOME``, by default ``$XDG_CACHE_HOME/huggingface`` (``~/.cache/huggingface``): the cache's and
+    the saved token's folder."""
+    return os.environ.get("HF_HOME") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
     )
-    dirs = [os.environ.get("HF_HUB_CACHE") or os.path.join(home, "hub")]
+
+
+def hub_cache_dirs() -> list[str]:
+    """Where transformers looks for downloaded models: ``HF_HUB_CACHE``, ``$HF_HOME/hub`` (``_hf_home``)
+    and the older ``TRANSFORMERS_CACHE``."""
+    dirs = [os.environ.get("HF_HUB_CACHE") or os.path.join(_hf_home(), "hub")]
     if os.environ.get("TRANSFORMERS_CACHE"):
         dirs.append(os.environ["TRANSFORMERS_CACHE"])
     return [os.path.expanduser(d) for d in dirs]
@@ -91,8 +96,7 @@ def _hub_token() -> str | None:
     """``HF_TOKEN``, or the token ``huggingface-cli login`` saved."""
     if os.environ.get("HF_TOKEN"):
         return os.environ["HF_TOKEN"]
-    home = os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface")
-    path = os.environ.get("HF_TOKEN_PATH") or os.path.join(home, "token")
+    path = os.environ.get("HF_TOKEN_PATH") or os.path.join(_hf_home(), "token")
     try:
         return Path(path).read_text().strip() or None
     except OSError:
