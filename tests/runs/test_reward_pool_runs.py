@@ -20,11 +20,22 @@ from tests.helpers import REWARD_FNS, ROOT, base_args, has_metrics, read_metrics
 TIMEOUT_S = 3.0
 
 
-def hanging_run(args: list[str], ready: Callable[[], bool], settle_s: float, **env: str) -> tuple[str, float]:
-    """``train_ppo.py`` under torchrun on 2 ranks with ``slow_after``'s environment (``env`` added): once
+def hanging_run(
+    assets: Path, out: Path, extra: list[str], ready: Callable[[], bool], settle_s: float, **env: str
+) -> tuple[str, float]:
+    """A 4-step GRPO run in ``out`` under torchrun on 2 ranks, scored by ``slow_after`` in one reward
+    worker per rank (``reward.timeout_s=600``, no cap; ``extra`` overrides and ``env`` added): once
     ``ready()`` holds and ``settle_s`` more seconds have passed, SIGTERM to the launcher's process group,
     as Slurm sends it (it may reach the reward workers too). torchrun's stderr and the seconds from the
     signal to its exit."""
+    args = base_args(assets, out, steps=4) + [
+        "trainer.val_before_train=false",
+        "algorithm.adv_estimator=grpo",
+        f"reward.custom_function={REWARD_FNS}:slow_after",
+        "reward.pool_workers=1",
+        "reward.timeout_s=600",
+        *extra,
+    ]
     run_env = {**os.environ, "OMP_NUM_THREADS": "1", "PPO_TEST_SLOW_S": "3600", **env}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     proc = subprocess.Popen(
@@ -85,16 +96,9 @@ def test_a_stop_signal_while_every_reward_call_hangs_saves_the_last_step(
     second, the run saves step 1 and exits well inside torchrun's grace, with no traceback but torchrun's
     own SignalException. The scoring used to wait out its 600 s time limit."""
     out = tmp_path / "run"
-    args = base_args(tiny_assets, out, steps=4) + [
-        "trainer.val_before_train=false",
-        "algorithm.adv_estimator=grpo",
-        f"reward.custom_function={REWARD_FNS}:slow_after",
-        "reward.pool_workers=1",
-        "reward.timeout_s=600",
-    ]
     # A worker's calls before the slow one: the start-up probe, then its rank's 4 responses of step 1.
     # Step 1 logged, then 2 s: inside step 2's hanging scoring.
-    stderr, waited = hanging_run(args, has_metrics(out), 2, PPO_TEST_FAST_CALLS="5")
+    stderr, waited = hanging_run(tiny_assets, out, [], has_metrics(out), 2, PPO_TEST_FAST_CALLS="5")
     assert waited < 25, stderr[-3000:]
     assert "stopping: saved step 1" in stderr, stderr[-3000:]
     assert "did not start" not in stderr and "the reward worker died" not in stderr, stderr[-3000:]
@@ -114,17 +118,10 @@ def test_a_stop_signal_while_validation_scoring_hangs_saves_the_step(
     validation score with it (0.625 here); a signal that reaches the trainer alone waited out
     reward.timeout_s (600 s) per hanging call."""
     out, mark = tmp_path / "run", tmp_path / "slow"
-    args = base_args(tiny_assets, out, steps=4) + [
-        "trainer.val_before_train=false",
-        "trainer.test_freq=1",
-        "algorithm.adv_estimator=grpo",
-        f"reward.custom_function={REWARD_FNS}:slow_after",
-        "reward.pool_workers=1",
-        "reward.timeout_s=600",
-    ]
     # A worker's calls before the slow one: the start-up probe, then its rank's 4 responses of step 1.
     slow = lambda: all(Path(f"{mark}.{r}").exists() for r in (0, 1))  # noqa: E731 (both ranks hang)
-    stderr, waited = hanging_run(args, slow, 1, PPO_TEST_FAST_CALLS="5", PPO_TEST_SLOW_MARK=str(mark))
+    env = {"PPO_TEST_FAST_CALLS": "5", "PPO_TEST_SLOW_MARK": str(mark)}
+    stderr, waited = hanging_run(tiny_assets, out, ["trainer.test_freq=1"], slow, 1, **env)
     assert waited < 25, stderr[-3000:]
     assert "validation stopped while scoring (SIGTERM)" in stderr, stderr[-3000:]
     assert "stopping: saved step 1" in stderr, stderr[-3000:]
