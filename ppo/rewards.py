@@ -26,7 +26,7 @@ from ppo.config import OverlongBufferConfig, RewardConfig
 from ppo.data import PromptRecord
 from ppo.distributed import agree_on_failure, all_gather_object
 from ppo.packing import DUMMY_SEQUENCE, pack_sequences, plan_eval_micro_batches
-from ppo.reward_pool import RewardPool
+from ppo.reward_pool import PoolScores, RewardPool
 from ppo.rule_scoring import (
     RULE_DATA_SOURCES,
     RewardError,
@@ -288,17 +288,9 @@ def rule_scores(
             ),
             RewardError,
         )
-        timeouts = errors = abandoned = capped = 0
-        first = None
+        out = PoolScores(scored=scored)  # nothing failed: a failure stopped the run above
     else:
         out = pool.score(records, texts, stop)
-        timeouts, errors, abandoned, capped, first = (
-            out.timeouts,
-            out.errors,
-            out.abandoned,
-            out.capped,
-            out.first,
-        )
         scored = [Score(pool.error_score, {}) if s is None else s for s in out.scored]
     extras: dict[str, list[float]] = {}
     for s in scored:
@@ -306,12 +298,12 @@ def rule_scores(
             extras.setdefault(k, []).append(v)
     mine = {
         "extras": {k: (sum(v), len(v)) for k, v in extras.items()},  # key -> (sum, count) on this rank
-        "timeouts": timeouts,
-        "errors": errors,
-        "abandoned": abandoned,
-        "capped": capped,
+        "timeouts": out.timeouts,
+        "errors": out.errors,
+        "abandoned": out.abandoned,
+        "capped": out.capped,
         "rows": len(texts),
-        "first": first,
+        "first": out.first,
     }
     ranks: list[dict[str, Any]] = all_gather_object(mine)  # type: ignore[assignment]
     metrics: dict[str, float] = {}
