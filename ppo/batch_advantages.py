@@ -10,7 +10,7 @@ import math
 
 import torch
 
-import kernels
+import ppo_kernels
 from ppo import algorithms
 from ppo.batch import Batch
 from ppo.config import PPOConfig
@@ -148,10 +148,10 @@ def global_softmean(x: torch.Tensor, beta: float) -> float:
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str, backend: str) -> torch.Tensor:
     """Per-token KL estimate ``[B, R]`` (``algorithms.kl_penalty``) for the KL in the reward and the KL
-    loss; k3 runs on the ``kernels`` low-variance KL op (Triton on GPU), which computes the same values
+    loss; k3 runs on the ``ppo_kernels`` low-variance KL op (Triton on GPU), which computes the same values
     and gradients."""
     if kind in ("low_var_kl", "k3"):
-        return kernels.low_var_kl(logprobs, ref_logprobs, backend=backend)
+        return ppo_kernels.low_var_kl(logprobs, ref_logprobs, backend=backend)
     return algorithms.kl_penalty(logprobs, ref_logprobs, kind)
 
 

@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from kernels.dispatch import backend_unavailable
 from ppo import (
     algorithms,
     checkpointer,
@@ -41,6 +40,7 @@ from ppo.metrics import MetricsLogger
 from ppo.monitor import HealthMonitor
 from ppo.optim import Trained, with_optimizer
 from ppo.reward_pool import RewardPool
+from ppo_kernels.dispatch import backend_unavailable
 
 logger = logging.getLogger("ppo")
 

@@ -71,7 +71,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers import PretrainedConfig
 
-import kernels
+import ppo_kernels
 from ppo import models, packing
 from ppo.attention import PACKED_ATTENTION, ULYSSES, VARLEN_FLASH, packed_kwargs
 from ppo.config import ConfigError
@@ -473,13 +473,13 @@ def local_logprobs(
         raise ValueError("log-probs need a row with labels (ppo.packing.Packed)")
     if not fused:
         logits = local_logits(model, sl)
-        return kernels.logprobs_from_logits(
+        return ppo_kernels.logprobs_from_logits(
             logits, sl.labels, temperature=temperature, compute_entropy=compute_entropy, backend=backend
         )
     with _forward_kwargs(model, sl) as offsets:
         hidden = models.causal_lm_hidden(model, sl.input_ids, sl.position_ids, offsets)
     weight = models.lm_head_weight(model)
-    return kernels.fused_linear_logprobs(
+    return ppo_kernels.fused_linear_logprobs(
         hidden, weight, sl.labels, temperature=temperature, compute_entropy=compute_entropy, backend=backend
     )
 

@@ -3,8 +3,8 @@
 Every path starts from hidden [T, H] and the LM-head weight [V, H], so rows compare like for like:
 
 - naive:       logits = hidden @ W^T, then a full fp32 log_softmax + gather + entropy (the references)
-- from_logits: logits = hidden @ W^T, then `kernels.logprobs_from_logits` (fast backend)
-- fused:       `kernels.fused_linear_logprobs` (fast backend): the [T, V] logits never exist
+- from_logits: logits = hidden @ W^T, then `ppo_kernels.logprobs_from_logits` (fast backend)
+- fused:       `ppo_kernels.fused_linear_logprobs` (fast backend): the [T, V] logits never exist
 - liger:       Liger-Kernel's fused linear cross entropy (reduction="none", log-probs only, no entropy
                or temperature), only where `liger_kernel` imports and on CUDA; skipped otherwise
 
@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_common import cpu_peak_bytes, cuda_peak_bytes  # noqa: E402
 
-import kernels  # noqa: E402
+import ppo_kernels  # noqa: E402
 
 PATHS = ("naive", "from_logits", "fused", "liger")
 DEFAULT_PATHS = ("naive", "from_logits", "fused")
@@ -141,12 +141,12 @@ def make_run(
 
     def forward(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if path == "naive":
-            return kernels.fused_linear_logprobs(h, w, labels, backend="reference")
+            return ppo_kernels.fused_linear_logprobs(h, w, labels, backend="reference")
         if path == "from_logits":
-            return kernels.logprobs_from_logits(h @ w.T, labels, backend=backend, chunk_size=chunk_size)
+            return ppo_kernels.logprobs_from_logits(h @ w.T, labels, backend=backend, chunk_size=chunk_size)
         if path == "liger":
             return _liger_logprobs(h, w, labels)
-        return kernels.fused_linear_logprobs(
+        return ppo_kernels.fused_linear_logprobs(
             h, w, labels, backend=backend, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size
         )
 
@@ -208,7 +208,7 @@ def bench(args: argparse.Namespace) -> list[Row]:
         hidden = torch.randn(num_tokens, hidden_size, generator=gen).to(device, dtype)
         weight = (torch.randn(vocab_size, hidden_size, generator=gen) / hidden_size**0.5).to(device, dtype)
         labels = torch.randint(0, vocab_size, (num_tokens,), generator=gen).to(device)
-        backend = kernels.resolve_backend(args.backend, hidden)
+        backend = ppo_kernels.resolve_backend(args.backend, hidden)
         for mode in args.modes:
             naive_peak = None
             for path in paths:
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         "--paths", nargs="+", choices=PATHS, default=list(DEFAULT_PATHS), help="liger: only where it imports"
     )
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--backend", choices=kernels.BACKENDS, default="auto", help="fast paths' backend")
+    parser.add_argument("--backend", choices=ppo_kernels.BACKENDS, default="auto", help="fast paths' backend")
     parser.add_argument(
         "--chunk-size", type=int, default=None, help="tokens per chunk (default: from the memory budget)"
     )

@@ -82,7 +82,7 @@ from bench_common import (  # noqa: E402
     timed,
 )
 
-import kernels  # noqa: E402
+import ppo_kernels  # noqa: E402
 from ppo import algorithms, sharding  # noqa: E402
 from ppo.attention import PACKED_ATTENTION, VARLEN_FLASH, resolve_attn_implementation  # noqa: E402
 from ppo.batch import Batch, Rollout, group_index  # noqa: E402
@@ -175,7 +175,7 @@ def padded_logprobs(
     padded rows, with the same kernel."""
     logits = padded_forward(model, rows)
     b, width, vocab = logits.shape
-    lp, ent = kernels.logprobs_from_logits(
+    lp, ent = ppo_kernels.logprobs_from_logits(
         logits.reshape(b * width, vocab),
         rows.labels.reshape(-1),
         temperature=temperature,

@@ -31,7 +31,7 @@ consists of on the same models and shapes, called directly with no trainer aroun
 log-softmax gather of the response tokens; ``values`` the critic's forward; ``reward`` the reward model's;
 ``adv`` the k1 KL and GAE (``ppo.algorithms``); ``update_actor`` and ``update_critic`` ``--epochs`` x 2
 mini-batches of forward, the loss, backward, gradient clipping and a fused AdamW step (the actor's loss as the
-trainer's: log-probs and entropy from the logits with ``kernels.logprobs_from_logits``, the clipped
+trainer's: log-probs and entropy from the logits with ``ppo_kernels.logprobs_from_logits``, the clipped
 ``policy_loss``, the entropy's mean; the critic's the squared values). Columns: ``phase``, ``trainer_s`` (the trainer's
 median wall seconds, as above), ``floor_s`` (median wall seconds of ``--floor-reps`` repeats after each
 of the ``--rounds`` runs of ours, each after one warm-up: the halves alternate, so that a machine whose
@@ -310,7 +310,7 @@ def floor_calls(args: argparse.Namespace, paths: dict[str, Path]) -> dict[str, A
     closures over one shared state; the responses of ``gen`` feed the phases after it."""
     from transformers import AutoTokenizer
 
-    import kernels
+    import ppo_kernels
     from ppo import data, models
     from ppo.algorithms import agg_loss, compute_gae, kl_penalty, policy_loss
 
@@ -377,7 +377,7 @@ def floor_calls(args: argparse.Namespace, paths: dict[str, Path]) -> dict[str, A
         # the clipped policy loss, the entropy's token mean (a metric).
         ids, mask = state["ids"][rows], state["mask"][rows]
         logits = actor(input_ids=ids, attention_mask=mask).logits[:, -length - 1 : -1]
-        lp, entropy = kernels.logprobs_from_logits(
+        lp, entropy = ppo_kernels.logprobs_from_logits(
             logits.reshape(-1, logits.shape[-1]), ids[:, -length:].reshape(-1), compute_entropy=True
         )
         lp, entropy = lp.view(-1, length), entropy.view(-1, length)

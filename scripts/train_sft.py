@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-import kernels
+import ppo_kernels
 from ppo import data, model_eval, models, run_folder, runner, stage_data, stage_loop
 from ppo.config import SFTConfig
 from ppo.distributed import DistInfo, all_reduce_scalars
@@ -147,13 +147,13 @@ def answer_labels(packed: PackedSequences, examples: list[stage_data.SFTExample]
     ``labels[t] = input_ids[t + 1]`` when token ``t + 1`` is in the same sequence and its loss mask
     is True, so prompt tokens (and the step from one packed sequence into the next) carry no loss.
     """
-    labels = kernels.next_token_labels(packed.input_ids, packed.cu_seqlens)
+    labels = ppo_kernels.next_token_labels(packed.input_ids, packed.cu_seqlens)
     trained = torch.tensor(
         [m for ex in examples for m in ex.loss_mask], dtype=torch.bool, device=labels.device
     )
     next_trained = torch.zeros_like(trained)
     next_trained[:-1] = trained[1:]
-    return labels.masked_fill(~next_trained, kernels.IGNORE_INDEX)
+    return labels.masked_fill(~next_trained, ppo_kernels.IGNORE_INDEX)
 
 
 def answer_nll_sum(
@@ -167,7 +167,7 @@ def answer_nll_sum(
     packed = pack_sequences([ex.input_ids for ex in examples], device)
     labels = answer_labels(packed, examples)
     logits = models.causal_lm_logits(model, packed.input_ids, packed.position_ids, packed.offsets)
-    logprobs, _ = kernels.logprobs_from_logits(logits, labels, compute_entropy=False)
+    logprobs, _ = ppo_kernels.logprobs_from_logits(logits, labels, compute_entropy=False)
     return -logprobs.sum()
 
 

@@ -21,7 +21,7 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-import kernels.chunked
+import ppo_kernels.chunked
 from ppo import algorithms, batch_advantages, forwards, models, rollout
 from ppo.batch import Batch, Rollout
 from ppo.build import build
@@ -395,13 +395,13 @@ def test_entropy_gets_no_gradient_without_a_bonus(
     """With entropy_coeff=0 the entropy is only logged: the kernels' backward receives no entropy
     gradient (and does no work for it); with a bonus it does."""
     seen: list[bool] = []
-    original = kernels.chunked._grad_rows
+    original = ppo_kernels.chunked._grad_rows
 
     def recording(ctx, grad_logprobs, grad_entropy):  # noqa: ANN001, ANN202
         seen.append(grad_entropy is not None)
         return original(ctx, grad_logprobs, grad_entropy)
 
-    monkeypatch.setattr(kernels.chunked, "_grad_rows", recording)
+    monkeypatch.setattr(ppo_kernels.chunked, "_grad_rows", recording)
     for coeff, expected in ((0.0, False), (0.01, True)):
         seen.clear()
         train(

@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 import torch
 
-from kernels import dispatch
 from ppo import models, ulysses
 from ppo.config import ConfigError, PPOConfig
 from ppo.config_loader import load_config, to_yaml
 from ppo.data import DataError
 from ppo.offline import load_offline_groups
+from ppo_kernels import dispatch
 from tests.helpers import (
     ROOT,
     arith_row,

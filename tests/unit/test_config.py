@@ -931,7 +931,7 @@ cfg = ppo.config_loader.load_config("configs/demo_cpu.yaml", ["rollout.n=4"])
 cfg.validate(world_size=2)
 ppo.config_loader.to_yaml(cfg), cfg.warnings()
 ppo.config.validate_stage(ppo.config_loader.load_config(None, [], DPOConfig), 2)
-print(" ".join(m for m in ("torch", "transformers", "kernels", "numpy") if m in sys.modules))
+print(" ".join(m for m in ("torch", "transformers", "ppo_kernels", "numpy") if m in sys.modules))
 """
 
 

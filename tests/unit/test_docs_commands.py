@@ -15,7 +15,7 @@ command:
   the entry points' shared parser, ``ppo.cli.command_line``), and torchrun's and sbatch's own options
   are ones they take;
 - every file of the repository it names exists: a path starting with ``configs/``, ``scripts/``,
-  ``docs/``, ``kernels/``, ``ppo/`` or ``tests/``. Other paths are exempt: what a command creates or
+  ``docs/``, ``ppo_kernels/``, ``ppo/`` or ``tests/``. Other paths are exempt: what a command creates or
   reads after another has made it (``assets/``, ``outputs/``, ``data/``, ``models/``, ``logs/``), what
   the user supplies (``/path/to/...``, absolute paths, ``~``, hub ids), and placeholders (``<preset>``);
 - for ``train_ppo.py`` and the stage scripts (also through ``sbatch``), ``--print-config`` passes on
@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_LANGS = {"bash", "sh", "shell"}
 SEPARATORS = {"&&", ";", "||", "|"}
-REPO_DIRS = ("configs/", "scripts/", "docs/", "kernels/", "ppo/", "tests/")
+REPO_DIRS = ("configs/", "scripts/", "docs/", "ppo_kernels/", "ppo/", "tests/")
 ENTRY_POINTS = {
     "train_ppo.py": "PPOConfig",
     "scripts/train_sft.py": "SFTConfig",
@@ -340,7 +340,7 @@ def test_files_named_in_the_text_exist(page: Path):
     ``configs/demo_cpu.yaml``) exists: files move, and the pages must follow."""
     text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
     named = re.findall(
-        r"(?<![\w./-])((?:configs|scripts|docs|kernels|ppo|tests)/[\w./-]+\.(?:py|yaml|md|sh|sbatch|png))",
+        r"(?<![\w./-])((?:configs|scripts|docs|ppo_kernels|ppo|tests)/[\w./-]+\.(?:py|yaml|md|sh|sbatch|png))",
         text,
     )
     missing = sorted({p for p in named if not (ROOT / p).exists()})

@@ -1,4 +1,4 @@
-"""Tests of kernels/: each op's chunked-torch and Triton paths against the float64 reference.
+"""Tests of ppo_kernels/: each op's chunked-torch and Triton paths against the float64 reference.
 
 On CPU the Triton kernels run under the interpreter: TRITON_INTERPRET=1 is set below, before `kernels`
 imports its Triton module (the `@triton.jit` decorators read it). On CUDA the real compiler runs, and
@@ -28,8 +28,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import kernels  # noqa: E402
-from kernels import torch_ops  # noqa: E402
+import ppo_kernels  # noqa: E402
+from ppo_kernels import torch_ops  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -83,14 +83,14 @@ def _output_grads(seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
 def _logits_op(backend: str, logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> tuple:
     """logprobs_from_logits on one backend, with small chunks (torch) or blocks (Triton)."""
     if backend == "triton":
-        from kernels import triton_ops
+        from ppo_kernels import triton_ops
 
         # 256-wide blocks: 1000 = 3 x 256 + 232, so the online log-sum-exp runs several, partly
         # masked iterations per row.
-        return kernels.logprobs_from_logits(
+        return ppo_kernels.logprobs_from_logits(
             logits, labels, backend=triton_ops.primitives(block_v=256), **kwargs
         )
-    return kernels.logprobs_from_logits(logits, labels, backend=backend, chunk_size=8, **kwargs)
+    return ppo_kernels.logprobs_from_logits(logits, labels, backend=backend, chunk_size=8, **kwargs)
 
 
 def _linear_op(
@@ -100,7 +100,7 @@ def _linear_op(
     kwargs = {"chunk_size": TOKEN_CHUNK, "vocab_chunk_size": VOCAB_CHUNK, **kwargs}
     if backend == "reference":
         kwargs = {k: v for k, v in kwargs.items() if k not in ("chunk_size", "vocab_chunk_size")}
-    return kernels.fused_linear_logprobs(hidden, weight, labels, backend=backend, **kwargs)
+    return ppo_kernels.fused_linear_logprobs(hidden, weight, labels, backend=backend, **kwargs)
 
 
 def _forward_backward(
@@ -136,27 +136,27 @@ def test_next_token_labels_stays_inside_each_sequence() -> None:
     # Sequences [10 11 12] [20] [] [30 31] [40 41 42 43], then two padding positions.
     input_ids = torch.tensor([10, 11, 12, 20, 30, 31, 40, 41, 42, 43, 0, 0])
     cu_seqlens = torch.tensor([0, 3, 4, 4, 6, 10], dtype=torch.int32)
-    labels = kernels.next_token_labels(input_ids, cu_seqlens)
+    labels = ppo_kernels.next_token_labels(input_ids, cu_seqlens)
     # Each sequence predicts its own next token; its last position (and the padding) predicts nothing.
     expected = [11, 12, -100, -100, 31, -100, 41, 42, 43, -100, -100, -100]
     assert labels.tolist() == expected
     assert labels.dtype == torch.long
-    assert kernels.next_token_labels(
+    assert ppo_kernels.next_token_labels(
         input_ids[:1], cu_seqlens[:2].clamp(max=1), ignore_index=-1
     ).tolist() == [-1]
 
 
 def test_backend_names() -> None:
-    assert kernels.BACKENDS == ("auto", "triton", "torch", "reference")
+    assert ppo_kernels.BACKENDS == ("auto", "triton", "torch", "reference")
     x = torch.zeros(4, 8)
     with pytest.raises(ValueError, match="auto, triton, torch, reference"):
-        kernels.logprobs_from_logits(x, torch.zeros(4, dtype=torch.long), backend="cuda")
+        ppo_kernels.logprobs_from_logits(x, torch.zeros(4, dtype=torch.long), backend="cuda")
     with pytest.raises(ValueError, match="valid"):
-        kernels.low_var_kl(x, x, backend="fast")
-    assert kernels.resolve_backend("auto", x) == "torch"  # CPU
-    assert kernels.resolve_backend("auto", x.double().to(DEVICE)) == "torch"  # fp64 has no Triton path
+        ppo_kernels.low_var_kl(x, x, backend="fast")
+    assert ppo_kernels.resolve_backend("auto", x) == "torch"  # CPU
+    assert ppo_kernels.resolve_backend("auto", x.double().to(DEVICE)) == "torch"  # fp64 has no Triton path
     if DEVICE.type == "cuda" and HAS_TRITON:
-        assert kernels.resolve_backend("auto", x.to(DEVICE)) == "triton"
+        assert ppo_kernels.resolve_backend("auto", x.to(DEVICE)) == "triton"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -174,7 +174,7 @@ def test_logprobs_from_logits_matches_reference(
     logits, labels = _logits(kind, dtype), _labels(T, V)
     g_lp, g_ent = _output_grads()
     ref_logits = logits.double().requires_grad_()
-    ref_lp, ref_ent = kernels.logprobs_from_logits_reference(ref_logits, labels, temperature=temperature)
+    ref_lp, ref_ent = ppo_kernels.logprobs_from_logits_reference(ref_logits, labels, temperature=temperature)
     (g_lp * ref_lp + g_ent * ref_ent).sum().backward()
 
     x = logits.clone().requires_grad_()
@@ -223,7 +223,9 @@ def test_fused_linear_logprobs_matches_reference(
     labels = _labels(T, V)
     g_lp, g_ent = _output_grads()
     ref_h, ref_w = hidden.double().requires_grad_(), weight.double().requires_grad_()
-    ref_lp, ref_ent = kernels.fused_linear_logprobs_reference(ref_h, ref_w, labels, temperature=temperature)
+    ref_lp, ref_ent = ppo_kernels.fused_linear_logprobs_reference(
+        ref_h, ref_w, labels, temperature=temperature
+    )
     (g_lp * ref_lp + g_ent * ref_ent).sum().backward()
 
     op = partial(_linear_op, backend, labels=labels, temperature=temperature)
@@ -252,16 +254,18 @@ def test_public_api_default_tiles_prime_vocab(backend: str) -> None:
     weight = (torch.randn(vocab_size, H, generator=gen) / math.sqrt(H)).to(DEVICE)
     labels = _labels(T, vocab_size).int()
     ref_h = hidden.double().requires_grad_()
-    ref_lp, ref_ent = kernels.fused_linear_logprobs_reference(ref_h, weight.double(), labels, temperature=0.6)
+    ref_lp, ref_ent = ppo_kernels.fused_linear_logprobs_reference(
+        ref_h, weight.double(), labels, temperature=0.6
+    )
     (ref_lp + ref_ent).sum().backward()
     h = hidden.clone().requires_grad_()
-    lp, ent = kernels.fused_linear_logprobs(h, weight, labels, temperature=0.6, backend=backend)
+    lp, ent = ppo_kernels.fused_linear_logprobs(h, weight, labels, temperature=0.6, backend=backend)
     (lp + ent).sum().backward()
     _assert_close(lp, ref_lp, 1e-5, "logprobs")
     _assert_close(ent, ref_ent, 1e-5, "entropy")
     _assert_close(h.grad, ref_h.grad, 1e-5 * ref_h.grad.abs().max().item(), "grad hidden")
     logits = (hidden @ weight.T).requires_grad_()
-    lp, ent = kernels.logprobs_from_logits(logits, labels, temperature=0.6, backend=backend)
+    lp, ent = ppo_kernels.logprobs_from_logits(logits, labels, temperature=0.6, backend=backend)
     _assert_close(lp, ref_lp, 1e-5, "logprobs from logits")
     _assert_close(ent, ref_ent, 1e-5, "entropy from logits")
 
@@ -274,7 +278,7 @@ def test_public_api_default_tiles_prime_vocab(backend: str) -> None:
 def test_low_var_kl_reference_by_hand() -> None:
     logprobs = torch.zeros(6, dtype=torch.float64, requires_grad=True)
     ref_logprobs = torch.tensor([0.0, 1.0, -1.0, 3.0, 25.0, -25.0], dtype=torch.float64)
-    kl = kernels.low_var_kl_reference(logprobs, ref_logprobs)
+    kl = ppo_kernels.low_var_kl_reference(logprobs, ref_logprobs)
     # x = ref - logp: e^0 - 0 - 1 = 0; e - 2; 1/e; e^3 - 4 = 16.1 -> 10 (value clamp);
     # x = 25 -> 20 (log-ratio clamp) -> e^20 - 21 -> 10; x = -25 -> -20 -> e^-20 + 19 -> 10.
     expected = [0.0, math.e - 2, 1 / math.e, 10.0, 10.0, 10.0]
@@ -295,10 +299,10 @@ def test_low_var_kl_matches_reference(backend: str) -> None:
     ref_logprobs = logprobs + torch.linspace(-30, 30, n).to(DEVICE)
     g = torch.randn(n, generator=gen).to(DEVICE)
     ref_lp, ref_ref = logprobs.double().requires_grad_(), ref_logprobs.double().requires_grad_()
-    ref_kl = kernels.low_var_kl_reference(ref_lp, ref_ref)
+    ref_kl = ppo_kernels.low_var_kl_reference(ref_lp, ref_ref)
     (g * ref_kl).sum().backward()
     lp, rf = logprobs.clone().requires_grad_(), ref_logprobs.clone().requires_grad_()
-    kl = kernels.low_var_kl(lp, rf, backend=backend)
+    kl = ppo_kernels.low_var_kl(lp, rf, backend=backend)
     (g * kl).sum().backward()
     assert kl.dtype == torch.float32
     # fp32 inputs: x itself is rounded (eps32 * |ref|), e^x amplifies that by e^x <= 11 where unclamped.
@@ -314,7 +318,7 @@ def test_low_var_kl_matches_reference(backend: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("backend", ["auto", "reference", *FAST_BACKENDS])
 def test_low_var_kl_equals_kl_penalty(backend: str, dtype: torch.dtype) -> None:
-    """kernels.low_var_kl is ppo.algorithms.kl_penalty(..., "low_var_kl"): value and both gradients."""
+    """ppo_kernels.low_var_kl is ppo.algorithms.kl_penalty(..., "low_var_kl"): value and both gradients."""
     from ppo.algorithms import kl_penalty
 
     if backend == "triton" and dtype == torch.float64:
@@ -328,7 +332,7 @@ def test_low_var_kl_equals_kl_penalty(backend: str, dtype: torch.dtype) -> None:
     ref_logprobs = logprobs + x
     g = torch.randn(x.numel(), generator=gen)
     lp, rf = (t.to(dtype).to(DEVICE).requires_grad_() for t in (logprobs, ref_logprobs))
-    kl = kernels.low_var_kl(lp, rf, backend=backend)
+    kl = ppo_kernels.low_var_kl(lp, rf, backend=backend)
     (g.to(DEVICE, dtype) * kl).sum().backward()
     lp2, rf2 = (t.detach().clone().requires_grad_() for t in (lp, rf))
     expected = kl_penalty(lp2, rf2, "low_var_kl")
@@ -363,14 +367,14 @@ def test_gradient_through_one_output(backend: str, use: str) -> None:
     labels = _labels(T, V)
     index = 0 if use == "logprobs" else 1
     ref_h = hidden.double().requires_grad_()
-    kernels.fused_linear_logprobs_reference(ref_h, weight.double(), labels)[index].sum().backward()
+    ppo_kernels.fused_linear_logprobs_reference(ref_h, weight.double(), labels)[index].sum().backward()
     h = hidden.clone().requires_grad_()
     _linear_op(backend, h, weight, labels)[index].sum().backward()
     _assert_close(h.grad, ref_h.grad, 1e-5 * ref_h.grad.abs().max().item(), f"grad hidden via {use}")
 
     logits = _logits("randn", torch.float32)
     ref_x = logits.double().requires_grad_()
-    kernels.logprobs_from_logits_reference(ref_x, labels)[index].sum().backward()
+    ppo_kernels.logprobs_from_logits_reference(ref_x, labels)[index].sum().backward()
     x = logits.clone().requires_grad_()
     _logits_op(backend, x, labels)[index].sum().backward()
     _assert_close(x.grad, ref_x.grad, 1e-5 * ref_x.grad.abs().max().item(), f"grad logits via {use}")
@@ -422,7 +426,7 @@ def test_compute_entropy_false(backend: str) -> None:
     lp_full, _ = _logits_op(backend, logits, labels)
     torch.testing.assert_close(lp.detach(), lp_full, rtol=0, atol=0)
     ref_x = logits.double().requires_grad_()
-    ref_lp, _ = kernels.logprobs_from_logits_reference(ref_x, labels, compute_entropy=False)
+    ref_lp, _ = ppo_kernels.logprobs_from_logits_reference(ref_x, labels, compute_entropy=False)
     (g_lp * ref_lp).sum().backward()
     _assert_close(x.grad, ref_x.grad, 1e-5 * ref_x.grad.abs().max().item(), "grad logits")
 
@@ -432,7 +436,7 @@ def test_compute_entropy_false(backend: str) -> None:
     assert ent is None
     (g_lp * lp).sum().backward()
     ref_w = weight.double().requires_grad_()
-    ref_lp, _ = kernels.fused_linear_logprobs_reference(
+    ref_lp, _ = ppo_kernels.fused_linear_logprobs_reference(
         hidden.double(), ref_w, labels, compute_entropy=False, temperature=0.6
     )
     (g_lp * ref_lp).sum().backward()
@@ -461,11 +465,11 @@ def test_chunk_sizes_do_not_change_results(backend: str) -> None:
     outs = []
     for chunk_size, vocab_chunk_size in ((1, 1000), (5, 97), (16, 129), (37, 384), (1000, 5000)):
         chunks = dict(chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size, backend=backend)
-        op = partial(kernels.fused_linear_logprobs, labels=labels, **chunks)
+        op = partial(ppo_kernels.fused_linear_logprobs, labels=labels, **chunks)
         outs.append(_forward_backward(op, hidden, weight, g_lp, g_ent))
         if backend == "torch":
             x = (hidden @ weight.T).requires_grad_()
-            lp2, ent2 = kernels.logprobs_from_logits(x, labels, chunk_size=chunk_size, backend="torch")
+            lp2, ent2 = ppo_kernels.logprobs_from_logits(x, labels, chunk_size=chunk_size, backend="torch")
             (g_lp * lp2 + g_ent * ent2).sum().backward()
             outs[-1] += [lp2, ent2, x.grad]
     for out in outs[1:]:
@@ -485,7 +489,7 @@ def test_forward_without_grad_equals_forward_with_grad(backend: str) -> None:
         lp_old, ent_old = _linear_op(backend, hidden, weight, labels, temperature=0.6)
     lp, ent = _linear_op(backend, hidden.clone().requires_grad_(), weight, labels, temperature=0.6)
     assert torch.equal(lp.detach(), lp_old) and torch.equal(ent.detach(), ent_old)
-    lp_logits, ent_logits = kernels.logprobs_from_logits(
+    lp_logits, ent_logits = ppo_kernels.logprobs_from_logits(
         hidden @ weight.T, labels, temperature=0.6, backend=backend
     )
     # Per-chunk and whole GEMMs may round a logit differently by one fp16 ulp (<= eps |logit|), which
@@ -503,18 +507,20 @@ def test_torch_backward_passes_gradcheck() -> None:
     hidden = torch.randn(5, 3, generator=gen, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(7, 3, generator=gen, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(
-        lambda x: kernels.logprobs_from_logits(x, labels, temperature=0.6, chunk_size=2, backend="torch"),
+        lambda x: ppo_kernels.logprobs_from_logits(x, labels, temperature=0.6, chunk_size=2, backend="torch"),
         (logits,),
     )
     assert torch.autograd.gradcheck(
-        lambda h, w: kernels.fused_linear_logprobs(
+        lambda h, w: ppo_kernels.fused_linear_logprobs(
             h, w, labels, temperature=0.6, chunk_size=2, vocab_chunk_size=3, backend="torch"
         ),
         (hidden, weight),
     )
     logprobs = torch.randn(9, generator=gen, dtype=torch.float64, requires_grad=True)
     ref = (logprobs + torch.linspace(-4, 4, 9, dtype=torch.float64)).detach().requires_grad_()
-    assert torch.autograd.gradcheck(lambda a, b: kernels.low_var_kl(a, b, backend="torch"), (logprobs, ref))
+    assert torch.autograd.gradcheck(
+        lambda a, b: ppo_kernels.low_var_kl(a, b, backend="torch"), (logprobs, ref)
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -525,10 +531,12 @@ def test_torch_backward_passes_gradcheck() -> None:
 @pytest.mark.skipif(not HAS_TRITON, reason="no triton")
 def test_memory_plan_at_target_shape() -> None:
     """Triton path, bf16, T=16384, H=4096, V=152064, 256 MiB budget: the accounting of fused_memory_plan."""
-    from kernels import triton_ops
+    from ppo_kernels import triton_ops
 
     mib, gib = 2**20, 2**30
-    plan = kernels.fused_memory_plan(triton_ops.primitives(), 16384, 4096, 152064, torch.bfloat16, 256 * mib)
+    plan = ppo_kernels.fused_memory_plan(
+        triton_ops.primitives(), 16384, 4096, 152064, torch.bfloat16, 256 * mib
+    )
     # Backward chunk: 256 MiB / (16384 tokens x 2 B) = 8192 vocab rows (a multiple of 128).
     # Forward chunk: 256 MiB / (152064 x 2 B) = 882 tokens, rounded down to 768.
     assert (plan.vocab_chunk, plan.token_chunk) == (8192, 768)
@@ -544,11 +552,11 @@ def test_memory_plan_at_target_shape() -> None:
     # Without the fp32 grad_weight accumulator of the token-chunked design (2.3 GiB) and its copy.
     assert "grad_weight_acc" not in plan.backward
     # T=4096: a 32768-row chunk, 1.473 GiB; H=896: 0.560 GiB.
-    plan_4k = kernels.fused_memory_plan(
+    plan_4k = ppo_kernels.fused_memory_plan(
         triton_ops.primitives(), 4096, 4096, 152064, torch.bfloat16, 256 * mib
     )
     assert plan_4k.vocab_chunk == 32768 and abs(plan_4k.peak_bytes / gib - 1.473) < 1e-3
-    plan_896 = kernels.fused_memory_plan(
+    plan_896 = ppo_kernels.fused_memory_plan(
         triton_ops.primitives(), 16384, 896, 152064, torch.bfloat16, 256 * mib
     )
     assert abs(plan_896.peak_bytes / gib - 0.560) < 1e-3
@@ -560,13 +568,13 @@ def test_memory_plan_keeps_chunks_within_budget(backend: str) -> None:
     if backend == "torch":
         prims = torch_ops.TORCH
     else:
-        from kernels import triton_ops
+        from ppo_kernels import triton_ops
 
         prims = triton_ops.primitives()
     budget = 256 * 2**20
     for dtype in (torch.bfloat16, torch.float32):
         for num_tokens in (1, 100, 4096, 16384, 65536, 1 << 20):
-            plan = kernels.fused_memory_plan(prims, num_tokens, 4096, 152064, dtype, budget)
+            plan = ppo_kernels.fused_memory_plan(prims, num_tokens, 4096, 152064, dtype, budget)
             assert plan.backward["vocab_chunk"] <= budget and plan.forward["token_chunk"] <= budget
             # Multiples of 128 (whole GEMM tiles) unless the budget allows fewer rows or all of V.
             assert plan.vocab_chunk % 128 == 0 or plan.vocab_chunk in (152064, *range(1, 128))
@@ -588,7 +596,9 @@ def test_torch_fused_memory_measured_within_plan(dtype: torch.dtype) -> None:
     weight = (torch.randn(vocab_size, hidden_size, generator=gen) / 8).to(dtype)
     labels = _labels(num_tokens, vocab_size).cpu()
     # A 2 MiB budget: 42 tokens per forward chunk, 256 vocab rows per backward chunk (fp32).
-    plan = kernels.fused_memory_plan(torch_ops.TORCH, num_tokens, hidden_size, vocab_size, dtype, 2 * 2**20)
+    plan = ppo_kernels.fused_memory_plan(
+        torch_ops.TORCH, num_tokens, hidden_size, vocab_size, dtype, 2 * 2**20
+    )
     assert 1 < plan.vocab_chunk < vocab_size and 1 < plan.token_chunk < num_tokens
     measured = {}
     for path in ("fused", "naive"):
@@ -616,11 +626,11 @@ def _run_python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
 def test_import_without_triton() -> None:
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "import torch, kernels\n"
-        "lp, _ = kernels.logprobs_from_logits(torch.zeros(2, 5), torch.tensor([1, -100]))\n"
+        "import torch, ppo_kernels\n"
+        "lp, _ = ppo_kernels.logprobs_from_logits(torch.zeros(2, 5), torch.tensor([1, -100]))\n"
         "assert lp.tolist()[1] == 0.0\n"
         "try:\n"
-        "    kernels.logprobs_from_logits(torch.zeros(2, 5), torch.tensor([1, 1]), backend='triton')\n"
+        "    ppo_kernels.logprobs_from_logits(torch.zeros(2, 5), torch.tensor([1, 1]), backend='triton')\n"
         "except RuntimeError as exc:\n"
         "    print('RuntimeError:', exc)\n"
     )
@@ -633,9 +643,9 @@ def test_import_without_triton() -> None:
 @pytest.mark.skipif(not HAS_TRITON, reason="no triton")
 def test_triton_on_cpu_without_interpreter_is_a_clear_error() -> None:
     code = (
-        "import torch, kernels\n"
+        "import torch, ppo_kernels\n"
         "try:\n"
-        "    kernels.low_var_kl(torch.zeros(3), torch.zeros(3), backend='triton')\n"
+        "    ppo_kernels.low_var_kl(torch.zeros(3), torch.zeros(3), backend='triton')\n"
         "except RuntimeError as exc:\n"
         "    print('RuntimeError:', exc)\n"
     )
@@ -651,7 +661,7 @@ def test_triton_kernels_compile_for_sm90() -> None:
     """The real Triton compiler (not the interpreter) accepts every kernel: ptxas to a cubin, no GPU."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
-        [sys.executable, "-m", "kernels.aot_check", "--arch", "90"],
+        [sys.executable, "-m", "ppo_kernels.aot_check", "--arch", "90"],
         cwd=REPO,
         env=dict(env, PYTHONPATH=str(REPO)),
         capture_output=True,
@@ -659,7 +669,7 @@ def test_triton_kernels_compile_for_sm90() -> None:
         timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    from kernels import aot_check
+    from ppo_kernels import aot_check
 
     assert result.stdout.count("ok ") == len(aot_check.specializations())
 

@@ -30,9 +30,9 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
 
 
 def module_graph() -> dict[str, set[str]]:
-    """``{module: modules it imports}`` over ``ppo``, ``kernels`` and ``train_ppo``."""
+    """``{module: modules it imports}`` over ``ppo``, ``ppo_kernels`` and ``train_ppo``."""
     files = {"train_ppo": ROOT / "train_ppo.py"}
-    for package in ("ppo", "kernels"):
+    for package in ("ppo", "ppo_kernels"):
         for path in (ROOT / package).rglob("*.py"):
             name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
             files[name] = path

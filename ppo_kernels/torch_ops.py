@@ -2,8 +2,8 @@
 
 - `*_reference`: the naive formula on the whole tensor (full fp32 `log_softmax`, `gather`, entropy),
   differentiated by autograd. It is the ground truth of the tests and the "naive" row of the benchmark.
-- `TORCH`: the per-chunk primitives of the chunked algorithm in `kernels/chunked.py` (which owns the
-  chunk loops and the autograd Functions), in plain PyTorch. It is what `kernels` runs where Triton
+- `TORCH`: the per-chunk primitives of the chunked algorithm in `ppo_kernels/chunked.py` (which owns the
+  chunk loops and the autograd Functions), in plain PyTorch. It is what `ppo_kernels` runs where Triton
   cannot (CPU, or when forced with `backend="torch"`).
 
 Shapes: packed tokens `[T]` (`cu_seqlens [B+1]`, int32, flash-attn varlen convention), logits `[T, V]`,
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.chunked import (
+from ppo_kernels.chunked import (
     IGNORE_INDEX,
     KL_LOG_RATIO_CLAMP,
     KL_VALUE_CLAMP,
@@ -137,7 +137,7 @@ def low_var_kl_reference(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Primitives of the chunked path (see `Primitives` in kernels/chunked.py for the contracts).
+# Primitives of the chunked path (see `Primitives` in ppo_kernels/chunked.py for the contracts).
 # ---------------------------------------------------------------------------------------------------
 
 

@@ -1,6 +1,6 @@
-"""Triton primitives of the chunked log-prob algorithm (kernels/chunked.py), and the low-variance KL.
+"""Triton primitives of the chunked log-prob algorithm (ppo_kernels/chunked.py), and the low-variance KL.
 
-The chunk loops, GEMMs and autograd Functions live in `kernels/chunked.py`; this module supplies what
+The chunk loops, GEMMs and autograd Functions live in `ppo_kernels/chunked.py`; this module supplies what
 runs inside one chunk (`primitives()`), in Triton, with cuBLAS (torch.mm) doing the large GEMMs:
 
 - `_logits_fwd_kernel`, statistics of logit rows: one program per token streams the row in BLOCK_V
@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.chunked import KL_LOG_RATIO_CLAMP, KL_VALUE_CLAMP, GradRows, Primitives, RowStats
+from ppo_kernels.chunked import KL_LOG_RATIO_CLAMP, KL_VALUE_CLAMP, GradRows, Primitives, RowStats
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -242,7 +242,7 @@ def _low_var_kl_grad_kernel(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Primitives (contracts: `Primitives` in kernels/chunked.py).
+# Primitives (contracts: `Primitives` in ppo_kernels/chunked.py).
 # ---------------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""Compile every Triton kernel of `kernels.triton_ops` for a CUDA target, without a GPU.
+"""Compile every Triton kernel of `ppo_kernels.triton_ops` for a CUDA target, without a GPU.
 
 The interpreter (how the tests run the kernels on CPU) executes Python, not the Triton compiler, so a
 kernel can pass every CPU test and still fail to compile on a GPU (a loop-carried type that changes,
@@ -6,8 +6,8 @@ a constexpr misuse, a dot shape). This runs the real compiler down to a cubin wi
 in the triton wheel, for bf16 and fp32 inputs and the launch configs the ops use.
 
 Run (TRITON_INTERPRET must be unset):
-    .venv/bin/python -m kernels.aot_check            # sm_90 (H100/H200)
-    .venv/bin/python -m kernels.aot_check --arch 80  # A100
+    .venv/bin/python -m ppo_kernels.aot_check            # sm_90 (H100/H200)
+    .venv/bin/python -m ppo_kernels.aot_check --arch 80  # A100
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import triton_ops as k
+from ppo_kernels import triton_ops as k
 
 # Argument types shared by name across the kernels; "{dt}" is the input dtype.
 _ARG_TYPES = {

@@ -1,7 +1,7 @@
 """The chunked algorithm behind both fast paths (torch and Triton), written once over per-chunk primitives.
 
-`kernels.dispatch` turns a call into an `OpConfig` whose `prims` (`Primitives`) say what a backend
-computes inside one chunk (`kernels.torch_ops.TORCH`, `kernels.triton_ops.primitives()`). The argument
+`ppo_kernels.dispatch` turns a call into an `OpConfig` whose `prims` (`Primitives`) say what a backend
+computes inside one chunk (`ppo_kernels.torch_ops.TORCH`, `ppo_kernels.triton_ops.primitives()`). The argument
 checks, chunk loops, buffers, GEMMs and autograd Functions are here, once, so the two paths run the
 same algorithm and differ only inside a chunk.
 
@@ -391,7 +391,7 @@ class _LogprobsFromLogits(torch.autograd.Function):
 
 
 def logprobs_from_logits(logits: Tensor, labels: Tensor, config: OpConfig) -> tuple[Tensor, Tensor | None]:
-    """Log-probs and entropy from logits [T, V] on config.prims; see `kernels.logprobs_from_logits`.
+    """Log-probs and entropy from logits [T, V] on config.prims; see `ppo_kernels.logprobs_from_logits`.
 
     Token chunks default to the budget's worth of the backend's temporaries (Triton's kernels stream
     rows and hold none: one chunk). Without grad nothing is saved.
@@ -491,7 +491,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
 def fused_linear_logprobs(
     hidden: Tensor, weight: Tensor, labels: Tensor, config: OpConfig
 ) -> tuple[Tensor, Tensor | None]:
-    """LM head + log-probs on config.prims; see `kernels.fused_linear_logprobs`.
+    """LM head + log-probs on config.prims; see `ppo_kernels.fused_linear_logprobs`.
 
     Chunk sizes default to `chunk_budget_bytes` of temporaries each (see `fused_memory_plan`).
     """
@@ -545,7 +545,7 @@ class _LowVarKL(torch.autograd.Function):
 
 
 def low_var_kl(logprobs: Tensor, ref_logprobs: Tensor, prims: Primitives) -> Tensor:
-    """k3 KL per token on `prims`; see `kernels.low_var_kl`."""
+    """k3 KL per token on `prims`; see `ppo_kernels.low_var_kl`."""
     check_kl_args(logprobs, ref_logprobs)
     prims.check_inputs(logprobs, ref_logprobs)
     logprobs, ref_logprobs = logprobs.contiguous(), ref_logprobs.contiguous()

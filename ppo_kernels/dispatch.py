@@ -6,11 +6,11 @@
   interpreter mode), else the chunked PyTorch path.
 - "triton": the Triton kernels; on CPU only under the interpreter (TRITON_INTERPRET=1 set before
   import), else RuntimeError at the first call (`backend_unavailable` says so up front, for a start-up
-  check). Needs the triton package, which is imported lazily so that importing `kernels` works without it.
+  check). Needs the triton package, which is imported lazily so that importing `ppo_kernels` works without it.
 - "torch": the chunked PyTorch path. "reference": the naive full-tensor formulas.
 
-Beyond the names, `backend` may be a `kernels.chunked.Primitives` instance: the chunked algorithm on
-those primitives (tests use Triton with narrow blocks, `kernels.triton_ops.primitives(block_v=256)`).
+Beyond the names, `backend` may be a `ppo_kernels.chunked.Primitives` instance: the chunked algorithm on
+those primitives (tests use Triton with narrow blocks, `ppo_kernels.triton_ops.primitives(block_v=256)`).
 """
 
 from __future__ import annotations
@@ -21,17 +21,17 @@ import types
 import torch
 from torch import Tensor
 
-from kernels import chunked, torch_ops
-from kernels.chunked import IGNORE_INDEX
+from ppo_kernels import chunked, torch_ops
+from ppo_kernels.chunked import IGNORE_INDEX
 
 BACKENDS = ("auto", "triton", "torch", "reference")
 
 
 @functools.cache
 def _import_triton_ops() -> types.ModuleType | ImportError:
-    """`kernels.triton_ops`, or the ImportError that importing it raised (cached either way)."""
+    """`ppo_kernels.triton_ops`, or the ImportError that importing it raised (cached either way)."""
     try:
-        from kernels import triton_ops
+        from ppo_kernels import triton_ops
     except ImportError as exc:
         return exc
     return triton_ops
@@ -138,7 +138,7 @@ def fused_linear_logprobs(
     The forward computes the logits `chunk_size` tokens at a time (one GEMM each, in the input dtype
     like the naive LM head) and keeps [T] statistics; the backward walks `vocab_chunk_size` rows of the
     weight at a time, so grad_weight is written once per chunk and grad_hidden accumulates in fp32.
-    Both chunks default to 256 MiB of temporaries on CUDA, 64 MiB elsewhere; `kernels.chunked`
+    Both chunks default to 256 MiB of temporaries on CUDA, 64 MiB elsewhere; `ppo_kernels.chunked`
     documents the algorithm and its peak memory (`fused_memory_plan`). The GEMMs are torch matmuls
     (cuBLAS): fp32 inputs follow torch's fp32 matmul precision (TF32 only if enabled).
 

@@ -4,30 +4,30 @@ PPO needs every token's log-prob three times (rollout policy, reference, trainin
 path builds [tokens, vocab] logits, an fp32 copy and an fp32 log-softmax (16k tokens x 152k vocab is
 about 25 GB); `fused_linear_logprobs` never holds the whole logits.
 
-    from kernels import fused_linear_logprobs, low_var_kl, next_token_labels
+    from ppo_kernels import fused_linear_logprobs, low_var_kl, next_token_labels
     labels = next_token_labels(input_ids, cu_seqlens)          # [T], -100 at each sequence's end
     logprobs, entropy = fused_linear_logprobs(hidden, lm_head.weight, labels, temperature=0.6)
     kl = low_var_kl(logprobs, ref_logprobs)
 
-Both fast paths run one chunked algorithm (`kernels/chunked.py`: chunk loops, autograd, peak-memory
-accounting) over per-chunk primitives in Triton (`kernels/triton_ops.py`) or PyTorch
-(`kernels/torch_ops.py`, which also holds the naive `*_reference` of each op); `backend` picks one
-("auto" = Triton on CUDA, else torch; see `kernels/dispatch.py`).
+Both fast paths run one chunked algorithm (`ppo_kernels/chunked.py`: chunk loops, autograd, peak-memory
+accounting) over per-chunk primitives in Triton (`ppo_kernels/triton_ops.py`) or PyTorch
+(`ppo_kernels/torch_ops.py`, which also holds the naive `*_reference` of each op); `backend` picks one
+("auto" = Triton on CUDA, else torch; see `ppo_kernels/dispatch.py`).
 
 Tests: `.venv/bin/python -m pytest tests/unit/test_kernels.py` (Triton under TRITON_INTERPRET=1 on CPU). Benchmark: `.venv/bin/python scripts/bench_kernels.py`. Compile check of the
-Triton kernels for a GPU without one: `.venv/bin/python -m kernels.aot_check`. On a GPU machine:
+Triton kernels for a GPU without one: `.venv/bin/python -m ppo_kernels.aot_check`. On a GPU machine:
 `bash scripts/gpu_check.sh`.
 """
 
-from kernels.chunked import IGNORE_INDEX, fused_memory_plan
-from kernels.dispatch import (
+from ppo_kernels.chunked import IGNORE_INDEX, fused_memory_plan
+from ppo_kernels.dispatch import (
     BACKENDS,
     fused_linear_logprobs,
     logprobs_from_logits,
     low_var_kl,
     resolve_backend,
 )
-from kernels.torch_ops import (
+from ppo_kernels.torch_ops import (
     fused_linear_logprobs_reference,
     logprobs_from_logits_reference,
     low_var_kl_reference,

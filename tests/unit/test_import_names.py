@@ -1,0 +1,71 @@
+"""The project's top-level import names are its own: no installed distribution and no common companion
+of a PPO trainer ships a module of the same name.
+
+Two distributions that ship one import name shadow each other in every process: which one wins depends
+on the working directory and ``sys.path``. transformers 5.25 requires Hugging Face's ``kernels``, whose
+import name was this project's kernel package's until it became ``ppo_kernels``; with both installed,
+``import transformers`` failed from the repository root and ``scripts/`` imported the other one.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import tomllib
+
+from tests.helpers import ROOT
+
+COMPANION_IMPORT_NAMES = {
+    "accelerate",
+    "deepspeed",
+    "flash_attn",
+    "kernels",  # Hugging Face's hub kernels, a requirement of transformers >= 5.25
+    "liger_kernel",
+    "megatron",
+    "openrlhf",
+    "peft",
+    "sglang",
+    "trl",
+    "verl",
+    "vllm",
+}
+"""Import names of packages that are often installed beside a PPO trainer (or required by one of its
+dependencies), whether or not this machine has them."""
+
+
+def _canonical(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def project_metadata() -> dict:
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+def our_import_names() -> set[str]:
+    """The packages pyproject.toml installs, and any package folder at the repository root (a new
+    package counts before it is added to pyproject.toml)."""
+    listed = set(project_metadata()["tool"]["setuptools"]["packages"])
+    folders = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file() and p.name != "tests"}
+    return {name.split(".")[0] for name in listed} | folders
+
+
+def test_the_package_folders_are_the_installed_packages() -> None:
+    folders = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file() and p.name != "tests"}
+    assert folders == set(project_metadata()["tool"]["setuptools"]["packages"])
+    assert folders == {"ppo", "ppo_kernels"}
+
+
+def test_no_installed_distribution_ships_our_import_names() -> None:
+    own = _canonical(project_metadata()["project"]["name"])
+    shipped = importlib.metadata.packages_distributions()
+    clashes = {
+        name: others
+        for name in sorted(our_import_names())
+        if (others := sorted({d for d in shipped.get(name, []) if _canonical(d) != own}))
+    }
+    assert not clashes, f"import names of ours that installed distributions also ship: {clashes}"
+
+
+def test_no_common_companion_ships_our_import_names() -> None:
+    assert not our_import_names() & COMPANION_IMPORT_NAMES
