@@ -1,26 +1,51 @@
 # Two commands: `make demo` and `make test`. Both start with `make install`.
 PY := .venv/bin/python
-# torch comes from PyPI (whose Linux wheel carries CUDA libraries); an installed CUDA build is kept. Set
-# TORCH_INDEX='--index-url https://download.pytorch.org/whl/cpu' for the smaller CPU-only wheel.
-TORCH_VERSION := 2.13.0
-TORCH_INDEX ?=
 NPROC ?= 2
 
-.PHONY: install assets demo test test-fast lint format clean
+.PHONY: install lock assets demo test test-fast lint format clean
+
+# make install: the virtualenv .venv with the exact versions of a lock in locks/ (hashes checked), then the
+# project itself, editable. LOCK=auto takes locks/cuda.txt where nvidia-smi lists a GPU (torch from PyPI
+# with its CUDA libraries) and locks/cpu.txt elsewhere (torch's CPU build, found through TORCH_CPU_LINKS);
+# LOCK=none installs from pyproject.toml's ranges instead. The locks are for CPython 3.11 on Linux x86_64
+# (PYTHON picks the interpreter that creates .venv); elsewhere install with LOCK=none.
+PYTHON ?= python3
+LOCK ?= auto
+TORCH_CPU_LINKS ?= $(or $(PIP_FIND_LINKS),https://download.pytorch.org/whl/cpu/torch/)
 
 install: .venv/.installed
 
-.venv/.installed: pyproject.toml
-	test -x $(PY) || python3 -m venv .venv
-	@if $(PY) -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then \
-		echo "keeping the installed CUDA build of torch"; \
-	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		$(PY) -m pip install torch==$(TORCH_VERSION); \
+.venv/.installed: pyproject.toml locks/cpu.txt locks/cuda.txt
+	test -x $(PY) || $(PYTHON) -m venv .venv
+	@lock='$(LOCK)'; \
+	if [ "$$lock" = auto ]; then \
+		if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then lock=locks/cuda.txt; \
+		else lock=locks/cpu.txt; fi; \
+	fi; \
+	if [ "$$lock" = none ]; then \
+		echo "$(PY) -m pip install -e '.[dev]'  (pyproject.toml's ranges, no lock)"; \
+		$(PY) -m pip install -e '.[dev]' || exit 1; \
 	else \
-		$(PY) -m pip install torch==$(TORCH_VERSION) $(TORCH_INDEX); \
+		where=$$($(PY) -c "import platform, sys; print('%d.%d-%s-%s' % (*sys.version_info[:2], sys.platform, platform.machine()))"); \
+		if [ "$$where" != 3.11-linux-x86_64 ]; then \
+			echo "make install: $$lock is for CPython 3.11 on Linux x86_64 and .venv is $$where: rm -r .venv and make install PYTHON=python3.11, or make install LOCK=none (pyproject.toml's ranges)" >&2; \
+			exit 2; \
+		fi; \
+		links=; [ "$$lock" = locks/cpu.txt ] && links='--find-links $(TORCH_CPU_LINKS)'; \
+		echo "$(PY) -m pip install --require-hashes $$links -r $$lock"; \
+		$(PY) -m pip install --require-hashes $$links -r $$lock || exit 1; \
+		$(PY) -m pip install --no-deps --no-build-isolation -e . || exit 1; \
 	fi
-	$(PY) -m pip install -e '.[dev]'
 	touch $@
+
+# The locks from pyproject.toml's ranges and the torch build of locks/{cpu,cuda}.in, newest releases first
+# (uv pip compile, with every file's hash). Commit them with the change that needs them; CI's newest lane
+# tells when a newer release inside the ranges has come out and passes.
+UV_COMPILE := .venv/bin/uv pip compile pyproject.toml --extra dev --generate-hashes --python-version 3.11 \
+	--python-platform x86_64-manylinux_2_28 --custom-compile-command 'make lock' --quiet
+lock: install
+	$(UV_COMPILE) locks/cpu.in --find-links $(TORCH_CPU_LINKS) -o locks/cpu.txt
+	$(UV_COMPILE) locks/cuda.in -o locks/cuda.txt
 
 # Tiny tokenizer, models and task; SFT on the flawed demonstrations (assets/sft, the PPO actor's start);
 # that model fine-tuned on demonstrations of which 40% call a calculator (assets/tools/sft, the start of
