@@ -51,6 +51,12 @@ def command_line(description: str) -> argparse.ArgumentParser:
         "--print-config", action="store_true", help="print the resolved config (validated) and exit"
     )
     parser.add_argument(
+        "--allow-missing-paths",
+        action="store_true",
+        help="with --print-config: a missing model folder, data file or reward/environment file is a warning, "
+        "not an error (checking a command on a machine that cannot see the files of the one it will run on)",
+    )
+    parser.add_argument(
         "--world-size",
         type=int,
         default=None,
@@ -88,8 +94,10 @@ def _config_file(args: argparse.Namespace) -> str | None:
 
 def print_config(cfg: Any, args: argparse.Namespace) -> int:
     """``--print-config``: validate ``cfg`` for ``--world-size`` (a PPO preset's planned world size when
-    not given), print it as YAML and the start-up warnings a run would log (on stderr); the exit code
-    (0, or 2 with the problems on stderr)."""
+    not given), print it as YAML and the start-up warnings a run would log (on stderr); the exit code: 2
+    with the problems on stderr when the config is invalid, or when an input it names is missing (a model
+    folder, a data file, the reward function's or the environment's file) unless
+    ``--allow-missing-paths`` (a preset checked on a machine that cannot see the files), else 0."""
     try:
         world_size = args.world_size
         if world_size is None and isinstance(cfg, PPOConfig):
@@ -99,12 +107,22 @@ def print_config(cfg: Any, args: argparse.Namespace) -> int:
     except ConfigError as e:
         return config_error(e)
     print(to_yaml(cfg), end="")
+    problems = input_problems(cfg)
+    problems += environment_problems(cfg, problems)
+    missing_is_error = not args.allow_missing_paths
     if _is_main():
-        # Missing inputs warn here: a preset may name the files of the machine it will run on.
-        problems = input_problems(cfg)
-        for warning in [*args.notes, *cfg.warnings(), *problems, *environment_problems(cfg, problems)]:
+        for warning in [*args.notes, *cfg.warnings(), *([] if missing_is_error else problems)]:
             print(f"warning: {warning}", file=sys.stderr)
-    return 0
+        if missing_is_error:
+            for problem in problems:
+                print(f"error: {problem}", file=sys.stderr)
+            if problems:
+                print(
+                    "error: --print-config found missing inputs (exit 2); --allow-missing-paths checks the "
+                    "rest on a machine that cannot see them",
+                    file=sys.stderr,
+                )
+    return 2 if problems and missing_is_error else 0
 
 
 def environment_problems(cfg: Any, problems: list[str]) -> list[str]:

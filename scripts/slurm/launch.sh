@@ -120,14 +120,15 @@ launch() {
 
     # Fail in seconds on this node, not after every rank has loaded its model, when the batch sizes do
     # not divide over a world size the job may run on (each node count of an elastic range); the
-    # message names the sizes that do not fit and, for the first, the keys to change.
+    # message names the sizes that do not fit and, for the first, the keys to change. Missing inputs are
+    # not this check's to report: every rank's start-up names them in seconds, before torch loads.
     if [[ ${PRECHECK:-1} == 1 ]]; then
         local -a bad=()
         local first_error="" n
         for ((n = min_nodes; n <= nnodes; n++)); do
             local err
-            if ! err=$("$python" "$ENTRY" --config "$config" --print-config --world-size $((n * gpus)) \
-                "${overrides[@]}" 2>&1 >/dev/null); then
+            if ! err=$("$python" "$ENTRY" --config "$config" --print-config --allow-missing-paths \
+                --world-size $((n * gpus)) "${overrides[@]}" 2>&1 >/dev/null); then
                 bad+=("$((n * gpus)) ranks ($n node(s))")
                 [[ -n $first_error ]] || first_error=$(tail -n 1 <<<"$err")
             fi
@@ -141,7 +142,7 @@ launch() {
 
     # The run folder (for the NCCL flight recorder's dumps), as the entry resolves it.
     local run_dir
-    run_dir=$("$python" "$ENTRY" --config "$config" --print-config "${overrides[@]}" 2>/dev/null |
+    run_dir=$("$python" "$ENTRY" --config "$config" --print-config --allow-missing-paths "${overrides[@]}" 2>/dev/null |
         sed -n 's/^  output_dir: *//p' | head -n 1) || true
     export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
     export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}

@@ -192,6 +192,7 @@ def print_config(entry: str, args: list[str], world_size: int | None) -> str | N
             return err.getvalue().strip()
         if ns.world_size is None and world_size is not None:
             ns.world_size = world_size
+        ns.allow_missing_paths = True  # the docs' commands name the reader's files (/path/to/model)
         code = cli.print_config(cfg, ns)
     return None if code == 0 else err.getvalue().strip()
 

@@ -73,7 +73,10 @@ def test_preset_validates_at_its_world_size(
 ) -> None:
     cls, main = entry_for(path)
     world_size = stated_world_size(path)
-    code = main(["--config", str(path), "--print-config", "--world-size", str(world_size)])
+    # The presets name the files of the machines they run on (assets/ after `make assets`, a hub id).
+    code = main(
+        ["--config", str(path), "--print-config", "--allow-missing-paths", "--world-size", str(world_size)]
+    )
     out, err = capsys.readouterr()
     assert code == 0, f"{path.name} at world size {world_size}: {err}"
     resolved = yaml.safe_load(out)

@@ -177,9 +177,10 @@ def test_ppo_command(fakes: Path, nnodes: int) -> None:
     # The config was validated for the job's world size before any rank started, then its run folder
     # resolved: the NCCL flight recorder dumps there.
     check, folder = calls(fakes, "python")
-    assert check[:5] == ["train_ppo.py", "--config", PPO_CONFIG, "--print-config", "--world-size"]
-    assert check[5] == str(8 * nnodes) and check[6:] == args[2:]
-    assert folder == ["train_ppo.py", "--config", PPO_CONFIG, "--print-config", *args[2:]]
+    check_args = ["train_ppo.py", "--config", PPO_CONFIG, "--print-config", "--allow-missing-paths"]
+    assert check[:6] == [*check_args, "--world-size"]
+    assert check[6] == str(8 * nnodes) and check[7:] == args[2:]
+    assert folder == [*check_args, *args[2:]]
     trace = (fakes / "log" / "srun_env").read_text().split()
     assert trace == ["2000", "1", str(fakes / "log" / "run" / "nccl_trace" / "rank_")]
 

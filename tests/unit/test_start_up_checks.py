@@ -413,8 +413,8 @@ def test_print_config_checks_the_environment_class(
     tiny_assets: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``--print-config`` imports the multi-turn environment and makes one instance, as the trainer's
-    start-up does: a class that cannot serve the run is a warning in the trainer's words (it imported
-    nothing of the environment and checked only that its file exists)."""
+    start-up does: a class that cannot serve the run is an error in the trainer's words, exit 2 (a
+    warning with ``--allow-missing-paths``)."""
     from ppo.cli import answer_early as early
 
     envs = tmp_path / "envs.py"
@@ -431,22 +431,26 @@ def test_print_config_checks_the_environment_class(
         "rollout.multi_turn.stop=[</calc>]",
     ]
 
-    def warnings(env: str) -> list[str]:
+    def problems(env: str, *flags: str, code: int = 2) -> list[str]:
         with pytest.raises(SystemExit) as e:
-            early(["--print-config", *args, f"rollout.multi_turn.env={env}"], "", "PPOConfig")
-        assert e.value.code == 0
+            early(["--print-config", *flags, *args, f"rollout.multi_turn.env={env}"], "", "PPOConfig")
+        assert e.value.code == code
         err = capsys.readouterr().err
-        return [line for line in err.splitlines() if line.startswith("warning: rollout.multi_turn.env")]
+        prefixes = ("error: rollout.multi_turn.env", "warning: rollout.multi_turn.env")
+        return [line for line in err.splitlines() if line.startswith(prefixes)]
 
-    assert warnings(f"{envs}:NeedsArgs") == [
-        f"warning: rollout.multi_turn.env='{envs}:NeedsArgs': NeedsArgs() raised TypeError: NeedsArgs.__init__() "
+    assert problems(f"{envs}:NeedsArgs") == [
+        f"error: rollout.multi_turn.env='{envs}:NeedsArgs': NeedsArgs() raised TypeError: NeedsArgs.__init__() "
         "missing 1 required positional argument: 'tools' (the class is instantiated with no arguments, one per "
         "trajectory; reset(row) gets the row)"
     ]
-    assert warnings(f"{envs}:Calc") == [
+    assert problems(f"{envs}:Calc") == [
+        f"error: rollout.multi_turn.env='{envs}:Calc': {envs} has no attribute 'Calc'; it defines ['NeedsArgs']"
+    ]
+    assert problems(f"{envs}:Calc", "--allow-missing-paths", code=0) == [
         f"warning: rollout.multi_turn.env='{envs}:Calc': {envs} has no attribute 'Calc'; it defines ['NeedsArgs']"
     ]
-    assert warnings(f"{ROOT / 'configs' / 'calculator.py'}:Calculator") == []
+    assert problems(f"{ROOT / 'configs' / 'calculator.py'}:Calculator", code=0) == []
 
 
 def test_print_config_names_missing_inputs(
@@ -456,13 +460,31 @@ def test_print_config_names_missing_inputs(
 
     data = tiny_assets / "data" / "train.parquet"
     args = [f"model.path={tmp_path}/gone", f"data.train_files={data}", f"data.val_files={tmp_path}/val.jsonl"]
-    with pytest.raises(SystemExit) as e:
-        early(["--print-config", *args], "", "PPOConfig")
-    assert e.value.code == 0  # a preset may name the files of the machine it runs on: warnings
-    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
-    assert warnings[0] == (
-        f"warning: model.path='{tmp_path}/gone': no such folder (looked for {tmp_path}/gone). "
-        f"Set model.path to a save_pretrained folder or a hub id."
+    missing = [
+        f"model.path='{tmp_path}/gone': no such folder (looked for {tmp_path}/gone). "
+        f"Set model.path to a save_pretrained folder or a hub id.",
+        f"data.val_files: {tmp_path}/val.jsonl: no such data file",
+    ]
+
+    def printed(*flags: str, code: int) -> tuple[str, list[str]]:
+        with pytest.raises(SystemExit) as e:
+            early(["--print-config", *flags, *args], "", "PPOConfig")
+        assert e.value.code == code
+        out, err = capsys.readouterr()
+        return out, [line for line in err.splitlines() if line.startswith(("warning: ", "error: "))]
+
+    # The check before sbatch (`--print-config && sbatch ...`) stops on a missing input: exit 2, one line each.
+    out, lines = printed(code=2)
+    assert "  path: " in out  # the resolved config is printed all the same
+    assert lines[0] == f"error: {missing[0]}"
+    assert lines[1].startswith(f"error: {missing[1]}")
+    assert lines[2] == (
+        "error: --print-config found missing inputs (exit 2); --allow-missing-paths checks the rest on a "
+        "machine that cannot see them"
     )
-    assert warnings[1].startswith(f"warning: data.val_files: {tmp_path}/val.jsonl: no such data file")
-    assert len(warnings) == 2
+    assert len(lines) == 3
+    # A preset checked on a login node that cannot see the compute nodes' files: the same lines, warnings.
+    _, lines = printed("--allow-missing-paths", code=0)
+    assert lines[0] == f"warning: {missing[0]}"
+    assert lines[1].startswith(f"warning: {missing[1]}")
+    assert len(lines) == 2
