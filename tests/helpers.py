@@ -214,13 +214,29 @@ def torchrun(
     )
 
 
+CRASH_MARKERS = ("Fatal Python error", "terminate called", "Segmentation fault", "*** Error in", "free(): ")
+"""How a process that died in native code announces it (faulthandler; libstdc++'s std::terminate; glibc)."""
+
+
+def excerpt(output: str, tail: int = 3000) -> str:
+    """A process's output for an assertion message: its last ``tail`` characters, and first, where a
+    process crashed in native code (``CRASH_MARKERS``), the crash report's head: the fatal error's name
+    and the stacks that faulthandler prints before its list of extension modules, which a tail alone
+    cuts off."""
+    starts = [i for marker in CRASH_MARKERS if (i := output.find(marker)) >= 0]
+    if not starts or min(starts) >= len(output) - tail:
+        return output[-tail:]
+    head = output[min(starts) : min(starts) + tail]
+    return f"{head}\n[...]\n{output[-tail:]}"
+
+
 def worker_results(script: Path | str, *args: object, out: Path, timeout: float = 240) -> dict[str, Any]:
     """Run a test file as a 2-rank worker (``script args``) and read the results JSON its rank 0 wrote to
     ``out`` (one of ``args``): ``{check: {"ok", "detail"}}``, plus ``_log``, the end of the workers'
     output (also when they timed out), for the message of a check that never ran."""
     try:
         proc = torchrun(script, *args, timeout=timeout)
-        log = proc.stdout[-4000:] + proc.stderr[-8000:]
+        log = proc.stdout[-4000:] + excerpt(proc.stderr, 8000)
     except subprocess.TimeoutExpired as err:
         log = f"worker timed out: {err}"
     return read_results(out, log)

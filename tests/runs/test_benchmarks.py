@@ -29,7 +29,7 @@ import bench_overhead  # noqa: E402
 import bench_rollout  # noqa: E402
 
 from ppo.ulysses import NO_SP  # noqa: E402
-from tests.helpers import read_metrics, torchrun  # noqa: E402
+from tests.helpers import excerpt, read_metrics, torchrun  # noqa: E402
 
 ROLLOUT_COLUMNS = {
     "path",
@@ -231,7 +231,7 @@ def test_cpu_peak_bytes_counts_allocations_once_and_frees_on_any_thread() -> Non
 def test_bench_sp_two_ranks() -> None:
     """``--sp 2`` on 2 gloo ranks: the same outputs as one rank per sequence, at a fraction of the memory."""
     proc = torchrun(ROOT / "scripts" / "bench_sp.py", "--sp", "2", "--seq-len", "1024", "--json", timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, excerpt(proc.stderr)
     rows = json_rows(proc.stdout)
     assert [(r["sp"], r["phase"]) for r in rows] == [
         (s, p) for s in (1, 2) for p in ("actor", "critic", "ref")

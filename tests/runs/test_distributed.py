@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ppo.distributed import destroy_distributed, init_distributed, reduce_metrics
-from tests.helpers import torchrun
+from tests.helpers import excerpt, torchrun
 
 WORKER = textwrap.dedent(
     """
@@ -49,7 +49,7 @@ def test_two_gloo_ranks(tmp_path: Path) -> None:
     script.write_text(WORKER)
     out = tmp_path / "out"
     proc = torchrun(script, out, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, excerpt(proc.stderr)
     results = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
     for res in results:
         assert res["world"] == 2

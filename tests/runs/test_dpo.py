@@ -30,7 +30,16 @@ from ppo import algorithms, data, models, stage_data
 from ppo.config import ConfigError, DPOConfig, PreferenceLossConfig, validate_stage
 from ppo.config_loader import load_config
 from ppo.data import DataError
-from tests.helpers import ROOT, arith_row, load_script, max_diff, tiny_config, torchrun, write_parquet
+from tests.helpers import (
+    ROOT,
+    arith_row,
+    excerpt,
+    load_script,
+    max_diff,
+    tiny_config,
+    torchrun,
+    write_parquet,
+)
 
 dpo = load_script("train_dpo")
 
@@ -555,7 +564,7 @@ def test_two_ranks_and_another_budget_train_the_same_model(
         *dpo_args(tiny_assets, files, tmp_path / "two", *extra),
         timeout=240,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, excerpt(proc.stderr)
     # any 4 pairs take more than 112 tokens: the small budget cuts every step into micro-batches
     tok = AutoTokenizer.from_pretrained(tiny_assets / "tokenizer")
     pairs = stage_data.load_dpo_pairs(

@@ -35,6 +35,7 @@ from tests.helpers import (
     ROOT,
     base_args,
     deterministic,
+    excerpt,
     hf_weights,
     load_script,
     read_metrics,
@@ -303,7 +304,7 @@ def test_script_on_two_ranks(policy: Path, prompts: Path, tok: Any, tmp_path: Pa
     proc = torchrun(
         ROOT / "scripts" / "make_offline_data.py", *script_args(policy, prompts, out), timeout=240
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, excerpt(proc.stderr)
     check_groups(out, prompts, tok)
     assert (
         "shard 3/3" in proc.stderr
@@ -442,7 +443,7 @@ def test_two_ranks_of_one_prompt_mix_half_and_half(
         "trainer.dist_timeout_s=120",
     ]
     proc = torchrun(ROOT / "train_ppo.py", *args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, excerpt(proc.stderr)
     assert [r["rollout/offline_fraction"] for r in read_metrics(tmp_path / "run")] == [0.5, 0.5]
 
 
@@ -595,7 +596,7 @@ def test_offline_two_ranks_equal_one_rank(tiny_assets: Path, groups_file: Path, 
     common = ["actor.optim.eps=1e-3", "actor.ppo_mini_batch_size=2"]
     assert run(offline_args(tiny_assets, groups_file, one) + common) == 0
     proc = torchrun(ROOT / "train_ppo.py", *offline_args(tiny_assets, groups_file, two), *common)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, excerpt(proc.stderr)
     a, b = hf_weights(one), hf_weights(two)
     for key in a:
         torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=1e-5, msg=key)

@@ -32,6 +32,7 @@ from tests.helpers import (
     ROOT,
     base_args,
     deterministic,
+    excerpt,
     launch,
     read_metrics,
     run,
@@ -59,7 +60,7 @@ def test_sigkill_mid_step_then_resume_gives_identical_metrics(tiny_assets: Path,
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     done = launch(resume_args(tiny_assets, straight))
     _, stderr = done.communicate(timeout=600)
-    assert done.returncode == 0, stderr[-3000:]
+    assert done.returncode == 0, excerpt(stderr)
 
     # Start the same run and SIGKILL it as soon as the step-2 checkpoint is complete: it is then inside
     # step 3, which has to be redone after the restart.
@@ -71,7 +72,7 @@ def test_sigkill_mid_step_then_resume_gives_identical_metrics(tiny_assets: Path,
     assert read_metrics(killed)[-1]["step"] <= 3  # it died before finishing the run
     resumed = launch(resume_args(tiny_assets, killed))
     _, stderr = resumed.communicate(timeout=600)
-    assert resumed.returncode == 0, stderr[-3000:]
+    assert resumed.returncode == 0, excerpt(stderr)
     assert "resumed from" in stderr and "step_00000002" in stderr
 
     a, b = deterministic(read_metrics(straight)), deterministic(read_metrics(killed))
@@ -117,7 +118,7 @@ def test_export_hf_matches_trained_model(tiny_assets: Path, tmp_path: Path) -> N
         text=True,
         timeout=300,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, excerpt(proc.stderr)
     trained = AutoModelForCausalLM.from_pretrained(out / "hf")
     exported = AutoModelForCausalLM.from_pretrained(export)
     base = AutoModelForCausalLM.from_pretrained(tiny_assets / "base")
@@ -182,7 +183,7 @@ def test_a_kill_during_a_background_save_keeps_the_previous_checkpoint(tmp_path:
     proc = subprocess.run(
         [sys.executable, "-c", KILLED_DURING_SAVE, str(out)], capture_output=True, text=True, cwd=ROOT
     )
-    assert proc.returncode == 9, proc.stderr[-2000:]
+    assert proc.returncode == 9, excerpt(proc.stderr)
     root = checkpoint_files.checkpoints_dir(out)
     assert (root / "latest").read_text() == "step_00000001"
     assert (root / "step_00000002.tmp").is_dir() and not (root / "step_00000002").exists()
@@ -215,7 +216,7 @@ def test_a_two_rank_checkpoint_continues_on_another_world_size(
     common = ["trainer.save_freq=1", "trainer.val_before_train=false", "trainer.dist_timeout_s=120"]
     first = tmp_path / "first"
     proc = torchrun(ROOT / "train_ppo.py", *base_args(tiny_assets, first, steps=2), *common)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, excerpt(proc.stderr)
     out = tmp_path / f"on_{nproc}"
     shutil.copytree(first, out)
     args = base_args(tiny_assets, out, steps=4) + common
@@ -223,7 +224,7 @@ def test_a_two_rank_checkpoint_continues_on_another_world_size(
         assert run(args) == 0
     else:
         proc = torchrun(ROOT / "train_ppo.py", *args, nproc=nproc, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.returncode == 0, excerpt(proc.stderr)
         assert f"resumed a checkpoint of 2 ranks on {nproc} ranks" in proc.stderr
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -344,7 +345,7 @@ def test_resume_on_another_world_size_continues_the_data_order(tiny_assets: Path
     assert run(base_args(tiny_assets, straight, steps=4) + common) == 0
     assert run(base_args(tiny_assets, resumed, steps=2) + common) == 0
     proc = torchrun(ROOT / "train_ppo.py", *base_args(tiny_assets, resumed, steps=4), *common)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, excerpt(proc.stderr)
     assert "resumed a checkpoint of 1 ranks on 2 ranks" in proc.stderr
     a, b = read_metrics(straight), read_metrics(resumed)
     assert [r["step"] for r in b] == [1, 2, 3, 4]

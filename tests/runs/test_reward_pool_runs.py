@@ -15,7 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REWARD_FNS, ROOT, base_args, has_metrics, read_metrics, torchrun, wait_until
+from tests.helpers import (
+    REWARD_FNS,
+    ROOT,
+    base_args,
+    excerpt,
+    has_metrics,
+    read_metrics,
+    torchrun,
+    wait_until,
+)
 
 TIMEOUT_S = 3.0
 
@@ -75,13 +84,13 @@ def test_a_reward_function_that_fails_on_one_of_two_ranks(
     ]
     env = {"PPO_TEST_FAIL": how, "PPO_TEST_FAIL_RANK": "1", "PPO_TEST_FAIL_MARKER": str(tmp_path / "failed")}
     proc = torchrun(ROOT / "train_ppo.py", *args, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, excerpt(proc.stderr)
     rows = [r for r in read_metrics(out) if "reward/timeouts" in r]
     counted = "reward/timeouts" if how == "hang" else "reward/errors"
     other = "reward/errors" if how == "hang" else "reward/timeouts"
     assert [(r["step"], r[counted], r[other]) for r in rows] == [(1, 1.0, 0.0), (2, 0.0, 0.0)]
     warnings = [line for line in proc.stderr.splitlines() if "failed (scored 0.0; logged once)" in line]
-    assert len(warnings) == 1, proc.stderr[-3000:]
+    assert len(warnings) == 1, excerpt(proc.stderr)
     reason = "ran longer than reward.timeout_s=3.0" if how == "hang" else "the reward worker died"
     assert warnings[0].endswith(reason)
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 2
@@ -99,11 +108,11 @@ def test_a_stop_signal_while_every_reward_call_hangs_saves_the_last_step(
     # A worker's calls before the slow one: the start-up probe, then its rank's 4 responses of step 1.
     # Step 1 logged, then 2 s: inside step 2's hanging scoring.
     stderr, waited = hanging_run(tiny_assets, out, [], has_metrics(out), 2, PPO_TEST_FAST_CALLS="5")
-    assert waited < 25, stderr[-3000:]
-    assert "stopping: saved step 1" in stderr, stderr[-3000:]
-    assert "did not start" not in stderr and "the reward worker died" not in stderr, stderr[-3000:]
+    assert waited < 25, excerpt(stderr)
+    assert "stopping: saved step 1" in stderr, excerpt(stderr)
+    assert "did not start" not in stderr and "the reward worker died" not in stderr, excerpt(stderr)
     signalled = "torch.distributed.elastic.multiprocessing.api.SignalException: Process"
-    assert stderr.count("Traceback") == stderr.count(signalled), stderr[-3000:]  # torchrun's own only
+    assert stderr.count("Traceback") == stderr.count(signalled), excerpt(stderr)  # torchrun's own only
     assert (out / "checkpoints" / "latest").read_text() == "step_00000001"
     assert [r["step"] for r in read_metrics(out)] == [1]
 
@@ -122,9 +131,9 @@ def test_a_stop_signal_while_validation_scoring_hangs_saves_the_step(
     slow = lambda: all(Path(f"{mark}.{r}").exists() for r in (0, 1))  # noqa: E731 (both ranks hang)
     env = {"PPO_TEST_FAST_CALLS": "5", "PPO_TEST_SLOW_MARK": str(mark)}
     stderr, waited = hanging_run(tiny_assets, out, ["trainer.test_freq=1"], slow, 1, **env)
-    assert waited < 25, stderr[-3000:]
-    assert "validation stopped while scoring (SIGTERM)" in stderr, stderr[-3000:]
-    assert "stopping: saved step 1" in stderr, stderr[-3000:]
+    assert waited < 25, excerpt(stderr)
+    assert "validation stopped while scoring (SIGTERM)" in stderr, excerpt(stderr)
+    assert "stopping: saved step 1" in stderr, excerpt(stderr)
     assert (out / "checkpoints" / "latest").read_text() == "step_00000001"
     (row,) = read_metrics(out)
     assert row["step"] == 1 and not any(k.startswith("val") for k in row)

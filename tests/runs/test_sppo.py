@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import ROOT, base_args, hf_weights, read_metrics, run, torchrun, write_parquet
+from tests.helpers import ROOT, base_args, excerpt, hf_weights, read_metrics, run, torchrun, write_parquet
 from tests.reward_fns import digit_score
 
 RESPONSES = ["12 + 30 = 42\n#### 42", "#### 7", "4 + 4 = 8\n#### 8", "no idea"]
@@ -140,7 +140,7 @@ def test_two_ranks_equal_one_rank(ranked_groups: Path, tiny_assets: Path, tmp_pa
         *offline_args(ranked_groups, tiny_assets, two, 3, *extra),
         "trainer.dist_timeout_s=120",
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, excerpt(proc.stderr)
     a, b = hf_weights(one), hf_weights(two)
     for k in a:
         torch.testing.assert_close(b[k], a[k], atol=1e-6, rtol=1e-5, msg=k)

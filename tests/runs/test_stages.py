@@ -26,6 +26,7 @@ from ppo.packing import pack_sequences, plan_eval_micro_batches
 from tests.helpers import (
     ROOT,
     deterministic,
+    excerpt,
     load_script,
     read_metrics,
     tiny_config,
@@ -299,7 +300,7 @@ def test_two_ranks_train_the_same_model_as_one(tiny: Path, tmp_path: Path, fsdp_
     one = sft.main(sft_args(tiny, tmp_path / "one", *extra))
     assert one == 0
     two = torchrun(ROOT / "scripts" / "train_sft.py", *sft_args(tiny, tmp_path / "two", *extra), timeout=240)
-    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.returncode == 0, excerpt(two.stderr)
     a = load_file(tmp_path / "one" / "model" / "model.safetensors")
     b = load_file(tmp_path / "two" / "model" / "model.safetensors")
     start = load_file(tiny / "base" / "model.safetensors")

@@ -26,6 +26,7 @@ from tests.helpers import (
     REWARD_FNS,
     ROOT,
     base_args,
+    excerpt,
     has_metrics,
     launch,
     load_script,
@@ -92,7 +93,7 @@ def test_sigterm_checkpoints_the_current_step_and_exits(tiny_assets: Path, tmp_p
     wait_until(proc, has_metrics(out))
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr[-3000:]
+    assert proc.returncode == 0, excerpt(stderr)
     assert "stopping: saved step" in stderr
     step = read_metrics(out)[-1]["step"]
     assert 1 <= step < 50
@@ -114,7 +115,7 @@ def test_a_hang_names_its_phase_and_the_rank_that_did_not_arrive(tiny_assets: Pa
     proc = torchrun(ROOT / "train_ppo.py", *args, timeout=300, env=env)
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if "a collective timed out" in line]
-    assert lines, proc.stderr[-3000:]
+    assert lines, excerpt(proc.stderr)
     assert "rank 0 waited in phase 'reward' of step 2" in lines[0]
     assert "did not arrive: rank 1 (in phase 'reward' of step 2" in lines[0]
     assert "Traceback" not in proc.stderr.split("a collective timed out")[0][-2000:]
@@ -175,7 +176,7 @@ def test_stop_signal_inside_a_long_step_saves_the_last_step_at_once(
     proc.send_signal(signal.SIGTERM if nproc == 2 else signal.SIGINT)
     _, stderr = proc.communicate(timeout=300)
     assert time.time() - sent < 25, "waited for the step's updates"
-    assert "stopping: saved step 1" in stderr, stderr[-3000:]
+    assert "stopping: saved step 1" in stderr, excerpt(stderr)
     assert (out / "checkpoints" / "latest").read_text() == "step_00000001"
     assert [r["step"] for r in read_metrics(out)] == [1]
     # The stopped run resumes where it stopped.
@@ -324,7 +325,7 @@ def test_sighup_is_a_stop_signal(tiny_assets: Path, tmp_path: Path) -> None:
     used to kill it at once."""
     out = tmp_path / "run"
     proc, stderr, _ = signalled_run(tiny_assets, out, 6, signal.SIGHUP)
-    assert proc.returncode == 0, stderr[-3000:]
+    assert proc.returncode == 0, excerpt(stderr)
     assert "SIGHUP received" in stderr and "stopping: saved step 1 (SIGHUP)" in stderr
     assert (out / "checkpoints" / "latest").read_text() == "step_00000001"
 
@@ -334,7 +335,7 @@ def test_a_second_ctrl_c_exits_at_once_quietly(tiny_assets: Path, tmp_path: Path
     out = tmp_path / "run"
     proc, stderr, waited = signalled_run(tiny_assets, out, 30, signal.SIGINT, signal.SIGINT)
     assert waited < 15  # not the 30 s of the slow scoring
-    assert proc.returncode == 130 and "Traceback" not in stderr, stderr[-3000:]
+    assert proc.returncode == 130 and "Traceback" not in stderr, excerpt(stderr)
     assert "interrupted; the last complete checkpoint is intact" in stderr
     assert (out / "checkpoints" / "latest").read_text() == "step_00000001"
 

@@ -17,6 +17,7 @@ from tests.helpers import (
     ROOT,
     base_args,
     deterministic,
+    excerpt,
     hf_weights,
     load_script,
     read_metrics,
@@ -317,7 +318,7 @@ def test_two_ranks_equal_one_rank(tiny_assets: Path, tmp_path: Path) -> None:
         proc = torchrun(
             ROOT / "train_ppo.py", *base_args(tiny_assets, out), *common, *extra, "trainer.dist_timeout_s=120"
         )
-        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert proc.returncode == 0, excerpt(proc.stderr)
     a = hf_weights(one)
     base = load_file(tiny_assets / "base" / "model.safetensors")
     assert any(not torch.equal(a[k], base[k]) for k in a), "the update changed nothing"
@@ -368,7 +369,7 @@ def test_sequence_parallel_grpo_equals_one_rank(tiny_assets: Path, tmp_path: Pat
         "actor.ulysses_sequence_parallel_size=2",
         "trainer.dist_timeout_s=120",
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, excerpt(proc.stderr)
     a, b = hf_weights(one), hf_weights(sp)
     base = load_file(tiny_assets / "base" / "model.safetensors")
     assert any(not torch.equal(a[k], base[k]) for k in a), "the update changed nothing"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import REWARD_FNS, ROOT, base_args, run, torchrun
+from tests.helpers import REWARD_FNS, ROOT, base_args, excerpt, run, torchrun
 from tests.reward_fns import EVERY_CHARACTER
 
 pytestmark = pytest.mark.slow
@@ -24,10 +24,10 @@ def test_sys_exit_in_a_reward_function_on_one_of_two_ranks(tiny_assets: Path, tm
         "trainer.dist_timeout_s=60",
     ]
     proc = torchrun(ROOT / "train_ppo.py", *args, timeout=300, env={"PPO_TEST_EXIT_RANK": "1"})
-    assert proc.returncode != 0, proc.stderr[-3000:]  # torchrun exits 1 when a rank exits 2
+    assert proc.returncode != 0, excerpt(proc.stderr)  # torchrun exits 1 when a rank exits 2
     # every rank logs the one line (rank 0 at once, the others after runner.REPORT_DELAY_S)
     errors = sorted({line.split(" ERROR ", 1)[1] for line in proc.stderr.splitlines() if " ERROR " in line})
-    assert len(errors) == 1, proc.stderr[-3000:]
+    assert len(errors) == 1, excerpt(proc.stderr)
     assert errors[0].startswith(f"rank 1: reward.custom_function='{REWARD_FNS}:exits' raised SystemExit: 0")
     assert "a reward function must return a score, not exit the process; prompt row " in errors[0]
     assert "Connection closed" not in proc.stderr

@@ -27,7 +27,17 @@ from ppo.batch import Batch, Rollout
 from ppo.build import build
 from ppo.config_loader import load_config
 from ppo.metrics import batch_metrics
-from tests.helpers import REWARD_FNS, ROOT, base_args, load_script, run, torchrun, train, write_parquet
+from tests.helpers import (
+    REWARD_FNS,
+    ROOT,
+    base_args,
+    excerpt,
+    load_script,
+    run,
+    torchrun,
+    train,
+    write_parquet,
+)
 
 
 def fake_batch(mask: torch.Tensor, prompt_lens: list[int], max_response: int | None = None) -> Batch:
@@ -447,7 +457,7 @@ def test_a_fatal_error_is_reported_once_on_two_ranks(tiny_assets: Path, tmp_path
     summary = [
         line for line in proc.stderr.splitlines() if "traceback :" in line and "missing.parquet" in line
     ]
-    assert (len(logged), len(summary)) == (1, 1), proc.stderr[-3000:]
+    assert (len(logged), len(summary)) == (1, 1), excerpt(proc.stderr)
     assert 'train_ppo.py", line' not in proc.stderr  # no traceback through the trainer (torchrun has its own)
 
 

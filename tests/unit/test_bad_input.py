@@ -32,6 +32,7 @@ from tests.helpers import (
     ROOT,
     arith_row,
     base_args,
+    excerpt,
     load_script,
     run,
     tiny_config,
@@ -223,7 +224,7 @@ def test_triton_kernels_without_cuda_end_to_end(tiny_assets: Path, tmp_path: Pat
         timeout=300,
     )
     errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]
-    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, excerpt(proc.stderr)
     assert "actor.kernels=triton cannot run here" in errors[0]
 
 
@@ -404,7 +405,7 @@ def test_prepare_gsm8k_offline_end_to_end(tmp_path: Path) -> None:
         env=env,
         timeout=300,
     )
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, excerpt(proc.stderr)
     assert "error: could not load openai/gsm8k (main) from the Hugging Face hub" in proc.stderr
 
 

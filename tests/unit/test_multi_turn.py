@@ -36,6 +36,7 @@ from tests.helpers import (
     ROOT,
     base_args,
     deterministic,
+    excerpt,
     hf_weights,
     read_metrics,
     run,
@@ -331,7 +332,7 @@ def test_uneven_turns_on_two_ranks_and_sp_equal_one_rank(
     for out, extra in ((two, []), (sp, ["actor.ulysses_sequence_parallel_size=2"])):
         proc = torchrun(ROOT / "train_ppo.py", *turn_args(tiny_assets, turn_files, out), *common, *extra,
                         "trainer.dist_timeout_s=120")  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert proc.returncode == 0, excerpt(proc.stderr)
         for x, y in zip(rows, read_metrics(out), strict=True):
             for key in ("rollout/turns/mean", "rollout/tool_calls/mean", "critic/score/mean", "critic/rewards/mean",
                         "actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "actor/entropy"):  # fmt: skip
@@ -370,7 +371,7 @@ def test_a_run_killed_in_an_environment_step_resumes_to_the_same_metrics(
     assert (killed / "checkpoints" / "latest").read_text() == "step_00000001"
     resumed = subprocess.run(args, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                              timeout=300)  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, excerpt(resumed.stderr)
     assert deterministic(read_metrics(killed)) == deterministic(read_metrics(straight))
     a, b = hf_weights(straight), hf_weights(killed)
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -52,6 +52,7 @@ from tests.helpers import (
     base_args,
     close,
     deterministic,
+    excerpt,
     hf_weights,
     read_metrics,
     run,
@@ -681,7 +682,7 @@ def test_same_parameters_on_any_layout_and_budget(
             *args(name, "actor.ppo_max_token_len_per_gpu=40", *extra),
             "trainer.dist_timeout_s=120",
         )
-        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert proc.returncode == 0, excerpt(proc.stderr)
     reference = hf_weights(runs["one"])
     base = load_file(tiny_assets / "base" / "model.safetensors")
     assert any(not torch.equal(reference[k], base[k]) for k in reference), "the update changed nothing"
@@ -738,7 +739,7 @@ def test_dynamic_sampling_refills_when_one_rank_always_ties(
     as the first (no hang), and trains on groups the first rank kept."""
     proc = torchrun(ROOT / "train_ppo.py", *dapo_args(tiny_assets, indexed_prompts, tmp_path, steps=2),
                     "trainer.dist_timeout_s=120", timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, excerpt(proc.stderr)
     for row in read_metrics(tmp_path):
         # at most the first rank's 2 groups a round are kept, 4 are needed: >= 2 rounds
         assert row["train/num_gen_batches"] >= 2
@@ -783,7 +784,7 @@ def test_kill_during_a_refill_round_resumes_the_same_data(
     assert (killed / "checkpoints" / "latest").read_text() == f"step_{i:08d}"
     resumed = subprocess.run([sys.executable, str(ROOT / "train_ppo.py"), *killed_args],
                              env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, excerpt(resumed.stderr)
     assert deterministic(read_metrics(killed)) == deterministic(read_metrics(straight))
     a, b = hf_weights(straight), hf_weights(killed)
     assert all(torch.equal(a[k], b[k]) for k in a)

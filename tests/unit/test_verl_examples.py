@@ -20,7 +20,7 @@ from ppo import cli
 from ppo.config import ConfigError, PPOConfig
 from ppo.config_loader import load_config
 from ppo.optim import warmup_steps
-from tests.helpers import REWARD_FNS, ROOT, read_metrics, torchrun
+from tests.helpers import REWARD_FNS, ROOT, excerpt, read_metrics, torchrun
 
 EXAMPLES = yaml.safe_load((Path(__file__).parent / "verl_examples.yaml").read_text())
 RUNS = [name for name in EXAMPLES if not name.startswith("multi_turn")]
@@ -223,7 +223,7 @@ def test_a_verl_example_trains_two_steps_on_two_ranks(name: str, tiny_assets: Pa
     steps = ["trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1"]
     args = [*EXAMPLES[name], *paths(tiny_assets, out, name), *SIZES, *steps, "trainer.logger=[console]"]
     result = torchrun(ROOT / "train_ppo.py", *args, nproc=2, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, excerpt(result.stderr)
     rows = read_metrics(out)
     assert [row["step"] for row in rows] == [1, 2]
     assert all("actor/pg_loss" in row for row in rows)
