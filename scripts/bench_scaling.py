@@ -21,7 +21,7 @@ Axes (``--axes``; fixed values: 8 prompts, ``rollout.n=1``, 32 response tokens, 
   two busy processes (two cores sharing caches and memory bandwidth) shows apart from the trainer's. Their
   mean is the table's row, each one's row is printed below it (``processes`` in ``--json``); each runs
   ``PAIR_EXTRA_STEPS`` more steps and only the steps during which the other was training count
-  (``overlapping_steps``). ``ranks/weak`` minus ``ranks/independent`` at ``x=2``, per phase, is what the
+  (``overlapping_steps``); ``--quick`` leaves the pair out. ``ranks/weak`` minus ``ranks/independent`` at ``x=2``, per phase, is what the
   2-rank trainer adds: FSDP (its collectives, hooks and DTensor optimizer; a world of one runs unwrapped),
   the metric reductions.
 - ``turns``: multi-turn rollouts, 1 -> 8 turns (``rollout.multi_turn``) of ``TURN_TOKENS`` generated
@@ -166,7 +166,9 @@ class Point:
 
 
 def axis_points(axis: str, quick: bool = False) -> list[Point]:
-    """The points of ``axis`` (geometric steps; ``quick``: two tiny ones, or three for ``ranks``)."""
+    """The points of ``axis`` (geometric steps; ``quick``: two tiny ones, or four for ``ranks``, without the
+    independent pair: quick steps take tens of milliseconds, so whether two processes started together
+    train at the same time depends on how fast each starts, not on anything the benchmark controls)."""
     if axis == "response_len":
         return [
             Point("response_len", r, num_prompts=8, response_len=r)
@@ -185,14 +187,15 @@ def axis_points(axis: str, quick: bool = False) -> list[Point]:
     if axis == "ranks":
         per_rank, length = (2, 8) if quick else (16, 32)
         one = dict(num_prompts=per_rank, response_len=length)
-        return [
+        points = [
             Point("ranks/weak", 1, **one),
             Point("ranks/weak", 2, num_prompts=2 * per_rank, response_len=length, nproc=2),
             Point("ranks/strong", 1, **one),
             Point("ranks/strong", 2, num_prompts=per_rank, response_len=length, nproc=2),
-            Point("ranks/independent", 1, **one),
-            Point("ranks/independent", 2, **one, copies=2),
         ]
+        if quick:
+            return points
+        return [*points, Point("ranks/independent", 1, **one), Point("ranks/independent", 2, **one, copies=2)]
     if axis == "turns":
         per_turn = TURN_TOKENS + len(OBSERVATION)
         return [
