@@ -21,7 +21,7 @@ honour (``rollout.name=vllm``) is refused with the reason.
 
 Importing this module costs only PyYAML and the schema, which imports no torch, so an entry point
 answers ``--help`` and ``--print-config`` before its heavy imports (``ppo.cli.answer_early``). The keys of a
-schema are ``ppo.config_keys``; verl's table and its translation ``ppo.verl_keys``.
+schema are ``ppo.config_keys``; verl's table ``ppo.verl_keys`` and its translation ``ppo.verl_translation``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ import yaml
 
 from ppo.config import ConfigError, FieldError, PPOConfig
 from ppo.config_keys import COMMAND_LINE, Leaf, all_keys, closest_keys, show
-from ppo.verl_keys import VERL_PARENTS, from_verl, renamed, verl_defaults
+from ppo.verl_keys import VERL_PARENTS
+from ppo.verl_translation import from_verl, renamed, verl_defaults
 
 C = typing.TypeVar("C")
 
