@@ -14,26 +14,25 @@ from. Checks that need the world size live in ``validate`` (PPO) and ``validate_
 set but do nothing in a run that still trains are no error: ``PPOConfig.warnings`` lists them.
 
 The schema imports only the standard library (no torch): ``--help`` and ``--print-config`` answer
-before torch loads, and what the machine can run is checked where the run starts. Its modules:
-``errors`` (the errors and the single-value checks), ``shared`` (the sections every run has),
-``sections`` (PPO's sections), ``root`` (``PPOConfig`` and its cross-section rules), ``stages`` (SFT,
-the reward model, DPO). Import every name from ``ppo.config`` itself.
+before torch loads, and what the machine can run is checked where the run starts. Its modules, each
+importing only those before it: ``errors`` (the errors and the single-value checks), ``shared`` (the
+sections every run has), ``roles`` (PPO's model sections: actor with its policy loss and LoRA, critic,
+reference), ``sections`` (PPO's other sections: data, rollout, reward, algorithm, trainer), ``tree`` (the
+tree of PPO's sections and what it implies), ``startup_warnings`` (keys set that do nothing),
+``world_size`` (what ``validate`` checks), ``root`` (``PPOConfig``: the tree with its cross-section
+rules), ``stages`` (SFT, the reward model, DPO). Import every name from ``ppo.config`` itself.
 """
 
 from ppo.config.errors import ConfigError, FieldError, check_kl_kind
+from ppo.config.roles import ActorConfig, CriticConfig, LoRAConfig, PolicyLossConfig, RefConfig
 from ppo.config.root import SP_ATTENTION, PPOConfig
 from ppo.config.sections import (
-    ActorConfig,
     AlgorithmConfig,
-    CriticConfig,
     DataConfig,
     FilterGroupsConfig,
     KLControlConfig,
-    LoRAConfig,
     MultiTurnConfig,
     OverlongBufferConfig,
-    PolicyLossConfig,
-    RefConfig,
     RewardConfig,
     RolloutConfig,
     TrainerConfig,

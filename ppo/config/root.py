@@ -1,34 +1,25 @@
 """The root of a PPO run's config, ``PPOConfig``, and the rules that span its sections.
 
-``PPOConfig.__post_init__`` resolves the fallbacks (``critic.ppo_epochs`` from the actor's, ...) once,
-then runs the cross-section rules below, grouped by topic, each a function of the whole config that
-raises a :class:`FieldError` naming every key involved; ``warnings`` lists keys that are set but do
-nothing; ``validate`` checks what the world size decides (batch divisibility, shard groups). Nothing
-here looks at the machine: what it can run (CUDA, a forced kernel backend) is checked where the run
-starts (``ppo.build``).
+``PPOConfig`` is the tree of sections (``ppo.config.tree``) with its checks. ``__post_init__`` resolves
+the fallbacks (``critic.ppo_epochs`` from the actor's, ...) once, then runs the cross-section rules below,
+grouped by topic, each a function of the whole config that raises a :class:`FieldError` naming every
+key involved; ``warnings`` lists keys that are set but do nothing (``ppo.config.startup_warnings``);
+``validate`` checks what the world size decides (batch divisibility, shard groups:
+``ppo.config.world_size``). Nothing here looks at the machine: what it can run (CUDA, a forced kernel
+backend) is checked where the run starts (``ppo.build``).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from ppo.choices import GROUP_ESTIMATORS
 from ppo.config.errors import ConfigError, FieldError, check_world_size
-from ppo.config.sections import (
-    ActorConfig,
-    AlgorithmConfig,
-    CriticConfig,
-    DataConfig,
-    KLControlConfig,
-    PolicyLossConfig,
-    RefConfig,
-    RewardConfig,
-    RolloutConfig,
-    TrainerConfig,
-)
-from ppo.config.shared import ModelConfig, resolve_paths
+from ppo.config.shared import resolve_paths
+from ppo.config.startup_warnings import startup_warnings
+from ppo.config.tree import PPOTree
+from ppo.config.world_size import world_size_errors
 
 SP_ATTENTION = ("auto", "ppo_varlen_sdpa", "ppo_varlen_flash")
 """The ``model.attn_implementation`` values Ulysses sequence parallelism runs with: ``ppo.attention``'s
@@ -36,27 +27,8 @@ packed kernels (``PACKED_ATTENTION``, ``VARLEN_FLASH``), the only ones that exch
 
 
 @dataclass(kw_only=True)
-class PPOConfig:
+class PPOConfig(PPOTree):
     """The whole PPO run."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    """The policy checkpoint and how it is loaded."""
-    data: DataConfig = field(default_factory=DataConfig)
-    """Prompt files, lengths and batch size."""
-    actor: ActorConfig = field(default_factory=ActorConfig)
-    """Policy update: PPO loss, batch sizes, optimizer, sharding."""
-    critic: CriticConfig = field(default_factory=CriticConfig)
-    """Value model (used by GAE)."""
-    ref: RefConfig = field(default_factory=RefConfig)
-    """Frozen reference policy for the KL terms."""
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    """Sampling of responses."""
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    """Where scores come from."""
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    """Advantages, KL in the reward, rollback."""
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    """Run length, logging, checkpoints, validation."""
 
     def __post_init__(self) -> None:
         resolve_paths(self.trainer, self.data)
@@ -73,50 +45,13 @@ class PPOConfig:
         _check_sequence_parallel(self)
         _check_prime(self)
 
-    @property
-    def use_critic(self) -> bool:
-        """GAE needs a value function; the group estimators and SPPO (which reads no advantages) do not."""
-        return self.algorithm.adv_estimator == "gae" and self.actor.policy_loss.loss_mode != "sppo"
-
-    @property
-    def on_policy(self) -> bool:
-        """One update per rollout (one epoch, one mini-batch): the ratio is exactly 1 (verl's shortcut).
-        Not with SPPO's old-policy snapshot (``actor.sppo_refresh_steps > 1``): the old policy is older."""
-        a = self.actor
-        if a.policy_loss.loss_mode == "sppo" and a.sppo_refresh_steps > 1:
-            return False
-        return a.ppo_epochs == 1 and a.ppo_mini_batch_size == self.data.train_batch_size
-
-    @property
-    def sppo_snapshot(self) -> bool:
-        """SPPO's old policy is a frozen snapshot of the actor, refreshed every ``actor.sppo_refresh_steps``."""
-        return self.actor.policy_loss.loss_mode == "sppo" and self.actor.sppo_refresh_steps > 1
-
-    @property
-    def needs_reference(self) -> bool:
-        """A reference policy is scored when a KL term, the KL rollback or PRIME's implicit rewards use it."""
-        return (
-            self.algorithm.use_kl_in_reward
-            or self.actor.use_kl_loss
-            or self.algorithm.rollback_kl > 0
-            or self.algorithm.adv_estimator == "prime"
-        )
-
     def warnings(self) -> list[str]:
         """One message per group of keys that are set but do nothing in this run, which still trains
         (the caller logs them once at start-up): the KL controller's keys without a KL penalty in the
         reward, the adaptive controller's keys with a fixed one, greedy rollouts compared within their
         group, recipe keys their recipe does not use, a critic warm-up without a critic, the reward
         function's keys without a function, a data file listed twice."""
-        return [
-            *_kl_controller_warnings(self),
-            *_greedy_group_warnings(self),
-            *_recipe_warnings(self),
-            *_critic_warmup_warnings(self),
-            *_reward_function_warnings(self),
-            *_reward_cap_warnings(self),
-            *repeated_file_warnings(self.data),
-        ]
+        return startup_warnings(self)
 
     def validate(self, world_size: int) -> None:
         """Check every batch divisibility that ``world_size`` ranks need; say which numbers to change.
@@ -127,16 +62,8 @@ class PPOConfig:
         micro-batches of ``ppo_micro_batch_size_per_gpu``.
         """
         check_world_size(world_size)
-        errors = [
-            *_planned_world_size_errors(self, world_size),
-            *_batch_errors(self, world_size),
-            *_token_budget_errors(self),
-            *_shard_group_errors(self, world_size),
-        ]
+        errors = world_size_errors(self, world_size)
         if errors:
-            fits = _fitting_world_sizes(self)
-            if fits and world_size not in fits:
-                errors.append(f"world sizes these batch sizes fit: {', '.join(map(str, fits))}")
             raise ConfigError(f"config does not fit world size {world_size}:\n  - " + "\n  - ".join(errors))
 
 
@@ -502,281 +429,3 @@ def _check_prime(cfg: PPOConfig) -> None:
                 "data.accuracy_lower_bound",
                 "data.accuracy_upper_bound",
             )
-
-
-# ----------------------------------------------------------------------------------------------------
-# Warnings: keys that are set but do nothing in this run
-# ----------------------------------------------------------------------------------------------------
-
-
-def _kl_controller_warnings(cfg: PPOConfig) -> list[str]:
-    """The KL controller's keys without a KL penalty in the reward; the adaptive controller's keys with
-    a fixed one."""
-    k, default = cfg.algorithm.kl_ctrl, KLControlConfig()
-    changed = [
-        name
-        for name in ("type", "kl_coef", "target_kl", "horizon", "fixed_warmup_steps")
-        if getattr(k, name) != getattr(default, name)
-    ]
-    adaptive_only = [name for name in changed if name in ("target_kl", "horizon", "fixed_warmup_steps")]
-    if not cfg.algorithm.use_kl_in_reward and changed:
-        hint = " (the KL loss's weight is actor.kl_loss_coef)" if cfg.actor.use_kl_loss else ""
-        return [
-            f"algorithm.use_kl_in_reward=false: the reward has no KL penalty, so {_shown(k, changed)} "
-            f"{'is' if len(changed) == 1 else 'are'} ignored{hint}"
-        ]
-    if k.type == "fixed" and adaptive_only:
-        return [
-            f"algorithm.kl_ctrl.type=fixed keeps the KL coefficient at algorithm.kl_ctrl.kl_coef={k.kl_coef}: "
-            f"{_shown(k, adaptive_only)} only steer{'s' if len(adaptive_only) == 1 else ''} "
-            f"algorithm.kl_ctrl.type=adaptive and {'is' if len(adaptive_only) == 1 else 'are'} ignored"
-        ]
-    return []
-
-
-def _shown(kl_ctrl: KLControlConfig, names: list[str]) -> str:
-    """``algorithm.kl_ctrl.<name>=<value>`` of each name, for a message."""
-    return ", ".join(f"algorithm.kl_ctrl.{name}={getattr(kl_ctrl, name)}" for name in names)
-
-
-def _greedy_group_warnings(cfg: PPOConfig) -> list[str]:
-    """Greedy rollouts compared within their group."""
-    if cfg.rollout.do_sample or cfg.rollout.offline_fraction >= 1.0:
-        return []
-    # Greedy decoding gives every response to a prompt the same tokens: a baseline or a ranking
-    # within the group then sees no difference (an entropy bonus still trains, and tests use that).
-    if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS:
-        group = f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}"
-    elif cfg.reward.style == "ranking":
-        group = "reward.style=ranking"
-    else:
-        return []
-    return [
-        f"rollout.do_sample=false decodes greedily, so the rollout.n={cfg.rollout.n} sampled "
-        f"responses to a prompt are identical and {group} compares them within their group: every "
-        f"advantage is 0; set rollout.do_sample=true"
-    ]
-
-
-def _recipe_warnings(cfg: PPOConfig) -> list[str]:
-    """Recipe keys set where they do nothing."""
-    out = []
-    a, d, alg = cfg.actor, cfg.data, cfg.algorithm
-    mode, loss = a.policy_loss.loss_mode, a.policy_loss
-    default = PolicyLossConfig()
-    used = {
-        "clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
-        "kl_cov": ("kl_cov_ratio", "ppo_kl_coef"),
-    }
-    unused = [
-        f"actor.policy_loss.{k}={getattr(loss, k)}"
-        for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")
-        if getattr(loss, k) != getattr(default, k) and k not in used.get(mode, ())
-    ]
-    if unused:
-        out.append(f"actor.policy_loss.loss_mode={mode} does not use {', '.join(unused)}")
-    sppo_keys = {
-        "actor.sppo_eta": (a.sppo_eta, ActorConfig().sppo_eta),
-        "actor.sppo_refresh_steps": (a.sppo_refresh_steps, ActorConfig().sppo_refresh_steps),
-        "algorithm.sppo_target": (alg.sppo_target, AlgorithmConfig().sppo_target),
-        "algorithm.sppo_beta": (alg.sppo_beta, AlgorithmConfig().sppo_beta),
-    }
-    if mode != "sppo" and any(value != default for value, default in sppo_keys.values()):
-        given = ", ".join(f"{k}={v}" for k, (v, d) in sppo_keys.items() if v != d)
-        out.append(f"actor.policy_loss.loss_mode={mode} does not use {given} (SPPO's keys)")
-    if mode == "sppo" and alg.sppo_target == "win_rate" and alg.sppo_beta != AlgorithmConfig().sppo_beta:
-        out.append(f"algorithm.sppo_target=win_rate does not use algorithm.sppo_beta={alg.sppo_beta}")
-    if a.loss_scale_factor is not None and a.loss_agg_mode != "seq-mean-token-sum-norm":
-        out.append(
-            f"actor.loss_scale_factor={a.loss_scale_factor} divides only loss_agg_mode=seq-mean-token-sum-norm, "
-            f"not actor.loss_agg_mode={a.loss_agg_mode}: it is ignored"
-        )
-    f, o = alg.filter_groups, cfg.reward.overlong_buffer
-    if not f.enable and (
-        (d.gen_batch_size != d.train_batch_size and not d.filter_accuracy) or f.max_num_gen_batches
-    ):
-        out.append(
-            "algorithm.filter_groups.enable=false: data.gen_batch_size and "
-            "algorithm.filter_groups.max_num_gen_batches are used by dynamic sampling only and are ignored"
-        )
-    if not o.enable and o.len:
-        out.append(f"reward.overlong_buffer.enable=false: reward.overlong_buffer.len={o.len} is ignored")
-    if alg.adv_estimator in ("reinforce_plus_plus_baseline", "opo") and cfg.rollout.n == 1:
-        out.append(
-            f"algorithm.adv_estimator={alg.adv_estimator} with rollout.n=1: a group of one has baseline 0, so "
-            f"each advantage is the response's own score"
-        )
-    v = cfg.rollout.val_kwargs
-    if v.n > 1 and not v.do_sample:
-        out.append(
-            f"rollout.val_kwargs.n={v.n} with rollout.val_kwargs.do_sample=false: the {v.n} greedy answers to a "
-            f"prompt are identical, so best@k and maj@n equal the greedy accuracy; set do_sample=true"
-        )
-    return out
-
-
-def _critic_warmup_warnings(cfg: PPOConfig) -> list[str]:
-    """A critic warm-up without a critic."""
-    warmup = cfg.trainer.critic_warmup
-    if warmup > 1 and not cfg.use_critic:
-        return [
-            f"trainer.critic_warmup={warmup} with algorithm.adv_estimator={cfg.algorithm.adv_estimator}, "
-            f"which has no critic: steps 1 to {warmup - 1} train nothing; set trainer.critic_warmup=0"
-        ]
-    return []
-
-
-def _reward_cap_warnings(cfg: PPOConfig) -> list[str]:
-    """``reward.total_timeout_s`` caps the reward workers' scoring: without workers it does nothing."""
-    r = cfg.reward
-    if r.total_timeout_s is None or r.pool_workers > 0:
-        return []
-    return [
-        f"reward.total_timeout_s={r.total_timeout_s} caps the scoring in reward workers and is ignored with "
-        "reward.pool_workers=0 (the trainer's process limits each call to reward.timeout_s)"
-    ]
-
-
-def _reward_function_warnings(cfg: PPOConfig) -> list[str]:
-    """The reward function's keys without a function: ``reward_kwargs`` go to ``reward.custom_function``
-    only; ``timeout_s`` and ``error_score`` limit a function's calls (``error_score``: in reward workers).
-    With a function, ``reward.num_workers`` (verl's Ray reward workers, and the pool's key before
-    ``reward.pool_workers``) starts no pool: said once, for configs written for the old key."""
-    r, default = cfg.reward, RewardConfig()
-    if r.custom_function is not None:
-        if r.num_workers and r.pool_workers == 0:
-            return [
-                f"reward.num_workers={r.num_workers} is verl's count of Ray reward workers and starts nothing "
-                "here: the reward function's per-rank process pool is now reward.pool_workers"
-            ]
-        return []
-    unused = [f"reward.reward_kwargs={r.reward_kwargs}"] if r.reward_kwargs else []
-    if r.pool_workers == 0:
-        unused += [
-            f"reward.{name}={getattr(r, name)}"
-            for name in ("timeout_s", "error_score")
-            if getattr(r, name) != getattr(default, name)
-        ]
-    if not unused:
-        return []
-    return [
-        f"reward.custom_function is not set (the built-in rule scores): {', '.join(unused)} "
-        f"{'is' if len(unused) == 1 else 'are'} ignored"
-    ]
-
-
-def repeated_file_warnings(data: object) -> list[str]:
-    """A file listed twice in one of ``data``'s file lists: its rows would count twice."""
-    out = []
-    for key in ("train_files", "val_files", "eval_prompt_files"):
-        seen: set[str] = set()
-        for path in getattr(data, key, None) or []:
-            normal = os.path.normpath(os.path.abspath(path))
-            if normal in seen:
-                out.append(f"data.{key} lists {path} twice: its rows are read (and weigh) twice")
-            seen.add(normal)
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------
-# World size: what validate checks
-# ----------------------------------------------------------------------------------------------------
-
-
-def _fitting_world_sizes(cfg: PPOConfig) -> list[int]:
-    """The numbers of ranks (up to ``data.train_batch_size``) that the batch sizes and shard groups divide
-    evenly: what a world-size error offers instead."""
-    return [
-        w
-        for w in range(1, cfg.data.train_batch_size + 1)
-        if not _batch_errors(cfg, w) and not _shard_group_errors(cfg, w)
-    ]
-
-
-def _planned_world_size_errors(cfg: PPOConfig, world_size: int) -> list[str]:
-    """A preset sized for ``trainer.nnodes x trainer.n_gpus_per_node`` ranks runs on that many."""
-    t, planned = cfg.trainer, cfg.trainer.planned_world_size
-    if planned is None or planned == world_size:
-        return []
-    return [
-        f"trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node} "
-        f"= {planned} ranks, but {world_size} run: the preset's batch sizes are sized for {planned}; "
-        f"set trainer.nnodes and trainer.n_gpus_per_node to what you launch (or null)"
-    ]
-
-
-def _batch_errors(cfg: PPOConfig, world_size: int) -> list[str]:
-    """Prompts, mini-batches and micro-batches divide evenly over the ranks."""
-    errors = []
-    n = cfg.rollout.n
-    bsz = cfg.data.train_batch_size
-    sp = cfg.actor.ulysses_sequence_parallel_size
-    if bsz % world_size:
-        # Each rank samples all n responses of its own prompts, so groups (GRPO, RLOO, ranking)
-        # never straddle ranks.
-        errors.append(
-            f"data.train_batch_size={bsz} prompts must divide evenly over {world_size} ranks: "
-            f"make it a multiple of {world_size}"
-        )
-    a = cfg.actor
-    roles = [("actor", a.ppo_mini_batch_size, a.use_dynamic_bsz, a.ppo_micro_batch_size_per_gpu)]
-    if cfg.use_critic:
-        c = cfg.critic
-        roles.append(("critic", c.ppo_mini_batch_size, c.use_dynamic_bsz, c.ppo_micro_batch_size_per_gpu))
-    if cfg.algorithm.adv_estimator == "prime":  # the PRM micro-batches as the actor does
-        mini = cfg.reward.prime.mini_batch_size
-        roles.append(("reward.prime", mini, a.use_dynamic_bsz, a.ppo_micro_batch_size_per_gpu))
-    for role, mini, dynamic, micro in roles:
-        if bsz % mini:
-            errors.append(
-                f"{role}.ppo_mini_batch_size={mini} must divide data.train_batch_size={bsz}: change one of them"
-            )
-            continue
-        if (mini * n) % world_size:
-            errors.append(
-                f"{role}.ppo_mini_batch_size * rollout.n = {mini * n} sequences must divide evenly over "
-                f"{world_size} ranks: change {role}.ppo_mini_batch_size or rollout.n"
-            )
-            continue
-        # With sequence parallelism a group of sp ranks shares its members' sequences.
-        per_group = mini * n * sp // world_size
-        if not dynamic and per_group % micro:
-            where = "rank" if sp == 1 else f"sequence-parallel group of {sp} ranks"
-            errors.append(
-                f"{role}: {per_group} sequences per {where} per mini-batch must be a multiple of "
-                f"{role}.ppo_micro_batch_size_per_gpu={micro}: change it to a divisor of {per_group}, "
-                f"or set {role}.use_dynamic_bsz=true"
-            )
-    return errors
-
-
-def _token_budget_errors(cfg: PPOConfig) -> list[str]:
-    """A token-budget micro-batch (with its sequence-parallel ranks) holds the longest sequence."""
-    errors = []
-    sp = cfg.actor.ulysses_sequence_parallel_size
-    max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
-    for role, section in (("actor", cfg.actor), ("critic", cfg.critic)):
-        budget = section.ppo_max_token_len_per_gpu
-        if section.use_dynamic_bsz and budget * sp < max_len:
-            ranks = f" (x {sp} sequence-parallel ranks)" if sp > 1 else ""
-            errors.append(
-                f"{role}.ppo_max_token_len_per_gpu={budget}{ranks} is below the longest sequence "
-                f"(max_prompt_length + max_response_length = {max_len}): raise it"
-            )
-    return errors
-
-
-def _shard_group_errors(cfg: PPOConfig, world_size: int) -> list[str]:
-    """Sequence-parallel and FSDP shard groups divide the world size."""
-    errors = []
-    for role in ("actor", "critic", "ref"):
-        sp = getattr(cfg, role).ulysses_sequence_parallel_size
-        if world_size % sp:
-            errors.append(
-                f"{role}.ulysses_sequence_parallel_size={sp} must divide the world size {world_size}"
-            )
-    for role in ("actor", "critic", "ref", "reward"):
-        fsdp = getattr(cfg, role).fsdp
-        if fsdp.fsdp_size > 0 and world_size % fsdp.fsdp_size:
-            errors.append(f"{role}.fsdp.fsdp_size={fsdp.fsdp_size} must divide the world size {world_size}")
-    return errors

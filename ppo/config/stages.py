@@ -11,9 +11,9 @@ from typing import Literal
 
 from ppo.choices import PREFERENCE_LOSSES
 from ppo.config.errors import ConfigError, FieldError, _require, check_world_size
-from ppo.config.root import repeated_file_warnings
-from ppo.config.sections import LoRAConfig
+from ppo.config.roles import LoRAConfig
 from ppo.config.shared import FSDPConfig, ModelConfig, OptimConfig, RunTrainerConfig, resolve_paths
+from ppo.config.startup_warnings import repeated_file_warnings
 
 
 @dataclass(kw_only=True)

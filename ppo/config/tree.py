@@ -1,0 +1,67 @@
+"""The tree of a PPO run's sections, ``PPOTree``, and what they imply together: which models run
+(``use_critic``, ``needs_reference``) and whether an update is on-policy. ``PPOConfig``
+(``ppo.config.root``) is this tree with its checks; the tree sits below them so that the start-up
+warnings (``ppo.config.startup_warnings``) and the world-size checks (``ppo.config.world_size``) can
+take it without importing the root that calls them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ppo.config.roles import ActorConfig, CriticConfig, RefConfig
+from ppo.config.sections import AlgorithmConfig, DataConfig, RewardConfig, RolloutConfig, TrainerConfig
+from ppo.config.shared import ModelConfig
+
+
+@dataclass(kw_only=True)
+class PPOTree:
+    """The sections of a PPO run and the facts they decide together; ``PPOConfig`` adds the checks."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy checkpoint and how it is loaded."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt files, lengths and batch size."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Policy update: PPO loss, batch sizes, optimizer, sharding."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """Value model (used by GAE)."""
+    ref: RefConfig = field(default_factory=RefConfig)
+    """Frozen reference policy for the KL terms."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Sampling of responses."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Where scores come from."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantages, KL in the reward, rollback."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Run length, logging, checkpoints, validation."""
+
+    @property
+    def use_critic(self) -> bool:
+        """GAE needs a value function; the group estimators and SPPO (which reads no advantages) do not."""
+        return self.algorithm.adv_estimator == "gae" and self.actor.policy_loss.loss_mode != "sppo"
+
+    @property
+    def on_policy(self) -> bool:
+        """One update per rollout (one epoch, one mini-batch): the ratio is exactly 1 (verl's shortcut).
+        Not with SPPO's old-policy snapshot (``actor.sppo_refresh_steps > 1``): the old policy is older."""
+        a = self.actor
+        if a.policy_loss.loss_mode == "sppo" and a.sppo_refresh_steps > 1:
+            return False
+        return a.ppo_epochs == 1 and a.ppo_mini_batch_size == self.data.train_batch_size
+
+    @property
+    def sppo_snapshot(self) -> bool:
+        """SPPO's old policy is a frozen snapshot of the actor, refreshed every ``actor.sppo_refresh_steps``."""
+        return self.actor.policy_loss.loss_mode == "sppo" and self.actor.sppo_refresh_steps > 1
+
+    @property
+    def needs_reference(self) -> bool:
+        """A reference policy is scored when a KL term, the KL rollback or PRIME's implicit rewards use it."""
+        return (
+            self.algorithm.use_kl_in_reward
+            or self.actor.use_kl_loss
+            or self.algorithm.rollback_kl > 0
+            or self.algorithm.adv_estimator == "prime"
+        )
