@@ -21,7 +21,9 @@ from ppo import (
     algorithms,
     checkpointer,
     data,
+    data_files,
     lora,
+    model_loading,
     models,
     multi_turn,
     offline,
@@ -222,7 +224,7 @@ def load_data(
             alg = cfg.algorithm
             if alg.reads_data_logprobs and all(g.logprobs is None for g in items):
                 key = "rollout_is_threshold" if alg.rollout_is_threshold is not None else "rollout_rs"
-                raise data.DataError(
+                raise data_files.DataError(
                     f"algorithm.{key} compares the offline responses with the policy that sampled them, but "
                     "no group of data.train_files has a 'logprobs' column (scripts/make_offline_data.py "
                     f"writes it); set algorithm.{key}=null"
@@ -265,7 +267,7 @@ def load_models(
     """``(actor, ref, critic, reward_model)``, each loaded and sharded; the ones a run does not use are
     None. Under LoRA without ``ref.model_path`` the reference is the actor itself (adapters off)."""
     actor = runner.build_model(
-        models.load_causal_lm,
+        model_loading.load_causal_lm,
         cfg.model,
         cfg.actor.fsdp,
         info,
@@ -282,7 +284,7 @@ def load_models(
         )
     if cfg.use_critic:
         critic = runner.build_model(
-            models.load_critic,
+            model_loading.load_critic,
             cfg.model,
             cfg.critic.fsdp,
             info,
@@ -296,7 +298,7 @@ def load_models(
         )
     if rewards.uses_reward_model(cfg.reward):
         reward_model = runner.build_model(
-            models.load_reward_model,
+            model_loading.load_reward_model,
             cfg.model,
             cfg.reward.fsdp,
             info,
@@ -314,7 +316,7 @@ def load_sppo_snapshot(cfg: PPOConfig, info: DistInfo, sp: ulysses.SPGroup) -> t
     if not cfg.sppo_snapshot:
         return None
     return runner.build_model(
-        models.load_causal_lm,
+        model_loading.load_causal_lm,
         cfg.model,
         cfg.actor.fsdp,
         info,
@@ -331,7 +333,7 @@ def load_prm(cfg: PPOConfig, info: DistInfo) -> torch.nn.Module | None:
     if cfg.algorithm.adv_estimator != "prime":
         return None
     return runner.build_model(
-        models.load_causal_lm,
+        model_loading.load_causal_lm,
         cfg.model,
         cfg.reward.prime.fsdp,
         info,
@@ -384,7 +386,7 @@ def make_sampler(
     """The rollout's sampler: the actor (and its compiled copy, ``make_engine``), the settings, every
     EOS id of the tokenizer and the model's generation config (offline responses checked against them:
     the generation config may add EOS ids that a response holds), and the multi-turn settings."""
-    eos_ids = models.eos_token_ids(tokenizer, actor)
+    eos_ids = model_loading.eos_token_ids(tokenizer, actor)
     if cfg.rollout.offline_fraction > 0:
         offline.check_eos(items, eos_ids)
     return rollout.Sampler(

@@ -4,7 +4,7 @@ standard library, so every entry point can call it first thing (``cli.answer_ear
 
     problems = input_problems(cfg)   # one message per missing input, naming its key
 
-``check_model_path`` is also what ``ppo.models`` runs before ``from_pretrained``: a local-looking path
+``check_model_path`` is also what ``ppo.model_loading`` runs before ``from_pretrained``: a local-looking path
 that does not exist fails at once with the key, never as a hub id (retries without a network).
 """
 
@@ -178,7 +178,7 @@ def input_problems(cfg: Any) -> list[str]:
     for key in ("train_files", "val_files", "eval_prompt_files"):
         for path in getattr(cfg.data, key, None) or []:
             if not os.path.exists(path):
-                from ppo.data import missing_file  # numpy and pyarrow: only when there is a problem
+                from ppo.data_files import missing_file  # pyarrow: only when there is a problem
 
                 problems.append(f"data.{key}: {missing_file(Path(path))}")
     reward, rollout = getattr(cfg, "reward", None), getattr(cfg, "rollout", None)

@@ -6,7 +6,9 @@ its adapters switched off (``adapters_disabled``), so one copy of the base weigh
 reference and rollout. The critic takes adapters the same way; its value head ``score`` trains whole.
 
     load_path = lora.base_model_path(cfg.model.path, config_key="model.path")
-    model = models.load_causal_lm(load_path, dtype=lora.load_dtype(cfg.actor.lora, cfg.model.dtype), ...)
+    model = model_loading.load_causal_lm(
+        load_path, dtype=lora.load_dtype(cfg.actor.lora, cfg.model.dtype), ...
+    )
     model = lora.apply_lora(
         model, cfg.actor.lora, model_dtype=cfg.model.dtype, config_key="actor.lora", init_from=cfg.model.path
     )

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from ppo import algorithms, models, rule_scoring, runner, sharding, ulysses
+from ppo import algorithms, model_loading, models, rule_scoring, runner, sharding, ulysses
 from ppo.batch import Rollout, decode_responses
 from ppo.data import PromptRecord
 from ppo.distributed import DistInfo, all_reduce_scalars
@@ -131,7 +131,7 @@ def answer_metrics(
     prompts = [torch.tensor(r.input_ids, dtype=torch.long) for r in mine]
     common = dict(
         max_new_tokens=max_new_tokens,
-        eos_token_ids=models.eos_token_ids(tokenizer, model),
+        eos_token_ids=model_loading.eos_token_ids(tokenizer, model),
         pad_token_id=tokenizer.pad_token_id,
     )
     # Every rank calls generate, even with no prompts: it joins the parameter gather inside.

@@ -49,7 +49,7 @@ import torch
 
 from ppo import data
 from ppo.batch import Batch, Rollout, concat_rollouts, group_index
-from ppo.data import DataError
+from ppo.data_files import DataError, Files, as_paths, cell_ref, parquet_columns, read_parquet, row_list
 from ppo.rewards import competition_ranks
 from ppo.rollout import response_mask_from_eos
 
@@ -85,7 +85,7 @@ class OfflineGroup:
 
 
 def load_offline_groups(
-    files: data.Files,
+    files: Files,
     tokenizer: PreTrainedTokenizerBase,
     *,
     group_size: int,
@@ -104,7 +104,7 @@ def load_offline_groups(
     dataset``) makes a row without ``scores`` an error. Raises DataError on a bad cell, when a file
     has no usable group, and when all of a file's usable groups tie (nothing to learn from it).
     """
-    paths = data.as_paths(files)
+    paths = as_paths(files)
     # The prompts exactly as the sampling trainer loads them (tokens, data_source, ground truth,
     # extra_info, the dropped long prompts counted); keyed by the row number over all files.
     records = {
@@ -133,7 +133,7 @@ def load_offline_groups(
                 f"{path}: reward.style=dataset trains on the data's scores, but a preference file has none; "
                 f"use reward.style=ranking"
             )
-        rows = data.read_parquet(path, required=PAIR_COLUMNS if pairs else ["responses"])
+        rows = read_parquet(path, required=PAIR_COLUMNS if pairs else ["responses"])
         skipped: list[int] = []  # preference rows with an empty or identical pair
         too_long: list[int] = []
         kept = 0
@@ -170,7 +170,7 @@ def load_offline_groups(
                 len(too_long),
                 len(rows),
                 max_response_length,
-                data.row_list(too_long),
+                row_list(too_long),
             )
         if kept == 0:
             raise DataError(
@@ -198,7 +198,7 @@ def _all_tie(group: OfflineGroup) -> bool:
 
 def _is_pair_file(path: Path) -> bool:
     """Whether a file is a preference file (``chosen``/``rejected``, no ``responses``)."""
-    columns = data.parquet_columns(path)
+    columns = parquet_columns(path)
     if "responses" in columns:
         return False
     if all(c in columns for c in PAIR_COLUMNS):
@@ -217,7 +217,7 @@ def pair_responses(row: dict[str, Any], path: Path, i: int) -> list[str] | None:
         value = row[column]
         if value is not None and not isinstance(value, str):
             raise DataError(
-                f"{data.cell_ref(path, i, column)}: expected a string response, got {type(value).__name__}"
+                f"{cell_ref(path, i, column)}: expected a string response, got {type(value).__name__}"
             )
         texts.append(value or "")
     if not all(t.strip() for t in texts) or texts[0] == texts[1]:
@@ -233,7 +233,7 @@ def log_skipped_pairs(path: Path, skipped: list[int], total: int) -> None:
             path,
             len(skipped),
             total,
-            data.row_list(skipped),
+            row_list(skipped),
         )
 
 
@@ -241,7 +241,7 @@ def _ranked_group(
     row: dict[str, Any], path: Path, i: int, group_size: int, require_scores: bool
 ) -> tuple[list[str], list[int] | None, list[float] | None]:
     """``(responses, ranks, scores)`` of a group row, every rule of the module docstring checked."""
-    where = data.cell_ref(path, i, "responses")
+    where = cell_ref(path, i, "responses")
     texts = row["responses"]
     if not isinstance(texts, list):
         raise DataError(f"{where}: expected a list of response strings, got {type(texts).__name__}")
@@ -255,8 +255,8 @@ def _ranked_group(
             raise DataError(f"{where}: response {j} must be a string, got {type(text).__name__}")
         if not text.strip():
             raise DataError(f"{where}: response {j} is empty")
-    ranks = _number_list(row.get("ranks"), data.cell_ref(path, i, "ranks"), group_size, integers=True)
-    scores = _number_list(row.get("scores"), data.cell_ref(path, i, "scores"), group_size, integers=False)
+    ranks = _number_list(row.get("ranks"), cell_ref(path, i, "ranks"), group_size, integers=True)
+    scores = _number_list(row.get("scores"), cell_ref(path, i, "scores"), group_size, integers=False)
     if ranks is None and scores is None:
         raise DataError(
             f"{path}: row {i}, columns 'ranks' and 'scores': neither is set; a group needs ranks (0 = best) "
@@ -264,18 +264,18 @@ def _ranked_group(
         )
     if require_scores and scores is None:
         raise DataError(
-            f"{data.cell_ref(path, i, 'scores')}: reward.style=dataset trains on the data's scores, but this "
+            f"{cell_ref(path, i, 'scores')}: reward.style=dataset trains on the data's scores, but this "
             f"row has only ranks; use reward.style=ranking"
         )
     if scores is not None:
         bad = [s for s in scores if not math.isfinite(s)]
         if bad:
-            raise DataError(f"{data.cell_ref(path, i, 'scores')}: scores must be finite, got {scores}")
+            raise DataError(f"{cell_ref(path, i, 'scores')}: scores must be finite, got {scores}")
     if ranks is not None:
         expected = _competition_ranks([-r for r in ranks])
         if ranks != expected:
             raise DataError(
-                f"{data.cell_ref(path, i, 'ranks')}: {ranks} are not competition ranks (0 = best; each rank "
+                f"{cell_ref(path, i, 'ranks')}: {ranks} are not competition ranks (0 = best; each rank "
                 f"is the number of responses ranked strictly better, so ties at r are followed by r + "
                 f"their count): expected {expected} for this order"
             )
@@ -300,7 +300,7 @@ def _check_duplicates(
         for column, values in (("ranks", ranks), ("scores", scores)):
             if values is not None and values[j0] != values[j]:
                 raise DataError(
-                    f"{data.cell_ref(path, i, column)}: responses {j0} and {j} are identical ({text!r:.60}) "
+                    f"{cell_ref(path, i, column)}: responses {j0} and {j} are identical ({text!r:.60}) "
                     f"but have {column} {values[j0]} and {values[j]}; one response has one {column[:-1]}"
                 )
 
@@ -328,7 +328,7 @@ def _logprobs(value: Any, responses: list[list[int]], path: Path, i: int) -> lis
     was tokenized differently: its log-probs would belong to other tokens)."""
     if value is None:
         return None
-    where = data.cell_ref(path, i, "logprobs")
+    where = cell_ref(path, i, "logprobs")
     if not isinstance(value, list) or len(value) != len(responses):
         raise DataError(
             f"{where}: expected a list of {len(responses)} lists (one per response), got {value!r:.80}"
@@ -365,7 +365,7 @@ def _encode(
     if eos_id in ids[:-1]:
         column, name = (PAIR_COLUMNS[j], "the response") if pairs else ("responses", f"response {j}")
         raise DataError(
-            f"{data.cell_ref(path, i, column)}: {name} contains the EOS token {tokenizer.eos_token!r} "
+            f"{cell_ref(path, i, column)}: {name} contains the EOS token {tokenizer.eos_token!r} "
             f"before its end; responses end there, so remove it from the text"
         )
     return ids
@@ -420,7 +420,7 @@ def check_eos(groups: list[OfflineGroup], eos_token_ids: list[int]) -> None:
     """DataError unless every response ends with its first EOS id (any of ``eos_token_ids``).
 
     ``load_offline_groups`` checks the tokenizer's EOS; call this once the model's EOS ids are known
-    (``models.eos_token_ids``: its generation config may add more), before step 1 and on every rank.
+    (``model_loading.eos_token_ids``: its generation config may add more), before step 1 and on every rank.
     """
     eos = set(eos_token_ids)
     for g in groups:
@@ -452,7 +452,7 @@ def dataset_scores(groups: list[OfflineGroup], device: torch.device | str) -> to
     missing = [g.index for g in groups if g.scores is None]
     if missing:
         raise DataError(
-            f"rows {data.row_list(missing)} have ranks but no scores; reward.style=dataset needs scores"
+            f"rows {row_list(missing)} have ranks but no scores; reward.style=dataset needs scores"
         )
     return torch.tensor([s for g in groups for s in g.scores], dtype=torch.float32, device=device)
 

@@ -7,7 +7,9 @@ pieces every ``train`` shares live here too, so they are written once::
     def train(cfg: SFTConfig, info: DistInfo) -> None:
         out_dir = runner.prepare_run(cfg, info)
         tokenizer = runner.load_tokenizer(cfg.model)
-        model = runner.build_model(models.load_causal_lm, cfg.model, cfg.fsdp, info, path_key="model.path")
+        model = runner.build_model(
+            model_loading.load_causal_lm, cfg.model, cfg.fsdp, info, path_key="model.path"
+        )
         trained = with_optimizer(model, cfg.optim, num_steps)
         ...
         grad_norm, skipped = optimizer_step(model, trained.optimizer, cfg.trainer.grad_clip)  # ppo.optim
@@ -44,7 +46,20 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ppo import attention, checkpoint_files, data, lora, models, rule_scoring, run_folder, sharding, ulysses
+from ppo import (
+    attention,
+    checkpoint_files,
+    data,
+    data_files,
+    input_paths,
+    lora,
+    model_loading,
+    models,
+    rule_scoring,
+    run_folder,
+    sharding,
+    ulysses,
+)
 from ppo.checkpoint_files import CheckpointError
 from ppo.cli import REPORT_DELAY_S, config_error, parse_cli, print_config
 from ppo.config import (
@@ -84,11 +99,11 @@ AnyConfig = TypeVar("AnyConfig", PPOConfig, SFTConfig, RewardModelConfig, DPOCon
 
 EXPECTED_ERRORS = (
     ConfigError,
-    data.DataError,
+    data_files.DataError,
     CheckpointError,
     rule_scoring.RewardError,
     TrainingError,
-    OSError,  # a missing model folder (models.ModelPathError), a full disk, a permission
+    OSError,  # a missing model folder (input_paths.ModelPathError), a full disk, a permission
 )
 """Failures caused by the user's input or the machine: one line on rank 0, exit code 2."""
 
@@ -221,7 +236,7 @@ def check_launcher(
 def one_line(error: BaseException) -> str:
     """An error's message on one line (the ones from the config may list several problems)."""
     text = str(error) or type(error).__name__
-    if isinstance(error, OSError) and not isinstance(error, models.ModelPathError) and error.filename:
+    if isinstance(error, OSError) and not isinstance(error, input_paths.ModelPathError) and error.filename:
         text = f"{error.strerror or text}: {error.filename}"
     return " | ".join(part.strip() for part in text.splitlines() if part.strip())
 
@@ -271,7 +286,7 @@ def load_tokenizer(model_cfg: ModelConfig) -> PreTrainedTokenizerBase:
     """The tokenizer of ``model.tokenizer_path`` (default ``model.path``); errors name the key used."""
     key = "model.tokenizer_path" if model_cfg.tokenizer_path else "model.path"
     logger.info("start-up: loading the tokenizer (%s=%s)", key, model_cfg.tokenizer_path or model_cfg.path)
-    return models.load_tokenizer(
+    return model_loading.load_tokenizer(
         model_cfg.tokenizer_path or model_cfg.path, model_cfg.trust_remote_code, config_key=key
     )
 
@@ -291,7 +306,7 @@ def build_model(
     lora_key: str = "",
     trainable_head: str | None = None,
 ) -> nn.Module:
-    """Load a model on the CPU with ``load`` (a ``models.load_*``), then shard it onto the device.
+    """Load a model on the CPU with ``load`` (a ``model_loading.load_*``), then shard it onto the device.
 
     Weights load on CPU and move to the device shard by shard inside ``fully_shard``, so no rank ever
     holds a whole model on the accelerator; the attention kernel is picked for the device it will run
@@ -360,7 +375,7 @@ def load_reference(
     if lora.uses_lora(lora_cfg) and ref.model_path is None:
         return policy
     return build_model(
-        models.load_causal_lm,
+        model_loading.load_causal_lm,
         model_cfg,
         ref.fsdp,
         info,

@@ -27,18 +27,15 @@ from typing import TYPE_CHECKING, Any
 import pyarrow.parquet as pq
 
 from ppo import offline
-from ppo.data import (
+from ppo.data import check_messages, encode_prompt, encode_response, render_messages
+from ppo.data_files import (
     DataError,
     Files,
     as_paths,
     cell_ref,
-    check_messages,
-    encode_prompt,
-    encode_response,
     log_dropped,
     parquet_columns,
     read_parquet,
-    render_messages,
     row_list,
 )
 

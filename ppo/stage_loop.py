@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from ppo import monitor, run_folder, runner
 from ppo.checkpointer import TrainerState, log_stopped, make_checkpointer, save_due
 from ppo.config import DPOConfig, RewardModelConfig, SFTConfig, StageConfig
-from ppo.data import Files, ShardedLoader
+from ppo.data import ShardedLoader
+from ppo.data_files import Files
 from ppo.distributed import DistInfo
 from ppo.metrics import MetricsLogger, Timer
 from ppo.optim import Trained, optimizer_step

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from torch import nn
 
-from ppo import checkpoint_files, lora, models, sharding
+from ppo import checkpoint_files, lora, model_loading, sharding
 from ppo.config import ConfigError, PPOConfig
 from ppo.config_loader import load_config
 from ppo.distributed import DistInfo, destroy_distributed, init_distributed, make_mesh, setup_logging
@@ -90,7 +90,9 @@ def export(
                 "without --adapter"
             )
     info = init_distributed("cpu" if cfg.trainer.device == "cpu" else "auto", cfg.trainer.dist_timeout_s)
-    tokenizer = models.load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
+    tokenizer = model_loading.load_tokenizer(
+        cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code
+    )
     actor = build(cfg, info, "actor")
     to_load = {"actor": actor}
     if with_critic:
@@ -108,14 +110,14 @@ def build(cfg: PPOConfig, info: DistInfo, role: str) -> nn.Module:
     """The actor or critic as the trainer builds it (base weights, LoRA adapters, sharding)."""
     if role == "actor":
         path, key, lora_cfg, fsdp = cfg.model.path, "model.path", cfg.actor.lora, cfg.actor.fsdp
-        load, head = models.load_causal_lm, None
+        load, head = model_loading.load_causal_lm, None
     else:
         path, key = (
             (cfg.critic.model_path, "critic.model_path")
             if cfg.critic.model_path
             else (cfg.model.path, "model.path")
         )
-        lora_cfg, fsdp, load, head = cfg.critic.lora, cfg.critic.fsdp, models.load_critic, "score"
+        lora_cfg, fsdp, load, head = cfg.critic.lora, cfg.critic.fsdp, model_loading.load_critic, "score"
     model = load(
         lora.base_model_path(path, config_key=key),
         dtype=lora.load_dtype(lora_cfg, cfg.model.dtype),

@@ -51,7 +51,7 @@ import pyarrow.parquet as pq
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ppo import data, models, offline, rewards, rule_scoring, runner, sharding, ulysses
+from ppo import data, data_files, model_loading, offline, rewards, rule_scoring, runner, sharding, ulysses
 from ppo.config import FSDPConfig, ModelConfig
 from ppo.distributed import (
     DistInfo,
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(True)
         try:
             convert_pairs(args.from_pairs, args.out, args.prompt_key)
-        except (data.DataError, OSError) as e:
+        except (data_files.DataError, OSError) as e:
             logger.error("%s", runner.one_line(e))
             return 2
         return 0
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
 def make_groups(args: argparse.Namespace, info: DistInfo) -> None:
     """Sample, score and rank every shard not yet written, then concatenate the shards (rank 0)."""
     start = time.perf_counter()
-    tokenizer = models.load_tokenizer(args.model, False, config_key="--model")
+    tokenizer = model_loading.load_tokenizer(args.model, False, config_key="--model")
     use_rule = args.reward_model is None
     with runner.main_rank_logs(info):
         records = data.load_prompts(
@@ -253,11 +253,11 @@ def make_groups(args: argparse.Namespace, info: DistInfo) -> None:
     if todo:
         model_cfg = ModelConfig(path=args.model, dtype=args.dtype)
         policy = runner.build_model(
-            models.load_causal_lm, model_cfg, FSDPConfig(), info, path_key="--model", trainable=False
+            model_loading.load_causal_lm, model_cfg, FSDPConfig(), info, path_key="--model", trainable=False
         )
         if not use_rule:
             reward_model = runner.build_model(
-                models.load_reward_model,
+                model_loading.load_reward_model,
                 model_cfg,
                 FSDPConfig(),
                 info,
@@ -265,7 +265,7 @@ def make_groups(args: argparse.Namespace, info: DistInfo) -> None:
                 path_key="--reward-model",
                 trainable=False,
             )
-        eos_ids = models.eos_token_ids(tokenizer, policy)
+        eos_ids = model_loading.eos_token_ids(tokenizer, policy)
         config = generation_config(
             max_new_tokens=args.max_response_length,
             do_sample=True,
@@ -480,11 +480,11 @@ def prepare_shard_dir(shard_dir: Path, args: argparse.Namespace, info: DistInfo)
     if info.is_main:
         try:
             result = (None, _shards_written(shard_dir, meta))
-        except (OSError, data.DataError) as e:
+        except (OSError, data_files.DataError) as e:
             result = (runner.one_line(e), [])
     error, done = broadcast_object(result)
     if error is not None:
-        raise data.DataError(error)
+        raise data_files.DataError(error)
     return set(done)
 
 
@@ -494,7 +494,7 @@ def _shards_written(shard_dir: Path, meta: dict[str, Any]) -> list[int]:
         saved = json.loads(meta_path.read_text())
         changed = sorted(k for k in set(saved) | set(meta) if saved.get(k) != meta.get(k))
         if changed:
-            raise data.DataError(
+            raise data_files.DataError(
                 f"{shard_dir} holds shards made with other options ({', '.join(changed)} differ); "
                 f"delete it to start afresh, or resume with the same options"
             )
@@ -513,11 +513,11 @@ def concatenate_shards(
     groups = [row for t in tables for row in t.to_pylist()]
     meta = json.loads((shard_dir / META_FILE).read_text())
     if not groups:
-        raise data.DataError(
+        raise data_files.DataError(
             f"no prompt got {meta['k']} usable samples (not empty, ended within --max-response-length="
             f"{meta['max_response_length']}); raise --max-response-length or --max-rounds"
         )
-    inputs = [row for path in meta["data"] for row in data.read_rows(Path(path), required=[])]
+    inputs = [row for path in meta["data"] for row in data_files.read_rows(Path(path), required=[])]
     rows = [{**inputs[g.pop("index")], **g} for g in groups]
     write_atomic(pa.Table.from_pylist(rows), out)
     scores = np.array([r["scores"] for r in rows])
@@ -546,7 +546,7 @@ def concatenate_shards(
 
 def convert_pairs(src: Path, out: Path, prompt_key: str) -> None:
     """A preference file as groups of two (``responses = [chosen, rejected]``, ``ranks = [0, 1]``)."""
-    rows = data.read_parquet(src, required=[prompt_key, *offline.PAIR_COLUMNS])
+    rows = data_files.read_parquet(src, required=[prompt_key, *offline.PAIR_COLUMNS])
     groups, skipped = [], []
     for i, row in enumerate(rows):
         texts = offline.pair_responses(row, src, i)
@@ -557,7 +557,7 @@ def convert_pairs(src: Path, out: Path, prompt_key: str) -> None:
         groups.append({**rest, "responses": texts, "ranks": [0, 1]})
     offline.log_skipped_pairs(src, skipped, len(rows))
     if not groups:
-        raise data.DataError(f"{src}: no usable preference pair among {len(rows)} rows")
+        raise data_files.DataError(f"{src}: no usable preference pair among {len(rows)} rows")
     write_atomic(pa.Table.from_pylist(groups), out)
     logger.info("wrote %s: %d groups of 2 from %d preference rows", out, len(groups), len(rows))
 

@@ -53,6 +53,7 @@ from ppo import (
     data,
     lora,
     model_eval,
+    model_loading,
     models,
     run_folder,
     runner,
@@ -117,7 +118,7 @@ def train(cfg: DPOConfig, info: DistInfo) -> None:
     )
     val_pairs = start.val.pairs if start.val is not None else []
     model = runner.build_model(
-        models.load_causal_lm, cfg.model, cfg.fsdp, info, lora_cfg=cfg.lora, lora_key="lora"
+        model_loading.load_causal_lm, cfg.model, cfg.fsdp, info, lora_cfg=cfg.lora, lora_key="lora"
     )
     ref = load_reference(cfg, info, model)
     trained = with_optimizer(model, cfg.optim, start.num_steps)

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ppo import models, run_folder, runner, stage_data, stage_loop
+from ppo import model_loading, models, run_folder, runner, stage_data, stage_loop
 from ppo.config import RewardModelConfig
 from ppo.distributed import DistInfo, all_gather_object, all_reduce_scalars
 from ppo.optim import with_optimizer
@@ -71,7 +71,7 @@ def train(cfg: RewardModelConfig, info: DistInfo) -> None:
         "train": count_rows(cfg.data.train_files) - len(start.train),
         "val": count_rows(cfg.data.val_files) - len(val_pairs),
     }
-    model = runner.build_model(models.load_reward_model, cfg.model, cfg.fsdp, info)
+    model = runner.build_model(model_loading.load_reward_model, cfg.model, cfg.fsdp, info)
     trained = with_optimizer(model, cfg.optim, start.num_steps)
     logger.info(
         "reward model: world size %d on %s; %d train pairs (%d rows skipped), %d val pairs (%d skipped); "

@@ -31,7 +31,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 import ppo_kernels
-from ppo import data, model_eval, models, run_folder, runner, stage_data, stage_loop
+from ppo import data, model_eval, model_loading, models, run_folder, runner, stage_data, stage_loop
 from ppo.config import SFTConfig
 from ppo.distributed import DistInfo, all_reduce_scalars
 from ppo.optim import with_optimizer
@@ -69,7 +69,7 @@ def train(cfg: SFTConfig, info: DistInfo) -> None:
         ),
     )
     val_examples = start.val or []
-    model = runner.build_model(models.load_causal_lm, cfg.model, cfg.fsdp, info)
+    model = runner.build_model(model_loading.load_causal_lm, cfg.model, cfg.fsdp, info)
     trained = with_optimizer(model, cfg.optim, start.num_steps)
     logger.info(
         "SFT: world size %d on %s; %d train examples (%d steps of %d), %d val examples; %.2fM parameters",

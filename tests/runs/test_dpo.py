@@ -26,10 +26,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from ppo import algorithms, data, models, stage_data
+from ppo import algorithms, data, model_loading, stage_data
 from ppo.config import ConfigError, DPOConfig, PreferenceLossConfig, validate_stage
 from ppo.config_loader import load_config
-from ppo.data import DataError
+from ppo.data_files import DataError
 from tests.helpers import (
     ROOT,
     arith_row,
@@ -426,20 +426,20 @@ def test_end_to_end_with_validation_and_final_accuracy(
     assert final["dpo_steps"] == 3 and final["dpo_train_tied_groups"] == 2 and final["dpo_eval_prompts"] == 8
     assert final["dpo_val_accuracy"] == round(rows[-1]["val/accuracy"], 4)
     assert final["dpo_val_rewards_accuracy"] == round(rows[-2]["val/rewards/accuracies"], 4)
-    assert isinstance(models.load_causal_lm(str(out / "hf")), LlamaForCausalLM)
+    assert isinstance(model_loading.load_causal_lm(str(out / "hf")), LlamaForCausalLM)
 
 
 @pytest.fixture
 def count_loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Every causal LM the script loads (the policy, a reference), by path."""
     loaded: list[str] = []
-    real = models.load_causal_lm
+    real = model_loading.load_causal_lm
 
     def counting(path: str, *args: Any, **kwargs: Any) -> Any:
         loaded.append(path)
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(models, "load_causal_lm", counting)
+    monkeypatch.setattr(model_loading, "load_causal_lm", counting)
     return loaded
 
 
@@ -496,7 +496,7 @@ def test_lora_reference_is_the_model_with_adapters_off(
         b[-1]["logps/chosen"], abs=1e-3
     )
     # the saved model is the merged one, loadable without peft
-    assert isinstance(models.load_causal_lm(str(lora_out / "hf")), LlamaForCausalLM)
+    assert isinstance(model_loading.load_causal_lm(str(lora_out / "hf")), LlamaForCausalLM)
 
 
 def test_stop_and_resume_is_exact(

@@ -28,7 +28,8 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 
 from ppo import lora
 from ppo.config import ConfigError, LoRAConfig
-from ppo.models import causal_lm_logits, critic_values, load_causal_lm, load_critic
+from ppo.model_loading import load_causal_lm, load_critic
+from ppo.models import causal_lm_logits, critic_values
 from tests.helpers import Checks, assert_check, full_tensor, load_script, max_diff, worker_results
 
 # peft 0.21 asks transformers 5 for the deprecated is_gradient_checkpointing when it wraps a model.
@@ -356,7 +357,8 @@ def _worker(assets: Path, root: Path, out: Path) -> None:
     from ppo.config import FSDPConfig, MixedPrecisionConfig, PPOConfig
     from ppo.config_loader import to_yaml
     from ppo.distributed import init_distributed, make_mesh
-    from ppo.models import causal_lm_hidden, enable_gradient_checkpointing, lm_head_weight, load_tokenizer
+    from ppo.model_loading import load_tokenizer
+    from ppo.models import causal_lm_hidden, enable_gradient_checkpointing, lm_head_weight
 
     torch.set_num_threads(1)
     info = init_distributed(device="cpu", timeout_s=60)

@@ -1,4 +1,5 @@
-"""Tests of ppo.models: loading, packed forwards, FSDP2 sharding, generation and export.
+"""Tests of ppo.model_loading and ppo.models: loading, packed forwards, FSDP2 sharding, generation and
+export.
 
 Tiny Llama models are built from a config, saved with ``save_pretrained`` and loaded back through the
 real ``from_pretrained`` path (no hub). The sharded checks run this file as a gloo worker under
@@ -36,18 +37,15 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ppo.attention import PACKED_ATTENTION, resolve_attn_implementation, varlen_sdpa_attention
 from ppo.config import FSDPConfig, MixedPrecisionConfig
+from ppo.input_paths import ModelPathError
+from ppo.model_loading import load_causal_lm, load_critic, load_reward_model, load_tokenizer
 from ppo.models import (
-    ModelPathError,
     causal_lm_hidden,
     causal_lm_logits,
     count_parameters,
     critic_values,
     enable_gradient_checkpointing,
     lm_head_weight,
-    load_causal_lm,
-    load_critic,
-    load_reward_model,
-    load_tokenizer,
     reward_scores,
     save_hf,
 )

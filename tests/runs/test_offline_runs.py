@@ -26,8 +26,9 @@ from transformers import (
 )
 
 import train_ppo
-from ppo import data, models, offline
-from ppo.data import DataError, encode_response, load_prompts
+from ppo import data, model_loading, offline
+from ppo.data import encode_response, load_prompts
+from ppo.data_files import DataError
 from ppo.offline import (
     load_offline_groups,
 )
@@ -215,7 +216,7 @@ def test_script_ranks_by_a_reward_model(policy: Path, prompts: Path, tok: Any, t
     assert make_offline_data.main(args) == 0
     rows = pq.read_table(out).to_pylist()
     assert 2 <= len(rows) <= 3
-    rm = models.load_reward_model(str(policy / "rm"))
+    rm = model_loading.load_reward_model(str(policy / "rm"))
     records = {tuple(r.input_ids): r for r in load_prompts(prompts, tok, max_prompt_length=16)}
     for row in rows:
         ids = data.encode_prompt(row["prompt"], tok, apply_chat_template=True, where="")[1]
@@ -319,14 +320,14 @@ def sampled_groups(tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory) 
     from ppo import data
 
     script = load_script("make_offline_data")
-    tokenizer = models.load_tokenizer(str(tiny_assets / "base"))
+    tokenizer = model_loading.load_tokenizer(str(tiny_assets / "base"))
     prompt_rows = pq.read_table(tiny_assets / "data" / "train.parquet").to_pylist()[:8]
     path = tmp_path_factory.mktemp("sampled") / "prompts.parquet"
     pq.write_table(pa.Table.from_pylist(prompt_rows), path)
     records = data.load_prompts(path, tokenizer, max_prompt_length=16, require_ground_truth=True)
     kept = [(r, [f"#### {r.ground_truth}", f"{r.ground_truth}1"]) for r in records]
     logprobs = script.sampler_logprobs(
-        models.load_causal_lm(str(tiny_assets / "base")), kept, tokenizer, 1.0, 5
+        model_loading.load_causal_lm(str(tiny_assets / "base")), kept, tokenizer, 1.0, 5
     )
     rows = [
         {**row, "responses": texts, "ranks": [0, 1], "logprobs": logprobs[2 * g : 2 * g + 2]}
@@ -343,7 +344,7 @@ def test_writer_stores_the_trainers_log_probs(sampled_groups: Path, tiny_assets:
     from ppo import ulysses
     from ppo.packing import pack
 
-    tokenizer = models.load_tokenizer(str(tiny_assets / "base"))
+    tokenizer = model_loading.load_tokenizer(str(tiny_assets / "base"))
     groups = offline.load_offline_groups(
         sampled_groups, tokenizer, group_size=2, max_prompt_length=16, max_response_length=12,
         require_ground_truth=False,
@@ -352,7 +353,7 @@ def test_writer_stores_the_trainers_log_probs(sampled_groups: Path, tiny_assets:
     rollout = offline.offline_rollout(
         groups, max_response_length=12, pad_token_id=tokenizer.pad_token_id, eos_token_ids=[2], device="cpu"
     )
-    model = models.load_causal_lm(str(tiny_assets / "base"))
+    model = model_loading.load_causal_lm(str(tiny_assets / "base"))
     with torch.no_grad():
         lp, _ = ulysses.packed_logprobs(
             model, pack(rollout.prompts, rollout.responses, rollout.response_mask), temperature=1.0
@@ -365,7 +366,7 @@ def test_writer_stores_the_trainers_log_probs(sampled_groups: Path, tiny_assets:
 
 def test_bad_logprobs_cell_names_the_row(sampled_groups: Path, tiny_assets: Path, tmp_path: Path) -> None:
     rows = pq.read_table(sampled_groups).to_pylist()
-    tokenizer = models.load_tokenizer(str(tiny_assets / "base"))
+    tokenizer = model_loading.load_tokenizer(str(tiny_assets / "base"))
     cases = {
         "short": (lambda lps: [lps[0][:-1], lps[1]], r"row 1, column 'logprobs': response 0 has \d+ tokens .* but \d+ log-probs"),
         "positive": (lambda lps: [[0.5] * len(lps[0]), lps[1]], "row 1, column 'logprobs': response 0's log-probs must be finite numbers <= 0"),
@@ -488,7 +489,7 @@ def test_offline_is_the_online_step_fed_the_same_responses(
     out_offline, out_online = tmp_path / "offline", tmp_path / "online"
     args = offline_args(tiny_assets, groups_file, out_offline)
     assert run(args) == 0
-    tokenizer = models.load_tokenizer(str(tiny_assets / "base"))
+    tokenizer = model_loading.load_tokenizer(str(tiny_assets / "base"))
     groups = offline.load_offline_groups(
         groups_file, tokenizer, group_size=2, max_prompt_length=64, max_response_length=24
     )

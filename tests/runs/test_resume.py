@@ -392,12 +392,12 @@ def test_critic_from_a_reward_model_keeps_its_trained_head(
     both: the weight is kept, only the bias starts at zero, and the log says exactly that."""
     from safetensors.torch import load_file
 
-    from ppo import models
+    from ppo import model_loading
 
     caplog.set_level(logging.INFO, logger="ppo")
     trained = load_file(tiny_assets / "base_rm" / "model.safetensors")["score.weight"]
     assert trained.abs().sum() > 0
-    critic = models.load_critic(str(tiny_assets / "base_rm"))
+    critic = model_loading.load_critic(str(tiny_assets / "base_rm"))
     torch.testing.assert_close(critic.score.weight.detach(), trained)
     assert float(critic.score.bias.abs().sum()) == 0.0
     assert (

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ppo import models
+from ppo import model_loading
 from tests.helpers import base_args, load_script, read_metrics, run
 
 
@@ -21,14 +21,14 @@ def shifted_groups(tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory) 
     from ppo import data
 
     script = load_script("make_offline_data")
-    tokenizer = models.load_tokenizer(str(tiny_assets / "base"))
+    tokenizer = model_loading.load_tokenizer(str(tiny_assets / "base"))
     prompt_rows = pq.read_table(tiny_assets / "data" / "train.parquet").to_pylist()[:4]
     path = tmp_path_factory.mktemp("shifted") / "prompts.parquet"
     pq.write_table(pa.Table.from_pylist(prompt_rows), path)
     records = data.load_prompts(path, tokenizer, max_prompt_length=16, require_ground_truth=True)
     kept = [(r, [f"#### {r.ground_truth}", f"{r.ground_truth}1"]) for r in records]
     logprobs = script.sampler_logprobs(
-        models.load_causal_lm(str(tiny_assets / "base")), kept, tokenizer, 1.0, 5
+        model_loading.load_causal_lm(str(tiny_assets / "base")), kept, tokenizer, 1.0, 5
     )
     rows = []
     for g, (row, (_, texts)) in enumerate(zip(prompt_rows, kept, strict=True)):

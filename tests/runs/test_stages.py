@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
-from ppo import data, models, rule_scoring, runner, stage_data
+from ppo import data, model_loading, models, rule_scoring, runner, stage_data
 from ppo.distributed import DistInfo
 from ppo.packing import pack_sequences, plan_eval_micro_batches
 from tests.helpers import (
@@ -130,13 +130,13 @@ def test_answer_labels_mask_prompt_tokens_and_sequence_boundaries() -> None:
 
 
 def test_no_loss_on_prompt_tokens(tiny: Path) -> None:
-    model = models.load_causal_lm(str(tiny / "base"))
-    tok = models.load_tokenizer(str(tiny / "base"))
+    model = model_loading.load_causal_lm(str(tiny / "base"))
+    tok = model_loading.load_tokenizer(str(tiny / "base"))
     examples = stage_data.load_sft_examples(tiny / "data" / "sft_val.parquet", tok, max_length=40)[:3]
     packed = pack_sequences([ex.input_ids for ex in examples], torch.device("cpu"))
     labels = sft.answer_labels(packed, examples)
     logits = models.causal_lm_logits(model, packed.input_ids, packed.position_ids).detach().requires_grad_()
-    logprobs, _ = sft.kernels.logprobs_from_logits(logits, labels, compute_entropy=False)
+    logprobs, _ = sft.ppo_kernels.logprobs_from_logits(logits, labels, compute_entropy=False)
     (-logprobs.sum()).backward()
     grad_rows = logits.grad.abs().sum(-1)
     trained = labels != -100
@@ -182,13 +182,13 @@ def test_sft_steps_lower_the_loss_and_save_a_loadable_model(tiny: Path, tmp_path
     assert rows[-1]["train/lr"] < rows[0]["train/lr"]  # cosine decay (the default schedule)
     assert "val/loss" in rows[-1] and math.isfinite(rows[-1]["val/loss"])
     assert (out / "config.yaml").is_file()
-    reloaded = models.load_causal_lm(str(out / "model"))
+    reloaded = model_loading.load_causal_lm(str(out / "model"))
     assert isinstance(reloaded, LlamaForCausalLM)
-    assert models.load_tokenizer(str(out / "model")).chat_template is not None
+    assert model_loading.load_tokenizer(str(out / "model")).chat_template is not None
     final = json.loads((out / "metrics.json").read_text())  # beside the saved folder
     assert final["sft_steps"] == 12 and final["sft_eval_prompts"] == 8
     # The greedy accuracy is that of the saved model's own greedy answers, scored by the rule.
-    tok = models.load_tokenizer(str(out / "model"))
+    tok = model_loading.load_tokenizer(str(out / "model"))
     right = 0
     records = data.load_prompts(tiny / "data" / "val.parquet", tok, max_prompt_length=40)
     longest = max(len(r.input_ids) for r in records)
@@ -247,8 +247,8 @@ def test_reward_model_end_to_end_with_bad_rows_skipped(
     final = json.loads((out / "metrics.json").read_text())
     assert final["rm_train_rows_skipped"] == 2 and final["rm_val_rows_skipped"] == 0
     # The held-out accuracy is the saved model's: the share of pairs whose chosen answer scores higher.
-    tok = models.load_tokenizer(str(out / "model"))
-    saved_rm = models.load_reward_model(str(out / "model"))
+    tok = model_loading.load_tokenizer(str(out / "model"))
+    saved_rm = model_loading.load_reward_model(str(out / "model"))
     val = stage_data.load_preference_pairs(tiny / "data" / "pref_val.parquet", tok, max_length=40)
     with torch.no_grad():
         right = sum(
@@ -265,10 +265,12 @@ def test_reward_model_end_to_end_with_bad_rows_skipped(
     assert [r["step"] for r in rows if "rm/accuracy" in r] == [3, 6]
     assert all(f"rm/accuracy/{k}" in rows[-1] for k in kinds)
     # the saved head is the trained one: reloading gives the same scores, with no fresh head
-    reloaded = models.load_reward_model(str(out / "model"))
+    reloaded = model_loading.load_reward_model(str(out / "model"))
     saved = load_file(out / "model" / "model.safetensors")
     torch.testing.assert_close(reloaded.score.weight, saved["score.weight"])
-    assert not torch.equal(saved["score.weight"], models.load_reward_model(str(tiny / "base")).score.weight)
+    assert not torch.equal(
+        saved["score.weight"], model_loading.load_reward_model(str(tiny / "base")).score.weight
+    )
 
 
 def test_no_usable_rows_fails_with_one_clear_message(

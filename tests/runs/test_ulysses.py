@@ -218,7 +218,8 @@ def _worker(root: Path, out: Path) -> None:
     from ppo.attention import varlen_sdpa_attention
     from ppo.config import FSDPConfig
     from ppo.distributed import init_distributed, make_mesh
-    from ppo.models import enable_gradient_checkpointing, load_causal_lm, load_critic
+    from ppo.model_loading import load_causal_lm, load_critic
+    from ppo.models import enable_gradient_checkpointing
     from ppo.sharding import shard_model
 
     info = init_distributed(device="cpu", timeout_s=60)

@@ -22,7 +22,7 @@ from transformers.generation.utils import GenerationMixin
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 import ppo_kernels.chunked
-from ppo import algorithms, batch_advantages, forwards, models, rollout
+from ppo import algorithms, batch_advantages, forwards, model_loading, models, rollout
 from ppo.batch import Batch, Rollout
 from ppo.build import build
 from ppo.config_loader import load_config
@@ -426,7 +426,7 @@ def test_entropy_gets_no_gradient_without_a_bonus(
 
 
 def test_fused_lm_head_refuses_logit_softcapping(tiny_assets: Path, tmp_path: Path) -> None:
-    model = models.load_causal_lm(str(tiny_assets / "base"))
+    model = model_loading.load_causal_lm(str(tiny_assets / "base"))
     models.check_fused_lm_head(model)  # a plain Llama head is fine
     model.config.final_logit_softcapping = 30.0
     with pytest.raises(ValueError, match="final_logit_softcapping=30.0.*use_fused_kernels=false"):

@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import torch
 
-from ppo import models, ulysses
+from ppo import model_loading, ulysses
 from ppo.config import ConfigError, PPOConfig
 from ppo.config_loader import load_config, to_yaml
-from ppo.data import DataError
+from ppo.data_files import DataError
 from ppo.offline import load_offline_groups
 from ppo_kernels import dispatch
 from tests.helpers import (
@@ -249,7 +249,7 @@ def test_offline_groups_that_all_tie(tiny_assets: Path, tmp_path: Path, capsys: 
     line = one_error(args, capsys)
     assert re.search(rf"ERROR {re.escape(str(tied))}: no group with unequal ranks: nothing to learn", line)
     # One group with a preference is enough; so are groups ranked by scores, ties included.
-    tok = models.load_tokenizer(str(tiny_assets / "base"))
+    tok = model_loading.load_tokenizer(str(tiny_assets / "base"))
     load = dict(group_size=2, max_prompt_length=64, max_response_length=32)
     mixed = write_parquet(tmp_path / "mixed.parquet", [group(23, 48, [0, 0]), group(31, 12, [0, 1])])
     assert len(load_offline_groups(mixed, tok, **load)) == 2
@@ -302,7 +302,7 @@ def test_unreadable_weights(
 ) -> None:
     path = model_copy(tiny_assets, tmp_path / "model")
     weights = path / "model.safetensors"
-    # As root (CI containers) chmod 000 reads anyway: refuse the file where ppo.models opens it.
+    # As root (CI containers) chmod 000 reads anyway: refuse the file where ppo.model_loading opens it.
     real_open = open
 
     def no_permission(file: Any, *args: Any, **kwargs: Any) -> Any:
@@ -310,7 +310,7 @@ def test_unreadable_weights(
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(file))
         return real_open(file, *args, **kwargs)
 
-    monkeypatch.setattr(models, "open", no_permission, raising=False)
+    monkeypatch.setattr(model_loading, "open", no_permission, raising=False)
     line = one_error(base_args(tiny_assets, tmp_path / "run") + [f"model.path={path}"], capsys)
     assert f"ERROR model.path: {weights} exists but cannot be read (Permission denied)" in line
     assert "No such file" not in line

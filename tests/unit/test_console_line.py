@@ -108,7 +108,7 @@ def test_run_summary_lines(tmp_path: Path) -> None:
 
 
 def test_critic_load_report_is_held_only_for_the_expected_head() -> None:
-    from ppo.models import _only_head_differs
+    from ppo.model_loading import _only_head_differs
 
     assert _only_head_differs(
         {

@@ -1,4 +1,5 @@
-"""Tests of ppo.data: Parquet loading, validation errors, the per-rank prompt loader and its resume.
+"""Tests of ppo.data (with the readers of ppo.data_files): Parquet loading, validation errors, the
+per-rank prompt loader and its resume.
 
 Uses the character-level tokenizer of ``scripts/make_tiny_assets.py`` (ids: 0 pad, 1 <s>, 2 </s>,
 3 unk, 4 <|system|>, 5 <|user|>, 6 <|assistant|>, then one per character), so token counts are
@@ -16,7 +17,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ppo.data import DataError, PromptRecord, ShardedLoader, load_prompts
+from ppo.data import PromptRecord, ShardedLoader, load_prompts
+from ppo.data_files import DataError
 from ppo.stage_data import load_preference_pairs, load_sft_examples
 from tests.helpers import load_script, write_parquet
 

@@ -15,8 +15,10 @@ import datasets
 import pyarrow.parquet as pq
 import pytest
 
-from ppo import models
-from ppo.data import DataError, load_prompts
+from ppo import model_loading
+from ppo.data import load_prompts
+from ppo.data_files import DataError
+from ppo.input_paths import ModelPathError
 from tests.helpers import arith_row, base_args, deterministic, run, train, write_parquet
 
 
@@ -161,8 +163,8 @@ def test_a_missing_input_stops_the_run_with_how_to_make_it(
 
 def test_a_demo_model_path_is_never_a_hub_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # no assets/ here: "assets/never_built" would look like the hub id org/name
-    with pytest.raises(models.ModelPathError) as e:
-        models.load_tokenizer("assets/never_built", config_key="model.path")
+    with pytest.raises(ModelPathError) as e:
+        model_loading.load_tokenizer("assets/never_built", config_key="model.path")
     assert str(e.value).startswith("model.path='assets/never_built': no such folder (looked for ")
     assert str(e.value).endswith(
         "the demo's models are built by `make assets` (about 5 minutes on 2 cores), in the repository's root"

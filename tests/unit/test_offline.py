@@ -21,7 +21,8 @@ from transformers import (
 from ppo import algorithms, offline
 from ppo.config import ConfigError
 from ppo.config_loader import load_config
-from ppo.data import DataError, PromptRecord, encode_response, load_prompts
+from ppo.data import PromptRecord, encode_response, load_prompts
+from ppo.data_files import DataError
 from ppo.offline import (
     OfflineGroup,
     check_eos,

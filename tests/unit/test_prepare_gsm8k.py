@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from ppo.data import load_prompts
-from ppo.models import load_tokenizer
+from ppo.model_loading import load_tokenizer
 from ppo.rule_scoring import gsm8k_score
 from tests.helpers import load_script
 

@@ -292,9 +292,9 @@ def test_ranking_sampled_and_offline_groups_agree() -> None:
 
 
 def test_reward_model_scores_equal_one_sequence_at_a_time(tiny_assets: Path) -> None:
-    from ppo import models
+    from ppo import model_loading
 
-    rm = models.load_reward_model(str(tiny_assets / "base_rm"))
+    rm = model_loading.load_reward_model(str(tiny_assets / "base_rm"))
     seqs = [[1, 5, 20, 21, 6, 30, 2], [1, 5, 22, 6, 2], [1, 5, 23, 24, 25, 6, 31, 32, 2]]
     scores = reward_model_scores(rm, seqs, micro_batch_size=2, device="cpu")  # packs [0, 1], then [2]
     with torch.no_grad():
