@@ -60,7 +60,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
                 return layers
     raise ValueError(
         f"cannot find the decoder layers of {type(model).__name__} (looked for layers, h, blocks under "
-        f"{type(base).__name__} and its decoder); extend ppo.models.decoder_layers for this architecture"
+        f"{type(base).__name__} and its decoder); extend ppo.sharding.decoder_layers for this architecture"
     )
 
 
