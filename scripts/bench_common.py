@@ -1,7 +1,9 @@
-"""What the benchmarks share (none of them is imported by this module): the random models' configs and token
-ids, the actor / reference / critic built from one seed, random prompts, the common command-line options,
-the CPU threads and the clock of a phase over ranks, the peak memory of a call (CPU and CUDA), and the
-output (a table, or one JSON object per row). Not a benchmark itself.
+"""What the benchmarks share in their own process (none of them is imported by this module): the random
+models' configs and token ids, the actor / reference / critic built from one seed, random prompts, the tiny
+Llama on make_tiny_assets.py's character tokenizer and the files of a trainer run (model folders, a prompt
+Parquet), the common command-line options, the CPU threads and the clock of a phase over ranks, the peak
+memory of a call (CPU and CUDA), and the output (a table, or one JSON object per row). Not a benchmark
+itself; what a run of the trainer in its own process needs, and needs no torch for, is in bench_runs.py.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from transformers import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ppo import models, sharding  # noqa: E402
+from ppo import model_loading, sharding  # noqa: E402
 from ppo.config import FSDPConfig, MixedPrecisionConfig  # noqa: E402
 from ppo.distributed import (  # noqa: E402
     DistInfo,
@@ -103,7 +105,7 @@ def causal_lm(args: argparse.Namespace, attn_implementation: str) -> PreTrainedM
     """The policy on CPU in fp32: random weights from ``--model-config`` (the same seed for every call and
     rank, since ``fully_shard`` keeps each rank's own slice), or ``--model-path``."""
     if args.model_path:
-        return models.load_causal_lm(
+        return model_loading.load_causal_lm(
             args.model_path, attn_implementation=attn_implementation, config_key="--model-path"
         )
     torch.manual_seed(args.seed)
@@ -115,7 +117,7 @@ def causal_lm(args: argparse.Namespace, attn_implementation: str) -> PreTrainedM
 def critic(args: argparse.Namespace, attn_implementation: str) -> PreTrainedModel:
     """A critic (backbone + 1-output token head) from the same config or checkpoint as the policy."""
     if args.model_path:
-        return models.load_critic(
+        return model_loading.load_critic(
             args.model_path, attn_implementation=attn_implementation, config_key="--model-path"
         )
     torch.manual_seed(args.seed + 1)
@@ -161,6 +163,25 @@ def tiny_llama_config(tokenizer: Any, hidden: int, layers: int, max_positions: i
     )
 
 
+def save_model(model: PreTrainedModel, tokenizer: Any, path: Path) -> Path:
+    """``model`` and ``tokenizer`` saved into the folder ``path`` (what ``model.path`` loads)."""
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def write_prompts(path: Path, num: int, seed: int) -> Path:
+    """The first ``num`` training problems of make_tiny_assets.py's arithmetic task (split by ``seed``) as
+    a prompt Parquet in verl's layout, with their ground truth for the rule reward."""
+    import make_tiny_assets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    problems, _ = make_tiny_assets.split_problems(seed)
+    pq.write_table(pa.Table.from_pylist(make_tiny_assets.prompt_rows(problems[:num], "train")), path)
+    return path
+
+
 def random_prompts(num: int, max_len: int, vocab_size: int, seed: int) -> list[torch.Tensor]:
     """``num`` prompts of random tokens, lengths uniform in ``[max_len // 2, max_len]`` (so left
     padding matters), the same on every rank for a given seed."""
@@ -169,11 +190,23 @@ def random_prompts(num: int, max_len: int, vocab_size: int, seed: int) -> list[t
     return [torch.randint(3, vocab_size, (int(n),), generator=gen) for n in lengths]
 
 
-def add_common_args(parser: argparse.ArgumentParser) -> None:
-    """``--threads``, ``--seed`` and ``--json``, which every benchmark takes."""
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank (0: default)")
+def add_common_args(
+    parser: argparse.ArgumentParser,
+    *,
+    threads_help: str = "torch CPU threads per rank (0: default)",
+    json_help: str = "one JSON object per row instead of a table",
+) -> None:
+    """``--threads``, ``--seed`` and ``--json``, which every benchmark takes (the help of the first and the
+    last where a benchmark means more by them)."""
+    parser.add_argument("--threads", type=int, default=1, help=threads_help)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="one JSON object per row instead of a table")
+    parser.add_argument("--json", action="store_true", help=json_help)
+
+
+def add_tiny_model_args(parser: argparse.ArgumentParser) -> None:
+    """``--layers`` and ``--hidden`` of ``tiny_llama_config``'s Llama."""
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers of the Llama")
+    parser.add_argument("--hidden", type=int, default=128, help="hidden size (MLP: 4x)")
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -291,10 +324,16 @@ def print_rows(rows: list[Any], as_json: bool) -> None:
     """Dataclass rows as a table with a column per field, or one JSON object per row."""
     dicts = [dataclasses.asdict(r) for r in rows]
     if as_json:
-        for d in dicts:
-            print(json.dumps(d))
+        print_json_lines(dicts)
     else:
         print_table(dicts, [f.name for f in dataclasses.fields(type(rows[0]))])
+
+
+def print_json_lines(rows: list[dict], kind: str | None = None) -> None:
+    """One JSON object per row, led by ``"kind": kind`` where given (a benchmark that prints several
+    kinds of rows)."""
+    for row in rows:
+        print(json.dumps(row if kind is None else {"kind": kind, **row}))
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:

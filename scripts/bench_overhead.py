@@ -57,13 +57,9 @@ Run:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import gc
-import json
 import logging
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -77,7 +73,17 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import add_common_args, print_rows, set_threads, tiny_llama_config  # noqa: E402
+from bench_common import (  # noqa: E402
+    add_common_args,
+    add_tiny_model_args,
+    print_rows,
+    save_model,
+    set_threads,
+    tiny_llama_config,
+    write_prompts,
+)
+from bench_overhead_trl import import_trl, run_trl  # noqa: E402
+from bench_runs import StepClock, read_metrics, run_overrides  # noqa: E402
 
 NUM_MINI_BATCHES = 2
 """Optimizer steps per model per PPO epoch (mini-batches of the rollout)."""
@@ -85,8 +91,6 @@ OUR_PHASES = ("gen", "old_log_prob", "ref", "values", "reward", "adv", "update_c
 TRL_REFERENCE_S = 0.21
 """TRL 1.12's step on this configuration with its gc.collect frozen out, measured on another machine
 (docs/cpu_step_profile.md): what ours is compared with where TRL cannot run beside it."""
-STEP_LINE = re.compile(r"\bstep (\d+)/(\d+)\b")
-"""The trainer's per-step console line (``MetricsLogger``'s progress prefix)."""
 
 
 @dataclasses.dataclass
@@ -133,50 +137,22 @@ class FloorRow:
 def write_assets(folder: Path, args: argparse.Namespace) -> dict[str, Path]:
     """Policy (also the critic's backbone), reward model and prompt Parquet of the benchmark's shapes."""
     import make_tiny_assets
-    import pyarrow as pa
-    import pyarrow.parquet as pq
 
     tokenizer = make_tiny_assets.build_tokenizer()
     config = tiny_llama_config(tokenizer, args.hidden, args.layers, max_positions=256)
     paths = {"policy": folder / "policy", "reward": folder / "reward", "prompts": folder / "prompts.parquet"}
     torch.manual_seed(args.seed)
-    AutoModelForCausalLM.from_config(config).save_pretrained(paths["policy"])
-    tokenizer.save_pretrained(paths["policy"])
+    save_model(AutoModelForCausalLM.from_config(config), tokenizer, paths["policy"])
     torch.manual_seed(args.seed + 1)
     config.num_labels = 1
-    AutoModelForSequenceClassification.from_config(config).save_pretrained(paths["reward"])
-    tokenizer.save_pretrained(paths["reward"])
-    problems, _ = make_tiny_assets.split_problems(args.seed)
-    rows = make_tiny_assets.prompt_rows(problems[: args.num_prompts * (args.steps + 1)], "train")
-    pq.write_table(pa.Table.from_pylist(rows), paths["prompts"])
+    save_model(AutoModelForSequenceClassification.from_config(config), tokenizer, paths["reward"])
+    write_prompts(paths["prompts"], args.num_prompts * (args.steps + 1), args.seed)
     return paths
-
-
-class StepClock(logging.Handler):
-    """Records the CPU and wall clocks at each of the trainer's step lines (logging's public API)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.marks: list[tuple[int, float, float]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        match = STEP_LINE.search(record.getMessage())
-        if match:
-            self.marks.append((int(match.group(1)), time.process_time(), time.perf_counter()))
-
-    def step_times(self, skip: int = 2) -> tuple[list[float], list[float]]:
-        """(CPU, wall) seconds of each step after the first ``skip``."""
-        pairs = zip(self.marks, self.marks[1:], strict=False)
-        kept = [(b[1] - a[1], b[2] - a[2]) for a, b in pairs if b[0] > skip]
-        return [c for c, _ in kept], [w for _, w in kept]
 
 
 def ppo_overrides(args: argparse.Namespace, paths: dict[str, Path], out_dir: Path) -> list[str]:
     """train_ppo's command line for the benchmark's configuration."""
-    return [
-        f"model.path={paths['policy']}",
-        f"data.train_files=[{paths['prompts']}]",
-        "data.val_files=[]",
+    settings = [
         "data.max_prompt_length=32",
         f"data.max_response_length={args.response_len}",
         f"data.train_batch_size={args.num_prompts}",
@@ -190,14 +166,16 @@ def ppo_overrides(args: argparse.Namespace, paths: dict[str, Path], out_dir: Pat
         f"reward.model_path={paths['reward']}",
         "algorithm.adv_estimator=gae",
         "algorithm.use_kl_in_reward=true",
-        f"trainer.total_training_steps={args.steps}",
-        "trainer.logger=[console,jsonl]",
-        "trainer.val_before_train=false",
-        "trainer.resume_mode=disable",
-        "trainer.save_freq=-1",
-        f"trainer.seed={args.seed}",
-        f"trainer.output_dir={out_dir}",
     ]
+    return run_overrides(
+        model=paths["policy"],
+        prompts=paths["prompts"],
+        out_dir=out_dir,
+        steps=args.steps,
+        seed=args.seed,
+        logger="[console,jsonl]",
+        settings=settings,
+    )
 
 
 def run_ours(
@@ -215,94 +193,12 @@ def run_ours(
         log.removeHandler(clock)
     if code != 0:
         raise RuntimeError(f"train_ppo exited with {code}")
-    lines = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = read_metrics(out_dir)
     phases = {
         p: [r[f"timing_s/{p}"] for r in lines if r["step"] > 2 and f"timing_s/{p}" in r] for p in OUR_PHASES
     }
     cpu, wall = clock.step_times()
     return cpu, wall, phases
-
-
-def import_trl(args: argparse.Namespace) -> tuple[Any, str | None]:
-    """TRL's ``experimental.ppo`` module and its version, or None and why not."""
-    if args.trl == "no":
-        return None, "--trl no"
-    if args.trl_path:
-        sys.path.insert(0, args.trl_path)
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    try:
-        import trl
-        import trl.experimental.ppo as trl_ppo
-    except Exception as err:  # not installed, or a version that does not import beside ours
-        if args.trl == "yes":
-            raise
-        return None, f"{type(err).__name__}: {err}"
-    return trl_ppo, trl.__version__
-
-
-def run_trl(
-    trl_ppo: Any, args: argparse.Namespace, paths: dict[str, Path], out_dir: Path, *, freeze_gc: bool
-) -> tuple[list[float], list[float]]:
-    """TRL's PPOTrainer on the same models, prompts and shapes; per-step CPU and wall seconds.
-
-    Same work as ours: ``per_device_train_batch_size`` = all prompts, ``num_mini_batches=2`` (one
-    micro-batch each), ``num_ppo_epochs``, no stop token (every response ``response_len`` tokens), GAE
-    with the k1 KL in the reward; its critic is a copy of the policy's backbone with a score head.
-    """
-    from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
-
-    from ppo import data
-
-    tokenizer = AutoTokenizer.from_pretrained(paths["policy"])
-    tokenizer.padding_side = "left"
-    records = data.load_prompts(paths["prompts"], tokenizer, max_prompt_length=32, require_ground_truth=False)
-    dataset = Dataset.from_dict({"input_ids": [r.input_ids for r in records]})
-    marks: list[tuple[float, float]] = []
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, *_: Any, **__: Any) -> None:
-            marks.append((time.process_time(), time.perf_counter()))
-
-    config = trl_ppo.PPOConfig(
-        output_dir=str(out_dir),
-        per_device_train_batch_size=args.num_prompts,
-        gradient_accumulation_steps=1,
-        num_mini_batches=NUM_MINI_BATCHES,
-        num_ppo_epochs=args.epochs,
-        response_length=args.response_len,
-        total_episodes=args.num_prompts * args.steps,
-        stop_token=None,
-        local_rollout_forward_batch_size=args.num_prompts,
-        num_sample_generations=0,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        learning_rate=1e-6,
-        seed=args.seed,
-        disable_tqdm=True,
-    )
-    with contextlib.redirect_stdout(sys.stderr):  # TRL prints every step's metrics
-        trainer = trl_ppo.PPOTrainer(
-            args=config,
-            processing_class=tokenizer,
-            model=AutoModelForCausalLM.from_pretrained(paths["policy"]),
-            ref_model=AutoModelForCausalLM.from_pretrained(paths["policy"]),
-            reward_model=AutoModelForSequenceClassification.from_pretrained(paths["reward"], num_labels=1),
-            value_model=AutoModelForSequenceClassification.from_pretrained(paths["policy"], num_labels=1),
-            train_dataset=dataset,
-            callbacks=[Clock()],
-        )
-        if freeze_gc:
-            gc.collect()
-            gc.freeze()  # what exists now is never scanned again: TRL's per-step gc.collect() is cheap
-        try:
-            trainer.train()
-        finally:
-            if freeze_gc:
-                gc.unfreeze()
-    kept = list(zip(marks, marks[1:], strict=False))[1:]  # the first two steps are not counted
-    return [b[0] - a[0] for a, b in kept], [b[1] - a[1] for a, b in kept]
 
 
 def floor_calls(args: argparse.Namespace, paths: dict[str, Path]) -> dict[str, Any]:
@@ -311,7 +207,7 @@ def floor_calls(args: argparse.Namespace, paths: dict[str, Path]) -> dict[str, A
     from transformers import AutoTokenizer
 
     import ppo_kernels
-    from ppo import data, models
+    from ppo import data, model_loading
     from ppo.algorithms import agg_loss, compute_gae, kl_penalty, policy_loss
 
     tokenizer = AutoTokenizer.from_pretrained(paths["policy"])
@@ -324,7 +220,7 @@ def floor_calls(args: argparse.Namespace, paths: dict[str, Path]) -> dict[str, A
     torch.manual_seed(args.seed)
     actor = AutoModelForCausalLM.from_pretrained(paths["policy"]).train()
     ref = AutoModelForCausalLM.from_pretrained(paths["policy"]).requires_grad_(False).eval()
-    critic = models.load_critic(
+    critic = model_loading.load_critic(
         str(paths["policy"]), attn_implementation="sdpa", config_key="model.path"
     ).train()
     reward = AutoModelForSequenceClassification.from_pretrained(paths["reward"], num_labels=1).eval()
@@ -551,7 +447,14 @@ def run_overhead(args: argparse.Namespace) -> tuple[list[OverheadRow], str | Non
             if trl_ppo is None:
                 continue
             for name, freeze in (("trl", False), ("trl_gc_frozen", True)):
-                c, w = run_trl(trl_ppo, args, paths, folder / f"{name}_{r}", freeze_gc=freeze)
+                c, w = run_trl(
+                    trl_ppo,
+                    args,
+                    paths,
+                    folder / f"{name}_{r}",
+                    num_mini_batches=NUM_MINI_BATCHES,
+                    freeze_gc=freeze,
+                )
                 cpu.setdefault(name, []).extend(c)
                 wall.setdefault(name, []).extend(w)
         floor = {p: statistics.median(t) for p, t in floor_samples.items()} if args.floor else None
@@ -581,8 +484,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--num-prompts", type=int, default=16, help="prompts per step")
     parser.add_argument("--response-len", type=int, default=32, help="tokens per response")
-    parser.add_argument("--layers", type=int, default=2, help="decoder layers of the Llama")
-    parser.add_argument("--hidden", type=int, default=128, help="hidden size (MLP: 4x)")
+    add_tiny_model_args(parser)
     parser.add_argument("--epochs", type=int, default=2, help="PPO epochs over the 2 mini-batches")
     parser.add_argument("--steps", type=int, default=10, help="steps per run (the first two not counted)")
     parser.add_argument("--rounds", type=int, default=2, help="alternating runs of each trainer")

@@ -14,7 +14,7 @@ response is exactly ``--new-tokens`` long (equal work; generation is greedy unle
   on GPU) on micro-batches padded to fixed shapes. Warmed up on the timed shapes (the first call
   compiles). Under greedy decoding its tokens must equal ``hf_generate``'s (``match``).
 
-Both models use the trainer's attention (``models.resolve_attn_implementation("auto")``), which for
+Both models use the trainer's attention (``attention.resolve_attn_implementation("auto")``), which for
 left-padded generation with a KV cache is transformers' sdpa (flash_attention_2 on GPU).
 
 Tokens/s counts generated tokens over all ranks; a path's time is the slowest rank's, the best of
@@ -62,7 +62,7 @@ from bench_common import (  # noqa: E402
     timed,
 )
 
-from ppo import models, rollout, runner, sharding  # noqa: E402
+from ppo import attention, models, rollout, runner, sharding  # noqa: E402
 from ppo.distributed import DistInfo, all_reduce_scalar, make_mesh  # noqa: E402
 from ppo.rollout import generate, generation_config  # noqa: E402
 
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace, info: DistInfo) -> list[Row]:
     """Build both models, warm both paths up, then time them alternately ``--repeat`` times."""
     device = info.device
     clock = resolve_clock(args.clock, device)
-    model = causal_lm(args, models.resolve_attn_implementation("auto", device)).eval()
+    model = causal_lm(args, attention.resolve_attn_implementation("auto", device)).eval()
     # The unsharded copy in the compute dtype: what FSDP's mixed precision computes in, too.
     plain = copy.deepcopy(model).to(device=device, dtype=sharding.torch_dtype(args.dtype)).eval()
     sharded = sharding.shard_model(model, make_mesh(info), fsdp_config(args.dtype), device=device)

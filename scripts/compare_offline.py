@@ -58,127 +58,40 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import math
-import os
 import shutil
-import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-EVAL_SAMPLES = 4
-"""Responses sampled per validation prompt at temperature 1 for the KL (and sample accuracy, pass@4)."""
-EVAL_MAX_PROMPT_LENGTH = 16
-"""Prompt tokens, as the offline data was sampled (``make_offline_data.py --max-prompt-length 16``)."""
-EVAL_MAX_NEW_TOKENS = 28
-"""Response tokens, as the offline data was sampled and as PPO's validation decodes."""
-EVAL_SEED = 0
-"""Seed of the evaluation's sampling (the same for every model)."""
-LOG_TAIL_LINES = 25
-"""Lines of a failed command's log printed with the error."""
+from bench_runs import pyplot, save_figure, torchrun_command  # noqa: E402
+from compare_offline_runs import (  # noqa: E402
+    EVAL_MAX_NEW_TOKENS,
+    EVAL_MAX_PROMPT_LENGTH,
+    EVAL_SAMPLES,
+    EVAL_SEED,
+    METHODS,
+    CommandError,
+    Method,
+    evaluate,
+    run_id,
+    run_logged,
+    steps_and_loop_time,
+    training_command,
+)
+
 OUTPUTS = ("plan.json", "eval.json", "results.json", "table.md", "frontier.png", "runs")
 """What a comparison writes into its folder (``--overwrite`` deletes these and nothing else)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Method:
-    """One trainer of the comparison: how to launch it and which key sets its strength."""
-
-    name: str
-    """``--methods`` name and folder prefix."""
-    label: str
-    """Its name in the table and the plot."""
-    script: str
-    """The entry point, relative to the repository root."""
-    config: str
-    """Its preset (``--config``)."""
-    strength_key: str
-    """The config key the three runs vary."""
-    strength_name: str
-    """How the table names the strength."""
-    strengths: tuple[float, float, float]
-    """The three values of ``strength_key``."""
-    lr_key: str
-    lr: float
-    """The learning rate of all three runs."""
-    fixed: tuple[str, ...] = ()
-    """Further overrides of every run of the method."""
-
-
-# One learning rate for all three (5e-5, 40 steps: every run gains at least +0.10), strengths a decade
-# apart. How they were chosen (demo assets, SFT 0.654; accuracy @ KL in nats per response):
-# - offline KL-PPO at its preset's lr 3e-5 moved little in 40 steps (coef 0.02, 0.1, 0.5: 0.914 @ 0.11,
-#   0.914 @ 0.09, 0.890 @ 0.06); at 5e-5 the coefficient spans KL 0.06-0.32.
-# - DPO at beta 0.03-0.3 sat at 0.92-0.93 @ 0.28-0.36 (beta barely mattered); beta 10 reaches the low-KL
-#   end (0.822 @ 0.026). The preset's lr 1e-4 collapses DPO over 60 steps (configs/dpo_demo.yaml).
-# - SimPO's beta scales the mean token log-prob margin, which is small here (chosen and rejected answers
-#   differ in a few of ~22 tokens): beta 1-10 gave the same model (0.92 @ 0.38); larger beta lowers the KL
-#   until the loss becomes "fix the misordered pairs" and plateaus (beta 1000, 5000, 50000: 0.968 @ 0.190,
-#   0.964 @ 0.185, 0.964 @ 0.183). gamma stays at the preset's 0.5.
-METHODS = {
-    "ppo": Method(
-        name="ppo",
-        label="offline KL-PPO",
-        script="train_ppo.py",
-        config="configs/demo_cpu_offline.yaml",
-        strength_key="actor.kl_loss_coef",
-        strength_name="kl_loss_coef",
-        strengths=(0.01, 0.1, 1.0),
-        lr_key="actor.optim.lr",
-        lr=5e-5,
-    ),
-    "dpo": Method(
-        name="dpo",
-        label="DPO",
-        script="scripts/train_dpo.py",
-        config="configs/dpo_demo.yaml",
-        strength_key="loss.beta",
-        strength_name="β",
-        strengths=(0.1, 1.0, 10.0),
-        lr_key="optim.lr",
-        lr=5e-5,
-        fixed=("loss.type=dpo",),
-    ),
-    "sppo": Method(
-        name="sppo",
-        label="offline SPPO",
-        script="train_ppo.py",
-        config="configs/demo_cpu_sppo_offline.yaml",
-        strength_key="actor.sppo_eta",
-        strength_name="eta",
-        strengths=(0.3, 1.0, 3.0),
-        lr_key="actor.optim.lr",
-        lr=5e-5,
-    ),
-    "simpo": Method(
-        name="simpo",
-        label="SimPO",
-        script="scripts/train_dpo.py",
-        config="configs/dpo_demo.yaml",
-        strength_key="loss.beta",
-        strength_name="β",
-        strengths=(5.0, 50.0, 500.0),
-        lr_key="optim.lr",
-        lr=5e-5,
-        fixed=("loss.type=simpo", "loss.gamma=0.5"),
-    ),
-}
-"""The three trainers, in table order."""
 COLORS = {"ppo": "tab:red", "dpo": "tab:blue", "sppo": "tab:purple", "simpo": "tab:green"}
+"""A colour per method in ``frontier.png``."""
 
 
 class InputError(ValueError):
     """Bad input found before any training: one line, exit code 2."""
-
-
-class CommandError(RuntimeError):
-    """A training or the evaluation failed: its command and the end of its log, exit code 1."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -268,133 +181,6 @@ def check_inputs(args: argparse.Namespace) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
-# 1. Training
-# ----------------------------------------------------------------------------------------------------
-
-
-def run_id(method: Method, strength: float) -> str:
-    """The run's folder name: ``dpo_0.1``."""
-    return f"{method.name}_{strength:g}"
-
-
-def training_command(
-    method: Method, strength: float, *, sft: Path, train_file: Path, steps: int, nproc: int, out_dir: Path
-) -> list[str]:
-    """The torchrun command line of one run (paths absolute; run from the repository root)."""
-    common = [
-        f"model.path={sft}",
-        f"data.train_files=[{train_file}]",
-        "data.val_files=[]",
-        f"trainer.total_training_steps={steps}",
-        f"trainer.output_dir={out_dir}",
-        "trainer.logger=[console,jsonl]",
-        "trainer.save_freq=-1",
-        "trainer.test_freq=-1",
-        "trainer.resume_mode=disable",
-    ]
-    if method.script == "train_ppo.py":
-        specific = ["trainer.val_before_train=false", "trainer.save_hf_on_end=true"]
-    else:  # the DPO family: no final answer evaluation (done in step 2) and no time cap
-        specific = ["data.eval_prompt_files=[]", "trainer.max_time_s=0"]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(ROOT / method.script),
-        "--config",
-        str(ROOT / method.config),
-        *common,
-        *specific,
-        *method.fixed,
-        f"{method.strength_key}={strength:g}",
-        f"{method.lr_key}={method.lr:g}",
-    ]
-
-
-def run_logged(cmd: list[str], log: Path) -> float:
-    """Run ``cmd`` from the repository root with one intra-op thread a rank, its output in ``log``;
-    the wall seconds. CommandError with the command and the log's last lines if it fails."""
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    start = time.perf_counter()
-    with log.open("w") as f:
-        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env).returncode
-    wall_s = time.perf_counter() - start
-    if code != 0:
-        tail = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
-        raise CommandError(
-            f"failed (exit code {code}) after {wall_s:.0f} s: {' '.join(cmd)}\n"
-            f"last lines of {log}:\n" + "\n".join(tail)
-        )
-    return wall_s
-
-
-def steps_and_loop_time(method: Method, out_dir: Path) -> tuple[int, float]:
-    """Optimizer steps a finished run took and the seconds its steps took, from its own records."""
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    if method.script == "train_ppo.py":
-        steps = [r for r in rows if "timing_s/step" in r]
-        return (int(steps[-1]["step"]) if steps else 0), sum(r["timing_s/step"] for r in steps)
-    final = json.loads((out_dir / "metrics.json").read_text())  # the stage's, beside its hf/ folder
-    return int(final["dpo_steps"]), float(final["dpo_train_time_s"])
-
-
-# ----------------------------------------------------------------------------------------------------
-# 2. Evaluation (under torchrun: every rank runs it)
-# ----------------------------------------------------------------------------------------------------
-
-
-def evaluate(out: Path) -> int:
-    """Measure the SFT model and every run's final model listed in ``out/plan.json``; rank 0 writes
-    ``out/eval.json``: ``{"sft": metrics, run id: metrics}`` (``ppo.model_eval.answer_metrics``)."""
-    import torch
-
-    from ppo import data, model_eval, models, runner
-    from ppo.config import FSDPConfig, ModelConfig
-    from ppo.distributed import destroy_distributed, init_distributed, setup_logging
-
-    plan = json.loads((out / "plan.json").read_text())
-    info = init_distributed("auto")
-    setup_logging(info.is_main)
-    runner.quiet_other_ranks(info)
-    try:
-
-        def load(path: str) -> torch.nn.Module:
-            return runner.build_model(
-                models.load_causal_lm, ModelConfig(path=path), FSDPConfig(), info, trainable=False
-            )
-
-        tokenizer = models.load_tokenizer(plan["sft"])  # every run saves the SFT model's tokenizer
-        with runner.main_rank_logs(info):
-            records = data.load_prompts(
-                [plan["val_file"]], tokenizer, max_prompt_length=EVAL_MAX_PROMPT_LENGTH
-            )
-        ref = load(plan["sft"])
-        measure = dict(max_new_tokens=EVAL_MAX_NEW_TOKENS, num_samples=EVAL_SAMPLES, seed=EVAL_SEED, ref=ref)
-        results = {}
-        for name, path in [("sft", plan["sft"])] + [(r["id"], r["model"]) for r in plan["runs"]]:
-            start = time.perf_counter()
-            model = ref if name == "sft" else load(path)
-            results[name] = model_eval.answer_metrics(model, tokenizer, records, info, **measure)
-            results[name]["eval_s"] = time.perf_counter() - start
-            if info.is_main:
-                m = results[name]
-                print(
-                    f"evaluated {name}: accuracy {m['val/accuracy']:.3f}, KL {m['val/kl_to_ref']:.3f}",
-                    flush=True,
-                )
-            del model
-            gc.collect()
-        if info.is_main:
-            (out / "eval.json").write_text(json.dumps(results, indent=1))
-    finally:
-        destroy_distributed()
-    return 0
-
-
-# ----------------------------------------------------------------------------------------------------
 # 3. Table, frontier, plot
 # ----------------------------------------------------------------------------------------------------
 
@@ -463,12 +249,7 @@ def table_markdown(results: dict[str, Any]) -> str:
 def plot_frontier(results: dict[str, Any], path: Path) -> None:
     """``frontier.png``: accuracy against KL, one colour per method, one marker per run (the value of its
     strength beside it, error bars of one standard error), the SFT model at KL 0."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
     sft = results["sft"]
     n = max(results["settings"]["eval_prompts"], 1)
     ax.plot([0.0], [sft["accuracy"]], marker="*", markersize=14, color="black", linestyle="none", label="SFT")
@@ -504,9 +285,7 @@ def plot_frontier(results: dict[str, Any], path: Path) -> None:
     ax.set_title(f"offline preference data, {results['settings']['steps']} steps each")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def collect_results(
@@ -614,17 +393,7 @@ def compare(args: argparse.Namespace, methods: list[Method]) -> dict[str, Any]:
 
     # 2. evaluate every model in one torchrun
     print(f"evaluating the SFT model and {len(plan_runs)} runs ...", flush=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={args.nproc}",
-        str(Path(__file__).resolve()),
-        "--evaluate",
-        "--out",
-        str(out),
-    ]
+    cmd = [*torchrun_command(args.nproc), str(Path(__file__).resolve()), "--evaluate", "--out", str(out)]
     eval_wall_s = run_logged(cmd, out / "eval.log")
     evals = json.loads((out / "eval.json").read_text())
 

@@ -27,6 +27,7 @@ import bench_common  # noqa: E402
 import bench_layout  # noqa: E402
 import bench_overhead  # noqa: E402
 import bench_rollout  # noqa: E402
+import bench_runs  # noqa: E402
 
 from ppo.ulysses import NO_SP  # noqa: E402
 from tests.helpers import excerpt, read_metrics, torchrun  # noqa: E402
@@ -170,10 +171,11 @@ def test_padded_forwards_match_packed() -> None:
 
 
 def test_step_clock_counts_step_lines_only() -> None:
-    """bench_overhead's step clock reads the trainer's progress lines, not warnings about a step."""
+    """bench_overhead's step clock (bench_runs.StepClock) reads the trainer's progress lines, not warnings
+    about a step."""
     import logging
 
-    clock = bench_overhead.StepClock()
+    clock = bench_runs.StepClock()
     for message in (
         "[##--] step 1/4 0s",
         "step 2: the mean score moved",
@@ -257,12 +259,12 @@ def test_gpu_check_pieces_on_cpu(
     import make_shaped_model
 
     import train_ppo
-    from ppo import models
+    from ppo import model_loading
 
     model_dir = make_shaped_model.make_shaped_model(
         "tiny", tiny_assets / "tokenizer", tmp_path / "model_tiny", dtype="float32", device="cpu", seed=0
     )
-    loaded = models.load_causal_lm(str(model_dir))
+    loaded = model_loading.load_causal_lm(str(model_dir))
     assert loaded.config.hidden_size == 256 and loaded.config.num_hidden_layers == 4
     assert loaded.config.eos_token_id == 2 and (model_dir / "tokenizer.json").is_file()
 

@@ -1,6 +1,8 @@
-"""The pure parts of scripts/bench_scaling.py (the exponent fit, the points of each axis, a row from a run's
-metrics, the table and JSON output, the rigged policy of the turns axis) and bench_overhead.py's floor
-table. The end-to-end runs are in tests/runs/test_bench_scaling.py."""
+"""The pure parts of scripts/bench_scaling.py (the points of each axis, a row from a run's metrics, the
+table and JSON output), of its turns axis in bench_scaling_turns.py (the work by arithmetic, the cost model,
+the rigged policy, the call clock), of the run harness in bench_runs.py that it drives (the exponent fit,
+the clocks of a run's steps) and bench_overhead.py's floor table. The end-to-end runs are in
+tests/runs/test_bench_scaling.py."""
 
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 import bench_overhead  # noqa: E402
+import bench_runs  # noqa: E402
 import bench_scaling  # noqa: E402
+import bench_scaling_turns  # noqa: E402
 from bench_scaling import Point  # noqa: E402
 
 
@@ -24,7 +28,7 @@ from bench_scaling import Point  # noqa: E402
 def test_fit_exponent_recovers_a_power_law(k: float) -> None:
     # value = 3 * work^k exactly, so the log-log least squares line has slope k and intercept log 3.
     work = [32.0, 128.0, 512.0, 1024.0]
-    got_k, got_c = bench_scaling.fit_exponent(work, [3.0 * w**k for w in work])
+    got_k, got_c = bench_runs.fit_exponent(work, [3.0 * w**k for w in work])
     assert abs(got_k - k) < 1e-6
     assert abs(got_c - 3.0) < 1e-6
 
@@ -32,20 +36,20 @@ def test_fit_exponent_recovers_a_power_law(k: float) -> None:
 def test_fit_exponent_of_noisy_points_is_the_least_squares_slope() -> None:
     # log2 work = 0, 1, 2 and log2 value = 0, 1, 3: slope = cov / var = (0*-4/3 + ... ) by hand:
     # x mean 1, y mean 4/3; sum (x - 1)(y - 4/3) = (-1)(-4/3) + 0 + (1)(5/3) = 3; sum (x - 1)^2 = 2: k = 1.5.
-    k, _ = bench_scaling.fit_exponent([1.0, 2.0, 4.0], [1.0, 2.0, 8.0])
+    k, _ = bench_runs.fit_exponent([1.0, 2.0, 4.0], [1.0, 2.0, 8.0])
     assert abs(k - 1.5) < 1e-12
 
 
 def test_fit_exponent_refuses_what_has_no_log_log_line() -> None:
     with pytest.raises(ValueError, match="distinct"):
-        bench_scaling.fit_exponent([2.0, 2.0], [1.0, 3.0])
+        bench_runs.fit_exponent([2.0, 2.0], [1.0, 3.0])
     with pytest.raises(ValueError, match="positive"):
-        bench_scaling.fit_exponent([1.0, 2.0], [0.0, 3.0])
+        bench_runs.fit_exponent([1.0, 2.0], [0.0, 3.0])
 
 
 def test_fit_line_slope() -> None:
     # value = 5 + 0.25 * work exactly.
-    assert abs(bench_scaling.fit_line([0.0, 4.0, 8.0], [5.0, 6.0, 7.0]) - 0.25) < 1e-12
+    assert abs(bench_runs.fit_line([0.0, 4.0, 8.0], [5.0, 6.0, 7.0]) - 0.25) < 1e-12
 
 
 def test_axis_points() -> None:
@@ -106,33 +110,33 @@ def test_overlapping_steps_keeps_what_ran_while_the_other_trained() -> None:
     # last step ends): steps 4 (3-4), 5, 6. Process 1's step s runs from 1.5 + (s - 1) to 1.5 + s: kept
     # within [1, 6]: steps 2 (2.5-3.5), 3 (3.5-4.5), 4 (4.5-5.5); step 5 ends at 6.5.
     ends = [[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], [2.5, 3.5, 4.5, 5.5, 6.5, 7.5]]
-    assert bench_scaling.overlapping_steps(ends) == [{4, 5, 6}, {2, 3, 4}]
+    assert bench_runs.overlapping_steps(ends) == [{4, 5, 6}, {2, 3, 4}]
     # One process: every step but the first (whose start is not seen).
-    assert bench_scaling.overlapping_steps([[1.0, 2.0, 3.0]]) == [{2, 3}]
+    assert bench_runs.overlapping_steps([[1.0, 2.0, 3.0]]) == [{2, 3}]
 
 
 def test_step_clocks_are_differences_between_step_ends() -> None:
-    end = bench_scaling.StepEnd
+    end = bench_runs.StepEnd
     # Steps 1-2 ended at 1.0 and 1.5 CPU s (the machine waited 0.1 s in all by then, 0.3 s after step 2);
     # steps 3 and 4 were seen in one poll (their clocks cannot be told apart), step 5 on its own.
     ends = [end(0.0, 1.0, 0.1, 1), end(0.0, 1.5, 0.3, 1), end(0.0, 2.5, 0.3, 2), end(0.0, 2.75, 0.5, 1)]
-    assert bench_scaling.step_clocks(ends) == {2: (0.5, 0.19999999999999998), 5: (0.25, 0.2)}
+    assert bench_runs.step_clocks(ends) == {2: (0.5, 0.19999999999999998), 5: (0.25, 0.2)}
     # Off Linux the clocks are None: no step gets any.
-    assert bench_scaling.step_clocks([end(0.0, None, None, 1), end(1.0, None, None, 1)]) == {}
+    assert bench_runs.step_clocks([end(0.0, None, None, 1), end(1.0, None, None, 1)]) == {}
 
 
 def test_process_clocks_of_this_process() -> None:
     import os
     import time
 
-    before, waited = bench_scaling.process_clocks(os.getpid())
+    before, waited = bench_runs.process_clocks(os.getpid())
     if before is None:
         pytest.skip("no /proc/<pid>/task/*/sched or /proc/pressure/cpu here")
     start = time.thread_time()
     while time.thread_time() - start < 0.2:  # 0.2 s of this thread's CPU
         pass
     busy = time.thread_time() - start
-    after, waited_after = bench_scaling.process_clocks(os.getpid())
+    after, waited_after = bench_runs.process_clocks(os.getpid())
     # The scheduler's on-core time of this process's threads grew by this thread's CPU time (the others
     # idle; exited threads are not counted, so the totals are compared as differences).
     assert abs((after - before) - busy) < 0.03
@@ -158,8 +162,8 @@ def test_turn_work_by_arithmetic() -> None:
     # 3 rows, prompts of 10, 12, 9 tokens: each turn is left-padded to 12 + 16 t (8 generated + the
     # 8-token observation per earlier turn). 3 turns: 3 x (12 + 28 + 44) = 252 prefill tokens; 7 decoding
     # steps a turn (the prefill writes the first of 8 tokens); 3 rows x 3 turns x 8 tokens generated.
-    assert len(bench_scaling.OBSERVATION) == bench_scaling.TURN_TOKENS == 8
-    assert bench_scaling.turn_work([10, 12, 9], 3) == {
+    assert len(bench_scaling_turns.OBSERVATION) == bench_scaling_turns.TURN_TOKENS == 8
+    assert bench_scaling_turns.turn_work([10, 12, 9], 3) == {
         "generate_calls": 3,
         "prefill_tokens": 252,
         "decode_steps": 21,
@@ -171,7 +175,7 @@ def turn_profile_points() -> list[dict]:
     # prefill 2 us per token, decoding 1 ms per step, 5 ms per call, exactly.
     points = []
     for turns in (1, 2, 4):
-        work = bench_scaling.turn_work([10] * 8, turns)
+        work = bench_scaling_turns.turn_work([10] * 8, turns)
         prefill, decode, rest = 2e-6 * work["prefill_tokens"], 1e-3 * work["decode_steps"], 5e-3 * turns
         points.append({"turns": turns, **work, "gen_cpu_s": prefill + decode + rest, "prefill_s": prefill,
                        "decode_s": decode, "rest_s": rest})  # fmt: skip
@@ -180,7 +184,7 @@ def turn_profile_points() -> list[dict]:
 
 def test_turn_cost_model_recovers_the_unit_costs() -> None:
     points = turn_profile_points()
-    model = bench_scaling.turn_cost_model(points)
+    model = bench_scaling_turns.turn_cost_model(points)
     assert math.isclose(model["prefill_ms_per_ktok"], 2.0)
     assert math.isclose(model["decode_ms_per_step"], 1.0)
     assert math.isclose(model["rest_ms_per_call"], 5.0)
@@ -189,7 +193,7 @@ def test_turn_cost_model_recovers_the_unit_costs() -> None:
     # The prefill grows faster: 8 x (10 + 26 + ...) = 80, 288, 1088 tokens for 64, 128, 256 generated;
     # log2 of those: 6.3219, 8.1699, 10.0875 at log2 work 6, 7, 8, a slope of (10.0875 - 6.3219) / 2.
     assert abs(model["prefill_k"] - 1.8828) < 1e-3
-    for p in bench_scaling.with_model(points, model):
+    for p in bench_scaling_turns.with_model(points, model):
         assert math.isclose(p["model_s"], p["gen_cpu_s"])
 
 
@@ -301,7 +305,7 @@ def test_rigged_policy_writes_the_forced_token() -> None:
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
-    bench_scaling.rig_forced_token(model, 17)
+    bench_scaling_turns.rig_forced_token(model, 17)
     prompts = torch.randint(3, 50, (4, 6))
     out = model.generate(prompts, max_new_tokens=12, do_sample=True, temperature=1.0, top_k=0, pad_token_id=0)
     assert (out[:, 6:] == 17).all()
@@ -314,7 +318,7 @@ def test_call_clock_sorts_each_generate_call() -> None:
                          num_attention_heads=2, num_key_value_heads=2, pad_token_id=0)  # fmt: skip
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
-    clock = bench_scaling.CallClock(model)
+    clock = bench_scaling_turns.CallClock(model)
     for rows, width, new in ((2, 5, 4), (3, 7, 6)):
         model.generate(
             torch.randint(3, 50, (rows, width)), max_new_tokens=new, min_new_tokens=new, do_sample=False

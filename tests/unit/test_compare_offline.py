@@ -1,5 +1,6 @@
 """Tests of ``ppo/model_eval.py`` (answer accuracy and the KL to a reference on the policy's own samples)
-and of ``scripts/compare_offline.py`` (inputs, commands, table, frontier, plot).
+and of ``scripts/compare_offline.py`` (inputs, table, frontier, plot) with its runs in
+``scripts/compare_offline_runs.py`` (commands, a failed command).
 
 The KL is checked on policies built by hand whose next-token distribution is the same at every position,
 so the sequence KL is a number worked out on paper; the orchestrator's trainings are not run here (the
@@ -23,12 +24,13 @@ import torch
 import yaml
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from ppo import data, model_eval, models, rule_scoring
+from ppo import data, model_eval, model_loading, rule_scoring
 from ppo.distributed import DistInfo
 from ppo.rollout import generate, generation_config
 from tests.helpers import Checks, assert_check, load_script, tiny_config, worker_results
 
 compare = load_script("compare_offline")
+compare_runs = load_script("compare_offline_runs")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -188,8 +190,8 @@ def test_answer_metrics_kl_and_accuracy_match_the_hand_values(
 def test_a_model_equal_to_its_reference_has_kl_exactly_zero(
     tiny_assets: Path, tok: Any, records: list
 ) -> None:
-    model = models.load_causal_lm(str(tiny_assets / "base"))
-    copy = models.load_causal_lm(str(tiny_assets / "base"))
+    model = model_loading.load_causal_lm(str(tiny_assets / "base"))
+    copy = model_loading.load_causal_lm(str(tiny_assets / "base"))
     for ref in (model, copy):  # the same module, and the same weights loaded twice
         m = model_eval.answer_metrics(
             model, tok, records, ONE_RANK, max_new_tokens=12, num_samples=2, seed=0, ref=ref
@@ -217,7 +219,7 @@ def test_greedy_answers_are_plain_generate_ones(
         return rule_scoring.Score(float(len(seen) % 2), {})  # every other answer right: 4 of 8
 
     monkeypatch.setattr(rule_scoring, "make_rule_scorer", lambda *args: scorer)
-    model = models.load_causal_lm(str(tiny_assets / "base"))
+    model = model_loading.load_causal_lm(str(tiny_assets / "base"))
     m = model_eval.answer_metrics(model, tok, records, ONE_RANK, max_new_tokens=10, seed=0)
     assert m == {"val/accuracy": 0.5, "val/num_prompts": 8}
     for r, (truth, text) in zip(records, seen, strict=True):
@@ -283,7 +285,11 @@ def _worker(root: Path, out: Path) -> None:
         recs = [dataclasses.replace(r, ground_truth="7" if i < 5 else "3") for i, r in enumerate(loaded)]
         p, q = (
             runner.build_model(
-                models.load_causal_lm, ModelConfig(path=str(root / n)), FSDPConfig(), info, trainable=False
+                model_loading.load_causal_lm,
+                ModelConfig(path=str(root / n)),
+                FSDPConfig(),
+                info,
+                trainable=False,
             )
             for n in ("p", "q")
         )
@@ -402,26 +408,26 @@ def test_overwrite_accepts_an_earlier_comparison(inputs: dict[str, Path]) -> Non
 def test_methods_lr_and_strengths_options(inputs: dict[str, Path]) -> None:
     args = compare.parse_args(cli(inputs, "--methods=simpo,dpo", "--lr=dpo=2e-5", "--strengths=simpo=1,3,9"))
     dpo, simpo = sorted(compare.resolve_methods(args), key=lambda m: m.name)
-    assert (dpo.lr, dpo.strengths) == (2e-5, compare.METHODS["dpo"].strengths)
-    assert (simpo.lr, simpo.strengths) == (compare.METHODS["simpo"].lr, (1.0, 3.0, 9.0))
+    assert (dpo.lr, dpo.strengths) == (2e-5, compare_runs.METHODS["dpo"].strengths)
+    assert (simpo.lr, simpo.strengths) == (compare_runs.METHODS["simpo"].lr, (1.0, 3.0, 9.0))
 
 
 def test_a_failed_command_reports_its_last_lines(tmp_path: Path) -> None:
     cmd = [sys.executable, "-c", "print('\\n'.join(f'line {i}' for i in range(40))); raise SystemExit(3)"]
-    with pytest.raises(compare.CommandError) as err:
-        compare.run_logged(cmd, tmp_path / "train.log")
+    with pytest.raises(compare_runs.CommandError) as err:
+        compare_runs.run_logged(cmd, tmp_path / "train.log")
     text = str(err.value)
     assert "exit code 3" in text and "line 39" in text and "line 14" not in text  # the last 25 lines
 
 
-@pytest.mark.parametrize("name", list(compare.METHODS))
+@pytest.mark.parametrize("name", list(compare_runs.METHODS))
 def test_training_commands_are_valid_configs(
     name: str, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     """Each run's command line resolves (every key exists, every value parses) for 2 ranks, with the
     strength, the learning rate, the step count and no validation in it."""
-    method = compare.METHODS[name]
-    cmd = compare.training_command(
+    method = compare_runs.METHODS[name]
+    cmd = compare_runs.training_command(
         method,
         method.strengths[1],
         sft=Path("assets/sft"),
@@ -430,7 +436,7 @@ def test_training_commands_are_valid_configs(
         nproc=2,
         out_dir=tmp_path / "run",
     )
-    script = cmd.index(str(compare.ROOT / method.script))
+    script = cmd.index(str(compare_runs.ROOT / method.script))
     assert cmd[:script] == [
         sys.executable,
         "-m",
@@ -438,7 +444,7 @@ def test_training_commands_are_valid_configs(
         "--standalone",
         "--nproc_per_node=2",
     ]
-    args = cmd[script + 1 :] + ["--print-config", "--world-size", "2"]
+    args = cmd[script + 1 :] + ["--print-config", "--allow-missing-paths", "--world-size", "2"]
     if method.script == "train_ppo.py":
         import train_ppo
 
@@ -480,11 +486,11 @@ def fake_results(ppo_points: list[tuple[float, float]]) -> dict[str, Any]:
     }
     runs = []
     for name, pts in points.items():
-        m = compare.METHODS[name]
+        m = compare_runs.METHODS[name]
         for strength, (acc, kl) in zip(FAKE_STRENGTHS[name], pts, strict=True):
             runs.append(
                 {
-                    "id": compare.run_id(m, strength),
+                    "id": compare_runs.run_id(m, strength),
                     "method": name,
                     "label": m.label,
                     "strength_name": m.strength_name,

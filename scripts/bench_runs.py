@@ -1,0 +1,259 @@
+"""What the benchmarks share about the trainer's runs, without torch: train_ppo's command line for a short
+run, torchrun's command and the environment of a run in its own process, the run's ``metrics.jsonl``, the
+clocks of its steps (in the trainer's process: a logging handler on its step lines; from outside: the CPU
+clocks of its process tree, read as each step's line appears), and what the numbers become: power-law fits
+and figures. Not a benchmark itself; bench_common.py holds the half that needs torch.
+
+Nothing here imports torch, so a script that only starts runs (compare_offline.py) answers ``--help`` and
+refuses bad input at once: importing bench_common.py (torch, transformers, ppo) takes seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository root: where runs start (``cwd``) and what they import first."""
+
+# ----------------------------------------------------------------------------------------------------
+# A run in its own process
+# ----------------------------------------------------------------------------------------------------
+
+
+def torchrun_command(nproc: int) -> list[str]:
+    """torchrun of this interpreter on one machine, ``nproc`` ranks; the script and its arguments follow."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def run_env(threads: int) -> dict[str, str]:
+    """This process's environment for a run started from the repository root: ``threads`` OpenMP threads a
+    process (a rank under torchrun), the repository first on ``PYTHONPATH``."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": path}
+
+
+def run_overrides(
+    *, model: Path, prompts: Path, out_dir: Path, steps: int, seed: int, logger: str, settings: list[str]
+) -> list[str]:
+    """train_ppo's command line for a benchmark's run of ``steps`` steps: the policy ``model`` (also the
+    critic's backbone), the prompt file ``prompts`` and no validation set, the benchmark's own
+    ``settings`` (sizes, algorithm), then the run's bookkeeping: ``logger`` (``[jsonl]``,
+    ``[console,jsonl]``), no validation before training, no resume, no checkpoint, ``seed``, ``out_dir``."""
+    return [
+        f"model.path={model}",
+        f"data.train_files=[{prompts}]",
+        "data.val_files=[]",
+        *settings,
+        f"trainer.total_training_steps={steps}",
+        f"trainer.logger={logger}",
+        "trainer.val_before_train=false",
+        "trainer.resume_mode=disable",
+        "trainer.save_freq=-1",
+        f"trainer.seed={seed}",
+        f"trainer.output_dir={out_dir}",
+    ]
+
+
+def read_metrics(out_dir: Path) -> list[dict[str, Any]]:
+    """The lines of a run's ``out_dir/metrics.jsonl``, one dict per logged step."""
+    text = (out_dir / "metrics.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+# ----------------------------------------------------------------------------------------------------
+# The clocks of a run's steps
+# ----------------------------------------------------------------------------------------------------
+
+STEP_LINE = re.compile(r"\bstep (\d+)/(\d+)\b")
+"""The trainer's per-step console line (``MetricsLogger``'s progress prefix)."""
+
+
+class StepClock(logging.Handler):
+    """Records the CPU and wall clocks at each of the trainer's step lines (logging's public API), for a
+    run in this process (``train_ppo.main``): add it to the ``ppo`` logger."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.marks: list[tuple[int, float, float]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        match = STEP_LINE.search(record.getMessage())
+        if match:
+            self.marks.append((int(match.group(1)), time.process_time(), time.perf_counter()))
+
+    def step_times(self, skip: int = 2) -> tuple[list[float], list[float]]:
+        """(CPU, wall) seconds of each step after the first ``skip``."""
+        pairs = zip(self.marks, self.marks[1:], strict=False)
+        kept = [(b[1] - a[1], b[2] - a[2]) for a, b in pairs if b[0] > skip]
+        return [c for c, _ in kept], [w for _, w in kept]
+
+
+@dataclasses.dataclass
+class StepEnd:
+    """When one step's line appeared in a process's ``metrics.jsonl``, and the CPU clocks of the process
+    (with its children: a torchrun agent's ranks) at that moment."""
+
+    wall_s: float
+    """``time.perf_counter()``."""
+    cpu_s: float | None
+    """Seconds its threads have run on a core (``process_clocks``; None off Linux)."""
+    wait_s: float | None
+    """The machine's seconds so far during which some runnable task waited for a core."""
+    lines: int
+    """How many new lines this poll found (more than one: the steps' clocks cannot be told apart)."""
+
+
+def process_clocks(pid: int) -> tuple[float, float] | tuple[None, None]:
+    """(on-core seconds of ``pid``'s threads and of every process below it, from each thread's
+    ``se.sum_exec_runtime`` in ``/proc/<pid>/task/<tid>/sched``; the machine's seconds during which some
+    runnable task waited for a core, ``/proc/pressure/cpu``'s ``some total``), or (None, None) where the
+    files are missing (not Linux, or the process is gone)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (name)": state, ppid, ...
+        except (OSError, IndexError):
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    pids, cpu_ms, seen = [pid], 0.0, False
+    while pids:
+        current = pids.pop()
+        pids += parents.get(current, [])
+        tasks = Path(f"/proc/{current}/task")
+        try:
+            tids = [t.name for t in tasks.iterdir()]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                text = (tasks / tid / "sched").read_text()
+            except OSError:
+                continue  # a thread that ended between the listing and the read
+            for line in text.splitlines():
+                if line.startswith("se.sum_exec_runtime"):
+                    cpu_ms, seen = cpu_ms + float(line.split(":")[1]), True
+    try:
+        pressure = Path("/proc/pressure/cpu").read_text().split("\n")[0]
+        waited_us = int(pressure.rsplit("total=", 1)[1])
+    except (OSError, IndexError, ValueError):
+        return None, None
+    return (cpu_ms / 1e3, waited_us / 1e6) if seen else (None, None)
+
+
+def watch_step_ends(
+    procs: list[subprocess.Popen], files: list[Path], poll_s: float = 0.01
+) -> list[list[StepEnd]]:
+    """Until every process has exited: for each process, each step's end as seen by polling its
+    ``metrics.jsonl`` every ``poll_s`` (the trainer writes and flushes a line at the end of a step), with
+    the process tree's CPU clocks read then (``process_clocks``; only when a line appeared, so the
+    polling itself costs next to nothing)."""
+    ends: list[list[StepEnd]] = [[] for _ in files]
+    sizes = [0 for _ in files]
+
+    def poll() -> None:
+        for i, (proc, path) in enumerate(zip(procs, files, strict=True)):
+            try:
+                size = path.stat().st_size
+            except OSError:
+                continue
+            if size == sizes[i]:
+                continue
+            sizes[i] = size
+            lines = path.read_text().count("\n")
+            new = lines - sum(e.lines for e in ends[i])
+            if new > 0:
+                cpu, wait = process_clocks(proc.pid)
+                ends[i].append(StepEnd(time.perf_counter(), cpu, wait, new))
+
+    while any(p.poll() is None for p in procs):
+        poll()
+        time.sleep(poll_s)
+    poll()
+    return ends
+
+
+def step_clocks(ends: list[StepEnd]) -> dict[int, tuple[float, float]]:
+    """Step number -> (CPU seconds of the process tree, the machine's waiting seconds) during that step, for the steps
+    whose start and end were both seen on their own (a poll that found one new line after one that
+    did); the first step's start is not seen."""
+    out = {}
+    step = 0
+    for prev, end in zip([None, *ends], ends, strict=False):
+        step += end.lines
+        ok = prev is not None and end.lines == 1 and end.cpu_s is not None and prev.cpu_s is not None
+        if ok:
+            out[step] = (end.cpu_s - prev.cpu_s, end.wait_s - prev.wait_s)
+    return out
+
+
+def overlapping_steps(ends: list[list[float]]) -> list[set[int]]:
+    """Per process, the steps (1-based) that ran while every other process was training: step ``s`` runs
+    from step ``s - 1``'s end to its own (step 1 is never kept: its start is not seen), and is kept when
+    that lies between every other process's first and last step ends. ``ends``: per process, the wall
+    time of each step's end, in order."""
+    kept = []
+    for i, mine in enumerate(ends):
+        others = [e for j, e in enumerate(ends) if j != i]
+        lo = max((e[0] for e in others), default=-math.inf)
+        hi = min((e[-1] for e in others), default=math.inf)
+        kept.append({s + 1 for s in range(1, len(mine)) if mine[s - 1] >= lo and mine[s] <= hi})
+    return kept
+
+
+# ----------------------------------------------------------------------------------------------------
+# Fits and figures
+# ----------------------------------------------------------------------------------------------------
+
+
+def fit_exponent(work: list[float], values: list[float]) -> tuple[float, float]:
+    """``(k, c)`` of ``value = c * work^k``, least squares on ``log value = log c + k log work``.
+
+    ``k = cov(log w, log v) / var(log w)``; needs two distinct positive ``work`` values and positive
+    ``values``.
+    """
+    if len(work) != len(values) or len(set(work)) < 2:
+        raise ValueError("fit_exponent needs two or more distinct work values, one value each")
+    if min(work) <= 0 or min(values) <= 0:
+        raise ValueError("fit_exponent needs positive work and values (a log-log fit)")
+    lx = [math.log(w) for w in work]
+    ly = [math.log(v) for v in values]
+    mx, my = statistics.fmean(lx), statistics.fmean(ly)
+    k = sum((a - mx) * (b - my) for a, b in zip(lx, ly, strict=True)) / sum((a - mx) ** 2 for a in lx)
+    return k, math.exp(my - k * mx)
+
+
+def fit_line(work: list[float], values: list[float]) -> float:
+    """The slope ``b`` of ``value = a + b * work`` (least squares)."""
+    mx, my = statistics.fmean(work), statistics.fmean(values)
+    return sum((a - mx) * (b - my) for a, b in zip(work, values, strict=True)) / sum(
+        (a - mx) ** 2 for a in work
+    )
+
+
+def pyplot() -> Any:
+    """matplotlib's ``pyplot`` on the Agg backend (files only, no display), imported on first use."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """``fig`` laid out tight and written to ``path`` (its folder made) at 120 dpi, then closed."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
