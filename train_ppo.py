@@ -23,7 +23,6 @@ if __name__ == "__main__":  # --help and --print-config answer here, before torc
 # The imports below follow the early answer on purpose:
 # ruff: noqa: E402
 import logging
-import sys
 
 import torch
 
@@ -47,6 +46,7 @@ from ppo.config import PPOConfig
 from ppo.distributed import (
     DistInfo,
     all_reduce_scalar,
+    exit_process,
     reduce_metrics,
 )
 from ppo.metrics import Timer, batch_metrics, perf_metrics, profiled
@@ -458,4 +458,4 @@ def end_step(cfg: PPOConfig, run: Run, start: dict[str, object], end: EndStep) -
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -31,7 +31,14 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ppo.checkpointer import Checkpointer, TrainerState  # noqa: E402
-from ppo.distributed import DistInfo, barrier, broadcast_object, destroy_distributed, init_distributed  # noqa: E402
+from ppo.distributed import (  # noqa: E402
+    DistInfo,
+    barrier,
+    broadcast_object,
+    destroy_distributed,
+    exit_process,
+    init_distributed,
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -150,4 +157,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

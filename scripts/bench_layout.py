@@ -96,7 +96,7 @@ from ppo.build import make_kl_controller  # noqa: E402
 from ppo.config import PPOConfig  # noqa: E402
 from ppo.config_loader import load_config  # noqa: E402
 from ppo.data import PromptRecord  # noqa: E402
-from ppo.distributed import DistInfo, all_reduce_scalars  # noqa: E402
+from ppo.distributed import DistInfo, all_reduce_scalars, exit_process  # noqa: E402
 from ppo.forwards import forward_logprobs, forward_values  # noqa: E402
 from ppo.optim import Trained, with_optimizer  # noqa: E402
 from ppo.optimize import LossFn, actor_loss, critic_loss, optimize  # noqa: E402
@@ -535,4 +535,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -557,4 +557,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ppo.distributed import exit_process  # this process joins a process group (build_run)
+
+    exit_process(main())

@@ -63,7 +63,7 @@ from bench_common import (  # noqa: E402
 )
 
 from ppo import attention, models, rollout, runner, sharding  # noqa: E402
-from ppo.distributed import DistInfo, all_reduce_scalar, make_mesh  # noqa: E402
+from ppo.distributed import DistInfo, all_reduce_scalar, exit_process, make_mesh  # noqa: E402
 from ppo.rollout import generate, generation_config  # noqa: E402
 
 
@@ -283,4 +283,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -59,6 +59,7 @@ from ppo.distributed import (  # noqa: E402
     DistInfo,
     all_reduce_scalar,
     barrier,
+    exit_process,
 )
 from ppo.packing import Packed, pack  # noqa: E402
 
@@ -200,4 +201,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

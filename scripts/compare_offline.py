@@ -432,4 +432,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if "--evaluate" in sys.argv:  # a rank of step 2's torchrun, which joins a process group
+        from ppo.distributed import exit_process
+
+        exit_process(main())
     sys.exit(main())

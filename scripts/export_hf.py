@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from pathlib import Path
 
 from torch import nn
@@ -30,7 +29,14 @@ from torch import nn
 from ppo import checkpoint_files, lora, model_loading, sharding
 from ppo.config import ConfigError, PPOConfig
 from ppo.config_loader import load_config
-from ppo.distributed import DistInfo, destroy_distributed, init_distributed, make_mesh, setup_logging
+from ppo.distributed import (
+    DistInfo,
+    destroy_distributed,
+    exit_process,
+    init_distributed,
+    make_mesh,
+    setup_logging,
+)
 
 logger = logging.getLogger("ppo")
 
@@ -181,4 +187,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

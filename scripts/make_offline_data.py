@@ -61,6 +61,7 @@ from ppo.distributed import (
     barrier,
     broadcast_object,
     destroy_distributed,
+    exit_process,
     init_distributed,
     setup_logging,
 )
@@ -563,4 +564,4 @@ def convert_pairs(src: Path, out: Path, prompt_key: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -41,7 +41,6 @@ if __name__ == "__main__":  # --help and --print-config answer here, before torc
 # ruff: noqa: E402
 import functools
 import logging
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +62,7 @@ from ppo import (
     ulysses,
 )
 from ppo.config import DPOConfig, PreferenceLossConfig
-from ppo.distributed import DistInfo, all_reduce_scalars
+from ppo.distributed import DistInfo, all_reduce_scalars, exit_process
 from ppo.optim import with_optimizer
 from ppo.packing import DUMMY_SEQUENCE, pack, plan_eval_micro_batches, plan_micro_batches
 
@@ -510,4 +509,4 @@ def evaluate_answers(
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

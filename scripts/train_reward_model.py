@@ -26,7 +26,6 @@ if __name__ == "__main__":  # --help and --print-config answer here, before torc
 # ruff: noqa: E402
 import functools
 import logging
-import sys
 
 import pyarrow.parquet as pq
 import torch
@@ -35,7 +34,7 @@ from torch import nn
 
 from ppo import model_loading, models, run_folder, runner, stage_data, stage_loop
 from ppo.config import RewardModelConfig
-from ppo.distributed import DistInfo, all_gather_object, all_reduce_scalars
+from ppo.distributed import DistInfo, all_gather_object, all_reduce_scalars, exit_process
 from ppo.optim import with_optimizer
 from ppo.packing import DUMMY_SEQUENCE, pack_sequences, plan_eval_micro_batches, plan_micro_batches
 
@@ -243,4 +242,4 @@ def evaluate(
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

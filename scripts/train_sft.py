@@ -24,7 +24,6 @@ if __name__ == "__main__":  # --help and --print-config answer here, before torc
 # ruff: noqa: E402
 import functools
 import logging
-import sys
 
 import torch
 from torch import nn
@@ -33,7 +32,7 @@ from transformers import PreTrainedTokenizerBase
 import ppo_kernels
 from ppo import data, model_eval, model_loading, models, run_folder, runner, stage_data, stage_loop
 from ppo.config import SFTConfig
-from ppo.distributed import DistInfo, all_reduce_scalars
+from ppo.distributed import DistInfo, all_reduce_scalars, exit_process
 from ppo.optim import with_optimizer
 from ppo.packing import (
     DUMMY_SEQUENCE,
@@ -227,4 +226,4 @@ def evaluate_answers(
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
