@@ -504,8 +504,10 @@ class _MetadataUnpickler(pickle.Unpickler):
     }
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == "torch.distributed.checkpoint.metadata" or (module, name) in self.ALLOWED:
-            return super().find_class(module, name)
+        # Python >= 3.13 pickles its paths from pathlib._local: read as pathlib's on any Python
+        where = "pathlib" if module == "pathlib._local" else module
+        if where == "torch.distributed.checkpoint.metadata" or (where, name) in self.ALLOWED:
+            return super().find_class(where, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"refusing {module}.{name}")

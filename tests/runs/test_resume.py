@@ -8,6 +8,7 @@ checkpoint with the run. Stop signals, hangs and runs that stop or refuse to sta
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import pickle
@@ -289,6 +290,17 @@ def test_pickled_payload_in_a_checkpoint_entry_never_runs(tmp_path: Path) -> Non
     with pytest.raises(checkpoint_files.CheckpointError, match="entry entry was refused"):
         checkpoint_files._dcp_load({"entry": 0, "w": torch.zeros(2)}, tmp_path / "ckpt")
     assert not marker.exists()
+
+
+def test_checkpoint_metadata_with_paths_of_any_python_loads() -> None:
+    """DCP's ``.metadata`` holds paths; Python 3.13 pickles them as ``pathlib._local.PosixPath`` (it was
+    refused as "not checkpoint metadata", so no checkpoint written on 3.13 resumed), older ones as
+    ``pathlib.PosixPath``: both load, on any Python."""
+    for module in ("pathlib", "pathlib._local"):
+        data = f"c{module}\nPosixPath\n(V/ckpt/dcp\ntR.".encode()  # pickle protocol 0: PosixPath('/ckpt/dcp')
+        assert checkpoint_files._MetadataUnpickler(io.BytesIO(data)).load() == Path("/ckpt/dcp")
+    with pytest.raises(pickle.UnpicklingError, match="refusing pathlib._local.Path"):
+        checkpoint_files._MetadataUnpickler(io.BytesIO(b"cpathlib._local\nPath\n(V/x\ntR.")).load()
 
 
 @pytest.mark.slow
