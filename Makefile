@@ -118,7 +118,8 @@ compare-offline: install
 	$(PY) scripts/compare_offline.py --sft $(A)/sft --train-file $(A)/offline/train.parquet \
 		--val-file $(A)/data/val.parquet --nproc $(NPROC) --overwrite $(COMPARE_ARGS)
 
-test: install
+# The whole suite, the parity tests against the released verl included (parity-env: a few seconds, once).
+test: install parity-env
 	$(PY) -m pytest -q
 
 # The math of ppo/algorithms against the released verl 0.9.1 (tests/unit/test_parity_verl.py; docs/coming_from_verl.md).
@@ -133,7 +134,7 @@ parity-env: .verl091/.installed
 .verl091/.installed: Makefile | install
 	rm -rf .verl091
 	$(PY) -m pip install -q --no-deps --target .verl091 $(VERL_SIDE)
-	touch $@
+	$(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])' > $@  # its compiled modules' Python
 
 parity: parity-env
 	$(PY) -m pytest -q tests/unit/test_parity_verl.py

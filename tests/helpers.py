@@ -33,15 +33,25 @@ ROOT = Path(__file__).resolve().parents[1]
 
 VERL_SIDE = ROOT / ".verl091"
 """verl 0.9.1 installed without its dependencies (``make parity-env``): the release the parity tests
-compare against; absent until built."""
+compare against; absent until built. Its ``.installed`` names the Python it was built for (its compiled
+modules load in that one only)."""
+
+
+def verl_side_ready() -> bool:
+    """Whether ``VERL_SIDE`` is built, for this Python (CI's release lanes run the unit tests on other
+    versions than the lock's, beside a side folder built for the lock's)."""
+    marker = VERL_SIDE / ".installed"
+    built_for = marker.read_text().strip() if marker.is_file() else ""
+    return (VERL_SIDE / "verl").is_dir() and built_for == f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
 def import_verl(*modules: str) -> list[Any] | None:
-    """verl's ``modules`` (dotted names) from ``VERL_SIDE``, or None where it is not built.
+    """verl's ``modules`` (dotted names) from ``VERL_SIDE``, or None where it is not ready
+    (``verl_side_ready``).
 
     verl.protocol imports ray for type names only, so where ray is not installed a stand-in module with
     those names takes its place: importing the math needs no cluster."""
-    if not (VERL_SIDE / "verl").is_dir():
+    if not verl_side_ready():
         return None
     if str(VERL_SIDE) not in sys.path:
         sys.path.insert(0, str(VERL_SIDE))

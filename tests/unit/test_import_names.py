@@ -9,11 +9,12 @@ import name was this project's kernel package's until it became ``ppo_kernels``;
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
-
+import pkgutil
 import tomllib
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, load_script
 
 COMPANION_IMPORT_NAMES = {
     "accelerate",
@@ -69,3 +70,29 @@ def test_no_installed_distribution_ships_our_import_names() -> None:
 
 def test_no_common_companion_ships_our_import_names() -> None:
     assert not our_import_names() & COMPANION_IMPORT_NAMES
+
+
+def test_every_module_imports() -> None:
+    """Every module of the packages, the entry point and every script imports with the installed releases
+    (CI's release lanes run this first: an upstream release that removed a name we import fails here,
+    naming the module)."""
+    failed = {}
+    for package in sorted(project_metadata()["tool"]["setuptools"]["packages"]):
+        if "." in package:
+            continue
+        root = importlib.import_module(package)
+        for info in pkgutil.walk_packages(root.__path__, prefix=f"{package}."):
+            try:
+                importlib.import_module(info.name)
+            except Exception as e:  # noqa: BLE001 - every failure is named below
+                failed[info.name] = f"{type(e).__name__}: {e}"
+    try:
+        importlib.import_module("train_ppo")
+    except Exception as e:  # noqa: BLE001
+        failed["train_ppo"] = f"{type(e).__name__}: {e}"
+    for script in sorted((ROOT / "scripts").glob("*.py")):
+        try:
+            load_script(script.stem)
+        except Exception as e:  # noqa: BLE001
+            failed[f"scripts/{script.name}"] = f"{type(e).__name__}: {e}"
+    assert not failed, "modules that do not import:\n" + "\n".join(f"{k}: {v}" for k, v in failed.items())

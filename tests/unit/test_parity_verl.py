@@ -20,7 +20,9 @@ from ppo.algorithms.correction import rollout_rs_mask
 from tests.helpers import import_verl
 
 _verl = import_verl("verl.trainer.ppo.core_algos", "verl.trainer.ppo.rollout_corr_helper")
-pytestmark = pytest.mark.skipif(_verl is None, reason="verl 0.9.1 side environment absent: run `make parity`")
+pytestmark = pytest.mark.skipif(
+    _verl is None, reason="verl 0.9.1 side environment absent (or for another Python): run `make parity`"
+)
 if _verl is not None:
     verl, verl_corr = _verl
 

@@ -10,7 +10,7 @@ import torch
 
 from ppo.algorithms import bootstrap_best, pass_at_k
 from ppo.periodic_validation import bootstrap_draws, k_values
-from tests.helpers import VERL_SIDE, import_verl
+from tests.helpers import import_verl, verl_side_ready
 
 
 def test_best_at_k_is_verls_bootstrap_not_pass_at_k() -> None:
@@ -39,7 +39,8 @@ def test_bootstrap_draws_are_numpys_seed_42() -> None:
 
 
 @pytest.mark.skipif(
-    not (VERL_SIDE / "verl").is_dir(), reason="verl 0.9.1 side environment absent: run `make parity`"
+    not verl_side_ready(),
+    reason="verl 0.9.1 side environment absent (or for another Python): run `make parity`",
 )
 def test_best_at_k_matches_verl_process_validation_metrics() -> None:
     (metric_utils,) = import_verl("verl.trainer.ppo.metric_utils")
