@@ -179,8 +179,9 @@ REFUSED_ERROR = (
 
 
 def print_config(*args: str) -> subprocess.CompletedProcess:
-    """``python train_ppo.py --print-config ARGS``, as a user runs it."""
-    cmd = [sys.executable, str(ROOT / "train_ppo.py"), "--print-config", *args]
+    """``python train_ppo.py --print-config --allow-missing-paths ARGS``, as a user checks a verl command
+    whose model and data are elsewhere (verl's scripts name the hub's Qwen and ``$HOME/data``)."""
+    cmd = [sys.executable, str(ROOT / "train_ppo.py"), "--print-config", "--allow-missing-paths", *args]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 
