@@ -345,6 +345,7 @@ def test_uneven_turns_on_two_ranks_and_sp_equal_one_rank(
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")  # the in-process run as the subprocesses run (OMP_NUM_THREADS=1)
 def test_a_run_killed_in_an_environment_step_resumes_to_the_same_metrics(
     tiny_assets: Path, turn_files: tuple[Path, Path], tmp_path: Path
 ) -> None:
