@@ -119,8 +119,14 @@ compare-offline: install
 		--val-file $(A)/data/val.parquet --nproc $(NPROC) --overwrite $(COMPARE_ARGS)
 
 # The whole suite, the parity tests against the released verl included (parity-env: a few seconds, once).
+# Its two rooms run at once, a pytest process each (most tests keep one core busy, so on 2 cores the
+# suite takes the longer room's time, not the sum); tests/runs' output follows tests/unit's, whole.
 test: install parity-env
-	$(PY) -m pytest -q
+	@mkdir -p .pytest_cache; $(PY) -m pytest -q -o cache_dir=.pytest_cache/runs tests/runs > .pytest_cache/runs.log 2>&1 & runs=$$!; \
+	trap 'kill $$runs 2>/dev/null' INT TERM; \
+	$(PY) -m pytest -q -o cache_dir=.pytest_cache/unit tests/unit; unit=$$?; \
+	wait $$runs; status=$$?; echo "== tests/runs"; cat .pytest_cache/runs.log; \
+	test $$unit -eq 0 -a $$status -eq 0
 
 # The math of ppo/algorithms against the released verl 0.9.1 (tests/unit/test_parity_verl.py; docs/coming_from_verl.md).
 # verl's wheel goes into .verl091/ without its dependencies, with only the small packages that importing
