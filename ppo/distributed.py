@@ -137,10 +137,15 @@ def exit_process(code: int) -> NoReturn:
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
     atexit._run_exitfuncs()
+    flush_std_streams()
+    os._exit(code)
+
+
+def flush_std_streams() -> None:
+    """Write out what ``sys.stdout`` and ``sys.stderr`` hold (a closed or broken stream is skipped)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
-    os._exit(code)
 
 
 def make_mesh(info: DistInfo, fsdp_size: int = -1) -> DeviceMesh:

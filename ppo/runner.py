@@ -83,6 +83,7 @@ from ppo.distributed import (
     all_reduce_scalar,
     broadcast_object,
     destroy_distributed,
+    flush_std_streams,
     init_distributed,
     is_collective_timeout,
     make_mesh,
@@ -199,9 +200,7 @@ def _main(
             run_folder.release_lock(Path(cfg.trainer.output_dir) / run_folder.LOCK_FILE)
         destroy_distributed()
         # Our last line is out, whole, before torchrun (which reads nothing of ours) prints its summary.
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
+        flush_std_streams()
     return 0
 
 

@@ -9,6 +9,7 @@ import name was this project's kernel package's until it became ``ppo_kernels``;
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import pkgutil
@@ -43,16 +44,20 @@ def project_metadata() -> dict:
         return tomllib.load(f)
 
 
+def package_folders() -> set[str]:
+    """The package folders at the repository root (the tests' own left out)."""
+    return {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file() and p.name != "tests"}
+
+
 def our_import_names() -> set[str]:
     """The packages pyproject.toml installs, and any package folder at the repository root (a new
     package counts before it is added to pyproject.toml)."""
     listed = set(project_metadata()["tool"]["setuptools"]["packages"])
-    folders = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file() and p.name != "tests"}
-    return {name.split(".")[0] for name in listed} | folders
+    return {name.split(".")[0] for name in listed} | package_folders()
 
 
 def test_the_package_folders_are_the_installed_packages() -> None:
-    folders = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file() and p.name != "tests"}
+    folders = package_folders()
     assert folders == set(project_metadata()["tool"]["setuptools"]["packages"])
     assert folders == {"ppo", "ppo_kernels"}
 
@@ -76,23 +81,18 @@ def test_every_module_imports() -> None:
     """Every module of the packages, the entry point and every script imports with the installed releases
     (CI's release lanes run this first: an upstream release that removed a name we import fails here,
     naming the module)."""
-    failed = {}
-    for package in sorted(project_metadata()["tool"]["setuptools"]["packages"]):
-        if "." in package:
-            continue
-        root = importlib.import_module(package)
-        for info in pkgutil.walk_packages(root.__path__, prefix=f"{package}."):
-            try:
-                importlib.import_module(info.name)
-            except Exception as e:  # noqa: BLE001 - every failure is named below
-                failed[info.name] = f"{type(e).__name__}: {e}"
-    try:
-        importlib.import_module("train_ppo")
-    except Exception as e:  # noqa: BLE001
-        failed["train_ppo"] = f"{type(e).__name__}: {e}"
+    importers = {
+        info.name: functools.partial(importlib.import_module, info.name)
+        for package in sorted(our_import_names())
+        for info in pkgutil.walk_packages(importlib.import_module(package).__path__, prefix=f"{package}.")
+    }
+    importers["train_ppo"] = functools.partial(importlib.import_module, "train_ppo")
     for script in sorted((ROOT / "scripts").glob("*.py")):
+        importers[f"scripts/{script.name}"] = functools.partial(load_script, script.stem)
+    failed = {}
+    for name, load in importers.items():
         try:
-            load_script(script.stem)
-        except Exception as e:  # noqa: BLE001
-            failed[f"scripts/{script.name}"] = f"{type(e).__name__}: {e}"
+            load()
+        except Exception as e:  # noqa: BLE001 - every failure is named below
+            failed[name] = f"{type(e).__name__}: {e}"
     assert not failed, "modules that do not import:\n" + "\n".join(f"{k}: {v}" for k, v in failed.items())
