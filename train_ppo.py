@@ -16,9 +16,10 @@ order, then the ways a step ends early (stop, rollback, skip), handled in one pl
 from __future__ import annotations
 
 from ppo import cli
+from ppo.config import PPOConfig
 
 if __name__ == "__main__":  # --help and --print-config answer here, before torch and transformers load
-    cli.answer_early(None, __doc__, "PPOConfig")
+    cli.answer_early(None, __doc__, PPOConfig)
 
 # The imports below follow the early answer on purpose:
 # ruff: noqa: E402
@@ -27,7 +28,6 @@ import logging
 import torch
 
 from ppo import (
-    accuracy_filter,
     batch_advantages,
     checkpoint_files,
     dynamic_sampling,
@@ -35,6 +35,7 @@ from ppo import (
     lora,
     monitor,
     offline,
+    prime,
     rewards,
     runner,
     ulysses,
@@ -42,7 +43,6 @@ from ppo import (
 from ppo.batch import Batch, group_index
 from ppo.build import Run, build
 from ppo.checkpointer import log_stopped, roll_back, save_due
-from ppo.config import PPOConfig
 from ppo.distributed import (
     DistInfo,
     all_reduce_scalar,
@@ -50,10 +50,10 @@ from ppo.distributed import (
     reduce_metrics,
 )
 from ppo.metrics import Timer, batch_metrics, perf_metrics, profiled
-from ppo.optimize import actor_loss, cov_selection, critic_loss, optimize, rollout_rejection, update_prm
+from ppo.optimize import actor_loss, cov_selection, critic_loss, optimize, rollout_rejection
 from ppo.periodic_validation import validate
 from ppo.rollout import gather_group, sample
-from ppo.step_end import EndStep, TrainingError
+from ppo.step_end import EndStep, StopRequest, TrainingError
 
 logger = logging.getLogger("ppo")
 
@@ -70,7 +70,7 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
         val_metrics = validate(cfg, info, run)
         state.best_val = val_metrics.get("val/score")
         run.metrics_logger.log(0, val_metrics)
-    stop = runner.StopRequest()
+    stop = StopRequest()
     while state.step < run.total_steps:
         start = step_start(run)
         state.step += 1
@@ -94,7 +94,7 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
                 # the reward, then GAE or a group baseline
                 if run.prm is not None:
                     with timer("prm"):
-                        metrics.update(update_prm(cfg, run.prm, batch, run.sp))
+                        metrics.update(prime.update_prm(cfg, run.prm, batch, run.sp))
                 with timer("adv"):
                     metrics.update(batch_advantages.compute_advantages(cfg, batch, run.kl_ctrl, step))
 
@@ -143,9 +143,7 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 
-def collect(
-    cfg: PPOConfig, run: Run, timer: Timer, stop: runner.StopRequest
-) -> tuple[Batch, dict[str, float]]:
+def collect(cfg: PPOConfig, run: Run, timer: Timer, stop: StopRequest) -> tuple[Batch, dict[str, float]]:
     """This rank's step batch and the rollout's metrics: one round of the next prompts
     (``collect_round``), or with ``algorithm.filter_groups`` as many rounds as it takes
     (``dynamic_sampling.collect_filtered``). The ranks of a sequence-parallel group then gather their
@@ -162,7 +160,7 @@ def collect(
             device=run.device,
         )
     elif cfg.data.filter_accuracy:  # PRIME's: oversample, then prompts neither always nor never solved
-        batch, metrics = accuracy_filter.collect_accuracy_filtered(
+        batch, metrics = prime.collect_accuracy_filtered(
             cfg,
             run.loader,
             timer,
@@ -218,7 +216,7 @@ def collect_round(cfg: PPOConfig, run: Run, items: list, timer: Timer) -> Batch:
 # ----------------------------------------------------------------------------------------------------
 
 
-def score(cfg: PPOConfig, run: Run, batch: Batch, timer: Timer, stop: runner.StopRequest) -> dict[str, float]:
+def score(cfg: PPOConfig, run: Run, batch: Batch, timer: Timer, stop: StopRequest) -> dict[str, float]:
     """Old log-probs (unless the on-policy shortcut makes them the update's own), reference log-probs
     (and ``actor/ref_kl``), values and scores, into ``batch``; a stop signal is honoured between them."""
     metrics: dict[str, float] = {}
@@ -239,22 +237,18 @@ def score(cfg: PPOConfig, run: Run, batch: Batch, timer: Timer, stop: runner.Sto
             batch.values = forwards.forward_values(cfg, run.critic.model, batch, run.sp)
         at_boundary(stop)
     with timer("reward"):
-        if batch.scores is None:  # dynamic sampling scored its rounds already
-            penalties = rewards.overlong_penalties(
-                batch.response_mask,
-                cfg.reward.overlong_buffer,
-                max_response_length=cfg.data.max_response_length,
+        if batch.scores is None:  # dynamic sampling and the accuracy filter scored their rounds already
+            raw, reward_metrics = score_responses(cfg, run, batch, stop)
+            batch.scores, shaping_metrics = rewards.shape_scores(
+                raw, batch.response_mask, cfg.reward, max_response_length=cfg.data.max_response_length
             )
-            scores, reward_metrics = score_responses(cfg, run, batch, stop)
-            batch.scores = scores + penalties
             metrics.update(reward_metrics)
-            if cfg.reward.overlong_buffer.enable:
-                metrics.update(rewards.overlong_metrics(penalties))
+            metrics.update(shaping_metrics)
     return metrics
 
 
 def score_responses(
-    cfg: PPOConfig, run: Run, batch: Batch, stop: runner.StopRequest
+    cfg: PPOConfig, run: Run, batch: Batch, stop: StopRequest
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """``[B]`` the reward's score of each response (``rewards.batch_scores``), before any shaping, and
     the rule's metrics (``reward/extra/*``; with ``reward.pool_workers``, ``reward/{timeouts,errors}``).
@@ -399,7 +393,7 @@ def save(run: Run) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 
-def at_boundary(stop: runner.StopRequest) -> None:
+def at_boundary(stop: StopRequest) -> None:
     """A phase boundary before the update: end the step if any rank was asked to stop (collective)."""
     if stop.requested():
         raise EndStep("stop", stop.name or "stop signal")

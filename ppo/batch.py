@@ -123,6 +123,8 @@ class Batch:
     """[B, R] the score on the last response token minus the in-reward KL penalty."""
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    targets: torch.Tensor | None = None
+    """[B] the regression target of each response, for a loss with one (SPPO)."""
 
     @property
     def response_mask(self) -> torch.Tensor:

@@ -6,15 +6,13 @@ rewards, minus the in-reward KL penalty) and the advantages of ``algorithm.adv_e
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-import ppo_kernels
 from ppo import algorithms
 from ppo.batch import Batch
 from ppo.config import PPOConfig
-from ppo.distributed import all_reduce_scalar, all_reduce_scalars, all_reduce_sum
+from ppo.distributed import all_reduce_scalar, all_reduce_sum
+from ppo.token_kl import kl_estimate
 
 
 def compute_advantages(
@@ -57,102 +55,41 @@ def compute_advantages(
 
 
 def estimate(cfg: PPOConfig, batch: Batch) -> None:
-    """``batch.advantages`` and ``batch.returns`` from ``batch.token_rewards`` by
-    ``algorithm.adv_estimator``; the group estimators' returns are their advantages. SPPO
-    (``actor.policy_loss.loss_mode=sppo``) has targets instead (``sppo_targets``)."""
-    est, alg = cfg.algorithm.adv_estimator, cfg.algorithm
-    token_rewards, mask = batch.token_rewards, batch.loss_mask
+    """``batch.advantages``, ``batch.returns`` (and ``batch.targets``) from ``batch.token_rewards`` by the
+    estimator named ``cfg.advantage_estimator`` (``algorithms.ADVANTAGE_ESTIMATORS``)."""
+    alg = cfg.algorithm
     sp_size = cfg.actor.ulysses_sequence_parallel_size
-    if cfg.actor.policy_loss.loss_mode == "sppo":
-        # The target on every position of its row: the loss reads column 0, the batch metrics the masked mean.
-        targets = sppo_targets(cfg, batch)
-        batch.advantages = targets[:, None].expand_as(token_rewards).clone()
-        batch.returns = batch.advantages
-        return
 
     def all_reduce(t: torch.Tensor) -> torch.Tensor:
         # The ranks of a sequence-parallel group hold the same tokens: count them once.
         return all_reduce_sum(t).div_(sp_size)
 
-    if est == "gae":
-        batch.advantages, batch.returns = algorithms.compute_gae(
-            token_rewards, batch.values, mask, alg.gamma, alg.lam, all_reduce=all_reduce
-        )
-        return
-    if est == "reinforce_plus_plus":
-        batch.advantages, batch.returns = algorithms.compute_reinforce_plus_plus_advantages(
-            token_rewards, mask, alg.gamma, all_reduce=all_reduce
-        )
-        return
-    seq_rewards, groups = token_rewards.sum(-1), batch.group_ids
-    if est == "prime":  # RLOO over the implicit PRM's token rewards and over the outcome, whitened
-        batch.advantages, batch.returns = algorithms.compute_prime_advantages(
-            batch.prm_rewards,
-            seq_rewards,
-            groups,
-            mask,
-            alg.reward_dpo_coef,
-            alg.reward_gt_coef,
-            all_reduce=all_reduce,
-        )
-        return
-    if est == "grpo":
-        batch.advantages = algorithms.compute_grpo_advantages(
-            seq_rewards, groups, mask, norm_by_std=alg.norm_adv_by_std_in_grpo
-        )
-    elif est == "rloo":
-        batch.advantages = algorithms.compute_rloo_advantages(seq_rewards, groups, mask)
-    elif est == "reinforce_plus_plus_baseline":
-        batch.advantages = algorithms.compute_reinforce_plus_plus_baseline_advantages(
-            seq_rewards, groups, mask, all_reduce=all_reduce
-        )
-    else:
-        batch.advantages = algorithms.compute_opo_advantages(seq_rewards, groups, mask)
-    batch.returns = batch.advantages
+    def all_reduce_max(t: torch.Tensor) -> torch.Tensor:  # one number
+        return t.new_tensor([all_reduce_scalar(float(t[0]), "max")])
 
-
-def sppo_targets(cfg: PPOConfig, batch: Batch) -> torch.Tensor:
-    """``[B]`` SPPO's target of each response (``algorithm.sppo_target``), ``actor.sppo_eta`` times:
-
-    - ``win_rate``: ``P - 1/2``, with ``P`` the share of the group's other responses it beats
-      (``algorithms.win_rates``, ties 1/2) by summed token rewards, or, for offline groups under
-      ``reward.style=ranking``, by the data's ranks themselves (ties in rank are ties);
-    - ``softmean``: ``r - softmean_beta(r)`` with ``r`` the summed token rewards and the soft mean over
-      the whole batch on all ranks (verl's recipe takes it over the driver's whole batch).
-    """
-    alg = cfg.algorithm
-    seq_rewards = batch.token_rewards.sum(-1)
-    if alg.sppo_target == "softmean":
-        return cfg.actor.sppo_eta * (seq_rewards - global_softmean(seq_rewards, alg.sppo_beta))
-    keys = seq_rewards
-    if cfg.reward.style == "ranking" and batch.data_ranks is not None:
-        offline_rows = batch.data_ranks >= 0  # groups are all offline or all sampled
-        keys = torch.where(offline_rows, -batch.data_ranks.to(seq_rewards.dtype), seq_rewards)
-    return cfg.actor.sppo_eta * (algorithms.win_rates(keys, batch.group_ids) - 0.5)
-
-
-def global_softmean(x: torch.Tensor, beta: float) -> float:
-    """``algorithms.softmean`` of ``x [B]`` over every rank's rows (each row once under sequence
-    parallelism): ``m + log(Σ exp(beta (x - m)) / n) / beta`` with ``m`` the global maximum, in float64."""
-    # Sequence-parallel ranks hold the same rows: the sums and the count count each row sp times alike,
-    # so their ratio is the batch's.
-    x = x.double()
-    if beta == 0.0:
-        total, count = all_reduce_scalars([float(x.sum()), float(x.numel())], "sum")
-        return total / count
-    # The shift by the extreme value that dominates keeps every exp() at most 1.
-    m = all_reduce_scalar(float((x * beta).max()), "max") / beta
-    total, count = all_reduce_scalars([float(torch.exp(beta * (x - m)).sum()), float(x.numel())], "sum")
-    return m + (math.log(total) - math.log(count)) / beta
-
-
-def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str, backend: str) -> torch.Tensor:
-    """Per-token KL estimate ``[B, R]`` (``algorithms.kl_penalty``) for the KL in the reward and the KL
-    loss; k3 runs on the ``ppo_kernels`` low-variance KL op (Triton on GPU), which computes the same values
-    and gradients."""
-    if kind in ("low_var_kl", "k3"):
-        return ppo_kernels.low_var_kl(logprobs, ref_logprobs, backend=backend)
-    return algorithms.kl_penalty(logprobs, ref_logprobs, kind)
+    inputs = algorithms.AdvantageInputs(
+        token_rewards=batch.token_rewards,
+        response_mask=batch.loss_mask,
+        group_ids=batch.group_ids,
+        values=batch.values,
+        prm_rewards=batch.prm_rewards,
+        data_ranks=batch.data_ranks if cfg.reward.style == "ranking" else None,
+        all_reduce=all_reduce,
+        all_reduce_max=all_reduce_max,
+    )
+    settings = algorithms.AdvantageSettings(
+        gamma=alg.gamma,
+        lam=alg.lam,
+        norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
+        reward_dpo_coef=alg.reward_dpo_coef,
+        reward_gt_coef=alg.reward_gt_coef,
+        sppo_target=alg.sppo_target,
+        sppo_eta=cfg.actor.sppo_eta,
+        sppo_beta=alg.sppo_beta,
+    )
+    batch.advantages, batch.returns, batch.targets = algorithms.ADVANTAGE_ESTIMATORS[cfg.advantage_estimator](
+        inputs, settings
+    )
 
 
 def last_true(mask: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ def needs_old_logprobs(cfg: PPOConfig) -> bool:
     clip_cov = cfg.actor.policy_loss.loss_mode == "clip_cov"  # picks its tokens by the old log-probs
     alg = cfg.algorithm
     return (
-        not cfg.on_policy
+        not cfg.one_update_per_rollout
         or alg.use_kl_in_reward
         or alg.rollback_kl > 0
         or clip_cov

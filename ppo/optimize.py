@@ -1,38 +1,36 @@
 """Step 4's machinery: mini-batches, global counts, the one optimize loop the actor and the critic share,
 and their loss closures (``actor_loss``, ``critic_loss``): they differ only in the closure. PRIME's
-implicit PRM trains through the same loop at the start of step 3 (``update_prm``, with ``prm_loss``).
+implicit PRM trains through the same loop at the start of step 3 (``ppo.prime.update_prm``).
 
     loss_fn = actor_loss(cfg, actor.model, batch, sp)   # (sel, counts) -> (loss, {"actor/pg_loss": ...})
     metrics = optimize(cfg.actor, "actor", actor, batch, loss_fn,
                        num_mini=bsz // mini, shuffle=True, sp=sp, early_stop_kl=0.05)
 
-A new policy loss lands in ``ppo.algorithms`` (its math) and in ``actor_loss`` (what it reads from the
-batch); Clip-Cov and KL-Cov also pick their tokens once per mini-batch (``cov_selection``).
+A new policy loss lands in ``ppo.algorithms`` (its math and its row of ``POLICY_LOSSES``); ``actor_loss``
+looks the name up. Clip-Cov and KL-Cov also pick their tokens once per mini-batch (``cov_selection``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from ppo import algorithms, forwards, ulysses
+from ppo import algorithms, ulysses
 from ppo.algorithms.correction import mismatch_sums, rollout_rs_mask
 from ppo.batch import Batch
-from ppo.batch_advantages import kl_estimate
 from ppo.config import ActorConfig, CriticConfig, PPOConfig
 from ppo.distributed import (
     all_gather_object,
-    all_reduce_scalar,
     all_reduce_scalars,
     all_reduce_sum,
     all_reduce_tensors,
 )
 from ppo.optim import Trained, optimizer_step
 from ppo.packing import micro_batches, pack_rows
+from ppo.token_kl import kl_estimate
 
 logger = logging.getLogger("ppo")
 
@@ -166,17 +164,28 @@ def actor_loss(
     cov_mask: torch.Tensor | None = None,
     loss_mask: torch.Tensor | None = None,
 ) -> LossFn:
-    """The actor's share of a mini-batch's loss on the rows ``sel`` of ``batch``: the policy loss of
-    ``actor.policy_loss.loss_mode`` (SPPO: ``algorithms.sppo_loss`` on its targets), minus the entropy bonus, plus the KL loss; with the on-policy
-    shortcut the old log-probs are the forward's own, detached. ``cov_mask [B, R]``: Clip-Cov's or
-    KL-Cov's tokens of the current mini-batch (``cov_selection`` fills it before the mini-batch).
-    ``loss_mask [B, R]``: the tokens trained, when not ``batch.loss_mask`` (``rollout_rejection``'s: the
-    importance weights and ``mismatch/*`` stay over every generated token, as verl's)."""
+    """The actor's share of a mini-batch's loss on the rows ``sel`` of ``batch``: the policy loss named
+    ``actor.policy_loss.loss_mode`` (``algorithms.POLICY_LOSSES``), minus the entropy bonus, plus the KL
+    loss; with one update per rollout the old log-probs are the forward's own, detached. ``cov_mask
+    [B, R]``: Clip-Cov's or KL-Cov's tokens of the current mini-batch (``cov_selection`` fills it before
+    the mini-batch). ``loss_mask [B, R]``: the tokens trained, when not ``batch.loss_mask``
+    (``rollout_rejection``'s: the importance weights and ``mismatch/*`` stay over every generated token,
+    as verl's)."""
     a = cfg.actor
-    on_policy = cfg.on_policy
-    sppo = a.policy_loss.loss_mode == "sppo"
+    reuse_forward = cfg.one_update_per_rollout
     scale = sum_norm_scale(cfg, a.loss_scale_factor)
     trained_mask = batch.loss_mask if loss_mask is None else loss_mask
+    loss_of = algorithms.POLICY_LOSSES[a.policy_loss.loss_mode]
+    settings = algorithms.PolicyLossSettings(
+        loss_agg_mode=a.loss_agg_mode,
+        clip_ratio_low=a.clip_ratio_low,
+        clip_ratio_high=a.clip_ratio_high,
+        clip_ratio_c=a.clip_ratio_c,
+        ppo_kl_coef=a.policy_loss.ppo_kl_coef,
+    )
+
+    def rows(t: torch.Tensor | None, sel: torch.Tensor) -> torch.Tensor | None:
+        return None if t is None else t[sel]
 
     def loss_fn(sel: torch.Tensor, counts: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         counts = {**counts, "loss_scale_factor": scale}
@@ -190,45 +199,33 @@ def actor_loss(
             compute_entropy=True,  # logged every step; its gradient only with an entropy bonus
             fused=a.use_fused_kernels,
         )
-        old_logprobs = logprobs.detach() if on_policy else batch.old_logprobs[sel]
+        old_logprobs = logprobs.detach() if reuse_forward else batch.old_logprobs[sel]
         is_weights, mismatch = off_policy_weights(cfg, old_logprobs, batch, sel)
-        if sppo:  # the target of each row is on every position of its advantages (batch_advantages)
-            pg_loss, pg_metrics = algorithms.sppo_loss(
-                logprobs, old_logprobs, batch.advantages[sel][:, 0], mask, a.loss_agg_mode, **counts
-            )
-        else:
-            pg_loss, pg_metrics = algorithms.policy_loss(
-                logprobs,
-                old_logprobs,
-                batch.advantages[sel],
-                mask,
-                a.clip_ratio_low,
-                a.clip_ratio_high,
-                a.clip_ratio_c,
-                a.loss_agg_mode,
-                is_weights=is_weights,
-                loss_mode=a.policy_loss.loss_mode,
-                cov_mask=None if cov_mask is None else cov_mask[sel],
-                ppo_kl_coef=a.policy_loss.ppo_kl_coef,
-                **counts,
-            )
+        inputs = algorithms.PolicyLossInputs(
+            logprobs=logprobs,
+            old_logprobs=old_logprobs,
+            response_mask=mask,
+            advantages=rows(batch.advantages, sel),
+            targets=rows(batch.targets, sel),
+            is_weights=is_weights,
+            cov_mask=rows(cov_mask, sel),
+        )
+        pg_loss, pg_metrics = loss_of(inputs, settings, **counts)  # metrics: this micro-batch's shares
         if not a.entropy_coeff:
             entropy = entropy.detach()
         entropy_loss = algorithms.agg_loss(entropy, mask, a.loss_agg_mode, **counts)
         loss = pg_loss - a.entropy_coeff * entropy_loss if a.entropy_coeff else pg_loss
-        weight = mask.sum() / counts["num_tokens"]
         # The metric is the mean token entropy whatever the aggregation (a sum under token-sum modes).
         mean_entropy = algorithms.agg_loss(entropy.detach(), mask, "token-mean", counts["num_tokens"])
         parts = {"actor/pg_loss": pg_loss, "actor/entropy": mean_entropy}
-        # SPPO's metrics are per response and already this micro-batch's share; the others per token.
-        parts.update({f"actor/{k}": v if sppo else v * weight for k, v in pg_metrics.items()})
+        parts.update({f"actor/{k}": v for k, v in pg_metrics.items()})
         parts.update(mismatch)
         if a.use_kl_loss:
             kl = kl_estimate(logprobs, batch.ref_logprobs[sel], a.kl_loss_type, a.kernels)
             kl_loss = algorithms.agg_loss(kl, mask, a.loss_agg_mode, **counts)
             loss = loss + a.kl_loss_coef * kl_loss
             parts["actor/kl_loss"] = kl_loss
-        if on_policy and batch.old_logprobs is None and batch.ref_logprobs is not None:
+        if reuse_forward and batch.old_logprobs is None and batch.ref_logprobs is not None:
             # The scoring forward was skipped: the step's KL to the reference from this forward.
             seq_kl = algorithms.masked_mean(logprobs.detach() - batch.ref_logprobs[sel], mask, dim=-1)
             parts["actor/ref_kl"] = seq_kl.sum() / counts["num_seqs"]
@@ -257,88 +254,6 @@ def critic_loss(cfg: PPOConfig, critic: torch.nn.Module, batch: Batch, sp: ulyss
         }
 
     return loss_fn
-
-
-def prime_labels(scores: torch.Tensor) -> torch.Tensor:
-    """``[B]`` PRIME's outcome labels: each response's score clipped to ``[0, 1]`` (the rule's 0/1
-    verdict; a format score in between is a soft label)."""
-    return scores.float().clamp(0.0, 1.0)
-
-
-def prm_loss(
-    cfg: PPOConfig,
-    prm: torch.nn.Module,
-    batch: Batch,
-    sp: ulysses.SPGroup,
-    *,
-    prm_logprobs: torch.Tensor | None = None,
-) -> LossFn:
-    """The implicit PRM's share of a mini-batch's cross-entropy loss (``algorithms.prime_ce_loss``) on
-    the rows ``sel``: the PRM's log-probs minus the reference's, summed over the response and scaled by
-    ``reward.prime.beta_train``, against the outcome labels (``prime_labels``). Each row weighs
-    ``1 / num_seqs`` of the mini-batch (all ranks), as the recipe's mean over the mini-batch. With
-    ``prm_logprobs [B, R]`` the forward's log-probs (detached) are written there (``update=after``)."""
-    p = cfg.reward.prime
-    acc = prime_labels(batch.scores)
-
-    def loss_fn(sel: torch.Tensor, counts: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        logprobs, _ = ulysses.packed_logprobs(
-            prm,
-            pack_rows(batch, sel),
-            sp,
-            temperature=cfg.rollout.temperature,
-            backend=cfg.actor.kernels,
-            fused=cfg.actor.use_fused_kernels,
-        )
-        if prm_logprobs is not None:
-            prm_logprobs[sel] = logprobs.detach()
-        log_ratios = logprobs - batch.ref_logprobs[sel]
-        ce = algorithms.prime_ce_loss(log_ratios, acc[sel], batch.loss_mask[sel], p.beta_train)
-        loss = ce * (len(sel) / counts["num_seqs"])
-        return loss, {"reward_model/dpo_loss": loss}
-
-    return loss_fn
-
-
-def update_prm(cfg: PPOConfig, prm: Trained, batch: Batch, sp: ulysses.SPGroup) -> dict[str, float]:
-    """PRIME's implicit PRM on this step's responses (verl recipe's ``update_rm`` and
-    ``compute_rm_score``): one epoch of ``prm_loss`` in mini-batches of ``reward.prime.mini_batch_size``
-    prompts (in order), micro-batched as the actor, then the token rewards ``batch.prm_rewards``
-    (``algorithms.prime_token_rewards``) from a forward of the updated PRM (``update=before``) or from
-    the training forwards (``update=after``), divided by the batch's largest absolute return over all
-    ranks with ``prime_norm=batch_norm``. Needs ``batch.scores`` and ``batch.ref_logprobs``."""
-    p = cfg.reward.prime
-    role = dataclasses.replace(cfg.actor, ppo_epochs=1, grad_clip=p.grad_clip)
-    lr = prm.optimizer.param_groups[0]["lr"]  # the rate this step's updates use
-    mask = batch.loss_mask
-    prm_logprobs = torch.zeros_like(mask, dtype=torch.float32) if p.update == "after" else None
-    out = optimize(
-        role,
-        "reward_model",
-        prm,
-        batch,
-        prm_loss(cfg, prm.model, batch, sp, prm_logprobs=prm_logprobs),
-        num_mini=cfg.data.train_batch_size // p.mini_batch_size,
-        shuffle=False,
-        sp=sp,
-    )
-    prm.scheduler.step()
-    out["reward_model/lr"] = lr
-    if prm_logprobs is None:
-        mb = cfg.actor.ppo_micro_batch_size_per_gpu
-        prm_logprobs = forwards.forward_logprobs(cfg, prm.model, batch, mb, sp)
-    token_rewards = algorithms.prime_token_rewards(prm_logprobs, batch.ref_logprobs, mask, p.beta_train)
-    if p.prime_norm == "batch_norm":
-        largest = all_reduce_scalar(float(algorithms.prime_max_abs_return(token_rewards)), "max")
-        token_rewards = algorithms.prime_norm(token_rewards, largest)
-    batch.prm_rewards = token_rewards
-    acc, seq_rewards = prime_labels(batch.scores), token_rewards.sum(-1)
-    out["reward_model/reward"] = seq_rewards.mean().item()
-    log_ratios = torch.where(mask, prm_logprobs - batch.ref_logprobs, torch.zeros_like(prm_logprobs))
-    out["reward_model/raw_reward"] = log_ratios.sum(-1).mean().item()
-    out["reward_model/dpo_acc"] = algorithms.dpo_accuracy(seq_rewards, acc, batch.group_ids).item()
-    out["reward_model/dpo_acc_abs"] = algorithms.dpo_abs_accuracy(seq_rewards, acc).item()
-    return out
 
 
 def sum_norm_scale(cfg: PPOConfig, loss_scale_factor: int | None) -> float:

@@ -22,7 +22,8 @@ The package's modules, each pure torch: ``stats`` (masked mean and whitening; pa
 bootstrapped best@k), ``kl`` (KL estimators,
 exact KL, controllers), ``advantages`` (GAE, GRPO, RLOO, REINFORCE++ and its baseline
 variant, OPO; DAPO's group filter), ``losses`` (aggregation; the vanilla, GSPO, Clip-Cov and KL-Cov
-policy losses and the covariance token selections; the value loss), ``correction`` (off-policy
+policy losses and the covariance token selections; the value loss), ``tables`` (every policy loss and
+advantage estimator under its config name: ``POLICY_LOSSES``, ``ADVANTAGE_ESTIMATORS``), ``correction`` (off-policy
 importance weights), ``preference`` (the DPO family's per-pair losses: DPO/cDPO, IPO, SimPO, KTO), ``sppo`` (SPPO's win
 rates, soft mean and squared log-ratio loss), ``prime`` (PRIME's implicit process rewards, its PRM
 loss and advantages).
@@ -31,6 +32,9 @@ Users import every name from ``ppo.algorithms`` itself; the lists of allowed nam
 """
 
 from ppo.algorithms.advantages import (
+    AdvantageInputs,
+    AdvantageSettings,
+    Estimate,
     compute_gae,
     compute_grpo_advantages,
     compute_opo_advantages,
@@ -48,10 +52,11 @@ from ppo.algorithms.kl import (
     kl_penalty,
 )
 from ppo.algorithms.losses import (
+    PolicyLossInputs,
+    PolicyLossSettings,
     agg_loss,
     clip_cov_selection,
     kl_cov_selection,
-    policy_loss,
     token_covariance,
     value_loss,
 )
@@ -66,8 +71,9 @@ from ppo.algorithms.prime import (
     prime_norm,
     prime_token_rewards,
 )
-from ppo.algorithms.sppo import softmean, sppo_loss, win_rates
+from ppo.algorithms.sppo import global_softmean, softmean, sppo_loss, win_rates
 from ppo.algorithms.stats import bootstrap_best, masked_mean, masked_whiten, pass_at_k
+from ppo.algorithms.tables import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, policy_loss
 from ppo.choices import (
     ADV_ESTIMATORS,
     GROUP_ESTIMATORS,
@@ -79,15 +85,22 @@ from ppo.choices import (
 )
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
     "ADV_ESTIMATORS",
     "GROUP_ESTIMATORS",
     "KL_KINDS",
     "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
     "POLICY_LOSS_MODES",
     "PREFERENCE_LOSSES",
     "ROLLOUT_IS_LEVELS",
     "AdaptiveKLController",
+    "AdvantageInputs",
+    "AdvantageSettings",
+    "Estimate",
     "FixedKLController",
+    "PolicyLossInputs",
+    "PolicyLossSettings",
     "accuracy_filter",
     "agg_loss",
     "bootstrap_best",
@@ -105,6 +118,7 @@ __all__ = [
     "entropy_from_logits",
     "filter_groups",
     "full_kl",
+    "global_softmean",
     "ipo_loss",
     "kl_cov_selection",
     "kl_penalty",

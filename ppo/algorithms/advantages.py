@@ -1,11 +1,17 @@
 """Advantage estimators: GAE with a critic; REINFORCE++ (discounted returns, whitened); the group
 baselines GRPO (and Dr. GRPO), RLOO, REINFORCE++-baseline and OPO; DAPO's group filter.
 
+Each estimator is a ``compute_*`` function with the arguments it needs, and a row of one signature,
+``fn(AdvantageInputs, AdvantageSettings) -> Estimate``, that ``ppo.algorithms.tables``'s
+``ADVANTAGE_ESTIMATORS`` lists under its ``algorithm.adv_estimator`` name (verl's ``core_algos``).
+
 Shapes: ``token_rewards``, ``values``, ``response_mask`` ``[B, T]``; per-sequence ``scores`` and
 ``group_ids`` ``[B]`` (the prompt each sequence answers).
 """
 
+import dataclasses
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -252,3 +258,103 @@ def filter_groups(values: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor
         0, inverse, torch.ones_like(inverse)
     )
     return ((high > low) | (count == 1))[inverse]
+
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+"""Sums (or takes the maximum of) a tensor over every rank's rows, each row once; the identity on one."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class AdvantageInputs:
+    """What an estimator reads from the step's batch. Shapes: ``[B, T]`` over response tokens, ``[B]``
+    per response; a field an estimator does not use may be None."""
+
+    token_rewards: torch.Tensor
+    """Rewards per token (the outcome score on the last trained token, step rewards, KL penalty)."""
+    response_mask: torch.Tensor
+    """True on the tokens trained."""
+    group_ids: torch.Tensor
+    """``[B]`` the prompt each response answers."""
+    values: torch.Tensor | None = None
+    """The critic's values (GAE)."""
+    prm_rewards: torch.Tensor | None = None
+    """PRIME's implicit process rewards."""
+    data_ranks: torch.Tensor | None = None
+    """``[B]`` offline responses' ranks in their group (-1 for sampled rows), where ranks are the reward."""
+    all_reduce: Reduce | None = None
+    """Sum over ranks (batch statistics over every rank's tokens)."""
+    all_reduce_max: Reduce | None = None
+    """Maximum over ranks."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class AdvantageSettings:
+    """The estimators' options (verl's ``algorithm.*`` names; SPPO's ``actor.sppo_eta``)."""
+
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    reward_dpo_coef: float = 5.0
+    reward_gt_coef: float = 5.0
+    sppo_target: str = "win_rate"
+    sppo_eta: float = 1.0
+    sppo_beta: float = 1.0
+
+
+class Estimate(NamedTuple):
+    """An estimator's output: ``advantages`` and ``returns`` ``[B, T]`` (0 outside the mask), and for a
+    loss that regresses each response onto one number (SPPO), its ``targets [B]``."""
+
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    targets: torch.Tensor | None = None
+
+
+def gae_estimator(x: AdvantageInputs, s: AdvantageSettings) -> Estimate:
+    """``gae``: :func:`compute_gae` with the critic's values."""
+    return Estimate(
+        *compute_gae(x.token_rewards, x.values, x.response_mask, s.gamma, s.lam, all_reduce=x.all_reduce)
+    )
+
+
+def reinforce_plus_plus_estimator(x: AdvantageInputs, s: AdvantageSettings) -> Estimate:
+    """``reinforce_plus_plus``: :func:`compute_reinforce_plus_plus_advantages`."""
+    return Estimate(
+        *compute_reinforce_plus_plus_advantages(
+            x.token_rewards, x.response_mask, s.gamma, all_reduce=x.all_reduce
+        )
+    )
+
+
+def _group_estimate(advantages: torch.Tensor) -> Estimate:
+    """A group estimator's returns are its advantages (verl)."""
+    return Estimate(advantages, advantages)
+
+
+def grpo_estimator(x: AdvantageInputs, s: AdvantageSettings) -> Estimate:
+    """``grpo``: :func:`compute_grpo_advantages` of each response's summed token rewards (verl's
+    ``token_level_rewards.sum(-1)``: with KL in the reward, a response that drifted earns less)."""
+    return _group_estimate(
+        compute_grpo_advantages(
+            x.token_rewards.sum(-1), x.group_ids, x.response_mask, norm_by_std=s.norm_adv_by_std_in_grpo
+        )
+    )
+
+
+def rloo_estimator(x: AdvantageInputs, s: AdvantageSettings) -> Estimate:
+    """``rloo``: :func:`compute_rloo_advantages` of the summed token rewards."""
+    return _group_estimate(compute_rloo_advantages(x.token_rewards.sum(-1), x.group_ids, x.response_mask))
+
+
+def reinforce_plus_plus_baseline_estimator(x: AdvantageInputs, s: AdvantageSettings) -> Estimate:
+    """``reinforce_plus_plus_baseline``: :func:`compute_reinforce_plus_plus_baseline_advantages`."""
+    return _group_estimate(
+        compute_reinforce_plus_plus_baseline_advantages(
+            x.token_rewards.sum(-1), x.group_ids, x.response_mask, all_reduce=x.all_reduce
+        )
+    )
+
+
+def opo_estimator(x: AdvantageInputs, s: AdvantageSettings) -> Estimate:
+    """``opo``: :func:`compute_opo_advantages` of the summed token rewards."""
+    return _group_estimate(compute_opo_advantages(x.token_rewards.sum(-1), x.group_ids, x.response_mask))

@@ -1,16 +1,23 @@
-"""PPO's losses and their aggregation: the clipped policy loss (vanilla with dual clip, GSPO,
+"""PPO's losses and their aggregation: the clipped policy losses (vanilla with dual clip, GSPO,
 Clip-Cov, KL-Cov, and the token selections of the last two), the clipped value loss, and ``agg_loss``,
 whose optional global counts make gradient accumulation and data parallelism exact.
+
+Every policy loss has one signature, ``fn(PolicyLossInputs, PolicyLossSettings, **counts) -> (loss,
+metrics)`` (verl's ``core_algos`` policy-loss functions), and one row in ``ppo.algorithms.tables``'s
+``POLICY_LOSSES`` under its ``actor.policy_loss.loss_mode`` name. Its metrics are shares of the
+mini-batch's mean: with ``num_tokens`` (the mini-batch's valid tokens, all ranks) each per-token mean is
+multiplied by this call's share of them, so that summing over the micro-batches gives the mean.
 
 Shapes: ``[B, T]`` over response tokens with ``response_mask [B, T]``.
 """
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 
 from ppo.algorithms.stats import masked_mean
-from ppo.choices import LOSS_AGG_MODES, POLICY_LOSS_MODES
+from ppo.choices import LOSS_AGG_MODES
 
 
 def _denominator(count: int | float | torch.Tensor | None, default: torch.Tensor) -> torch.Tensor | float:
@@ -73,104 +80,164 @@ def agg_loss(
     return (token_sums / tokens_per_seq.clamp(min=1)).sum() / seqs  # seq-mean-token-mean
 
 
-def policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    clip_ratio_c: float,
-    loss_agg_mode: str,
-    *,
-    is_weights: torch.Tensor | None = None,
-    loss_mode: str = "vanilla",
-    cov_mask: torch.Tensor | None = None,
-    ppo_kl_coef: float = 0.1,
-    **counts: int | float | torch.Tensor | None,
+@dataclasses.dataclass(kw_only=True)
+class PolicyLossInputs:
+    """What a policy loss reads from one micro-batch. Shapes: ``[B, T]`` over response tokens, except
+    ``targets [B]``; each field a loss does not use may be None."""
+
+    logprobs: torch.Tensor
+    """The policy's log-probs (with gradient)."""
+    old_logprobs: torch.Tensor
+    """The log-probs of the policy that sampled (or the forward's own, detached: the on-policy shortcut)."""
+    response_mask: torch.Tensor
+    """True on the tokens trained."""
+    advantages: torch.Tensor | None = None
+    """Per-token advantages (every loss but SPPO's)."""
+    targets: torch.Tensor | None = None
+    """``[B]`` SPPO's regression target of each response."""
+    is_weights: torch.Tensor | None = None
+    """Detached off-policy importance weights (``correction.rollout_is_weights``; 1 when None)."""
+    cov_mask: torch.Tensor | None = None
+    """Clip-Cov's or KL-Cov's tokens (``clip_cov_selection`` / ``kl_cov_selection``)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class PolicyLossSettings:
+    """The options of the policy losses (verl's ``actor.*`` and ``actor.policy_loss.*`` names)."""
+
+    loss_agg_mode: str = "token-mean"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    """The dual-clip bound (vanilla; > 1)."""
+    ppo_kl_coef: float = 0.1
+    """KL-Cov's coefficient of ``|log-ratio|`` on its tokens."""
+
+
+def _log_ratio(x: PolicyLossInputs) -> torch.Tensor:
+    """``δ = clamp(logprobs - old_logprobs, -20, 20)``."""
+    return torch.clamp(x.logprobs - x.old_logprobs, min=-20.0, max=20.0)
+
+
+def _clip_terms(
+    ratio: torch.Tensor, advantages: torch.Tensor, s: PolicyLossSettings
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(l1, max(l1, l2), l2 > l1)`` of PPO's clip: ``l1 = -A ρ``, ``l2 = -A clamp(ρ, 1 - low, 1 + high)``."""
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - s.clip_ratio_low, 1.0 + s.clip_ratio_high)
+    return pg_losses1, torch.maximum(pg_losses1, pg_losses2), pg_losses2 > pg_losses1
+
+
+def _finish(
+    x: PolicyLossInputs,
+    s: PolicyLossSettings,
+    pg_losses: torch.Tensor,
+    log_ratio: torch.Tensor,
+    clipped: torch.Tensor,
+    dual: torch.Tensor,
+    metrics: dict[str, torch.Tensor],
+    counts: dict[str, int | float | torch.Tensor | None],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The clipped policy-gradient loss of ``loss_mode`` (verl's ``actor.policy_loss.loss_mode``).
+    """The weighted, aggregated loss of the per-token ``pg_losses`` and the metrics every token loss
+    logs (``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl``), as ``token_share``s, with ``metrics``'s."""
+    if x.is_weights is not None:
+        pg_losses = pg_losses * x.is_weights
+    loss = agg_loss(pg_losses, x.response_mask, s.loss_agg_mode, **counts)
+    mask = x.response_mask.bool()
+    num_tokens = counts.get("num_tokens")
+    with torch.no_grad():
+        metrics["pg_clipfrac"] = masked_mean(clipped.float(), mask)
+        metrics["pg_clipfrac_lower"] = masked_mean(dual.float(), mask)
+        metrics["ppo_kl"] = masked_mean(-log_ratio, mask)
+        if num_tokens is not None:
+            weight = mask.sum() / num_tokens
+            metrics = {k: v * weight for k, v in metrics.items()}
+    return loss, {k: v.detach() for k, v in metrics.items()}
 
-    ``δ = clamp(logprobs - old_logprobs, -20, 20)``, ``ρ = exp(δ)``, ``A`` the advantages, ``w`` the
-    detached off-policy weights ``is_weights [B, T]`` (``correction.rollout_is_weights``; 1 when None),
-    ``counts`` agg_loss's ``num_tokens``, ``num_seqs`` and ``loss_scale_factor``. Per token:
 
-    - ``"vanilla"``, PPO with asymmetric clip and dual clip (Schulman et al. 2017; Ye et al. 2020)::
+def vanilla_policy_loss(
+    x: PolicyLossInputs, s: PolicyLossSettings, **counts: int | float | torch.Tensor | None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped loss with asymmetric clip and dual clip (Schulman et al. 2017; Ye et al. 2020),
+    verl's ``vanilla``. With ``δ = clamp(log π - log π_old, ±20)``, ``ρ = exp(δ)``, ``A`` the advantages
+    and ``w`` the importance weights, per token::
 
         l1 = -A · ρ
         l2 = -A · clamp(ρ, 1 - clip_ratio_low, 1 + clip_ratio_high)
         l  = max(l1, l2);   l = min(l, -A · clip_ratio_c) where A < 0
 
-      then ``agg_loss(w · l, mask, loss_agg_mode)``.
-    - ``"gspo"`` (Zheng et al., "Group Sequence Policy Optimization", arXiv:2507.18071): one ratio per
-      sequence, ``s_i = exp(mean_t δ_i,t)`` over its valid tokens, in the token form
-      ``s_i,t = sg(s_i) · π_t / sg(π_t)`` (log clamped at 10), so every token of a sequence has the same
-      value and the gradient ``s_i ∇log π_t``; ``l = max(-A s_i,t, -A clamp(s_i,t, 1 - low, 1 + high))``
-      with no dual clip, aggregated with ``loss_agg_mode`` as every mode (verl 0.9.1; the paper's
-      sequence-level aggregation is ``"seq-mean-token-mean"``). With the on-policy shortcut
-      (``old_logprobs = logprobs.detach()``) ``s_i,t = 1`` and the gradient is vanilla's. The sequence mean needs the whole row: under sequence
-      parallelism the trainer gathers each row's log-probs over the group first
-      (``ulysses.packed_logprobs``), so the mean is the sequence's, not a slice's.
-    - ``"clip_cov"`` (Cui et al., "The Entropy Mechanism of RL for Reasoning LMs", arXiv:2505.22617):
-      vanilla's clipped ``max(l1, l2)`` without dual clip, times 0 on the tokens of ``cov_mask`` that
-      the clip has not already cut (their gradient is detached; :func:`clip_cov_selection` picks them).
-    - ``"kl_cov"`` (same paper): no clip; ``l = -A · ρ + ppo_kl_coef · |δ|`` on the tokens of
-      ``cov_mask`` (:func:`kl_cov_selection`), ``-A · ρ`` elsewhere.
+    then ``agg_loss(w · l, mask, loss_agg_mode, **counts)``. Metrics: ``pg_clipfrac`` (share with
+    ``l2 > l1``), ``pg_clipfrac_lower`` (share where the dual clip bound), ``ppo_kl`` (mean of ``-δ``,
+    the k1 estimate of KL(π_old ‖ π)). Raises ValueError unless ``clip_ratio_c > 1``."""
+    if not s.clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c (dual-clip bound) must be > 1, got {s.clip_ratio_c}")
+    log_ratio = _log_ratio(x)
+    _, clip_pg_losses, clipped = _clip_terms(log_ratio.exp(), x.advantages, s)
+    pg_losses3 = -x.advantages * s.clip_ratio_c
+    negative = x.advantages < 0
+    dual = (clip_pg_losses > pg_losses3) & negative
+    pg_losses = torch.where(negative, torch.minimum(clip_pg_losses, pg_losses3), clip_pg_losses)
+    return _finish(x, s, pg_losses, log_ratio, clipped, dual, {}, counts)
 
-    Metrics (detached scalar tensors, masked means over this call's tokens): ``pg_clipfrac`` = share
-    with ``l2 > l1``; ``pg_clipfrac_lower`` = share where the dual clip bound (vanilla only, else 0);
-    ``ppo_kl`` = mean of ``-δ`` (the k1 estimate of KL(π_old ‖ π)); with a ``cov_mask`` also
-    ``pg_covfrac`` = share of tokens whose loss Clip-Cov zeroed or KL-Cov penalized.
 
-    Shapes: ``logprobs``, ``old_logprobs``, ``advantages``, ``response_mask``, ``cov_mask`` all
-    ``[B, T]``; returns ``(scalar loss, metrics)``. Raises ValueError unless ``clip_ratio_c > 1``, for an
-    unknown mode, and for ``clip_cov`` / ``kl_cov`` without a ``cov_mask``.
-    """
-    if not clip_ratio_c > 1.0:
-        raise ValueError(f"clip_ratio_c (dual-clip bound) must be > 1, got {clip_ratio_c}")
-    if loss_mode not in POLICY_LOSS_MODES:
-        raise ValueError(f"unknown loss_mode {loss_mode!r}; valid: {', '.join(POLICY_LOSS_MODES)}")
-    if loss_mode in ("clip_cov", "kl_cov") and cov_mask is None:
-        raise ValueError(f"loss_mode={loss_mode} needs cov_mask (clip_cov_selection / kl_cov_selection)")
-    mask = response_mask.bool()
-    zero = torch.zeros((), dtype=advantages.dtype, device=advantages.device)
-    log_ratio = torch.clamp(logprobs - old_logprobs, min=-20.0, max=20.0)
-    metrics: dict[str, torch.Tensor] = {}
-    if loss_mode == "gspo":
-        seq_log_ratio = masked_mean(torch.where(mask, logprobs - old_logprobs, zero), mask, dim=-1)
-        log_seq_ratio = logprobs - logprobs.detach() + seq_log_ratio.detach().unsqueeze(-1)
-        ratio = torch.clamp(log_seq_ratio, max=10.0).exp()
-    else:
-        ratio = log_ratio.exp()
-    pg_losses1 = -advantages * ratio
-    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    clipped = pg_losses2 > pg_losses1
-    clip_pg_losses = torch.maximum(pg_losses1, pg_losses2)
-    dual = torch.zeros_like(mask)
-    if loss_mode == "vanilla":
-        pg_losses3 = -advantages * clip_ratio_c
-        negative = advantages < 0
-        dual = (clip_pg_losses > pg_losses3) & negative
-        pg_losses = torch.where(negative, torch.minimum(clip_pg_losses, pg_losses3), clip_pg_losses)
-    elif loss_mode == "gspo":
-        pg_losses = clip_pg_losses
-    elif loss_mode == "clip_cov":
-        detached = cov_mask.bool() & mask & ~clipped
-        pg_losses = torch.where(detached, zero, clip_pg_losses)
-        metrics["pg_covfrac"] = masked_mean(detached.float(), mask)
-    else:  # kl_cov
-        penalized = cov_mask.bool() & mask
-        pg_losses = pg_losses1 + torch.where(penalized, ppo_kl_coef * log_ratio.abs(), zero)
-        clipped = torch.zeros_like(mask)
-        metrics["pg_covfrac"] = masked_mean(penalized.float(), mask)
-    if is_weights is not None:
-        pg_losses = pg_losses * is_weights
-    loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **counts)
-    with torch.no_grad():
-        metrics["pg_clipfrac"] = masked_mean(clipped.float(), mask)
-        metrics["pg_clipfrac_lower"] = masked_mean(dual.float(), mask)
-        metrics["ppo_kl"] = masked_mean(-log_ratio, mask)
-    return loss, {k: v.detach() for k, v in metrics.items()}
+def gspo_policy_loss(
+    x: PolicyLossInputs, s: PolicyLossSettings, **counts: int | float | torch.Tensor | None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al., "Group Sequence Policy Optimization", arXiv:2507.18071): one ratio per
+    sequence, ``s_i = exp(mean_t δ_i,t)`` over its valid tokens, in the token form
+    ``s_i,t = sg(s_i) · π_t / sg(π_t)`` (log clamped at 10), so every token of a sequence has the same
+    value and the gradient ``s_i ∇log π_t``; ``l = max(-A s_i,t, -A clamp(s_i,t, 1 - low, 1 + high))``
+    with no dual clip, aggregated with ``loss_agg_mode`` as every mode (verl 0.9.1; the paper's
+    sequence-level aggregation is ``"seq-mean-token-mean"``). With the on-policy shortcut
+    (``old_logprobs = logprobs.detach()``) ``s_i,t = 1`` and the gradient is vanilla's. The sequence
+    mean needs the whole row: under sequence parallelism the trainer gathers each row's log-probs over
+    the group first (``ulysses.packed_logprobs``). Metrics as vanilla's (``pg_clipfrac_lower`` 0)."""
+    mask = x.response_mask.bool()
+    zero = torch.zeros((), dtype=x.advantages.dtype, device=x.advantages.device)
+    seq_log_ratio = masked_mean(torch.where(mask, x.logprobs - x.old_logprobs, zero), mask, dim=-1)
+    log_seq_ratio = x.logprobs - x.logprobs.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    ratio = torch.clamp(log_seq_ratio, max=10.0).exp()
+    _, pg_losses, clipped = _clip_terms(ratio, x.advantages, s)
+    return _finish(x, s, pg_losses, _log_ratio(x), clipped, torch.zeros_like(mask), {}, counts)
+
+
+def clip_cov_policy_loss(
+    x: PolicyLossInputs, s: PolicyLossSettings, **counts: int | float | torch.Tensor | None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clip-Cov (Cui et al., "The Entropy Mechanism of RL for Reasoning LMs", arXiv:2505.22617):
+    vanilla's clipped ``max(l1, l2)`` without dual clip, times 0 on the tokens of ``cov_mask`` that the
+    clip has not already cut (their gradient is detached; :func:`clip_cov_selection` picks them).
+    Metrics as vanilla's (``pg_clipfrac_lower`` 0) and ``pg_covfrac``, the share of tokens zeroed.
+    Raises ValueError without a ``cov_mask``."""
+    if x.cov_mask is None:
+        raise ValueError("loss_mode=clip_cov needs cov_mask (clip_cov_selection)")
+    mask = x.response_mask.bool()
+    zero = torch.zeros((), dtype=x.advantages.dtype, device=x.advantages.device)
+    log_ratio = _log_ratio(x)
+    _, clip_pg_losses, clipped = _clip_terms(log_ratio.exp(), x.advantages, s)
+    detached = x.cov_mask.bool() & mask & ~clipped
+    pg_losses = torch.where(detached, zero, clip_pg_losses)
+    metrics = {"pg_covfrac": masked_mean(detached.float(), mask)}
+    return _finish(x, s, pg_losses, log_ratio, clipped, torch.zeros_like(mask), metrics, counts)
+
+
+def kl_cov_policy_loss(
+    x: PolicyLossInputs, s: PolicyLossSettings, **counts: int | float | torch.Tensor | None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KL-Cov (same paper): no clip; ``l = -A · ρ + ppo_kl_coef · |δ|`` on the tokens of ``cov_mask``
+    (:func:`kl_cov_selection`), ``-A · ρ`` elsewhere. Metrics as vanilla's (both clip fractions 0) and
+    ``pg_covfrac``, the share of tokens penalized. Raises ValueError without a ``cov_mask``."""
+    if x.cov_mask is None:
+        raise ValueError("loss_mode=kl_cov needs cov_mask (kl_cov_selection)")
+    mask = x.response_mask.bool()
+    zero = torch.zeros((), dtype=x.advantages.dtype, device=x.advantages.device)
+    log_ratio = _log_ratio(x)
+    pg_losses1 = -x.advantages * log_ratio.exp()
+    penalized = x.cov_mask.bool() & mask
+    pg_losses = pg_losses1 + torch.where(penalized, s.ppo_kl_coef * log_ratio.abs(), zero)
+    metrics = {"pg_covfrac": masked_mean(penalized.float(), mask)}
+    none = torch.zeros_like(mask)
+    return _finish(x, s, pg_losses, log_ratio, none, none, metrics, counts)
 
 
 @torch.no_grad()

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ppo.algorithms.advantages import AdvantageInputs, AdvantageSettings, Estimate
 from ppo.algorithms.stats import masked_mean, masked_whiten
 
 
@@ -145,3 +146,19 @@ def accuracy_filter(acc: torch.Tensor, group_size: int, lower: float, upper: flo
     ``group_size`` consecutive rows whose mean ``acc`` lies within ``[lower, upper]``."""
     group_acc = acc.float().view(-1, group_size).mean(-1)
     return (group_acc >= lower) & (group_acc <= upper)
+
+
+def prime_estimator(x: AdvantageInputs, s: AdvantageSettings) -> Estimate:
+    """``prime``: :func:`compute_prime_advantages`, RLOO over the implicit PRM's token rewards
+    (``x.prm_rewards``) and over the outcome (the summed token rewards), whitened."""
+    return Estimate(
+        *compute_prime_advantages(
+            x.prm_rewards,
+            x.token_rewards.sum(-1),
+            x.group_ids,
+            x.response_mask,
+            s.reward_dpo_coef,
+            s.reward_gt_coef,
+            all_reduce=x.all_reduce,
+        )
+    )

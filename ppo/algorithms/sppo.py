@@ -16,6 +16,9 @@ import math
 
 import torch
 
+from ppo.algorithms.advantages import AdvantageInputs, AdvantageSettings, Estimate, Reduce
+from ppo.algorithms.losses import PolicyLossInputs, PolicyLossSettings
+
 
 def softmean(x: torch.Tensor, beta: float, dim: int = -1) -> torch.Tensor:
     """``SoftMean_β(x) = (logsumexp(β x) - log n) / β`` along ``dim`` (``n`` its size): the arithmetic
@@ -90,3 +93,62 @@ def sppo_loss(
         "preference_mean": torch.where(present, targets, zero).sum() / denominator,
     }
     return loss, metrics
+
+
+def sppo_policy_loss(
+    x: PolicyLossInputs, s: PolicyLossSettings, **counts: int | float | torch.Tensor | None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``sppo`` in the policy-loss table: :func:`sppo_loss` on ``x.targets`` (importance weights and the
+    clip settings do not apply: the loss is a regression per response)."""
+    return sppo_loss(x.logprobs, x.old_logprobs, x.targets, x.response_mask, s.loss_agg_mode, **counts)
+
+
+def global_softmean(
+    x: torch.Tensor, beta: float, all_reduce: Reduce | None, all_reduce_max: Reduce | None
+) -> float:
+    """:func:`softmean` of ``x [B]`` over every rank's rows (``all_reduce`` sums over ranks,
+    ``all_reduce_max`` takes the maximum; None on one rank): ``m + log(Σ exp(beta (x - m)) / n) / beta``
+    with ``m`` the global maximum, in float64; the mean when ``beta`` is 0. The shift by the extreme
+    value keeps every ``exp()`` at most 1."""
+    total_of = all_reduce or (lambda t: t)
+    max_of = all_reduce_max or (lambda t: t)
+    x = x.double()
+
+    def sums(total: float) -> tuple[float, float]:
+        reduced = total_of(torch.tensor([total, float(x.numel())], dtype=torch.float64, device=x.device))
+        return float(reduced[0]), float(reduced[1])
+
+    if beta == 0.0:
+        total, count = sums(float(x.sum()))
+        return total / count
+    m = float(max_of(torch.tensor([float((x * beta).max())], dtype=torch.float64, device=x.device))[0]) / beta
+    total, count = sums(float(torch.exp(beta * (x - m)).sum()))
+    return m + (math.log(total) - math.log(count)) / beta
+
+
+def sppo_estimator(x: AdvantageInputs, s: AdvantageSettings) -> Estimate:
+    """SPPO's targets (``actor.policy_loss.loss_mode=sppo`` uses them in place of an estimator), each
+    ``sppo_eta`` times:
+
+    - ``win_rate``: ``P - 1/2``, with ``P`` the share of the group's other responses it beats
+      (:func:`win_rates`, ties 1/2) by summed token rewards, or, for offline rows with ``data_ranks``
+      (``>= 0``; ranks are the reward), by the data's ranks themselves (ties in rank are ties);
+    - ``softmean``: ``r - softmean_beta(r)`` with ``r`` the summed token rewards and the soft mean over
+      the whole batch on all ranks (:func:`global_softmean`; verl's recipe takes it over the driver's
+      whole batch).
+
+    The advantages (and returns) hold each response's target on each of its trained tokens: what the
+    batch's ``critic/advantages/*`` metrics describe."""
+    seq_rewards = x.token_rewards.sum(-1)
+    if s.sppo_target == "softmean":
+        targets = s.sppo_eta * (
+            seq_rewards - global_softmean(seq_rewards, s.sppo_beta, x.all_reduce, x.all_reduce_max)
+        )
+    else:
+        keys = seq_rewards
+        if x.data_ranks is not None:
+            offline_rows = x.data_ranks >= 0  # groups are all offline or all sampled
+            keys = torch.where(offline_rows, -x.data_ranks.to(seq_rewards.dtype), seq_rewards)
+        targets = s.sppo_eta * (win_rates(keys, x.group_ids) - 0.5)
+    advantages = targets[:, None].expand_as(x.token_rewards).clone()
+    return Estimate(advantages, advantages, targets)

@@ -161,7 +161,7 @@ def _check_policy_loss(cfg: PPOConfig) -> None:
                 "algorithm.rollout_is",
                 "actor.policy_loss.loss_mode",
             )
-    if cfg.actor.policy_loss.loss_mode == "kl_cov" and cfg.on_policy:
+    if cfg.actor.policy_loss.loss_mode == "kl_cov" and cfg.one_update_per_rollout:
         raise FieldError(
             f"actor.policy_loss.loss_mode=kl_cov penalizes |log pi - log pi_old|, which is 0 in the one update "
             f"of an on-policy step (actor.ppo_epochs=1 and actor.ppo_mini_batch_size=data.train_batch_size="

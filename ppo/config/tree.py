@@ -43,9 +43,16 @@ class PPOTree:
         return self.algorithm.adv_estimator == "gae" and self.actor.policy_loss.loss_mode != "sppo"
 
     @property
-    def on_policy(self) -> bool:
-        """One update per rollout (one epoch, one mini-batch): the ratio is exactly 1 (verl's shortcut).
-        Not with SPPO's old-policy snapshot (``actor.sppo_refresh_steps > 1``): the old policy is older."""
+    def advantage_estimator(self) -> str:
+        """The row of ``algorithms.ADVANTAGE_ESTIMATORS`` step 3 uses: ``algorithm.adv_estimator``, or
+        ``sppo`` (SPPO's targets) with ``actor.policy_loss.loss_mode=sppo``, which reads no advantages."""
+        return "sppo" if self.actor.policy_loss.loss_mode == "sppo" else self.algorithm.adv_estimator
+
+    @property
+    def one_update_per_rollout(self) -> bool:
+        """One update per rollout (one epoch, one mini-batch): the old log-probs are the update's own
+        forward, detached, and the ratio is exactly 1 (verl's on-policy shortcut). Not with SPPO's
+        old-policy snapshot (``actor.sppo_refresh_steps > 1``): the old policy is older."""
         a = self.actor
         if a.policy_loss.loss_mode == "sppo" and a.sppo_refresh_steps > 1:
             return False

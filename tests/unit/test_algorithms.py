@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from ppo import algorithms
 from ppo.algorithms import (
     AdaptiveKLController,
     FixedKLController,
@@ -500,3 +501,31 @@ def test_micro_batch_accumulation_is_exact(mode: str) -> None:
     # the check can fail: per-micro-batch normalization (no global counts) gives a different loss
     naive = sum(combined_loss(batch, rows, mode).item() for rows in (slice(0, 2), slice(2, 3), slice(3, 5)))
     assert abs(naive - full_loss.item()) > 1e-3
+
+
+def test_the_tables_name_every_choice() -> None:
+    """Every loss mode and estimator the config accepts has its row (SPPO's targets one more), and a row
+    is the function its name says."""
+    assert set(algorithms.POLICY_LOSSES) == set(algorithms.POLICY_LOSS_MODES)
+    assert set(algorithms.ADVANTAGE_ESTIMATORS) == set(algorithms.ADV_ESTIMATORS) | {"sppo"}
+    assert algorithms.POLICY_LOSSES["gspo"].__name__ == "gspo_policy_loss"
+    assert algorithms.ADVANTAGE_ESTIMATORS["rloo"].__name__ == "rloo_estimator"
+
+
+def test_policy_loss_metrics_are_shares_of_the_mini_batch() -> None:
+    """One row of 2 tokens, δ = [log 2, 0], A = 1, clip 0.2: token 0 is clipped (l1 = -2 < l2 = -1.2),
+    pg_clipfrac 1/2 over this call. With num_tokens=4 (the mini-batch's tokens, all micro-batches) the
+    call's share is 1/2 · 2/4 = 1/4; the loss is -(1.2 + 1) / 4 = -0.55."""
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    inputs = algorithms.PolicyLossInputs(
+        logprobs=torch.tensor([[math.log(2.0), 0.0]]),
+        old_logprobs=torch.zeros(1, 2),
+        response_mask=mask,
+        advantages=torch.ones(1, 2),
+    )
+    settings = algorithms.PolicyLossSettings(clip_ratio_low=0.2, clip_ratio_high=0.2)
+    loss, metrics = algorithms.POLICY_LOSSES["vanilla"](inputs, settings)
+    assert metrics["pg_clipfrac"].item() == pytest.approx(0.5)
+    loss, metrics = algorithms.POLICY_LOSSES["vanilla"](inputs, settings, num_tokens=4.0)
+    assert metrics["pg_clipfrac"].item() == pytest.approx(0.25)
+    assert loss.item() == pytest.approx(-0.55)

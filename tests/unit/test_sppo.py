@@ -1,5 +1,5 @@
 """SPPO's math (``ppo.algorithms.sppo``) against verl's SPPO recipe and by hand, its targets
-(``ppo.batch_advantages.sppo_targets``) and its config rules.
+(the ``sppo`` row of ``algorithms.ADVANTAGE_ESTIMATORS``, through step 3's ``estimate``) and its config rules.
 
 The reference bodies below are copied from verl-recipe (github.com/verl-project/verl-recipe) at commit
 48ea0a797fa29867ea0ad92aff7d284eec7d4be3: ``sppo/dp_actor.py::compute_sppo_loss`` and
@@ -14,10 +14,10 @@ import math
 import pytest
 import torch
 
-from ppo.algorithms import softmean, sppo_loss, win_rates
+from ppo.algorithms import global_softmean, softmean, sppo_loss, win_rates
 from ppo.batch import Batch, Rollout, group_index
-from ppo.batch_advantages import estimate, global_softmean, sppo_targets
-from ppo.config import ConfigError
+from ppo.batch_advantages import estimate
+from ppo.config import ConfigError, PPOConfig
 from ppo.config_loader import load_config
 
 # ----------------------------------------------------------------------------------------------------
@@ -181,6 +181,12 @@ def batch_of(scores: list[float], n: int, ranks: list[int] | None = None) -> Bat
     return batch
 
 
+def sppo_targets(cfg: PPOConfig, batch: Batch) -> torch.Tensor:
+    """``batch.targets`` after step 3's ``estimate`` (the ``sppo`` row of the estimator table)."""
+    estimate(cfg, batch)
+    return batch.targets
+
+
 def test_targets_win_rate_softmean_and_ranks() -> None:
     # Win rates of groups [1, 0], [0, 0]: 1, 0, 1/2, 1/2 -> eta (P - 1/2) with eta 2: 1, -1, 0, 0.
     batch = batch_of([1.0, 0.0, 0.0, 0.0], n=2)
@@ -193,13 +199,16 @@ def test_targets_win_rate_softmean_and_ranks() -> None:
     cfg = sppo_cfg("algorithm.sppo_target=softmean", "algorithm.sppo_beta=1.5", "actor.sppo_eta=0.5")
     want = 0.5 * recipe_seq_level_rewards(batch.token_rewards, 1.5)
     torch.testing.assert_close(sppo_targets(cfg, batch), want)
-    assert global_softmean(torch.tensor([0.0, 1.0]), 1.0) == pytest.approx(math.log((1 + math.e) / 2))
+    assert global_softmean(torch.tensor([0.0, 1.0]), 1.0, None, None) == pytest.approx(
+        math.log((1 + math.e) / 2)
+    )
     # Offline groups under reward.style=ranking: P from the data's ranks [0, 1, 2] (scores would tie).
     ranked = batch_of([1.0, 1.0, 1.0], n=3, ranks=[1, 0, 2])
     cfg = sppo_cfg("reward.style=ranking", "rollout.n=3", "rollout.source=dataset")
     torch.testing.assert_close(sppo_targets(cfg, ranked), torch.tensor([0.0, 0.5, -0.5]))
-    # estimate() puts each target on every position of its row; there is no critic.
+    # estimate() also puts each target on every position of its row's advantages; there is no critic.
     estimate(sppo_cfg("actor.sppo_eta=2.0"), batch)
+    torch.testing.assert_close(batch.targets, torch.tensor([1.0, -1.0, 0.0, 0.0]))
     torch.testing.assert_close(batch.advantages[:, 0], torch.tensor([1.0, -1.0, 0.0, 0.0]))
     torch.testing.assert_close(batch.advantages[:, 2], batch.advantages[:, 0])
     assert not sppo_cfg().use_critic
@@ -221,8 +230,8 @@ def test_refused_combinations(overrides: list[str], message: str) -> None:
 
 def test_snapshot_only_offline_and_not_on_policy() -> None:
     cfg = sppo_cfg("actor.sppo_refresh_steps=4", "rollout.source=dataset", "reward.style=ranking")
-    assert cfg.sppo_snapshot and not cfg.on_policy
-    assert sppo_cfg().on_policy and not sppo_cfg().sppo_snapshot
+    assert cfg.sppo_snapshot and not cfg.one_update_per_rollout
+    assert sppo_cfg().one_update_per_rollout and not sppo_cfg().sppo_snapshot
 
 
 def test_sppo_keys_without_sppo_warn() -> None:
