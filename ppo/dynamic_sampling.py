@@ -35,8 +35,6 @@ class KeptGroup:
     """The group's ``n`` sequences."""
     raw_scores: torch.Tensor
     """``[n]`` the reward's scores, before the overlong penalty."""
-    penalties: torch.Tensor
-    """``[n]`` the overlong penalties (0 without ``reward.overlong_buffer``)."""
 
 
 def collect_filtered(
@@ -92,10 +90,12 @@ def collect_filtered(
             metrics[k] = metrics.get(k, 0.0) + v if k in ("reward/timeouts", "reward/errors") else v
         if all_reduce_scalar(float(not torch.isfinite(raw).all()), "max"):
             raise EndStep("skip", "non-finite reward")
-        penalties = rewards.overlong_penalties(
-            batch.response_mask, cfg.reward.overlong_buffer, max_response_length=cfg.data.max_response_length
-        )
-        values = {"acc": (raw >= 1.0).float(), "score": raw, "seq_reward": raw + penalties}[f.metric]
+        if f.metric == "seq_reward":  # the score the step trains with
+            values, _ = rewards.shape_scores(
+                raw, batch.response_mask, cfg.reward, max_response_length=cfg.data.max_response_length
+            )
+        else:
+            values = (raw >= 1.0).float() if f.metric == "acc" else raw
         keep = algorithms.filter_groups(values, batch.group_ids)[::n].tolist()
         rollout = batch.rollout
         positions = [(j, p) for j, share in enumerate(shares) for p in range(len(share))]
@@ -108,7 +108,6 @@ def collect_filtered(
                         record=items[g],
                         rollout=rollout_rows(rollout, rows, torch.device("cpu")),
                         raw_scores=raw[rows].cpu(),
-                        penalties=penalties[rows].cpu(),
                     )
                 )
         kept_now, generated_now = all_reduce_scalars([float(sum(keep)), float(len(keep))], "sum")
@@ -117,11 +116,12 @@ def collect_filtered(
     records = [g.record for g in groups for _ in range(n)]
     rollout = concat_rollouts([g.rollout for g in groups], device)
     batch = Batch(rollout=rollout, records=records, group_ids=group_index(len(records), n, device))
-    penalties = torch.cat([g.penalties for g in groups]).to(device)
-    batch.scores = torch.cat([g.raw_scores for g in groups]).to(device) + penalties
+    raw = torch.cat([g.raw_scores for g in groups]).to(device)
+    batch.scores, shaping_metrics = rewards.shape_scores(
+        raw, batch.response_mask, cfg.reward, max_response_length=cfg.data.max_response_length
+    )
     metrics |= {"train/num_gen_batches": float(rounds), "train/kept_group_share": num_kept / num_generated}
-    if cfg.reward.overlong_buffer.enable:
-        metrics.update(rewards.overlong_metrics(penalties))
+    metrics.update(shaping_metrics)
     return batch, metrics
 
 

@@ -10,17 +10,17 @@ A class must have ``reset(row)`` and ``step(action_text)`` methods and be instan
 
 from __future__ import annotations
 
-from ppo import rule_scoring
+from ppo.user_code import UserCodeError, load_user_object
 
 
-class EnvError(rule_scoring.RewardError):
+class EnvError(UserCodeError):
     """The environment class cannot be loaded, or a call returned something the loop cannot use."""
 
 
 def load_environment(spec: str) -> type:
     """The environment class of ``rollout.multi_turn.env`` (``file.py:Class`` or ``module:Class``), checked
     for ``reset`` and ``step`` methods; EnvError (one line naming the key) otherwise."""
-    cls = rule_scoring.load_custom_function(spec, key="rollout.multi_turn.env", default_name=None)
+    cls = load_user_object(spec, key="rollout.multi_turn.env", default_name=None, error=EnvError)
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
     if not isinstance(cls, type) or missing:
         raise EnvError(

@@ -3,15 +3,17 @@ returns something that is not a number can no longer stall or stop a multi-node 
 
 With ``reward.pool_workers > 0`` each rank scores its responses in that many worker processes, one call
 at a time each; a call that runs longer than ``reward.timeout_s`` (its worker is killed and replaced),
-raises, or returns a non-number is a failure: ``rewards.rule_scores`` scores it ``reward.error_score``,
-counts it (``reward/timeouts``, ``reward/errors``) and stops the run only when every response of a call on
-every rank failed; the first failing row is logged once. ``reward.total_timeout_s`` caps a whole call:
+raises, or returns a non-number is a failure: ``rewards.rule_scores`` scores it ``reward.error_score``;
+``report_call`` (on every rank's results of a call) counts it (``reward/timeouts``, ``reward/errors``),
+logs the run's first failing row once, and stops the run only when every response of a call on every
+rank failed. ``reward.total_timeout_s`` caps a whole call:
 past it, the calls still running are abandoned and the rows not scored yet count as timeouts::
 
     pool = RewardPool(custom_function="my_rewards.py:score", format_score=0.0, reward_kwargs={},
                       num_workers=4, timeout_s=10.0, error_score=0.0, total_timeout_s=60.0)
     out = pool.score(records, texts, stop=lambda: stop_request.name is not None)
     out.scored                                  # a Score per text, None where the call failed
+    metrics = pool.report_call(all_gather_object(out))   # every rank's calls: counts, logs, errors
     pool.close()
 
 A worker is ``python -m ppo.reward_worker`` (see there): a fresh interpreter that imports only the
@@ -31,6 +33,7 @@ worker synchronously with a ``spawn``ed child (which imported torch and the trai
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -46,6 +49,8 @@ from typing import TYPE_CHECKING, Any
 
 from ppo.reward_worker import read_message, write_message
 from ppo.rule_scoring import RewardError, Score, scorer_name
+
+logger = logging.getLogger("ppo")
 
 if TYPE_CHECKING:
     from ppo.data import PromptRecord
@@ -120,10 +125,8 @@ class RewardPool:
         self.workers: list[_Worker] = []
         self.dying: list[subprocess.Popen[bytes]] = []
         """Killed workers not reaped yet (reaped without waiting, so a kill never blocks a call)."""
-        self.logged = False
-        """Whether a failure has been logged (``rewards.rule_scores`` logs the first of the run)."""
-        self.cap_logged = False
-        """Whether ``total_timeout_s`` cutting a call has been logged (once a run)."""
+        self._failure_logged = False  # the first failure of the run is logged, once
+        self._cap_logged = False  # total_timeout_s cutting a call is logged, once
         try:
             self.workers = [self._launch() for _ in range(num_workers)]
             while not all(w.ready for w in self.workers):  # all start together; a call waits for none
@@ -293,6 +296,38 @@ class RewardPool:
                 out.errors += 1
             out.first = out.first or f"prompt row {records[row].index} ({records[row].data_source}): {value}"
         return out
+
+    def report_call(self, calls: list[PoolScores]) -> dict[str, float]:
+        """What one scoring call on every rank (``calls[r]``: rank r's ``score`` result) comes to: the
+        first failure of the run and the first call ``total_timeout_s`` cut are logged (once each), and
+        ``reward/timeouts``, ``reward/errors`` are returned (sums over ranks). A call in which every row
+        of every rank failed, with none abandoned to a stop request, is a RewardError: nothing to train on.
+        """
+        timeouts, errors, abandoned, capped = (
+            sum(getattr(c, key) for c in calls) for key in ("timeouts", "errors", "abandoned", "capped")
+        )
+        rows = sum(len(c.scored) for c in calls)
+        failures = [f"rank {i}, {c.first}" for i, c in enumerate(calls) if c.first is not None]
+        if failures and not self._failure_logged:
+            logger.warning("%s failed (scored %s; logged once): %s", self.name, self.error_score, failures[0])
+            self._failure_logged = True
+        if capped and not self._cap_logged:
+            logger.warning(
+                "reward.total_timeout_s=%s cut a scoring call (a step's, a validation's or the start-up "
+                "check's): %d of its %d responses were not scored in time (scored %s, counted in "
+                "reward/timeouts; logged once)",
+                self.total_timeout_s,
+                capped,
+                rows,
+                self.error_score,
+            )
+            self._cap_logged = True
+        if rows and not abandoned and timeouts + errors == rows:
+            raise RewardError(
+                f"{self.name} failed on every one of the {rows} responses on all ranks (e.g. {failures[0]}); "
+                "nothing to train on"
+            )
+        return {"reward/timeouts": float(timeouts), "reward/errors": float(errors)}
 
     def close(self) -> None:
         """End every worker: idle ones get EOF and ``CLOSE_GRACE_S`` to exit, the rest are killed; never

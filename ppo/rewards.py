@@ -13,6 +13,7 @@ per-sequence ``scores [B]``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -22,7 +23,7 @@ import torch
 
 from ppo import models, sharding
 from ppo.batch import Batch, Rollout, decode_responses
-from ppo.config import OverlongBufferConfig, RewardConfig
+from ppo.config import RewardConfig
 from ppo.data import PromptRecord
 from ppo.distributed import agree_on_failure, all_gather_object
 from ppo.packing import DUMMY_SEQUENCE, pack_sequences, plan_eval_micro_batches
@@ -296,45 +297,18 @@ def rule_scores(
     for s in scored:
         for k, v in s.extras.items():
             extras.setdefault(k, []).append(v)
-    mine = {
-        "extras": {k: (sum(v), len(v)) for k, v in extras.items()},  # key -> (sum, count) on this rank
-        "timeouts": out.timeouts,
-        "errors": out.errors,
-        "abandoned": out.abandoned,
-        "capped": out.capped,
-        "rows": len(texts),
-        "first": out.first,
-    }
-    ranks: list[dict[str, Any]] = all_gather_object(mine)  # type: ignore[assignment]
+    # This rank's extras (key -> (sum, count)) and its call's counts (the scores themselves stay here).
+    mine = (
+        {k: (sum(v), len(v)) for k, v in extras.items()},
+        dataclasses.replace(out, scored=[None] * len(out.scored)),
+    )
+    ranks: list[tuple[dict[str, tuple[float, int]], PoolScores]] = all_gather_object(mine)  # type: ignore[assignment]
     metrics: dict[str, float] = {}
-    for k in sorted({k for rank in ranks for k in rank["extras"]}):
-        parts = [rank["extras"][k] for rank in ranks if k in rank["extras"]]
+    for k in sorted({k for rank_extras, _ in ranks for k in rank_extras}):
+        parts = [rank_extras[k] for rank_extras, _ in ranks if k in rank_extras]
         metrics[f"reward/extra/{k}"] = sum(p[0] for p in parts) / sum(p[1] for p in parts)
     if pool is not None:
-        timeouts, errors, abandoned, capped, rows = (
-            sum(rank[key] for rank in ranks) for key in ("timeouts", "errors", "abandoned", "capped", "rows")
-        )
-        failures = [f"rank {i}, {rank['first']}" for i, rank in enumerate(ranks) if rank["first"] is not None]
-        if failures and not pool.logged:
-            logger.warning("%s failed (scored %s; logged once): %s", pool.name, pool.error_score, failures[0])
-            pool.logged = True
-        if capped and not pool.cap_logged:
-            logger.warning(
-                "reward.total_timeout_s=%s cut a scoring call (a step's, a validation's or the start-up "
-                "check's): %d of its %d responses were not scored in time (scored %s, counted in "
-                "reward/timeouts; logged once)",
-                pool.total_timeout_s,
-                capped,
-                rows,
-                pool.error_score,
-            )
-            pool.cap_logged = True
-        if rows and not abandoned and timeouts + errors == rows:
-            raise RewardError(
-                f"{pool.name} failed on every one of the {rows} responses on all ranks (e.g. {failures[0]}); "
-                "nothing to train on"
-            )
-        metrics["reward/timeouts"], metrics["reward/errors"] = float(timeouts), float(errors)
+        metrics.update(pool.report_call([call for _, call in ranks]))
     return torch.tensor([s.value for s in scored], dtype=torch.float32), metrics
 
 
@@ -363,25 +337,26 @@ def overlong_penalty(
     return (-excess / buffer_len * penalty_factor).clamp(max=0.0)
 
 
-def overlong_penalties(
-    response_mask: torch.Tensor, buffer: OverlongBufferConfig, *, max_response_length: int
-) -> torch.Tensor:
-    """``[B]`` DAPO's overlong penalty of each response of ``response_mask [B, R]`` with
-    ``reward.overlong_buffer.enable`` (``overlong_penalty`` of its length), else zeros."""
-    lengths = response_mask.sum(-1)
+def shape_scores(
+    raw: torch.Tensor, response_mask: torch.Tensor, reward: RewardConfig, *, max_response_length: int
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The step's scores from the reward's ``raw [B]`` scores of the responses of ``response_mask
+    [B, R]``: ``raw`` plus DAPO's overlong penalty of each response's length
+    (``reward.overlong_buffer``, ``overlong_penalty``), and this rank's shaping metrics
+    (``reward/overlong_penalty``, the mean penalty, and ``reward/overlong_ratio``, the share penalized;
+    only with the buffer on). The one place a step's reward is shaped: the step, dynamic sampling and
+    the accuracy filter call it on the rows they train."""
+    buffer = reward.overlong_buffer
     if not buffer.enable:
-        return torch.zeros(lengths.shape, dtype=torch.float32, device=lengths.device)
-    return overlong_penalty(
-        lengths,
+        return raw + torch.zeros(raw.shape, dtype=torch.float32, device=raw.device), {}
+    penalties = overlong_penalty(
+        response_mask.sum(-1),
         max_response_length=max_response_length,
         buffer_len=buffer.len,
         penalty_factor=buffer.penalty_factor,
     )
-
-
-def overlong_metrics(penalties: torch.Tensor) -> dict[str, float]:
-    """This rank's mean overlong penalty and share of penalized responses (reduced over ranks later)."""
-    return {
+    metrics = {
         "reward/overlong_penalty": penalties.float().mean().item(),
         "reward/overlong_ratio": (penalties < 0).float().mean().item(),
     }
+    return raw + penalties, metrics

@@ -23,22 +23,17 @@ workers (``reward.pool_workers > 0``), where it is a counted error.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import difflib
 import functools
-import importlib
-import importlib.util
 import inspect
 import logging
 import math
 import re
-import signal
-import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from numbers import Real
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
+
+from ppo.user_code import CallTimedOut, UserCodeError, load_user_object, time_limit
 
 if TYPE_CHECKING:
     from ppo.data import PromptRecord
@@ -72,7 +67,7 @@ _GSM8K_ANSWER = re.compile(r"####[ \t]*(-?\$?|\$-)[ \t]*([0-9][0-9,]*(?:\.[0-9]+
 _NUMBER = re.compile(r"(-?\$?|\$-)[ \t]*([0-9][0-9,]*(?:\.[0-9]+)?)")
 
 
-class RewardError(ValueError):
+class RewardError(UserCodeError):
     """A reward function cannot be found or used; the message says which and why."""
 
 
@@ -144,60 +139,12 @@ def default_compute_score(
     )
 
 
-def load_custom_function(
-    spec: str, key: str = "reward.custom_function", default_name: str | None = DEFAULT_FUNCTION_NAME
-) -> Callable[..., Any]:
-    """Import ``module.path:function`` or ``path/to/file.py:function`` and return the function (or class:
-    ``rollout.multi_turn.env``, which passes no ``default_name``); errors name ``key``. Without
-    ``:function`` the name is ``default_name``.
-
-    Raises RewardError for a malformed spec, a missing file or module, a missing attribute (with the
-    closest names) or an attribute that is not callable. Errors raised by the module's own code while
-    it is imported propagate unchanged.
-    """
-    target, sep, name = spec.rpartition(":")
-    if not sep and default_name is not None:
-        target, name = spec, default_name
-    if not target or not name:
-        shapes = "module.path:function or path/to/file.py:function"
-        raise RewardError(
-            f"{key}={spec!r} must look like {shapes}"
-            + (f" (function default: {default_name})" if default_name else "")
-        )
-    if target.endswith(".py") or "/" in target or "\\" in target:
-        path = Path(target)
-        if not path.is_file():
-            raise RewardError(f"{key}={spec!r}: file {path} does not exist")
-        # A name that is the same in every process, so objects from the module unpickle on any rank.
-        module_name = "ppo_custom_reward_" + re.sub(r"\W", "_", str(path.resolve()))
-        module_spec = importlib.util.spec_from_file_location(module_name, path)
-        if module_spec is None or module_spec.loader is None:
-            raise RewardError(f"{key}={spec!r}: cannot import {path} as a Python file")
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[module_name] = module  # so pickling and dataclasses inside it work
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as e:
-            del sys.modules[module_name]
-            raise RewardError(f"{key}={spec!r}: importing {path} raised {type(e).__name__}: {e}") from e
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ModuleNotFoundError as e:
-            if e.name is None or not (target == e.name or target.startswith(e.name + ".")):
-                raise  # the module exists but one of its own imports is missing
-            raise RewardError(f"{key}={spec!r}: no module named {e.name!r} (is it on PYTHONPATH?)") from e
-        except Exception as e:
-            raise RewardError(f"{key}={spec!r}: importing {target} raised {type(e).__name__}: {e}") from e
-    if not hasattr(module, name):
-        public = [k for k in vars(module) if not k.startswith("_") and callable(getattr(module, k))]
-        close = difflib.get_close_matches(name, public, n=3)
-        hint = f"; did you mean {' or '.join(close)}?" if close else f"; it defines {sorted(public)}"
-        raise RewardError(f"{key}={spec!r}: {target} has no attribute {name!r}{hint}")
-    fn = getattr(module, name)
-    if not callable(fn):
-        raise RewardError(f"{key}={spec!r}: {target}.{name} is a {type(fn).__name__}, not a function")
-    return fn
+def load_reward_function(spec: str) -> Callable[..., Any]:
+    """The function of ``reward.custom_function`` (``user_code.load_user_object``; without ``:name``, verl's
+    ``compute_score``); RewardError naming the key when it cannot be loaded."""
+    return load_user_object(
+        spec, key="reward.custom_function", default_name=DEFAULT_FUNCTION_NAME, error=RewardError
+    )
 
 
 def scorer_name(custom_function: str | None) -> str:
@@ -227,7 +174,7 @@ def make_rule_scorer(
     if custom_function is None:
         builtin = functools.partial(default_compute_score, format_score=format_score)
         return lambda *row: Score(builtin(*row), {})
-    fn = load_custom_function(custom_function)
+    fn = load_reward_function(custom_function)
     kwargs = dict(reward_kwargs or {})
     name = scorer_name(custom_function)
     if is_trl_function(fn):
@@ -236,7 +183,7 @@ def make_rule_scorer(
 
     def score(data_source: str, solution_str: str, ground_truth: str | None, extra_info: dict) -> Score:
         try:
-            with _time_limit(timeout_s):
+            with time_limit(timeout_s):
                 result = fn(
                     data_source=data_source,
                     solution_str=solution_str,
@@ -246,7 +193,7 @@ def make_rule_scorer(
                 )
                 if inspect.isawaitable(result):  # an async def compute_score: await it here
                     result = _await(result)
-        except _CallTimedOut:
+        except CallTimedOut:
             raise RewardError(
                 f"{name} ran longer than reward.timeout_s={timeout_s} (data_source={data_source!r}, response "
                 f"{solution_str[:60]!r}); to score such calls reward.error_score and train on, set "
@@ -344,11 +291,11 @@ class TRLScorer:
             for p, t in zip(prompts, texts, strict=True)
         ]
         try:
-            with _time_limit(self.timeout_s):
+            with time_limit(self.timeout_s):
                 result = self.fn(prompts=prompts, completions=completions, **columns)
                 if inspect.isawaitable(result):
                     result = _await(result)
-        except _CallTimedOut:
+        except CallTimedOut:
             raise RewardError(
                 f"{self.name} ran longer than reward.timeout_s={self.timeout_s} on a batch"
             ) from None
@@ -392,35 +339,6 @@ def _await(awaitable: Any) -> Any:
     if "error" in out:
         raise out["error"]
     return out["result"]
-
-
-class _CallTimedOut(BaseException):
-    """SIGALRM's exception in an in-process reward call past its time limit (not an ``Exception``, so the
-    function's own ``except Exception`` cannot swallow it)."""
-
-
-@contextlib.contextmanager
-def _time_limit(seconds: float | None) -> Iterator[None]:
-    """Raise ``_CallTimedOut`` in the block after ``seconds`` (wall clock); no limit with None, off the
-    main thread (signals reach the main thread only) or where there is no SIGALRM."""
-    if (
-        seconds is None
-        or not hasattr(signal, "setitimer")
-        or threading.current_thread() is not threading.main_thread()
-    ):
-        yield
-        return
-
-    def expire(signum: int, frame: Any) -> None:
-        raise _CallTimedOut
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 _EXIT_HINT = "; a reward function must return a score, not exit the process"

@@ -25,7 +25,7 @@ from ppo.rule_scoring import (
     default_compute_score,
     extract_gsm8k_answer,
     gsm8k_score,
-    load_custom_function,
+    load_reward_function,
     make_rule_scorer,
 )
 
@@ -127,10 +127,10 @@ def scorer_file(tmp_path: Path) -> Path:
 
 
 def test_custom_function_from_file_and_module(scorer_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from_file = load_custom_function(f"{scorer_file}:score")
+    from_file = load_reward_function(f"{scorer_file}:score")
     assert from_file("d", "abcd", "x", {}) == 4.0
     monkeypatch.syspath_prepend(str(scorer_file.parent))
-    from_module = load_custom_function("my_scores:score")
+    from_module = load_reward_function("my_scores:score")
     assert from_module("d", "abc", "x", {"bonus": 1}) == 103.0
     scorer = make_rule_scorer(f"{scorer_file}:score", format_score=FMT)
     assert scorer("unknown/source", "abcdef", "x", {}).value == 6.0  # no data_source restriction
@@ -198,7 +198,7 @@ def test_rule_scores_average_the_extras_over_the_rows_that_have_them(tmp_path: P
 )
 def test_custom_function_errors(scorer_file: Path, spec: str, message: str) -> None:
     with pytest.raises(RewardError, match=message):
-        load_custom_function(spec.format(file=scorer_file))
+        load_reward_function(spec.format(file=scorer_file))
 
 
 def test_custom_function_missing_dependency_is_not_hidden(tmp_path: Path) -> None:
@@ -208,7 +208,7 @@ def test_custom_function_missing_dependency_is_not_hidden(tmp_path: Path) -> Non
     with pytest.raises(
         RewardError, match="importing .*needs_dep.py raised ModuleNotFoundError: .*not_installed_dep"
     ):
-        load_custom_function(f"{path}:score")
+        load_reward_function(f"{path}:score")
 
 
 def test_custom_function_bad_results(scorer_file: Path) -> None:
