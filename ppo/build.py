@@ -1,6 +1,7 @@
 """Everything a PPO run is made of (``Run``) and how it is built before step 1 (``build``): the data,
-the models (actor, reference, critic, reward model), optimizers and schedules, the KL controller, the
-checkpointer, and the resume. Everything that can fail on the user's input fails here.
+the models (actor, reference, critic, reward model, SPPO's old policy, PRIME's PRM: one
+``ppo.model_setup`` call each), optimizers and schedules, the KL controller, the checkpointer, and the
+resume. Everything that can fail on the user's input fails here.
 
     run = build(cfg, info)      # then train_ppo.train runs the steps
 
@@ -24,6 +25,7 @@ from ppo import (
     data_files,
     lora,
     model_loading,
+    model_setup,
     models,
     multi_turn,
     offline,
@@ -34,11 +36,10 @@ from ppo import (
     sharding,
     ulysses,
 )
-from ppo.checkpoint_files import seed_everything
 from ppo.checkpointer import Checkpointer, TrainerState
 from ppo.config import ConfigError, PPOConfig
-from ppo.distributed import DistInfo
-from ppo.metrics import MetricsLogger
+from ppo.distributed import DistInfo, main_rank_logs, seed_everything
+from ppo.metrics import MetricsLogger, make_metrics_logger
 from ppo.monitor import HealthMonitor
 from ppo.optim import Trained, with_optimizer
 from ppo.reward_pool import RewardPool
@@ -72,7 +73,8 @@ class Run:
     """SPPO's old policy with ``actor.sppo_refresh_steps > 1``: a snapshot of the actor, loaded and
     sharded as the actor is, refreshed every that many steps and checkpointed; None otherwise."""
     reward_model: torch.nn.Module | None
-    scorer: rule_scoring.RuleScorer
+    scorer: rule_scoring.RuleScorer | None
+    """The rule reward in this process; None where ``reward_pool`` scores (``make_scorer``)."""
     reward_pool: RewardPool | None
     """The rule reward's worker processes (``reward.pool_workers > 0``); None scores in this process."""
     kl_ctrl: KLController
@@ -90,13 +92,8 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
     checkpoint. Everything that can fail on the user's input fails here, before step 1."""
     check_machine(cfg, info.device)
     out_dir = runner.prepare_run(cfg, info)
-    tokenizer = runner.load_tokenizer(cfg.model)
-    scorer = rule_scoring.make_rule_scorer(  # in this process: reward.timeout_s holds here too
-        cfg.reward.custom_function,
-        cfg.reward.format_score,
-        cfg.reward.reward_kwargs,
-        timeout_s=cfg.reward.timeout_s,
-    )
+    tokenizer = model_setup.load_tokenizer(cfg.model)
+    scorer = make_scorer(cfg)
     pool = make_reward_pool(cfg)
     items, val_records = load_data(cfg, info, tokenizer, scorer, pool)
     turns = (  # the environment class loads (or fails) before any model does
@@ -104,16 +101,21 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
         if cfg.rollout.multi_turn.enable
         else None
     )
-    loader = runner.make_loader(items, cfg, info)
-    total_steps = runner.total_steps(cfg, loader)
+    loader = data.make_loader(items, cfg, info)
+    total_steps = data.total_steps(cfg, loader)
     sp = ulysses.make_sp_groups(cfg.actor.ulysses_sequence_parallel_size)
-    actor, ref, critic, reward_model = load_models(cfg, info, sp)
-    sppo_old = load_sppo_snapshot(cfg, info, sp)
+    # One call per model, None where the run has no use for it (in this order: loading may draw from the
+    # seeded RNG, a fresh head or LoRA's initialisation).
+    actor = model_setup.actor(cfg, info, sp)
+    ref = model_setup.reference(cfg, info, actor, sp)
+    critic = model_setup.critic(cfg, info, sp)
+    reward_model = model_setup.reward_model(cfg, info)
+    sppo_old = model_setup.sppo_old_policy(cfg, info, sp)
     sampler = make_sampler(cfg, info, actor, tokenizer, items, turns)
     # One learning-rate step per training step, as verl.
     trained_actor = with_optimizer(actor, cfg.actor.optim, total_steps)
     trained_critic = with_optimizer(critic, cfg.critic.optim, total_steps) if critic is not None else None
-    prm = load_prm(cfg, info)
+    prm = model_setup.prm(cfg, info)
     trained_prm = with_optimizer(prm, cfg.reward.prime.optim, total_steps) if prm is not None else None
     kl_ctrl = make_kl_controller(cfg)
     state, monitor = TrainerState(), HealthMonitor(cfg=cfg)
@@ -137,7 +139,7 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
         len(val_records),
         models.count_parameters(actor) / 1e6,
     )
-    metrics_logger = runner.make_metrics_logger(
+    metrics_logger = make_metrics_logger(
         cfg, info, out_dir, total_steps, console=True, resume_step=state.step if resumed else None
     )
     return Run(
@@ -167,13 +169,26 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
 
 def check_machine(cfg: PPOConfig, device: torch.device) -> None:
     """What the config asks of this machine, checked as the run starts (the schema imports no torch;
-    ``--print-config --world-size`` validates a preset for another machine): a forced ``actor.kernels``
+    ``--print-config --world-size`` validates a preset for another machine): a forced ``actor.kernel_backend``
     backend must run on ``device``."""
-    reason = backend_unavailable(cfg.actor.kernels, device)
+    reason = backend_unavailable(cfg.actor.kernel_backend, device)
     if reason is not None:
         raise ConfigError(
-            f"actor.kernels={cfg.actor.kernels} cannot run here: {reason}; use actor.kernels=auto"
+            f"actor.kernel_backend={cfg.actor.kernel_backend} cannot run here: {reason}; use actor.kernel_backend=auto"
         )
+
+
+def make_scorer(cfg: PPOConfig) -> rule_scoring.RuleScorer | None:
+    """The rule scorer of this process (``reward.timeout_s`` holds here too) where this process scores
+    the rule reward; None with ``reward.pool_workers > 0``: the workers score, each imports
+    ``reward.custom_function`` itself (a bad file fails their start-up in one line), and this process
+    never imports it, so the user's code runs only where it scores."""
+    r = cfg.reward
+    if r.pool_workers > 0:
+        return None
+    return rule_scoring.make_rule_scorer(
+        r.custom_function, r.format_score, r.reward_kwargs, timeout_s=r.timeout_s
+    )
 
 
 def make_reward_pool(cfg: PPOConfig) -> RewardPool | None:
@@ -197,19 +212,19 @@ def load_data(
     cfg: PPOConfig,
     info: DistInfo,
     tokenizer: Any,
-    scorer: rule_scoring.RuleScorer,
+    scorer: rule_scoring.RuleScorer | None,
     pool: RewardPool | None = None,
 ) -> tuple[list[data.PromptRecord] | list[offline.OfflineGroup], list[data.PromptRecord]]:
     """The training items (prompt records, or offline groups with ``rollout.offline_fraction``) and the
     validation prompts; the rule scorer checked against the training prompts' sources (in ``pool``
-    where there is one)."""
+    where there is one; ``scorer`` is None then)."""
     load = dict(
         prompt_key=cfg.data.prompt_key,
         max_prompt_length=cfg.data.max_prompt_length,
         apply_chat_template=cfg.data.apply_chat_template,
     )
     require_ground_truth = rewards.needs_ground_truth(cfg.reward, cfg.rollout.offline_fraction)
-    with runner.main_rank_logs(info):
+    with main_rank_logs(info):
         if cfg.rollout.offline_fraction > 0:  # prompt groups with their responses (offline RLHF)
             items = offline.load_offline_groups(
                 cfg.data.train_files,
@@ -259,89 +274,6 @@ def check_val_sources(records: list[data.PromptRecord], custom_function: str | N
             f"{', '.join(rule_scoring.RULE_DATA_SOURCES)}. Set reward.custom_function=module:function or "
             f"file.py:function, use a reward model (reward.style=model), or drop those rows"
         )
-
-
-def load_models(
-    cfg: PPOConfig, info: DistInfo, sp: ulysses.SPGroup
-) -> tuple[torch.nn.Module, torch.nn.Module | None, torch.nn.Module | None, torch.nn.Module | None]:
-    """``(actor, ref, critic, reward_model)``, each loaded and sharded; the ones a run does not use are
-    None. Under LoRA without ``ref.model_path`` the reference is the actor itself (adapters off)."""
-    actor = runner.build_model(
-        model_loading.load_causal_lm,
-        cfg.model,
-        cfg.actor.fsdp,
-        info,
-        sequence_parallel=sp.size,
-        lora_cfg=cfg.actor.lora,
-        lora_key="actor.lora",
-    )
-    if cfg.actor.use_fused_kernels:
-        models.check_fused_lm_head(actor)
-    ref = critic = reward_model = None
-    if cfg.needs_reference:
-        ref = runner.load_reference(
-            cfg.model, cfg.ref, cfg.actor.lora, info, actor, sequence_parallel=sp.size
-        )
-    if cfg.use_critic:
-        critic = runner.build_model(
-            model_loading.load_critic,
-            cfg.model,
-            cfg.critic.fsdp,
-            info,
-            path=cfg.critic.model_path or cfg.model.path,
-            path_key="critic.model_path" if cfg.critic.model_path else "model.path",
-            sequence_parallel=sp.size,
-            sp_key="critic.ulysses_sequence_parallel_size",
-            lora_cfg=cfg.critic.lora,
-            lora_key="critic.lora",
-            trainable_head="score",
-        )
-    if rewards.uses_reward_model(cfg.reward):
-        reward_model = runner.build_model(
-            model_loading.load_reward_model,
-            cfg.model,
-            cfg.reward.fsdp,
-            info,
-            path=cfg.reward.model_path,
-            path_key="reward.model_path",
-            trainable=False,
-        )
-    return actor, ref, critic, reward_model
-
-
-def load_sppo_snapshot(cfg: PPOConfig, info: DistInfo, sp: ulysses.SPGroup) -> torch.nn.Module | None:
-    """SPPO's old-policy snapshot (``actor.sppo_refresh_steps > 1``), else None: a second actor built
-    exactly as the actor (``model.path``, ``actor.fsdp``, ``actor.lora``), so that its shards match the
-    actor's one for one and the checkpoint holds what the actor's holds (its trainable weights)."""
-    if not cfg.sppo_snapshot:
-        return None
-    return runner.build_model(
-        model_loading.load_causal_lm,
-        cfg.model,
-        cfg.actor.fsdp,
-        info,
-        sequence_parallel=sp.size,
-        lora_cfg=cfg.actor.lora,
-        lora_key="actor.lora",
-    )
-
-
-def load_prm(cfg: PPOConfig, info: DistInfo) -> torch.nn.Module | None:
-    """PRIME's implicit PRM (``algorithm.adv_estimator=prime``): a trainable copy of the reference
-    model (``ref.model_path``, else ``model.path``), so that its log-ratio to the reference starts at 0;
-    with the actor's LoRA adapters when the actor has them. None for other estimators."""
-    if cfg.algorithm.adv_estimator != "prime":
-        return None
-    return runner.build_model(
-        model_loading.load_causal_lm,
-        cfg.model,
-        cfg.reward.prime.fsdp,
-        info,
-        path=cfg.ref.model_path or cfg.model.path,
-        path_key="ref.model_path" if cfg.ref.model_path else "model.path",
-        lora_cfg=cfg.actor.lora,
-        lora_key="actor.lora",
-    )
 
 
 def resume(cfg: PPOConfig, info: DistInfo, ckpt: Checkpointer, state: TrainerState) -> bool:

@@ -171,13 +171,6 @@ def _newest_first(root: Path) -> list[Path]:
     return complete
 
 
-def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (checkpoints then save and restore these streams per rank)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
 def rng_state() -> dict[str, Any]:
     """This process's RNG states as tensors and plain types (loadable with ``weights_only=True``)."""
     version, mt, gauss = random.getstate()

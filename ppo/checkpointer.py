@@ -38,11 +38,10 @@ from ppo.checkpoint_files import (
     resume_candidates,
     save,
     save_done,
-    seed_everything,
 )
 from ppo.config import PPOConfig, StageConfig
 from ppo.config_loader import to_dict, to_yaml
-from ppo.distributed import WATCH, DistInfo, agree_on_failure, all_reduce_scalar
+from ppo.distributed import WATCH, DistInfo, agree_on_failure, all_reduce_scalar, seed_everything
 from ppo.optim import Trained
 from ppo.run_folder import input_fingerprints
 

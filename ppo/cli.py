@@ -17,7 +17,6 @@ import typing
 from pathlib import Path
 from typing import Any
 
-import ppo.config
 from ppo.config import ConfigError, PPOConfig, validate_stage
 from ppo.config_keys import COMMAND_LINE
 from ppo.config_loader import load_config, to_yaml
@@ -137,11 +136,11 @@ def environment_problems(cfg: Any, problems: list[str]) -> list[str]:
     ):
         return []
     from ppo.environments import check_environment
-    from ppo.rule_scoring import RewardError
+    from ppo.user_code import UserCodeError
 
     try:
         check_environment(multi_turn.env)
-    except RewardError as e:
+    except UserCodeError as e:
         return [str(e)]
     return []
 
@@ -162,21 +161,21 @@ def _is_main() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def answer_early(argv: list[str], description: str, schema: str) -> None:
+def answer_early(argv: list[str] | None, description: str, schema: type[Any]) -> None:
     """``--help`` and ``--print-config``, answered before an entry point imports torch and transformers
     (seconds); exits when it answered, else returns and the run goes on, unless an input the config names
     is missing (``input_paths.input_problems``: a model folder, a data file, a reward function's file or
-    module), which ends it here with one line and exit code 2. ``schema``: the name of the
-    entry point's config class in ``ppo.config``, which ``--print-config`` loads.
+    module), which ends it here with one line and exit code 2. ``schema``: the entry point's config
+    class (``ppo.config`` imports no torch), which ``--print-config`` loads.
 
     An entry point calls it first thing::
 
         if __name__ == "__main__":
-            cli.answer_early(sys.argv[1:], __doc__, "PPOConfig")
+            cli.answer_early(sys.argv[1:], __doc__, PPOConfig)
     """
     args = command_line(description).parse_args(argv)  # --help, or a malformed command line, exits here
     try:
-        cfg, args = parse_cli(argv, getattr(ppo.config, schema), description)
+        cfg, args = parse_cli(argv, schema, description)
     except ConfigError as e:
         if args.print_config:
             sys.exit(config_error(e))

@@ -33,9 +33,8 @@ ever truncated: over-long rows are dropped, counted and logged. Bad input raises
 Usage::
 
     records = load_prompts(cfg.data.train_files, tokenizer, max_prompt_length=cfg.data.max_prompt_length)
-    loader = ShardedLoader(records, batch_size=cfg.data.train_batch_size, rank=info.rank,
-                          world_size=info.world_size, seed=cfg.trainer.seed)
-    for step, batch in zip(range(total_steps), loader):  # batch: this rank's list of PromptRecord
+    loader = make_loader(records, cfg, info)    # a ShardedLoader as the config says
+    for step, batch in zip(range(total_steps(cfg, loader)), loader):  # this rank's PromptRecords
         ...
     ckpt["dataloader"] = loader.state_dict()
 """
@@ -54,6 +53,9 @@ from ppo.data_files import DataError, Files, as_paths, cell_ref, check_columns, 
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from ppo.config import PPOConfig, StageConfig
+    from ppo.distributed import DistInfo
 
 logger = logging.getLogger("ppo")
 
@@ -479,3 +481,21 @@ class ShardedLoader:
             )
         self.epoch = int(state["epoch"])
         self.batch_in_epoch = int(state["batch_in_epoch"])
+
+
+def make_loader(records: Sequence[Any], cfg: PPOConfig | StageConfig, info: DistInfo) -> ShardedLoader:
+    """This rank's contiguous share of each global batch, from a permutation seeded by
+    ``(trainer.seed, epoch)``."""
+    return ShardedLoader(
+        records,
+        batch_size=cfg.data.train_batch_size,
+        rank=info.rank,
+        world_size=info.world_size,
+        seed=cfg.trainer.seed,
+        shuffle=cfg.data.shuffle,
+    )
+
+
+def total_steps(cfg: PPOConfig | StageConfig, loader: ShardedLoader) -> int:
+    """``trainer.total_training_steps``, or ``total_epochs`` passes over the training data."""
+    return cfg.trainer.total_training_steps or loader.steps_per_epoch * cfg.trainer.total_epochs

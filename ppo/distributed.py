@@ -1,4 +1,5 @@
-"""Process group, device mesh and the few collectives the loop needs.
+"""Process group, device mesh and the few collectives the loop needs; each rank's start-up (its logging,
+its seeds) and its share of a list.
 
 Every rank runs the same program. Under ``torchrun`` the rank and world size come from the environment
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``); a plain ``python script.py``
@@ -13,12 +14,14 @@ import contextlib
 import datetime
 import logging
 import os
+import random
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -380,3 +383,32 @@ def setup_logging(is_main: bool) -> None:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"))
     handler._ppo = True
     log.addHandler(handler)
+
+
+@contextlib.contextmanager
+def main_rank_logs(info: DistInfo) -> Iterator[None]:
+    """Silence warnings of the ``ppo`` logger on ranks other than 0 (e.g. data files read by every
+    rank report skipped rows once, not once per rank); errors still show."""
+    if info.is_main:
+        yield
+        return
+    previous = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (checkpoints then save and restore these streams per rank)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rank_slice(items: Sequence[Any], info: DistInfo) -> list[Any]:
+    """This rank's contiguous slice of ``items`` (e.g. an evaluation set), the ranks' sizes differing by at
+    most one."""
+    bounds = np.linspace(0, len(items), info.world_size + 1).round().astype(int)
+    return list(items[bounds[info.rank] : bounds[info.rank + 1]])

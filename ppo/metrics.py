@@ -2,7 +2,8 @@
 
 Keys follow verl (``actor/pg_loss``, ``critic/score/mean``, ``timing_s/gen``, ``perf/throughput``) so
 dashboards carry over. ``MetricsLogger`` writes ``metrics.jsonl`` and TensorBoard events in the run
-folder, prints one console line per step and draws a progress bar; wandb is used only when installed
+folder, prints one console line per step and draws a progress bar (``make_metrics_logger`` makes it as
+the config says; the stages' shorter console line is ``Progress``); wandb is used only when installed
 and asked for. ``metrics.jsonl`` and ``generations.jsonl`` are strict JSON: a NaN or infinite value (a
 skipped step's reward, a reward function's NaN extra) is written as ``null``; TensorBoard keeps the NaN.
 """
@@ -23,7 +24,8 @@ import torch
 
 from ppo import models
 from ppo.batch import Batch
-from ppo.config import PPOConfig
+from ppo.config import PPOConfig, StageConfig
+from ppo.config_loader import to_dict
 from ppo.distributed import WATCH, DistInfo, all_reduce_scalar, all_reduce_scalars, all_reduce_tensors
 
 logger = logging.getLogger("ppo")
@@ -311,6 +313,57 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def make_metrics_logger(
+    cfg: PPOConfig | StageConfig,
+    info: DistInfo,
+    out_dir: Path,
+    num_steps: int,
+    *,
+    console: bool,
+    resume_step: int | None = None,
+) -> MetricsLogger:
+    """JSONL, TensorBoard (and wandb) sinks, and with ``console`` the per-step console line."""
+    sinks = [s for s in cfg.trainer.logger if console or s != "console"]
+    if console and (resume_step or 0) < num_steps:
+        logger.info(
+            "start-up done: training from step %d (a step: rollout, score, update)", (resume_step or 0) + 1
+        )
+    sinks += ["jsonl"] + (["tensorboard"] if cfg.trainer.tensorboard else [])  # whatever verl's list says
+    return MetricsLogger(
+        out_dir,
+        sinks,
+        is_main=info.is_main,
+        total_steps=num_steps,
+        project=cfg.trainer.project_name,
+        run_name=cfg.trainer.experiment_name,
+        config=to_dict(cfg),
+        resume_step=resume_step,
+        generations=isinstance(cfg, PPOConfig) and cfg.trainer.log_val_generations > 0,
+    )
+
+
+class Progress:
+    """One console line about every twentieth step, at validation and at the end (rank 0): the stages'
+    progress, where ``MetricsLogger`` writes no console line."""
+
+    def __init__(self, total: int, keys: dict[str, str], *, enabled: bool, first_step: int = 0) -> None:
+        self.total = total
+        self.keys = keys
+        self.enabled = enabled
+        self.every = max(1, total // 20)
+        self.first_step = first_step
+        self.start = time.perf_counter()
+
+    def update(self, step: int, metrics: dict[str, float], *, force: bool = False) -> None:
+        """Log ``step`` if it is due; ``keys`` maps a metric name to its short label."""
+        if not self.enabled or not (force or step % self.every == 0 or step == self.total):
+            return
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / max(step - self.first_step, 1) * (self.total - step)
+        shown = " ".join(f"{label}={metrics[k]:.4g}" for k, label in self.keys.items() if k in metrics)
+        logger.info("step %d/%d %s | %.0fs elapsed, eta %.0fs", step, self.total, shown, elapsed, eta)
 
 
 def _finite_or_none(row: dict[str, Any]) -> dict[str, Any]:

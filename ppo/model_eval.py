@@ -8,7 +8,7 @@ prompt records, nothing of a training run: HF ``generate`` on the model itself, 
                              ref=sft_model)
     # val/accuracy, val/sample_accuracy, val/pass_at_k, val/kl_to_ref, val/kl_to_ref_stderr, ...
 
-Every rank calls it with the same records and takes its share (``runner.my_share``); generation gathers
+Every rank calls it with the same records and takes its share (``rank_slice``); generation gathers
 sharded parameters once per ``generate`` call and each log-prob forward of a sharded model is a
 collective, so the number of forwards is agreed across ranks first (``plan_eval_micro_batches``). The
 SFT and DPO stages' final evaluations and ``scripts/compare_offline.py`` all measure with this module.
@@ -34,10 +34,10 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from ppo import algorithms, model_loading, models, rule_scoring, runner, sharding, ulysses
+from ppo import algorithms, model_loading, models, rule_scoring, sharding, ulysses
 from ppo.batch import Rollout, decode_responses
 from ppo.data import PromptRecord
-from ppo.distributed import DistInfo, all_reduce_scalars
+from ppo.distributed import DistInfo, all_reduce_scalars, rank_slice
 from ppo.packing import DUMMY_SEQUENCE, pack, plan_eval_micro_batches
 from ppo.rollout import generate, generation_config
 
@@ -127,7 +127,7 @@ def answer_metrics(
     if ref is not None and num_samples < 1:
         raise ValueError("the KL to the reference is estimated on samples: pass num_samples >= 1 with ref")
     scorer = rule_scoring.make_rule_scorer(None, 0.0)
-    mine = runner.my_share(records, info)
+    mine = rank_slice(records, info)
     prompts = [torch.tensor(r.input_ids, dtype=torch.long) for r in mine]
     common = dict(
         max_new_tokens=max_new_tokens,

@@ -13,8 +13,9 @@ checks that turn a bad model folder into one error line naming the file and the 
 - Once the tokenizer and the model are both loaded, ``eos_token_ids`` checks that they fit together
   (``check_vocab``) and lists every id that ends a response.
 
-The forwards of the loaded models (packed rows, values, scores) and saving are in ``ppo.models``; the
-sharding in ``ppo.sharding``.
+How a run sets each model up from its config (LoRA, training or eval mode, sharding) is
+``ppo.model_setup``, which loads through these; the forwards of the loaded models (packed rows, values,
+scores) and saving are in ``ppo.models``; the sharding in ``ppo.sharding``.
 
 Usage::
 
@@ -55,7 +56,7 @@ logger = logging.getLogger("ppo")
 
 _RESOLVED = (PACKED_ATTENTION, VARLEN_FLASH, "flash_attention_2", "sdpa", "eager")
 """Attention names used as given: the caller resolved ``auto`` for the device the model will run on
-(``runner.build_model`` loads on the CPU for a GPU run)."""
+(``model_setup.build_model`` loads on the CPU for a GPU run)."""
 
 
 class ModelFileError(OSError):

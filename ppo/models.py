@@ -5,7 +5,8 @@ reward model, the LM head for the fused log-prob kernels, training mode and ``sa
   ``position_ids`` restarting at 0 per sequence and ``cu_seqlens [B+1]`` marking the boundaries. No
   attention mask and ``use_cache=False`` (with the cache on, the packing is silently ignored); the
   attention kernel for such rows lives in ``ppo.attention``, the FSDP2 sharding in ``ppo.sharding``.
-- Saving: ``save_hf`` writes a ``save_pretrained`` folder from a sharded or plain model.
+- Saving: ``save_hf`` writes a ``save_pretrained`` folder from a sharded or plain model (``save_model``:
+  the stages' final model, logged).
 
 The models come from ``ppo.model_loading`` (``load_causal_lm``, ``load_critic``, ``load_reward_model``).
 
@@ -25,8 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,8 +39,11 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ppo.attention import packed_kwargs
+from ppo.distributed import DistInfo
 from ppo.model_loading import score_head
 from ppo.sharding import full_state_dict
+
+logger = logging.getLogger("ppo")
 
 # ----------------------------------------------------------------------------------------------------
 # Packed (padding-free) forwards
@@ -222,6 +228,13 @@ def save_hf(
             tokenizer.save_pretrained(out_dir)
     if dist.is_initialized():
         dist.barrier()  # the folder is complete on every rank's return
+
+
+def save_model(model: nn.Module, tokenizer: PreTrainedTokenizerBase, path: Path, info: DistInfo) -> Path:
+    """Write the ``save_pretrained`` folder (weights, config, tokenizer) at ``path``; every rank calls it."""
+    save_hf(model, tokenizer, str(path), is_main=info.is_main)
+    logger.info("saved %s", path)
+    return path
 
 
 def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:

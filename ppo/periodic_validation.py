@@ -23,7 +23,7 @@ from collections import Counter
 import numpy as np
 import torch
 
-from ppo import rewards, rule_scoring, runner
+from ppo import rewards, rule_scoring
 from ppo.algorithms import bootstrap_best, pass_at_k
 from ppo.batch import Rollout, concat_rollouts, decode_responses
 from ppo.build import Run
@@ -36,13 +36,12 @@ from ppo.distributed import (
     all_reduce_scalars,
 )
 from ppo.rollout import Sampler, sample
+from ppo.step_end import StopRequest
 
 logger = logging.getLogger("ppo")
 
 
-def validate(
-    cfg: PPOConfig, info: DistInfo, run: Run, stop: runner.StopRequest | None = None
-) -> dict[str, float]:
+def validate(cfg: PPOConfig, info: DistInfo, run: Run, stop: StopRequest | None = None) -> dict[str, float]:
     """Generate for every validation prompt (greedy unless ``rollout.val_do_sample``) and score it.
 
     ``val/<data_source>/score``: the mean reward the run trains with (the reward model's score with
@@ -78,7 +77,7 @@ VAL_STREAM = 7919
 """Offsets validation's RNG seed from every other stream derived from (seed, step)."""
 
 
-def _validate(cfg: PPOConfig, info: DistInfo, run: Run, stop: runner.StopRequest | None) -> dict[str, float]:
+def _validate(cfg: PPOConfig, info: DistInfo, run: Run, stop: StopRequest | None) -> dict[str, float]:
     """``validate`` under its own RNG."""
     mine = run.val_records[info.rank :: info.world_size]
     chunk = max(1, cfg.data.val_batch_size // info.world_size)
@@ -173,7 +172,7 @@ def log_generations(
 
 
 def sampled_metrics(
-    cfg: PPOConfig, run: Run, mine: list[PromptRecord], chunk: int, stop: runner.StopRequest | None
+    cfg: PPOConfig, run: Run, mine: list[PromptRecord], chunk: int, stop: StopRequest | None
 ) -> dict[str, float] | None:
     """``n = rollout.val_kwargs.n`` answers to each validation prompt, sampled with the ``val_kwargs``'
     temperature, top-p and top-k (verl's ``val_kwargs``), judged by the rule (an answer is right when it
@@ -262,7 +261,7 @@ def generate(
     chunk: int,
     *,
     do_sample: bool,
-    stop: runner.StopRequest | None,
+    stop: StopRequest | None,
 ) -> Rollout | None:
     """One answer per record, ``chunk`` sequences a generate call, the same number of calls on every rank;
     None when a stop signal came before a call."""
@@ -282,7 +281,7 @@ def rule_scores(
     run: Run,
     records: list[PromptRecord],
     texts: list[str],
-    stop: runner.StopRequest | None,
+    stop: StopRequest | None,
 ) -> list[float | None] | None:
     """The rule's score of each text, None where the source has no rule or the record no ground truth
     (``rewards.rule_scores``, in ``run.reward_pool`` where there is one); a reward function that fails on

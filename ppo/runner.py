@@ -1,18 +1,14 @@
-"""The one run harness of the four trainers: PPO (``train_ppo.py``), SFT, the reward model and DPO.
+"""The one run harness of the four trainers: PPO (``train_ppo.py``), SFT, the reward model and DPO:
+the command line, the error boundary and the run folder.
 
 Every entry point is ``sys.exit(runner.main(argv, ConfigClass, train, __doc__))``; ``main`` parses the
-command line, joins the process group and calls ``train(cfg, info)`` inside the error boundary. The
-pieces every ``train`` shares live here too, so they are written once::
+command line, joins the process group and calls ``train(cfg, info)`` inside the error boundary; ``train``
+claims the run folder first and writes its final numbers there last::
 
     def train(cfg: SFTConfig, info: DistInfo) -> None:
-        out_dir = runner.prepare_run(cfg, info)
-        tokenizer = runner.load_tokenizer(cfg.model)
-        model = runner.build_model(
-            model_loading.load_causal_lm, cfg.model, cfg.fsdp, info, path_key="model.path"
-        )
-        trained = with_optimizer(model, cfg.optim, num_steps)
-        ...
-        grad_norm, skipped = optimizer_step(model, trained.optimizer, cfg.trainer.grad_clip)  # ppo.optim
+        out_dir = runner.prepare_run(cfg, info)    # locked, checked, the config written, every rank seeded
+        ...                                        # models: ppo.model_setup; the loop: ppo.stage_loop
+        runner.write_final_metrics(save_path.parent, info, {"sft_val_accuracy": accuracy})
 
 Error boundary: an expected failure (bad config, data, model path, checkpoint, reward function, an
 I/O error) ends as one line on rank 0 and exit code 2; an unexpected exception prints its traceback
@@ -31,65 +27,40 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import sys
-import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
 import transformers
-from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ppo import (
-    attention,
-    checkpoint_files,
-    data,
-    data_files,
-    input_paths,
-    lora,
-    model_loading,
-    models,
-    rule_scoring,
-    run_folder,
-    sharding,
-    ulysses,
-)
+from ppo import data_files, input_paths, run_folder, user_code
 from ppo.checkpoint_files import CheckpointError
 from ppo.cli import REPORT_DELAY_S, config_error, parse_cli, print_config
 from ppo.config import (
     ConfigError,
     DPOConfig,
-    FSDPConfig,
-    LoRAConfig,
-    ModelConfig,
     PPOConfig,
-    PreferenceRefConfig,
-    RefConfig,
     RewardModelConfig,
     SFTConfig,
     StageConfig,
     validate_stage,
 )
-from ppo.config_loader import to_dict, to_yaml
+from ppo.config_loader import to_yaml
 from ppo.distributed import (
     WATCH,
     DistInfo,
-    all_reduce_scalar,
     broadcast_object,
     destroy_distributed,
     flush_std_streams,
     init_distributed,
     is_collective_timeout,
-    make_mesh,
+    seed_everything,
     setup_logging,
 )
-from ppo.metrics import MetricsLogger
 from ppo.step_end import TrainingError
 
 logger = logging.getLogger("ppo")
@@ -102,7 +73,7 @@ EXPECTED_ERRORS = (
     ConfigError,
     data_files.DataError,
     CheckpointError,
-    rule_scoring.RewardError,
+    user_code.UserCodeError,
     TrainingError,
     OSError,  # a missing model folder (input_paths.ModelPathError), a full disk, a permission
 )
@@ -135,7 +106,7 @@ class ErrorFile(ErrorHandler):
 ERROR_FILE = ErrorFile()
 
 # ----------------------------------------------------------------------------------------------------
-# Entry point and set-up
+# Entry point and error boundary
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -261,6 +232,11 @@ def quiet_other_ranks(info: DistInfo) -> None:
         transformers.utils.logging.set_verbosity_error()
 
 
+# ----------------------------------------------------------------------------------------------------
+# The run folder
+# ----------------------------------------------------------------------------------------------------
+
+
 def prepare_run(cfg: PPOConfig | StageConfig, info: DistInfo) -> Path:
     """Lock and check the run folder and every path the run will write (``run_folder.claim``: one run
     per folder, nothing replaced without ``trainer.overwrite``, no input written, kinds and permissions),
@@ -277,236 +253,8 @@ def prepare_run(cfg: PPOConfig | StageConfig, info: DistInfo) -> Path:
     error = broadcast_object(error)
     if error is not None:
         raise CheckpointError(error)
-    checkpoint_files.seed_everything(cfg.trainer.seed)  # the same on every rank while models are built
+    seed_everything(cfg.trainer.seed)  # the same on every rank while models are built
     return Path(cfg.trainer.output_dir)
-
-
-def load_tokenizer(model_cfg: ModelConfig) -> PreTrainedTokenizerBase:
-    """The tokenizer of ``model.tokenizer_path`` (default ``model.path``); errors name the key used."""
-    key = "model.tokenizer_path" if model_cfg.tokenizer_path else "model.path"
-    logger.info("start-up: loading the tokenizer (%s=%s)", key, model_cfg.tokenizer_path or model_cfg.path)
-    return model_loading.load_tokenizer(
-        model_cfg.tokenizer_path or model_cfg.path, model_cfg.trust_remote_code, config_key=key
-    )
-
-
-def build_model(
-    load: Callable[..., PreTrainedModel],
-    model_cfg: ModelConfig,
-    fsdp: FSDPConfig,
-    info: DistInfo,
-    *,
-    path: str | None = None,
-    path_key: str = "model.path",
-    trainable: bool = True,
-    sequence_parallel: int = 1,
-    sp_key: str = "actor.ulysses_sequence_parallel_size",
-    lora_cfg: LoRAConfig | None = None,
-    lora_key: str = "",
-    trainable_head: str | None = None,
-) -> nn.Module:
-    """Load a model on the CPU with ``load`` (a ``model_loading.load_*``), then shard it onto the device.
-
-    Weights load on CPU and move to the device shard by shard inside ``fully_shard``, so no rank ever
-    holds a whole model on the accelerator; the attention kernel is picked for the device it will run
-    on (and for Ulysses sequence parallelism, ``sequence_parallel`` ranks per group, whose heads are
-    checked). A model that trains is put in training mode (dropout is off from loading; transformers
-    recomputes checkpointed layers only in training mode) with gradient checkpointing as configured;
-    a frozen one gets ``requires_grad=False`` and eval mode.
-    """
-    attn = attention.resolve_attn_implementation(
-        model_cfg.attn_implementation, info.device, sequence_parallel=sequence_parallel > 1
-    )
-    path = path or model_cfg.path
-    lora_cfg = lora_cfg or LoRAConfig()  # rank 0: no adapters (a saved adapter folder is still merged)
-    logger.info("start-up: loading %s=%s (%s)", path_key, path, "trained" if trainable else "frozen")
-    with main_rank_logs(info):  # e.g. "fresh score head" once, not once per rank
-        model = load(
-            lora.base_model_path(path, config_key=path_key),
-            dtype=lora.load_dtype(lora_cfg, model_cfg.dtype),
-            attn_implementation=attn,
-            trust_remote_code=model_cfg.trust_remote_code,
-            device="cpu",
-            config_key=path_key,
-        )
-        model = lora.apply_lora(
-            model,
-            lora_cfg,
-            model_dtype=model_cfg.dtype,
-            trainable_head=trainable_head,
-            config_key=lora_key,
-            init_from=path,
-        )
-    logger.info("%s (%s): attention %s", path or model_cfg.path, type(model).__name__, attn)
-    if sequence_parallel > 1:
-        ulysses.check_heads(model.config, sequence_parallel, sp_key)
-    if trainable:
-        if model_cfg.enable_gradient_checkpointing:
-            models.enable_gradient_checkpointing(model)
-        model.train()
-    else:
-        model.requires_grad_(False)
-        model.eval()
-    if (
-        info.world_size == 1
-        and not fsdp.param_offload
-        and fsdp.mixed_precision.param_dtype == model_cfg.dtype
-    ):
-        # Nothing to shard, offload or cast: FSDP's hooks and its collectives on a world of one would
-        # only cost time (a third of a tiny model's step on CPU, scripts/bench_overhead.py).
-        return model.to(info.device)
-    logger.info("start-up: sharding %s over %d ranks (FSDP2) onto %s", path, info.world_size, info.device)
-    return sharding.shard_model(model, make_mesh(info, fsdp.fsdp_size), fsdp, device=info.device)
-
-
-def load_reference(
-    model_cfg: ModelConfig,
-    ref: RefConfig | PreferenceRefConfig,
-    lora_cfg: LoRAConfig,
-    info: DistInfo,
-    policy: nn.Module,
-    *,
-    sequence_parallel: int = 1,
-) -> nn.Module:
-    """The frozen reference policy: ``policy`` itself under LoRA without ``ref.model_path`` (every
-    reference forward then runs in ``lora.adapters_disabled``: no second copy is loaded), else
-    ``ref.model_path`` (default ``model.path``) loaded, sharded by ``ref.fsdp`` and frozen."""
-    if lora.uses_lora(lora_cfg) and ref.model_path is None:
-        return policy
-    return build_model(
-        model_loading.load_causal_lm,
-        model_cfg,
-        ref.fsdp,
-        info,
-        path=ref.model_path or model_cfg.path,
-        path_key="ref.model_path" if ref.model_path else "model.path",
-        trainable=False,
-        sequence_parallel=sequence_parallel,
-    )
-
-
-def make_loader(records: Sequence[Any], cfg: PPOConfig | StageConfig, info: DistInfo) -> data.ShardedLoader:
-    """This rank's contiguous share of each global batch, from a permutation seeded by
-    ``(trainer.seed, epoch)``."""
-    return data.ShardedLoader(
-        records,
-        batch_size=cfg.data.train_batch_size,
-        rank=info.rank,
-        world_size=info.world_size,
-        seed=cfg.trainer.seed,
-        shuffle=cfg.data.shuffle,
-    )
-
-
-def total_steps(cfg: PPOConfig | StageConfig, loader: data.ShardedLoader) -> int:
-    """``trainer.total_training_steps``, or ``total_epochs`` passes over the training data."""
-    return cfg.trainer.total_training_steps or loader.steps_per_epoch * cfg.trainer.total_epochs
-
-
-def make_metrics_logger(
-    cfg: PPOConfig | StageConfig,
-    info: DistInfo,
-    out_dir: Path,
-    num_steps: int,
-    *,
-    console: bool,
-    resume_step: int | None = None,
-) -> MetricsLogger:
-    """JSONL, TensorBoard (and wandb) sinks, and with ``console`` the per-step console line."""
-    sinks = [s for s in cfg.trainer.logger if console or s != "console"]
-    if console and (resume_step or 0) < num_steps:
-        logger.info(
-            "start-up done: training from step %d (a step: rollout, score, update)", (resume_step or 0) + 1
-        )
-    sinks += ["jsonl"] + (["tensorboard"] if cfg.trainer.tensorboard else [])  # whatever verl's list says
-    return MetricsLogger(
-        out_dir,
-        sinks,
-        is_main=info.is_main,
-        total_steps=num_steps,
-        project=cfg.trainer.project_name,
-        run_name=cfg.trainer.experiment_name,
-        config=to_dict(cfg),
-        resume_step=resume_step,
-        generations=isinstance(cfg, PPOConfig) and cfg.trainer.log_val_generations > 0,
-    )
-
-
-def my_share(items: Sequence[Any], info: DistInfo) -> list[Any]:
-    """This rank's contiguous slice of an evaluation set (sizes differ by at most one)."""
-    bounds = np.linspace(0, len(items), info.world_size + 1).round().astype(int)
-    return list(items[bounds[info.rank] : bounds[info.rank + 1]])
-
-
-# ----------------------------------------------------------------------------------------------------
-# Stopping, progress, saving
-# ----------------------------------------------------------------------------------------------------
-
-
-class StopRequest:
-    """SIGTERM (Slurm preemption, torchrun's shutdown), SIGINT (Ctrl-C) and SIGHUP (a closed terminal)
-    ask the run to stop.
-
-    The loop asks ``requested()`` at its phase boundaries (all ranks agree: one all-reduce): after the
-    rollout, between the scoring forwards, between validation chunks and at the end of the step; it
-    saves the last complete step before it exits, within the seconds torchrun and Slurm grant between
-    SIGTERM and SIGKILL (30 s by default). A second Ctrl-C stops at once (``main`` exits quietly with
-    130; the last checkpoint is intact: saves are atomic).
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-    """Slurm's preemption and torchrun's shutdown, Ctrl-C, a closed terminal or dropped ssh session."""
-
-    def __init__(self) -> None:
-        self.name: str | None = None
-        if threading.current_thread() is threading.main_thread():
-            for signum in self.SIGNALS:
-                signal.signal(signum, self._handle)
-
-    def _handle(self, signum: int, _frame: object) -> None:
-        if signum == signal.SIGINT and self.name is not None:
-            raise KeyboardInterrupt
-        self.name = signal.Signals(signum).name
-        logger.warning("%s received: stopping at the next phase boundary, after a checkpoint", self.name)
-
-    def requested(self) -> bool:
-        """Whether any rank received a stop signal (collective)."""
-        return all_reduce_scalar(float(self.name is not None), "max") > 0
-
-
-def out_of_time(start: float, max_time_s: float) -> bool:
-    """Whether ``trainer.max_time_s`` has passed on any rank (all ranks agree; no-op when 0)."""
-    if max_time_s <= 0:
-        return False
-    return bool(all_reduce_scalar(float(time.perf_counter() - start > max_time_s), "max"))
-
-
-class Progress:
-    """One console line about every twentieth step, at validation and at the end (rank 0)."""
-
-    def __init__(self, total: int, keys: dict[str, str], *, enabled: bool, first_step: int = 0) -> None:
-        self.total = total
-        self.keys = keys
-        self.enabled = enabled
-        self.every = max(1, total // 20)
-        self.first_step = first_step
-        self.start = time.perf_counter()
-
-    def update(self, step: int, metrics: dict[str, float], *, force: bool = False) -> None:
-        """Log ``step`` if it is due; ``keys`` maps a metric name to its short label."""
-        if not self.enabled or not (force or step % self.every == 0 or step == self.total):
-            return
-        elapsed = time.perf_counter() - self.start
-        eta = elapsed / max(step - self.first_step, 1) * (self.total - step)
-        shown = " ".join(f"{label}={metrics[k]:.4g}" for k, label in self.keys.items() if k in metrics)
-        logger.info("step %d/%d %s | %.0fs elapsed, eta %.0fs", step, self.total, shown, elapsed, eta)
-
-
-def save_model(model: nn.Module, tokenizer: PreTrainedTokenizerBase, path: Path, info: DistInfo) -> Path:
-    """Write the ``save_pretrained`` folder (weights, config, tokenizer); every rank calls it."""
-    models.save_hf(model, tokenizer, str(path), is_main=info.is_main)
-    logger.info("saved %s", path)
-    return path
 
 
 def merge_metrics(path: Path, updates: dict[str, Any]) -> dict[str, Any]:
@@ -537,18 +285,3 @@ def write_final_metrics(folder: Path, info: DistInfo, updates: dict[str, Any]) -
         path = folder / run_folder.METRICS_FILE
         merge_metrics(path, updates)
         logger.info("final: %s -> %s", json.dumps(updates, sort_keys=True), path)
-
-
-@contextlib.contextmanager
-def main_rank_logs(info: DistInfo) -> Iterator[None]:
-    """Silence warnings of the ``ppo`` logger on ranks other than 0 (e.g. data files read by every
-    rank report skipped rows once, not once per rank); errors still show."""
-    if info.is_main:
-        yield
-        return
-    previous = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(previous)

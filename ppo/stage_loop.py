@@ -24,14 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from ppo import monitor, run_folder, runner
+from ppo import model_setup, monitor, run_folder, runner
 from ppo.checkpointer import TrainerState, log_stopped, make_checkpointer, save_due
 from ppo.config import DPOConfig, RewardModelConfig, SFTConfig, StageConfig
-from ppo.data import ShardedLoader
+from ppo.data import ShardedLoader, make_loader, total_steps
 from ppo.data_files import Files
-from ppo.distributed import DistInfo
-from ppo.metrics import MetricsLogger, Timer
+from ppo.distributed import DistInfo, main_rank_logs
+from ppo.metrics import MetricsLogger, Progress, Timer, make_metrics_logger
 from ppo.optim import Trained, optimizer_step
+from ppo.step_end import StopRequest, out_of_time
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -70,18 +71,18 @@ def start_stage(
     ``load(files, tokenizer)`` (its warnings from rank 0 only), and the loader over the training examples
     (``examples(train)``, or what ``load`` returned when it is the list itself)."""
     out_dir = runner.prepare_run(cfg, info)
-    tokenizer = runner.load_tokenizer(cfg.model)
-    with runner.main_rank_logs(info):  # data warnings once, not once per rank
+    tokenizer = model_setup.load_tokenizer(cfg.model)
+    with main_rank_logs(info):  # data warnings once, not once per rank
         train = load(cfg.data.train_files, tokenizer)
         val = load(cfg.data.val_files, tokenizer) if cfg.data.val_files else None
-    loader = runner.make_loader(examples(train) if examples is not None else train, cfg, info)
+    loader = make_loader(examples(train) if examples is not None else train, cfg, info)
     return StageStart(
         out_dir=out_dir,
         tokenizer=tokenizer,
         train=train,
         val=val,
         loader=loader,
-        num_steps=runner.total_steps(cfg, loader),
+        num_steps=total_steps(cfg, loader),
     )
 
 
@@ -138,11 +139,11 @@ def train_stage(
                 num_steps,
                 how,
             )
-    metrics_logger = runner.make_metrics_logger(
+    metrics_logger = make_metrics_logger(
         cfg, info, out_dir, num_steps, console=False, resume_step=state.step if resumed else None
     )
-    progress = runner.Progress(num_steps, progress_keys, enabled="console" in t.logger, first_step=state.step)
-    stop = runner.StopRequest()
+    progress = Progress(num_steps, progress_keys, enabled="console" in t.logger, first_step=state.step)
+    stop = StopRequest()
     start = time.perf_counter()
     metrics: dict[str, float] = {}
     stopped = False
@@ -167,7 +168,7 @@ def train_stage(
             )
             # Stop signals and the time cap are asked after the step, so a run always makes progress.
             stopped = stop.requested()
-            timed_out = not stopped and runner.out_of_time(start, t.max_time_s)
+            timed_out = not stopped and out_of_time(start, t.max_time_s)
             due = t.test_freq > 0 and state.step % t.test_freq == 0
             if validate is not None and not stopped and (due or state.step == num_steps):
                 with timer("testing"):

@@ -63,8 +63,11 @@ from ppo.distributed import (
     destroy_distributed,
     exit_process,
     init_distributed,
+    main_rank_logs,
+    rank_slice,
     setup_logging,
 )
+from ppo.model_setup import build_model
 from ppo.packing import DUMMY_SEQUENCE, pack, plan_eval_micro_batches
 from ppo.rollout import generate, generation_config
 
@@ -213,7 +216,7 @@ def make_groups(args: argparse.Namespace, info: DistInfo) -> None:
     start = time.perf_counter()
     tokenizer = model_loading.load_tokenizer(args.model, False, config_key="--model")
     use_rule = args.reward_model is None
-    with runner.main_rank_logs(info):
+    with main_rank_logs(info):
         records = data.load_prompts(
             args.data,
             tokenizer,
@@ -253,11 +256,11 @@ def make_groups(args: argparse.Namespace, info: DistInfo) -> None:
     reward_model = None
     if todo:
         model_cfg = ModelConfig(path=args.model, dtype=args.dtype)
-        policy = runner.build_model(
+        policy = build_model(
             model_loading.load_causal_lm, model_cfg, FSDPConfig(), info, path_key="--model", trainable=False
         )
         if not use_rule:
-            reward_model = runner.build_model(
+            reward_model = build_model(
                 model_loading.load_reward_model,
                 model_cfg,
                 FSDPConfig(),
@@ -278,7 +281,7 @@ def make_groups(args: argparse.Namespace, info: DistInfo) -> None:
         )
     for shard in todo:
         t0 = time.perf_counter()
-        mine = runner.my_share(records[shard * args.shard_size : (shard + 1) * args.shard_size], info)
+        mine = rank_slice(records[shard * args.shard_size : (shard + 1) * args.shard_size], info)
         torch.manual_seed(int(np.random.SeedSequence([args.seed, shard, info.rank]).generate_state(1)[0]))
         found = sample_groups(policy, mine, config, tokenizer, args)
         kept = [(r, texts) for r, texts in zip(mine, found, strict=True) if len(texts) == args.k]

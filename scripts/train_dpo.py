@@ -33,9 +33,10 @@ when ``data.eval_prompt_files`` is set, its greedy answers are scored by the rul
 from __future__ import annotations
 
 from ppo import cli
+from ppo.config import DPOConfig, PreferenceLossConfig
 
 if __name__ == "__main__":  # --help and --print-config answer here, before torch and transformers load
-    cli.answer_early(None, __doc__, "DPOConfig")
+    cli.answer_early(None, __doc__, DPOConfig)
 
 # The imports below follow the early answer on purpose:
 # ruff: noqa: E402
@@ -53,6 +54,7 @@ from ppo import (
     lora,
     model_eval,
     model_loading,
+    model_setup,
     models,
     run_folder,
     runner,
@@ -61,8 +63,7 @@ from ppo import (
     stage_loop,
     ulysses,
 )
-from ppo.config import DPOConfig, PreferenceLossConfig
-from ppo.distributed import DistInfo, all_reduce_scalars, exit_process
+from ppo.distributed import DistInfo, all_reduce_scalars, exit_process, rank_slice
 from ppo.optim import with_optimizer
 from ppo.packing import DUMMY_SEQUENCE, pack, plan_eval_micro_batches, plan_micro_batches
 
@@ -116,7 +117,7 @@ def train(cfg: DPOConfig, info: DistInfo) -> None:
         examples=lambda loaded: loaded.pairs,
     )
     val_pairs = start.val.pairs if start.val is not None else []
-    model = runner.build_model(
+    model = model_setup.build_model(
         model_loading.load_causal_lm, cfg.model, cfg.fsdp, info, lora_cfg=cfg.lora, lora_key="lora"
     )
     ref = load_reference(cfg, info, model)
@@ -210,7 +211,7 @@ def train(cfg: DPOConfig, info: DistInfo) -> None:
         lora.save_hf(model, start.tokenizer, path, is_main=info.is_main, merged=cfg.lora.save_merged)
         logger.info("saved %s (%s)", path, "merged" if cfg.lora.save_merged else "adapters")
     else:
-        runner.save_model(model, start.tokenizer, path, info)
+        models.save_model(model, start.tokenizer, path, info)
     final: dict[str, object] = {
         "dpo_loss_type": cfg.loss.type,
         "dpo_steps": result.steps,
@@ -250,7 +251,7 @@ def load_reference(cfg: DPOConfig, info: DistInfo, model: nn.Module) -> nn.Modul
         if cfg.ref.model_path is not None:
             logger.warning("ref.model_path=%s is not loaded: simpo is reference-free", cfg.ref.model_path)
         return None
-    return runner.load_reference(cfg.model, cfg.ref, cfg.lora, info, model)
+    return model_setup.frozen_reference(cfg.model, cfg.ref, cfg.lora, info, model)
 
 
 def describe_reference(cfg: DPOConfig, ref: nn.Module | None, model: nn.Module) -> str:
@@ -449,7 +450,7 @@ def evaluate_pairs(
 ) -> dict[str, float]:
     """The training metrics on held-out pairs, as ``val/*`` (every rank scores its share; KTO's
     reference point is estimated on the held-out pairs themselves)."""
-    mine = runner.my_share(pairs, info)
+    mine = rank_slice(pairs, info)
     groups = plan_eval_micro_batches(
         [pair_length(p) for p in mine],
         use_dynamic_bsz=cfg.data.use_dynamic_bsz,

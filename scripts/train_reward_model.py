@@ -18,9 +18,10 @@ when the data has a ``mistake`` column. The model is saved with ``save_pretraine
 from __future__ import annotations
 
 from ppo import cli
+from ppo.config import RewardModelConfig
 
 if __name__ == "__main__":  # --help and --print-config answer here, before torch and transformers load
-    cli.answer_early(None, __doc__, "RewardModelConfig")
+    cli.answer_early(None, __doc__, RewardModelConfig)
 
 # The imports below follow the early answer on purpose:
 # ruff: noqa: E402
@@ -32,9 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ppo import model_loading, models, run_folder, runner, stage_data, stage_loop
-from ppo.config import RewardModelConfig
-from ppo.distributed import DistInfo, all_gather_object, all_reduce_scalars, exit_process
+from ppo import model_loading, model_setup, models, run_folder, runner, stage_data, stage_loop
+from ppo.distributed import DistInfo, all_gather_object, all_reduce_scalars, exit_process, rank_slice
 from ppo.optim import with_optimizer
 from ppo.packing import DUMMY_SEQUENCE, pack_sequences, plan_eval_micro_batches, plan_micro_batches
 
@@ -70,7 +70,7 @@ def train(cfg: RewardModelConfig, info: DistInfo) -> None:
         "train": count_rows(cfg.data.train_files) - len(start.train),
         "val": count_rows(cfg.data.val_files) - len(val_pairs),
     }
-    model = runner.build_model(model_loading.load_reward_model, cfg.model, cfg.fsdp, info)
+    model = model_setup.build_model(model_loading.load_reward_model, cfg.model, cfg.fsdp, info)
     trained = with_optimizer(model, cfg.optim, start.num_steps)
     logger.info(
         "reward model: world size %d on %s; %d train pairs (%d rows skipped), %d val pairs (%d skipped); "
@@ -126,7 +126,7 @@ def train(cfg: RewardModelConfig, info: DistInfo) -> None:
         return
 
     # Save the model (PPO's reward.model_path) and its held-out numbers.
-    saved = runner.save_model(model, start.tokenizer, run_folder.stage_save_path(cfg), info)
+    saved = models.save_model(model, start.tokenizer, run_folder.stage_save_path(cfg), info)
     final: dict[str, object] = {
         "rm_steps": result.steps,
         "rm_train_time_s": round(result.train_time_s, 1),
@@ -195,7 +195,7 @@ def evaluate(
 
     Every rank scores its share; the per-kind counts are gathered once.
     """
-    mine = runner.my_share(pairs, info)
+    mine = rank_slice(pairs, info)
     counts: dict[str, list[float]] = {}  # kind -> [correct, pairs]; "" is all of them
     margin_sum = loss_sum = 0.0
     groups = plan_eval_micro_batches(

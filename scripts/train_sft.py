@@ -16,9 +16,10 @@ when ``data.eval_prompt_files`` is set, its greedy and sampled answers are score
 from __future__ import annotations
 
 from ppo import cli
+from ppo.config import SFTConfig
 
 if __name__ == "__main__":  # --help and --print-config answer here, before torch and transformers load
-    cli.answer_early(None, __doc__, "SFTConfig")
+    cli.answer_early(None, __doc__, SFTConfig)
 
 # The imports below follow the early answer on purpose:
 # ruff: noqa: E402
@@ -30,9 +31,18 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 import ppo_kernels
-from ppo import data, model_eval, model_loading, models, run_folder, runner, stage_data, stage_loop
-from ppo.config import SFTConfig
-from ppo.distributed import DistInfo, all_reduce_scalars, exit_process
+from ppo import (
+    data,
+    model_eval,
+    model_loading,
+    model_setup,
+    models,
+    run_folder,
+    runner,
+    stage_data,
+    stage_loop,
+)
+from ppo.distributed import DistInfo, all_reduce_scalars, exit_process, rank_slice
 from ppo.optim import with_optimizer
 from ppo.packing import (
     DUMMY_SEQUENCE,
@@ -68,7 +78,7 @@ def train(cfg: SFTConfig, info: DistInfo) -> None:
         ),
     )
     val_examples = start.val or []
-    model = runner.build_model(model_loading.load_causal_lm, cfg.model, cfg.fsdp, info)
+    model = model_setup.build_model(model_loading.load_causal_lm, cfg.model, cfg.fsdp, info)
     trained = with_optimizer(model, cfg.optim, start.num_steps)
     logger.info(
         "SFT: world size %d on %s; %d train examples (%d steps of %d), %d val examples; %.2fM parameters",
@@ -122,7 +132,7 @@ def train(cfg: SFTConfig, info: DistInfo) -> None:
         return
 
     # Save the model (the PPO actor's starting point), then score its answers.
-    saved = runner.save_model(model, start.tokenizer, run_folder.stage_save_path(cfg), info)
+    saved = models.save_model(model, start.tokenizer, run_folder.stage_save_path(cfg), info)
     final = {"sft_steps": result.steps, "sft_train_time_s": round(result.train_time_s, 1)}
     if "val/loss" in result.metrics:
         final["sft_val_loss"] = round(result.metrics["val/loss"], 4)
@@ -175,7 +185,7 @@ def validation_loss(
     model: nn.Module, examples: list[stage_data.SFTExample], cfg: SFTConfig, info: DistInfo
 ) -> float:
     """Token-mean answer loss over all held-out examples (every rank scores its share)."""
-    mine = runner.my_share(examples, info)
+    mine = rank_slice(examples, info)
     nll = tokens = 0.0
     groups = plan_eval_micro_batches(
         [len(ex.input_ids) for ex in mine],
@@ -211,7 +221,7 @@ def evaluate_answers(
         max_prompt_length=cfg.data.max_length,
         apply_chat_template=cfg.data.apply_chat_template,
     )
-    mine = runner.my_share(records, info)
+    mine = rank_slice(records, info)
     longest = int(all_reduce_scalars([max((len(r.input_ids) for r in mine), default=0)], "max")[0])
     return model_eval.answer_metrics(
         model,

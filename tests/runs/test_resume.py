@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from ppo import checkpoint_files
+from ppo import checkpoint_files, distributed
 from ppo.metrics import MetricsLogger
 from tests.helpers import (
     ROOT,
@@ -367,7 +367,7 @@ def test_resume_on_another_world_size_continues_the_data_order(tiny_assets: Path
 
 
 def test_rng_state_round_trips_as_plain_values(tmp_path: Path) -> None:
-    checkpoint_files.seed_everything(7)
+    distributed.seed_everything(7)
     state = checkpoint_files.rng_state()
     torch.save(state, tmp_path / "rng.pt")
     expected = (torch.rand(3), __import__("random").random(), __import__("numpy").random.rand())

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
 from ppo import data, model_loading, models, rule_scoring, runner, stage_data
-from ppo.distributed import DistInfo
+from ppo.distributed import DistInfo, rank_slice
 from ppo.packing import pack_sequences, plan_eval_micro_batches
 from tests.helpers import (
     ROOT,
@@ -153,7 +153,7 @@ def test_eval_micro_batches_pad_to_the_agreed_count() -> None:
     assert sorted(i for g in groups for i in g) == [0, 1, 2, 3] and len(groups) == 2
     assert plan_eval_micro_batches([], **budget) == []
     info = DistInfo(rank=1, world_size=3, local_rank=1, device=torch.device("cpu"))
-    assert runner.my_share(list(range(7)), info) == [2, 3, 4]  # bounds 0, 2, 5, 7 (rounded 2.33, 4.67)
+    assert rank_slice(list(range(7)), info) == [2, 3, 4]  # bounds 0, 2, 5, 7 (rounded 2.33, 4.67)
 
 
 def test_merge_metrics_keeps_other_keys(tmp_path: Path) -> None:

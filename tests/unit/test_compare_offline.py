@@ -272,9 +272,9 @@ def test_two_ranks(two_rank_results: dict[str, Any], check: str) -> None:
 
 
 def _worker(root: Path, out: Path) -> None:
-    from ppo import runner
     from ppo.config import FSDPConfig, ModelConfig
     from ppo.distributed import destroy_distributed, init_distributed
+    from ppo.model_setup import build_model
 
     info = init_distributed(device="cpu", timeout_s=60)
     record = Checks(out, info.is_main, agree=True).record
@@ -284,7 +284,7 @@ def _worker(root: Path, out: Path) -> None:
         loaded = data.load_prompts(root / "val.parquet", tokenizer, max_prompt_length=64)[:8]
         recs = [dataclasses.replace(r, ground_truth="7" if i < 5 else "3") for i, r in enumerate(loaded)]
         p, q = (
-            runner.build_model(
+            build_model(
                 model_loading.load_causal_lm,
                 ModelConfig(path=str(root / n)),
                 FSDPConfig(),

@@ -252,9 +252,9 @@ def test_resuming_a_finished_run_says_so_and_keeps_its_export(
 
 EARLY = """\
 import sys
-from ppo import cli
+from ppo import cli, config
 try:
-    cli.answer_early(sys.argv[2:], "", sys.argv[1])
+    cli.answer_early(sys.argv[2:], "", getattr(config, sys.argv[1]))
 except SystemExit as e:
     print(e.code, "torch" in sys.modules)
 """
@@ -433,7 +433,7 @@ def test_print_config_checks_the_environment_class(
 
     def problems(env: str, *flags: str, code: int = 2) -> list[str]:
         with pytest.raises(SystemExit) as e:
-            early(["--print-config", *flags, *args, f"rollout.multi_turn.env={env}"], "", "PPOConfig")
+            early(["--print-config", *flags, *args, f"rollout.multi_turn.env={env}"], "", PPOConfig)
         assert e.value.code == code
         err = capsys.readouterr().err
         prefixes = ("error: rollout.multi_turn.env", "warning: rollout.multi_turn.env")
@@ -468,7 +468,7 @@ def test_print_config_names_missing_inputs(
 
     def printed(*flags: str, code: int) -> tuple[str, list[str]]:
         with pytest.raises(SystemExit) as e:
-            early(["--print-config", *flags, *args], "", "PPOConfig")
+            early(["--print-config", *flags, *args], "", PPOConfig)
         assert e.value.code == code
         out, err = capsys.readouterr()
         return out, [line for line in err.splitlines() if line.startswith(("warning: ", "error: "))]

@@ -166,7 +166,7 @@ def test_warm_up_follows_verls_ratio() -> None:
 
 
 def test_metrics_stay_on_disk_whatever_the_logger_list(tmp_path: Path) -> None:
-    from ppo.runner import make_metrics_logger
+    from ppo.metrics import make_metrics_logger
 
     info = types.SimpleNamespace(is_main=True)
     for logger, tensorboard, written in [
