@@ -38,6 +38,7 @@ from ppo import (
     prime,
     rewards,
     runner,
+    sppo,
     ulysses,
 )
 from ppo.batch import Batch, group_index
@@ -223,7 +224,7 @@ def score(cfg: PPOConfig, run: Run, batch: Batch, timer: Timer, stop: StopReques
     if forwards.needs_old_logprobs(cfg):
         with timer("old_log_prob"):  # the actor's, or SPPO's snapshot of it (refreshed every N steps)
             actor, snapshot = run.actor.model, run.sppo_old
-            forwards.refresh_sppo_snapshot(snapshot, actor, run.state.step, cfg.actor.sppo_refresh_steps)
+            sppo.refresh_snapshot(snapshot, actor, run.state.step, cfg.actor.sppo_refresh_steps)
             batch.old_logprobs = forwards.forward_old_logprobs(cfg, actor, snapshot, batch, run.sp)
         at_boundary(stop)
     if run.ref is not None:

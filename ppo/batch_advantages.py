@@ -38,7 +38,7 @@ def compute_advantages(
         if kind == "full":
             kl = batch.full_kl
         else:
-            kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, kind, cfg.actor.kernels)
+            kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, kind, cfg.actor.kernel_backend)
         kl = torch.where(mask, kl, torch.zeros_like(kl))
         beta = kl_ctrl.value
         token_rewards = token_rewards - beta * kl

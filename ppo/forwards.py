@@ -5,14 +5,12 @@ sequences. The rewards (``scores``, one per sequence) are ``ppo.rewards``'.
     batch.old_logprobs = forward_logprobs(cfg, actor, batch, cfg.actor.ppo_micro_batch_size_per_gpu, sp)
     forward_reference(cfg, actor, ref, batch, sp)      # batch.ref_logprobs (and batch.full_kl)
     batch.values = forward_values(cfg, critic, batch, sp)
-    refresh_sppo_snapshot(snapshot, actor, step, cfg.actor.sppo_refresh_steps)   # SPPO's old policy
-    batch.old_logprobs = forward_old_logprobs(cfg, actor, snapshot, batch, sp)
+    batch.old_logprobs = forward_old_logprobs(cfg, actor, old_policy, batch, sp)   # a kept old policy's
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from ppo import algorithms, lora, models, sharding, ulysses
 from ppo.batch import Batch
@@ -49,7 +47,7 @@ def forward_logprobs(
                 pack_rows(batch, sel),
                 sp,
                 temperature=cfg.rollout.temperature,
-                backend=cfg.actor.kernels,
+                backend=cfg.actor.kernel_backend,
                 fused=cfg.actor.use_fused_kernels,
             )
     return out
@@ -58,31 +56,18 @@ def forward_logprobs(
 def forward_old_logprobs(
     cfg: PPOConfig,
     actor: torch.nn.Module,
-    snapshot: torch.nn.Module | None,
+    old_policy: torch.nn.Module | None,
     batch: Batch,
     sp: ulysses.SPGroup,
 ) -> torch.Tensor:
-    """Old log-probs ``[B, R]``: the actor's, or SPPO's old-policy snapshot's where there is one
-    (``actor.sppo_refresh_steps > 1``; released after its forward, as a separate reference is)."""
+    """Old log-probs ``[B, R]``: the actor's, or where the run keeps an older policy (SPPO's snapshot,
+    ``ppo.sppo``) that one's, released after its forward as a separate reference is."""
     mb = cfg.actor.ppo_micro_batch_size_per_gpu
-    if snapshot is None:
+    if old_policy is None:
         return forward_logprobs(cfg, actor, batch, mb, sp)
-    out = forward_logprobs(cfg, snapshot, batch, mb, sp)
-    sharding.release(snapshot)
+    out = forward_logprobs(cfg, old_policy, batch, mb, sp)
+    sharding.release(old_policy)
     return out
-
-
-@torch.no_grad()
-def refresh_sppo_snapshot(
-    snapshot: torch.nn.Module | None, actor: torch.nn.Module, step: int, refresh_steps: int
-) -> None:
-    """SPPO's iterations: at the start of steps ``1, N + 1, 2N + 1, ...`` (``N = refresh_steps``) the
-    snapshot takes the actor's weights, so steps ``kN + 1 .. (k+1)N`` regress onto the log-ratio to the
-    actor after step ``kN``. Shard for shard (both are built alike); a no-op without a snapshot. A
-    resumed run gets the snapshot from its checkpoint, and the next refresh from the actor itself."""
-    if snapshot is None or (step - 1) % refresh_steps:
-        return
-    set_model_state_dict(snapshot, get_model_state_dict(actor))
 
 
 def forward_reference(

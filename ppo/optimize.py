@@ -195,7 +195,7 @@ def actor_loss(
             pack_rows(batch, sel),
             sp,
             temperature=cfg.rollout.temperature,
-            backend=a.kernels,
+            backend=a.kernel_backend,
             compute_entropy=True,  # logged every step; its gradient only with an entropy bonus
             fused=a.use_fused_kernels,
         )
@@ -221,7 +221,7 @@ def actor_loss(
         parts.update({f"actor/{k}": v for k, v in pg_metrics.items()})
         parts.update(mismatch)
         if a.use_kl_loss:
-            kl = kl_estimate(logprobs, batch.ref_logprobs[sel], a.kl_loss_type, a.kernels)
+            kl = kl_estimate(logprobs, batch.ref_logprobs[sel], a.kl_loss_type, a.kernel_backend)
             kl_loss = algorithms.agg_loss(kl, mask, a.loss_agg_mode, **counts)
             loss = loss + a.kl_loss_coef * kl_loss
             parts["actor/kl_loss"] = kl_loss

@@ -101,7 +101,7 @@ def prm_loss(
             pack_rows(batch, sel),
             sp,
             temperature=cfg.rollout.temperature,
-            backend=cfg.actor.kernels,
+            backend=cfg.actor.kernel_backend,
             fused=cfg.actor.use_fused_kernels,
         )
         if prm_logprobs is not None:

@@ -209,7 +209,7 @@ VERL_KEYS: dict[str, VerlKey] = {
     "model.lora_adapter_path": refused(
         "point model.path at the adapter folder (its base model is read from adapter_config.json)"
     ),
-    "model.fused_kernel_options.impl_backend": renamed_to("actor.kernels"),
+    "model.fused_kernel_options.impl_backend": renamed_to("actor.kernel_backend"),
     "actor_rollout_ref.hybrid_engine": refused(
         "the actor and the rollout always share weights here", (True,)
     ),
@@ -324,8 +324,9 @@ VERL_KEYS: dict[str, VerlKey] = {
         "the reward model's inference engine in verl; here the reward model scores by a forward pass on "
         "the training ranks"
     ),
-    # reward.num_workers (verl's Ray reward workers, 0.6.0's reward_model.num_workers) is ours with verl's
-    # meaning: it starts nothing; the rule reward's per-rank process pool is reward.pool_workers.
+    # verl's Ray reward workers (0.6.0's reward_model.num_workers); the rule reward's per-rank process pool
+    # is reward.pool_workers, which a config written for verl does not set.
+    "reward.num_workers": ignored(REWARD_WORKERS),
     "reward.reward_loop_module_path": refused("verl's reward loops do not exist here"),
     "reward.reward_loop_class_name": refused("verl's reward loops do not exist here"),
     **{
@@ -517,8 +518,8 @@ number: null takes our default."""
 
 VERL_HOMONYMS: frozenset[str] = frozenset()
 """Our keys that verl's older spelling means otherwise: their row applies to that spelling alone. None
-now: ``reward.num_workers``, which was our per-rank pool, means verl's reward workers as
-``reward_model.num_workers`` does (the pool is ``reward.pool_workers``)."""
+now (``reward.num_workers`` is verl's reward workers in either spelling: ignored, with a note; the pool
+is ``reward.pool_workers``)."""
 
 VERL_VALUES: dict[str, dict[Any, Any]] = {"algorithm.filter_groups.metric": {"reward": "seq_reward"}}
 """Values of keys verl shares with us that only verl spells that way, in either spelling of the key

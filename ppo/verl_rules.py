@@ -74,8 +74,8 @@ HYDRA = (
 RAY = "a Ray setting; this trainer is one SPMD program under torchrun, without Ray"
 PROFILER = "verl's profiler; this trainer's is trainer.profile_steps (the torch profiler)"
 PACKED = "sequences are always packed without padding here"
-COMPILE = "it compiles verl's log-prob computation; here the chunked kernels (actor.kernels) compute it"
-ENTROPY = "the entropy is always computed in chunks here, without the full logits (actor.kernels)"
+COMPILE = "it compiles verl's log-prob computation; here the chunked kernels (actor.kernel_backend) compute it"
+ENTROPY = "the entropy is always computed in chunks here, without the full logits (actor.kernel_backend)"
 SEEDED = "everything is seeded from trainer.seed here"
 OVERLONG_LOGGED = (
     "the overlong penalty is always logged here (reward/overlong_penalty, reward/overlong_ratio)"
@@ -198,7 +198,7 @@ def model_keys(p: str, lora: str | None) -> dict[str, VerlKey]:
         f"{p}.use_remove_padding": ignored(PACKED, (True,)),
         f"{p}.tiled_mlp.enabled": refused("tiled MLPs are not available here", (False,)),
         f"{p}.tiled_mlp.num_shards": ignored("used only with tiled_mlp.enabled=true"),
-        f"{p}.use_liger": ignored("Liger's kernels: this trainer's are actor.kernels", (False,)),
+        f"{p}.use_liger": ignored("Liger's kernels: this trainer's are actor.kernel_backend", (False,)),
         f"{p}.use_fused_kernels": renamed_to("actor.use_fused_kernels")
         if p == "model"
         else ignored("fused kernels: actor.use_fused_kernels here"),
@@ -227,6 +227,6 @@ def model_keys(p: str, lora: str | None) -> dict[str, VerlKey]:
         f"{p}.target_parameters": refused("LoRA adapts the layers of target_modules here", (None, [])),
         f"{p}.mtp.enable": refused("multi-token prediction is not available here", (False,)),
         f"{p}.mtp.*": ignored("used only with mtp.enable=true"),
-        f"{p}.fused_kernel_options.*": ignored("fused kernels: actor.kernels here"),
+        f"{p}.fused_kernel_options.*": ignored("fused kernels: actor.kernel_backend here"),
     }
     return rules

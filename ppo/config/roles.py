@@ -123,7 +123,7 @@ class ActorConfig:
     """Clip the global gradient norm to this (0 disables)."""
     early_stop_kl: float = 0.0
     """Skip the step's remaining updates once a mini-batch's mean ppo_kl exceeds this (0 disables)."""
-    kernels: Literal["auto", "triton", "torch", "reference"] = "auto"
+    kernel_backend: Literal["auto", "triton", "torch", "reference"] = "auto"
     """Log-prob/entropy kernel backend: auto picks Triton on CUDA and chunked PyTorch elsewhere."""
     use_fused_kernels: bool = False
     """Compute log-probs from the final hidden states and the LM head without building full logits."""

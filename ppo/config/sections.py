@@ -256,11 +256,8 @@ class RewardConfig:
     """Sequences per reward-model forward on one rank."""
     pool_workers: int = 0
     """Score the rule reward in this many worker processes per rank, each call limited to ``timeout_s``
-    (0: in the trainer's own process, where a failing function stops the run at once). This key was
-    ``reward.num_workers``, which is verl's count of Ray reward workers."""
-    num_workers: int | None = None
-    """verl 0.9.1's number of Ray reward workers (its default 8): accepted, starts nothing here, where
-    each rank scores its own responses; the rule reward's per-rank process pool is ``pool_workers``."""
+    (0: in the trainer's own process, where a failing function stops the run at once). verl's
+    ``reward.num_workers`` (its Ray reward workers) is not this key: it is ignored, with a note."""
     timeout_s: float = 60.0
     """With ``pool_workers > 0``: a call that runs longer is abandoned (its worker replaced) and scored
     ``error_score``, counted in ``reward/timeouts``."""
@@ -283,7 +280,7 @@ class RewardConfig:
 
     def __post_init__(self) -> None:
         _require(self, "> 0", "micro_batch_size_per_gpu", "timeout_s", "total_timeout_s")
-        _require(self, ">= 0", "pool_workers", "num_workers")
+        _require(self, ">= 0", "pool_workers")
 
 
 @dataclass(kw_only=True)

@@ -156,16 +156,9 @@ def _reward_cap_warnings(cfg: PPOTree) -> list[str]:
 
 def _reward_function_warnings(cfg: PPOTree) -> list[str]:
     """The reward function's keys without a function: ``reward_kwargs`` go to ``reward.custom_function``
-    only; ``timeout_s`` and ``error_score`` limit a function's calls (``error_score``: in reward workers).
-    With a function, ``reward.num_workers`` (verl's Ray reward workers, and the pool's key before
-    ``reward.pool_workers``) starts no pool: said once, for configs written for the old key."""
+    only; ``timeout_s`` and ``error_score`` limit a function's calls (``error_score``: in reward workers)."""
     r, default = cfg.reward, RewardConfig()
     if r.custom_function is not None:
-        if r.num_workers and r.pool_workers == 0:
-            return [
-                f"reward.num_workers={r.num_workers} is verl's count of Ray reward workers and starts nothing "
-                "here: the reward function's per-rank process pool is now reward.pool_workers"
-            ]
         return []
     unused = [f"reward.reward_kwargs={r.reward_kwargs}"] if r.reward_kwargs else []
     if r.pool_workers == 0:

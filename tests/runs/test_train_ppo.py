@@ -206,7 +206,7 @@ def test_rloo_reward_model_full_kl_fused_kernels(tiny_assets: Path, tmp_path: Pa
         "algorithm.use_kl_in_reward=true",
         "algorithm.kl_penalty=full",
         "actor.use_fused_kernels=true",
-        "actor.kernels=reference",
+        "actor.kernel_backend=reference",
         "actor.loss_agg_mode=seq-mean-token-sum-norm",
         "model.enable_gradient_checkpointing=true",
         "actor.fsdp.forward_prefetch=true",

@@ -205,9 +205,9 @@ def test_triton_kernels_without_cuda(
     # This process may run Triton's interpreter (conftest sets TRITON_INTERPRET without a GPU): stand in a
     # Triton module that compiles for a GPU, as on a CPU machine without the variable.
     monkeypatch.setattr(dispatch, "_import_triton_ops", lambda: types.SimpleNamespace(INTERPRETED=False))
-    line = one_error(base_args(tiny_assets, tmp_path) + ["actor.kernels=triton"], capsys)
-    assert re.search(r"ERROR actor.kernels=triton cannot run here: the Triton kernels need CUDA", line)
-    assert "use actor.kernels=auto" in line
+    line = one_error(base_args(tiny_assets, tmp_path) + ["actor.kernel_backend=triton"], capsys)
+    assert re.search(r"ERROR actor.kernel_backend=triton cannot run here: the Triton kernels need CUDA", line)
+    assert "use actor.kernel_backend=auto" in line
     assert not (tmp_path / "metrics.jsonl").exists()  # at start-up: nothing ran
 
 
@@ -215,7 +215,7 @@ def test_triton_kernels_without_cuda(
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
 def test_triton_kernels_without_cuda_end_to_end(tiny_assets: Path, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OMP_NUM_THREADS": "1"}
-    args = base_args(tiny_assets, tmp_path) + ["actor.kernels=triton"]
+    args = base_args(tiny_assets, tmp_path) + ["actor.kernel_backend=triton"]
     proc = subprocess.run(
         [sys.executable, str(ROOT / "train_ppo.py"), *args],
         capture_output=True,
@@ -225,7 +225,7 @@ def test_triton_kernels_without_cuda_end_to_end(tiny_assets: Path, tmp_path: Pat
     )
     errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]
     assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, excerpt(proc.stderr)
-    assert "actor.kernels=triton cannot run here" in errors[0]
+    assert "actor.kernel_backend=triton cannot run here" in errors[0]
 
 
 # ----------------------------------------------------------------------------------------------------

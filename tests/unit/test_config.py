@@ -594,7 +594,6 @@ RANGE_CASES = [
         "algorithm.filter_groups.max_num_gen_batches",
     ),
     (PPOConfig, "reward.pool_workers=-1", "reward.pool_workers"),
-    (PPOConfig, "reward.num_workers=-1", "reward.num_workers"),
     (PPOConfig, "trainer.log_val_generations=-1", "trainer.log_val_generations"),
     (PPOConfig, "reward.timeout_s=0", "reward.timeout_s"),
     (PPOConfig, "reward.total_timeout_s=0", "reward.total_timeout_s"),
