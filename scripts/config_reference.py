@@ -23,11 +23,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import ppo.config
+from ppo.verl_keys import VERL_KEYS, VERL_SECTIONS
 
-import ppo.config  # noqa: E402
-from ppo.verl_keys import VERL_KEYS, VERL_SECTIONS  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 OUT = ROOT / "docs" / "configuration.md"
 REGENERATE = "python scripts/config_reference.py (or make docs)"

@@ -4,9 +4,9 @@ Reads what gpu_check.sh wrote under its output folder; a stage that did not run 
 so the line is always printed and always has the same keys:
 
 - ``kernel_tests``: passed / failed / skipped counts from ``pytest.txt``.
-- ``kernels``: from ``bench_kernels.jsonl``, per ``TxHxV`` shape, ``ms`` and ``extra_gib`` of each path
+- ``kernels``: from ``kernels.jsonl``, per ``TxHxV`` shape, ``ms`` and ``extra_gib`` of each path
   and mode (``fused_fwd+bwd_ms``, ``fused_fwd+bwd_gib``, ``from_logits_fwd_ms``, ...).
-- ``rollout``: from ``rollout.jsonl`` (bench_rollout.py --compiled), ms per decoding step of plain HF
+- ``rollout``: from ``rollout.jsonl`` (scripts.bench.rollout --compiled), ms per decoding step of plain HF
   generate and of the compiled rollout, their ratio, and the compiled path's greedy token match.
 - ``ppo_<name>``: from ``ppo_<name>/metrics.jsonl``, the median over every step but the first (which
   compiles and warms up) of the step's time, its phases, MFU both ways, throughput and peak memory.
@@ -65,7 +65,7 @@ def kernel_tests(out: Path) -> dict[str, int] | None:
 def kernels(out: Path) -> dict[str, dict[str, float]]:
     """``{"TxHxV": {"<path>_<mode>_ms": ms, "<path>_<mode>_gib": extra GiB}}``."""
     found: dict[str, dict[str, float]] = {}
-    for row in _jsonl(out / "bench_kernels.jsonl"):
+    for row in _jsonl(out / "kernels.jsonl"):
         shape = found.setdefault(f"{row['T']}x{row['H']}x{row['V']}", {})
         shape[f"{row['path']}_{row['mode']}_ms"] = row["ms"]
         shape[f"{row['path']}_{row['mode']}_gib"] = row["extra_gib"]

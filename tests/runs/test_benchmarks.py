@@ -1,36 +1,25 @@
-"""Smoke tests of the benchmarks under scripts/ at tiny sizes, in-process (bench_sp.py on 2 ranks).
+"""Smoke tests of the benchmarks of scripts.bench at tiny sizes, in-process (scripts.bench.sp on 2 ranks).
 
-The rows must parse as JSON and hold the expected columns. bench_layout.py's packed paths run the
+The rows must parse as JSON and hold the expected columns. scripts.bench.layout's packed paths run the
 trainer's own step functions, and its padded baseline must compute the same step: the same log-probs and
 values as the trainer's packed forwards, the same losses and gradient norms through ``optimize`` (else
 its timings compare different work); so must the packed forwards with transformers' dense-mask sdpa
-(``packed_dense``). bench_overhead.py runs the real trainer for a few steps, without TRL.
+(``packed_dense``). scripts.bench.overhead runs the real trainer for a few steps, without TRL.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-# Imported by name (not by path): the benchmarks import bench_common and bench_rollout, and their
-# dataclasses need their modules in sys.modules.
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT))
-import bench_common  # noqa: E402
-import bench_layout  # noqa: E402
-import bench_overhead  # noqa: E402
-import bench_rollout  # noqa: E402
-import bench_runs  # noqa: E402
-
-from ppo.ulysses import NO_SP  # noqa: E402
-from tests.helpers import excerpt, read_metrics, torchrun  # noqa: E402
+from ppo.ulysses import NO_SP
+from scripts.bench import common, layout, overhead, rollout, runs
+from tests.helpers import excerpt, read_metrics, torchrun
 
 ROLLOUT_COLUMNS = {
     "path",
@@ -79,7 +68,7 @@ def json_rows(text: str) -> list[dict]:
 
 def test_bench_rollout_json(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--json", "--num-prompts", "4", "--prompt-len", "8", "--new-tokens", "4"]
-    assert bench_rollout.main([*argv, "--micro-batch", "2", "--repeat", "1"]) == 0
+    assert rollout.main([*argv, "--micro-batch", "2", "--repeat", "1"]) == 0
     rows = json_rows(capsys.readouterr().out)
     assert [r["path"] for r in rows] == ["hf_generate", "ppo_rollout"]
     for row in rows:
@@ -92,7 +81,7 @@ def test_bench_rollout_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_bench_rollout_table(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--num-prompts", "2", "--prompt-len", "4", "--new-tokens", "2", "--repeat", "1"]
-    assert bench_rollout.main(argv) == 0
+    assert rollout.main(argv) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].split()[:2] == ["path", "device"]
     assert "ppo_rollout / hf_generate =" in out
@@ -106,13 +95,13 @@ def test_bench_layout_json(capsys: pytest.CaptureFixture[str]) -> None:
     term, a normalization, a clip added to the trainer) shows up as a gradient-norm difference here."""
     from ppo import forwards, optimize
 
-    assert bench_layout.TRAINER.forward_logprobs is forwards.forward_logprobs
-    assert bench_layout.TRAINER.actor_loss is optimize.actor_loss
-    assert bench_layout.TRAINER.critic_loss is optimize.critic_loss
+    assert layout.TRAINER.forward_logprobs is forwards.forward_logprobs
+    assert layout.TRAINER.actor_loss is optimize.actor_loss
+    assert layout.TRAINER.critic_loss is optimize.critic_loss
     argv = ["--json", "--num-seqs", "8", "--prompt-len", "8", "--min-response", "1", "--max-response", "12"]
-    assert bench_layout.main([*argv, "--micro-batch", "2", "--repeat", "1"]) == 0
+    assert layout.main([*argv, "--micro-batch", "2", "--repeat", "1"]) == 0
     rows = json_rows(capsys.readouterr().out)
-    assert [r["path"] for r in rows] == list(bench_layout.PATHS)
+    assert [r["path"] for r in rows] == list(layout.PATHS)
     for row in rows:
         assert LAYOUT_COLUMNS <= set(row), LAYOUT_COLUMNS - set(row)
         assert all(math.isfinite(row[k]) and row[k] >= 0 for k in LAYOUT_COLUMNS - {"path"})
@@ -138,26 +127,26 @@ def test_padded_forwards_match_packed() -> None:
     functions do, so their timings compare the same work."""
     from ppo.distributed import destroy_distributed, init_distributed
 
-    args = bench_layout.parse_args(
+    args = layout.parse_args(
         ["--num-seqs", "4", "--prompt-len", "10", "--max-response", "8", "--micro-batch", "2"]
     )
-    bench_common.set_threads(args.threads)
+    common.set_threads(args.threads)
     info = init_distributed("cpu")
     try:
         results = {}
         batch = None
         for name in ("packed", "padded", "packed_dense"):
-            path = bench_layout.make_path(args, name, info)
-            nets = bench_common.build_models(args, info, path.attn)
+            path = layout.make_path(args, name, info)
+            nets = common.build_models(args, info, path.attn)
             # Each path loads its models with its own attention (a parameter, nothing patched).
             assert {net.config._attn_implementation for net in nets.values()} == {path.attn}
             if batch is None:
-                batch, _ = bench_layout.make_batch(args, info, nets["actor"], "cpu")
+                batch, _ = layout.make_batch(args, info, nets["actor"], "cpu")
                 assert len(set(batch.seq_lens)) > 1  # lengths differ, so there is padding to get wrong
-            cfg, layout = path.cfg, path.layout
-            logprobs = layout.forward_logprobs(cfg, nets["actor"], batch, 2, NO_SP)
-            values = layout.forward_values(cfg, nets["critic"], batch, NO_SP)
-            work = bench_layout.count_work(path, batch, bench_layout.scoring_forwards(cfg, batch))
+            cfg, path_layout = path.cfg, path.layout
+            logprobs = path_layout.forward_logprobs(cfg, nets["actor"], batch, 2, NO_SP)
+            values = path_layout.forward_values(cfg, nets["critic"], batch, NO_SP)
+            work = layout.count_work(path, batch, layout.scoring_forwards(cfg, batch))
             assert work.real == 3 * sum(batch.seq_lens)  # actor, reference, critic
             assert (work.computed > work.real) == (name == "padded")
             results[name] = (logprobs, values)
@@ -171,11 +160,11 @@ def test_padded_forwards_match_packed() -> None:
 
 
 def test_step_clock_counts_step_lines_only() -> None:
-    """bench_overhead's step clock (bench_runs.StepClock) reads the trainer's progress lines, not warnings
+    """The overhead benchmark's step clock (runs.StepClock) reads the trainer's progress lines, not warnings
     about a step."""
     import logging
 
-    clock = bench_runs.StepClock()
+    clock = runs.StepClock()
     for message in (
         "[##--] step 1/4 0s",
         "step 2: the mean score moved",
@@ -189,15 +178,15 @@ def test_step_clock_counts_step_lines_only() -> None:
 
 
 def test_bench_overhead_json(capsys: pytest.CaptureFixture[str]) -> None:
-    """bench_overhead runs the real trainer (train_ppo.main) and reads its metrics; TRL left out."""
+    """scripts.bench.overhead runs the real trainer (train_ppo.main) and reads its metrics; TRL left out."""
     argv = ["--json", "--trl", "no", "--num-prompts", "4", "--response-len", "4"]
-    assert bench_overhead.main([*argv, "--steps", "4", "--rounds", "1"]) == 0
+    assert overhead.main([*argv, "--steps", "4", "--rounds", "1"]) == 0
     rows = json_rows(capsys.readouterr().out)
     assert [r["trainer"] for r in rows] == ["ours"]
     row = rows[0]
     assert row["steps"] == 2  # steps 3 and 4
     assert 0 < row["step_cpu_min_s"] <= row["step_cpu_s"] <= row["step_cpu_max_s"]
-    for phase in bench_overhead.OUR_PHASES:
+    for phase in overhead.OUR_PHASES:
         assert row[f"{phase}_s"] is not None and row[f"{phase}_s"] >= 0, phase
     # Updates ran: 2 epochs x 2 mini-batches for critic and actor, timed inside the step.
     assert 0 < row["update_actor_s"] < row["step_wall_s"] and row["vs_trl"] is None
@@ -208,7 +197,7 @@ def test_cpu_peak_bytes_counts_allocations_once_and_frees_on_any_thread() -> Non
     freed on another thread (as gloo's workers release a collective's buffers) stops counting."""
     import threading
 
-    import bench_kernels
+    from scripts.bench import kernels
 
     mib = 2**20
     weight = torch.ones(mib // 4)  # exists before: never counted, nor are its views
@@ -226,13 +215,13 @@ def test_cpu_peak_bytes_counts_allocations_once_and_frees_on_any_thread() -> Non
         b = torch.ones(mib // 2)  # 2 MiB, after the first was freed
         del b
 
-    assert bench_kernels.cpu_peak_bytes(run) == 2 * mib
+    assert kernels.cpu_peak_bytes(run) == 2 * mib
 
 
 @pytest.mark.slow
 def test_bench_sp_two_ranks() -> None:
     """``--sp 2`` on 2 gloo ranks: the same outputs as one rank per sequence, at a fraction of the memory."""
-    proc = torchrun(ROOT / "scripts" / "bench_sp.py", "--sp", "2", "--seq-len", "1024", "--json", timeout=240)
+    proc = torchrun("-m", "scripts.bench.sp", "--sp", "2", "--seq-len", "1024", "--json", timeout=240)
     assert proc.returncode == 0, excerpt(proc.stderr)
     rows = json_rows(proc.stdout)
     assert [(r["sp"], r["phase"]) for r in rows] == [
@@ -255,11 +244,9 @@ def test_gpu_check_pieces_on_cpu(
     """What scripts/gpu_check.sh chains, at tiny sizes: a shaped model with random weights that the
     trainer loads like a checkpoint, a PPO run on it, the kernel benchmark's JSON, and the summary line
     that reads them (medians over the steps after the first)."""
-    import gpu_summary
-    import make_shaped_model
-
     import train_ppo
     from ppo import model_loading
+    from scripts import gpu_summary, make_shaped_model
 
     model_dir = make_shaped_model.make_shaped_model(
         "tiny", tiny_assets / "tokenizer", tmp_path / "model_tiny", dtype="float32", device="cpu", seed=0
@@ -268,7 +255,7 @@ def test_gpu_check_pieces_on_cpu(
     assert loaded.config.hidden_size == 256 and loaded.config.num_hidden_layers == 4
     assert loaded.config.eos_token_id == 2 and (model_dir / "tokenizer.json").is_file()
 
-    runs = tmp_path / "runs"
+    out = tmp_path / "runs"
     argv = [
         f"model.path={model_dir}",
         f"data.train_files=[{tiny_assets / 'data' / 'train.parquet'}]",
@@ -282,18 +269,18 @@ def test_gpu_check_pieces_on_cpu(
         "trainer.total_training_steps=3",
         "trainer.val_before_train=false",
         "trainer.logger=[jsonl]",
-        f"trainer.output_dir={runs / 'ppo_tiny'}",
+        f"trainer.output_dir={out / 'ppo_tiny'}",
     ]
     assert train_ppo.main(argv) == 0
-    assert bench_rollout.main(["--json", "--num-prompts", "2", "--new-tokens", "2", "--repeat", "1"]) == 0
-    (runs / "rollout.jsonl").write_text(capsys.readouterr().out)
-    (runs / "pytest.txt").write_text("....s\n4 passed, 1 skipped in 3.2s\n")
+    assert rollout.main(["--json", "--num-prompts", "2", "--new-tokens", "2", "--repeat", "1"]) == 0
+    (out / "rollout.jsonl").write_text(capsys.readouterr().out)
+    (out / "pytest.txt").write_text("....s\n4 passed, 1 skipped in 3.2s\n")
 
-    summary = gpu_summary.summarize(runs)
+    summary = gpu_summary.summarize(out)
     assert summary["kernel_tests"] == {"passed": 4, "failed": 0, "skipped": 1, "errors": 0}
-    assert summary["kernels"] == {}  # bench_kernels did not run: no rows, no error
+    assert summary["kernels"] == {}  # the kernel benchmark did not run: no rows, no error
     assert summary["rollout"]["hf_decode_ms"] > 0 and summary["rollout"]["compiled_decode_ms"] is None
-    steps = [s for s in read_metrics(runs / "ppo_tiny") if "timing_s/step" in s]
+    steps = [s for s in read_metrics(out / "ppo_tiny") if "timing_s/step" in s]
     assert len(steps) == 3
     ppo = summary["ppo_tiny"]
     assert ppo["steps"] == 2  # the first step (compilation, warm-up) is left out

@@ -467,7 +467,7 @@ def test_verl_flops_formula_by_hand() -> None:
     + 2*151936*896 = 630,095,872. Two sequences of 100 and 300 tokens: 6*N*400 + 6*(100^2 + 300^2)*64*14*24."""
     from ppo.metrics import verl_training_flops
 
-    config = load_script("bench_common").model_config("0.5b")  # the benchmarks' Qwen2.5-0.5B shapes
+    config = load_script("make_shaped_model").model_config("0.5b")  # the benchmarks' Qwen2.5-0.5B shapes
     heads = (config.num_attention_heads, config.num_key_value_heads)
     assert (config.hidden_size, config.num_hidden_layers, *heads) == (896, 24, 14, 2)
     assert (config.intermediate_size, config.vocab_size) == (4864, 151936)

@@ -1,34 +1,27 @@
-"""The pure parts of scripts/bench_scaling.py (the points of each axis, a row from a run's metrics, the
-table and JSON output), of its turns axis in bench_scaling_turns.py (the work by arithmetic, the cost model,
-the rigged policy, the call clock), of the run harness in bench_runs.py that it drives (the exponent fit,
-the clocks of a run's steps) and bench_overhead.py's floor table. The end-to-end runs are in
-tests/runs/test_bench_scaling.py."""
+"""The pure parts of scripts.bench.scaling (the points of each axis, a row from a run's metrics, the table
+and JSON output), of its turns axis in scripts.bench.scaling_turns (the work by arithmetic, the cost model,
+the rigged policy), of scripts.bench.multi_turn's call clock, of the run harness in scripts.bench.runs that
+they drive (the exponent fit, the clocks of a run's steps) and scripts.bench.overhead_floor's table. The
+end-to-end runs are in tests/runs/test_scaling.py."""
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT))
-import bench_overhead  # noqa: E402
-import bench_runs  # noqa: E402
-import bench_scaling  # noqa: E402
-import bench_scaling_turns  # noqa: E402
-from bench_scaling import Point  # noqa: E402
+from scripts.bench import multi_turn, overhead, overhead_floor, runs, scaling, scaling_turns
+from scripts.bench.scaling import Point
 
 
 @pytest.mark.parametrize("k", [1.0, 0.0, -1.0, 1.7])
 def test_fit_exponent_recovers_a_power_law(k: float) -> None:
     # value = 3 * work^k exactly, so the log-log least squares line has slope k and intercept log 3.
     work = [32.0, 128.0, 512.0, 1024.0]
-    got_k, got_c = bench_runs.fit_exponent(work, [3.0 * w**k for w in work])
+    got_k, got_c = runs.fit_exponent(work, [3.0 * w**k for w in work])
     assert abs(got_k - k) < 1e-6
     assert abs(got_c - 3.0) < 1e-6
 
@@ -36,24 +29,24 @@ def test_fit_exponent_recovers_a_power_law(k: float) -> None:
 def test_fit_exponent_of_noisy_points_is_the_least_squares_slope() -> None:
     # log2 work = 0, 1, 2 and log2 value = 0, 1, 3: slope = cov / var = (0*-4/3 + ... ) by hand:
     # x mean 1, y mean 4/3; sum (x - 1)(y - 4/3) = (-1)(-4/3) + 0 + (1)(5/3) = 3; sum (x - 1)^2 = 2: k = 1.5.
-    k, _ = bench_runs.fit_exponent([1.0, 2.0, 4.0], [1.0, 2.0, 8.0])
+    k, _ = runs.fit_exponent([1.0, 2.0, 4.0], [1.0, 2.0, 8.0])
     assert abs(k - 1.5) < 1e-12
 
 
 def test_fit_exponent_refuses_what_has_no_log_log_line() -> None:
     with pytest.raises(ValueError, match="distinct"):
-        bench_runs.fit_exponent([2.0, 2.0], [1.0, 3.0])
+        runs.fit_exponent([2.0, 2.0], [1.0, 3.0])
     with pytest.raises(ValueError, match="positive"):
-        bench_runs.fit_exponent([1.0, 2.0], [0.0, 3.0])
+        runs.fit_exponent([1.0, 2.0], [0.0, 3.0])
 
 
 def test_fit_line_slope() -> None:
     # value = 5 + 0.25 * work exactly.
-    assert abs(bench_runs.fit_line([0.0, 4.0, 8.0], [5.0, 6.0, 7.0]) - 0.25) < 1e-12
+    assert abs(runs.fit_line([0.0, 4.0, 8.0], [5.0, 6.0, 7.0]) - 0.25) < 1e-12
 
 
 def test_axis_points() -> None:
-    xs = {axis: [p.x for p in bench_scaling.axis_points(axis)] for axis in bench_scaling.AXES}
+    xs = {axis: [p.x for p in scaling.axis_points(axis)] for axis in scaling.AXES}
     assert xs == {
         "response_len": [32, 128, 512, 1024],
         "batch": [8, 32, 128],
@@ -62,7 +55,7 @@ def test_axis_points() -> None:
         "turns": [1, 2, 4, 8],
         "sp": [128, 256, 512],
     }
-    ranks = bench_scaling.axis_points("ranks")
+    ranks = scaling.axis_points("ranks")
     # Weak scaling: the same 16 prompts per rank; strong: the same 16 prompts in all.
     assert [(p.series, p.nproc, p.num_prompts) for p in ranks] == [
         ("ranks/weak", 1, 16),
@@ -75,30 +68,30 @@ def test_axis_points() -> None:
     # The control: two 1-rank processes of ranks/weak's per-rank work, started together.
     assert [p.copies for p in ranks] == [1, 1, 1, 1, 1, 2]
     # A turn is 8 generated tokens and an 8-token observation: the response budget holds exactly t turns.
-    assert [p.response_len for p in bench_scaling.axis_points("turns")] == [16, 32, 64, 128]
-    assert all(p.nproc == 2 and p.sp == 2 for p in bench_scaling.axis_points("sp"))
-    assert [p.response_len for p in bench_scaling.axis_points("response_len")] == [32, 128, 512, 1024]
-    assert [p.x for p in bench_scaling.axis_points("batch", quick=True)] == [2, 4]
+    assert [p.response_len for p in scaling.axis_points("turns")] == [16, 32, 64, 128]
+    assert all(p.nproc == 2 and p.sp == 2 for p in scaling.axis_points("sp"))
+    assert [p.response_len for p in scaling.axis_points("response_len")] == [32, 128, 512, 1024]
+    assert [p.x for p in scaling.axis_points("batch", quick=True)] == [2, 4]
     # A quick run leaves the independent pair out: its steps are too short to be sure the two overlap.
-    assert [p.series for p in bench_scaling.axis_points("ranks", quick=True)] == [p.series for p in ranks[:4]]
+    assert [p.series for p in scaling.axis_points("ranks", quick=True)] == [p.series for p in ranks[:4]]
     with pytest.raises(ValueError, match="unknown axis"):
-        bench_scaling.axis_points("depth")
+        scaling.axis_points("depth")
 
 
 def test_overrides_of_single_and_multi_turn_points() -> None:
     paths = {"policy": Path("/p"), "forced": Path("/f"), "prompts": Path("/d.parquet")}
-    args = bench_scaling.parse_args(["--steps", "3"])
-    single = bench_scaling.overrides(Point("n", 4, num_prompts=8, n=4), paths, Path("/o"), args)
+    args = scaling.parse_args(["--steps", "3"])
+    single = scaling.overrides(Point("n", 4, num_prompts=8, n=4), paths, Path("/o"), args)
     assert {"model.path=/p", "rollout.n=4", "rollout.ignore_eos=true", "data.train_batch_size=8"} <= set(
         single
     )
     assert not any(o.startswith("rollout.multi_turn") for o in single)
-    turns = bench_scaling.overrides(
+    turns = scaling.overrides(
         Point("turns", 2, num_prompts=8, response_len=32, turns=2), paths, Path("/o"), args
     )
     assert "model.path=/f" in turns and "rollout.ignore_eos=true" not in turns
     assert {"rollout.multi_turn.stop=[aaaaaaaa]", "rollout.multi_turn.max_assistant_turns=2"} <= set(turns)
-    sp = bench_scaling.overrides(
+    sp = scaling.overrides(
         Point("sp", 128, num_prompts=4, response_len=128, nproc=2, sp=2), paths, Path("/o"), args
     )
     assert "actor.ulysses_sequence_parallel_size=2" in sp
@@ -110,33 +103,33 @@ def test_overlapping_steps_keeps_what_ran_while_the_other_trained() -> None:
     # last step ends): steps 4 (3-4), 5, 6. Process 1's step s runs from 1.5 + (s - 1) to 1.5 + s: kept
     # within [1, 6]: steps 2 (2.5-3.5), 3 (3.5-4.5), 4 (4.5-5.5); step 5 ends at 6.5.
     ends = [[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], [2.5, 3.5, 4.5, 5.5, 6.5, 7.5]]
-    assert bench_runs.overlapping_steps(ends) == [{4, 5, 6}, {2, 3, 4}]
+    assert runs.overlapping_steps(ends) == [{4, 5, 6}, {2, 3, 4}]
     # One process: every step but the first (whose start is not seen).
-    assert bench_runs.overlapping_steps([[1.0, 2.0, 3.0]]) == [{2, 3}]
+    assert runs.overlapping_steps([[1.0, 2.0, 3.0]]) == [{2, 3}]
 
 
 def test_step_clocks_are_differences_between_step_ends() -> None:
-    end = bench_runs.StepEnd
+    end = runs.StepEnd
     # Steps 1-2 ended at 1.0 and 1.5 CPU s (the machine waited 0.1 s in all by then, 0.3 s after step 2);
     # steps 3 and 4 were seen in one poll (their clocks cannot be told apart), step 5 on its own.
     ends = [end(0.0, 1.0, 0.1, 1), end(0.0, 1.5, 0.3, 1), end(0.0, 2.5, 0.3, 2), end(0.0, 2.75, 0.5, 1)]
-    assert bench_runs.step_clocks(ends) == {2: (0.5, 0.19999999999999998), 5: (0.25, 0.2)}
+    assert runs.step_clocks(ends) == {2: (0.5, 0.19999999999999998), 5: (0.25, 0.2)}
     # Off Linux the clocks are None: no step gets any.
-    assert bench_runs.step_clocks([end(0.0, None, None, 1), end(1.0, None, None, 1)]) == {}
+    assert runs.step_clocks([end(0.0, None, None, 1), end(1.0, None, None, 1)]) == {}
 
 
 def test_process_clocks_of_this_process() -> None:
     import os
     import time
 
-    before, waited = bench_runs.process_clocks(os.getpid())
+    before, waited = runs.process_clocks(os.getpid())
     if before is None:
         pytest.skip("no /proc/<pid>/task/*/sched or /proc/pressure/cpu here")
     start = time.thread_time()
     while time.thread_time() - start < 0.2:  # 0.2 s of this thread's CPU
         pass
     busy = time.thread_time() - start
-    after, waited_after = bench_runs.process_clocks(os.getpid())
+    after, waited_after = runs.process_clocks(os.getpid())
     # The scheduler's on-core time of this process's threads grew by this thread's CPU time (the others
     # idle; exited threads are not counted, so the totals are compared as differences).
     assert abs((after - before) - busy) < 0.03
@@ -150,20 +143,20 @@ def test_combine_averages_times_and_sums_work() -> None:
          "point": {}}  # fmt: skip
     b = {**a, "step_s": 2.0, "gen_s": 0.8, "tokens_per_s": 50.0, "mem_gib": 0.7, "steps": 3,
          "timing_s": {"gen": 0.8, "step": 2.0}}  # fmt: skip
-    row = bench_scaling.combine([a, b])
+    row = scaling.combine([a, b])
     assert (row["step_s"], row["gen_s"], row["score_s"]) == (1.5, 0.6000000000000001, 0.2)
     assert row["timing_s"] == {"gen": 0.6000000000000001, "step": 1.5}
     assert (row["tokens"], row["tokens_per_s"], row["mem_gib"], row["steps"]) == (200.0, 150.0, 0.7, 3)
     assert [p["step_s"] for p in row["processes"]] == [1.0, 2.0]
-    assert bench_scaling.combine([a]) is a
+    assert scaling.combine([a]) is a
 
 
 def test_turn_work_by_arithmetic() -> None:
     # 3 rows, prompts of 10, 12, 9 tokens: each turn is left-padded to 12 + 16 t (8 generated + the
     # 8-token observation per earlier turn). 3 turns: 3 x (12 + 28 + 44) = 252 prefill tokens; 7 decoding
     # steps a turn (the prefill writes the first of 8 tokens); 3 rows x 3 turns x 8 tokens generated.
-    assert len(bench_scaling_turns.OBSERVATION) == bench_scaling_turns.TURN_TOKENS == 8
-    assert bench_scaling_turns.turn_work([10, 12, 9], 3) == {
+    assert len(scaling_turns.OBSERVATION) == scaling_turns.TURN_TOKENS == 8
+    assert scaling_turns.turn_work([10, 12, 9], 3) == {
         "generate_calls": 3,
         "prefill_tokens": 252,
         "decode_steps": 21,
@@ -175,7 +168,7 @@ def turn_profile_points() -> list[dict]:
     # prefill 2 us per token, decoding 1 ms per step, 5 ms per call, exactly.
     points = []
     for turns in (1, 2, 4):
-        work = bench_scaling_turns.turn_work([10] * 8, turns)
+        work = scaling_turns.turn_work([10] * 8, turns)
         prefill, decode, rest = 2e-6 * work["prefill_tokens"], 1e-3 * work["decode_steps"], 5e-3 * turns
         points.append({"turns": turns, **work, "gen_cpu_s": prefill + decode + rest, "prefill_s": prefill,
                        "decode_s": decode, "rest_s": rest})  # fmt: skip
@@ -184,7 +177,7 @@ def turn_profile_points() -> list[dict]:
 
 def test_turn_cost_model_recovers_the_unit_costs() -> None:
     points = turn_profile_points()
-    model = bench_scaling_turns.turn_cost_model(points)
+    model = scaling_turns.turn_cost_model(points)
     assert math.isclose(model["prefill_ms_per_ktok"], 2.0)
     assert math.isclose(model["decode_ms_per_step"], 1.0)
     assert math.isclose(model["rest_ms_per_call"], 5.0)
@@ -193,7 +186,7 @@ def test_turn_cost_model_recovers_the_unit_costs() -> None:
     # The prefill grows faster: 8 x (10 + 26 + ...) = 80, 288, 1088 tokens for 64, 128, 256 generated;
     # log2 of those: 6.3219, 8.1699, 10.0875 at log2 work 6, 7, 8, a slope of (10.0875 - 6.3219) / 2.
     assert abs(model["prefill_k"] - 1.8828) < 1e-3
-    for p in bench_scaling_turns.with_model(points, model):
+    for p in scaling_turns.with_model(points, model):
         assert math.isclose(p["model_s"], p["gen_cpu_s"])
 
 
@@ -216,7 +209,7 @@ def metrics_line(step: int, gen: float, scale: float = 1.0) -> dict[str, float]:
 def test_summarize_takes_medians_after_the_warm_up() -> None:
     point = Point("ranks/weak", 2, num_prompts=32, response_len=40, nproc=2)
     lines = [metrics_line(1, 100.0), metrics_line(2, 2.0), metrics_line(3, 4.0), metrics_line(4, 3.0)]
-    row = bench_scaling.summarize(point, lines, warmup=1)
+    row = scaling.summarize(point, lines, warmup=1)
     # Steps 2-4 counted: gen median 3; score = ref + values = 1.5; train = 5; other = 10 - 3 - 1.5 - 5.
     assert (row["step_s"], row["gen_s"], row["score_s"], row["train_s"]) == (10.0, 3.0, 1.5, 5.0)
     assert row["other_s"] == 0.5
@@ -225,10 +218,10 @@ def test_summarize_takes_medians_after_the_warm_up() -> None:
     assert row["work"] == 2.0  # the ranks axis is fitted against the number of ranks
     assert row["mem_gib"] == 4.5 and row["steps"] == 3 and row["response_tokens"] == 40.0
     # On the other axes the work is tokens per rank (SP: each of the 2 ranks holds half of every sequence).
-    assert bench_scaling.summarize(Point("sp", 8, 2, nproc=2, sp=2), lines, 1)["work"] == 200.0
-    assert bench_scaling.summarize(Point("batch", 8, 8), lines, 1)["work"] == 400.0
+    assert scaling.summarize(Point("sp", 8, 2, nproc=2, sp=2), lines, 1)["work"] == 200.0
+    assert scaling.summarize(Point("batch", 8, 8), lines, 1)["work"] == 400.0
     with pytest.raises(ValueError, match="no step after"):
-        bench_scaling.summarize(point, lines[:1], warmup=1)
+        scaling.summarize(point, lines[:1], warmup=1)
 
 
 def synthetic_rows() -> list[dict]:
@@ -257,35 +250,35 @@ def synthetic_rows() -> list[dict]:
 
 
 def test_fits_per_series() -> None:
-    (fit,) = bench_scaling.fits(synthetic_rows())
+    (fit,) = scaling.fits(synthetic_rows())
     assert fit["series"] == "batch"
     for name, k in (("step", 1.0), ("gen", 0.5), ("score", 1.0), ("train", 2.0)):
         assert abs(fit[f"{name}_k"] - k) < 1e-9, name
     # 1/1024 GiB per token = 1 MiB per token = 1000 MiB per 1000 tokens.
     assert abs(fit["mem_mib_per_ktok"] - 1000.0) < 1e-6
-    assert list(fit) == bench_scaling.FIT_COLUMNS
+    assert list(fit) == scaling.FIT_COLUMNS
 
 
 def test_report_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     rows = synthetic_rows()
-    fitted = bench_scaling.fits(rows)
-    bench_scaling.print_report(rows, fitted, as_json=True)
+    fitted = scaling.fits(rows)
+    scaling.print_report(rows, fitted, as_json=True)
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line["kind"] for line in lines] == ["point"] * 3 + ["fit"]
     assert lines[0]["step_s"] == 1.0 and lines[0]["series"] == "batch"
     assert abs(lines[3]["train_k"] - 2.0) < 1e-9
-    bench_scaling.print_report(rows, fitted, as_json=False)
+    scaling.print_report(rows, fitted, as_json=False)
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split() == bench_scaling.TABLE_COLUMNS
+    assert out[0].split() == scaling.TABLE_COLUMNS
     assert out[1].split()[:5] == ["batch", "2", "100", "100", "1"]
-    assert out[6].split() == bench_scaling.FIT_COLUMNS
+    assert out[6].split() == scaling.FIT_COLUMNS
     assert out[7].split()[:5] == ["batch", "1", "0.5", "1", "2"]
 
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     rows = synthetic_rows()
     path = tmp_path / "figs" / "scaling.png"
-    bench_scaling.plot(rows, bench_scaling.fits(rows), path)
+    scaling.plot(rows, scaling.fits(rows), path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -305,7 +298,7 @@ def test_rigged_policy_writes_the_forced_token() -> None:
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
-    bench_scaling_turns.rig_forced_token(model, 17)
+    scaling_turns.rig_forced_token(model, 17)
     prompts = torch.randint(3, 50, (4, 6))
     out = model.generate(prompts, max_new_tokens=12, do_sample=True, temperature=1.0, top_k=0, pad_token_id=0)
     assert (out[:, 6:] == 17).all()
@@ -318,7 +311,7 @@ def test_call_clock_sorts_each_generate_call() -> None:
                          num_attention_heads=2, num_key_value_heads=2, pad_token_id=0)  # fmt: skip
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
-    clock = bench_scaling_turns.CallClock(model)
+    clock = multi_turn.CallClock(model)
     for rows, width, new in ((2, 5, 4), (3, 7, 6)):
         model.generate(
             torch.randint(3, 50, (rows, width)), max_new_tokens=new, min_new_tokens=new, do_sample=False
@@ -332,14 +325,10 @@ def test_call_clock_sorts_each_generate_call() -> None:
 
 
 def test_floor_rows_gap() -> None:
-    ours = bench_overhead.OverheadRow(
-        trainer="ours", steps=1, step_cpu_s=1.0, step_cpu_min_s=1.0, step_cpu_max_s=1.0, step_wall_s=1.0
-    )
-    for i, phase in enumerate(bench_overhead.OUR_PHASES):
-        setattr(ours, f"{phase}_s", 1.0 + i)  # 1, 2, ..., 8: sum 36
-    floor = {phase: 0.5 for phase in bench_overhead.OUR_PHASES}
-    rows = bench_overhead.floor_rows(ours, floor)
-    assert [r.phase for r in rows] == [*bench_overhead.OUR_PHASES, "sum"]
+    trainer = {phase: 1.0 + i for i, phase in enumerate(overhead.OUR_PHASES)}  # 1, 2, ..., 8: sum 36
+    floor = {phase: 0.5 for phase in overhead.OUR_PHASES}
+    rows = overhead_floor.floor_rows(trainer, floor)
+    assert [r.phase for r in rows] == [*overhead.OUR_PHASES, "sum"]
     assert (rows[0].gap_s, rows[0].gap_pct) == (0.5, 50.0)  # 1 s in the trainer, 0.5 s bare
     assert (rows[3].gap_s, rows[3].gap_pct) == (3.5, 87.5)  # 4 s against 0.5 s
     # Sum: 36 s against 8 x 0.5 = 4 s: a gap of 32 s, 88.89 %.

@@ -589,7 +589,7 @@ def test_torch_fused_memory_measured_within_plan(dtype: torch.dtype) -> None:
     within fused_memory_plan and far below the naive path's."""
     from tests.helpers import load_script
 
-    bench = load_script("bench_kernels")
+    bench = load_script("bench/kernels")
     num_tokens, hidden_size, vocab_size = 512, 64, 4096
     gen = torch.Generator().manual_seed(8)
     hidden = torch.randn(num_tokens, hidden_size, generator=gen).to(dtype)
@@ -675,7 +675,7 @@ def test_triton_kernels_compile_for_sm90() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The benchmark script (scripts/bench_kernels.py) at a small shape.
+# The benchmark script (scripts/bench/kernels.py) at a small shape.
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -686,7 +686,7 @@ def test_bench_kernels_json_rows(capsys: pytest.CaptureFixture[str]) -> None:
 
     from tests.helpers import load_script
 
-    bench = load_script("bench_kernels")
+    bench = load_script("bench/kernels")
     argv = [
         "--device",
         "cpu",

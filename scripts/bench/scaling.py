@@ -25,7 +25,7 @@ Axes (``--axes``; fixed values: 8 prompts, ``rollout.n=1``, 32 response tokens, 
   2-rank trainer adds: FSDP (its collectives, hooks and DTensor optimizer; a world of one runs unwrapped),
   the metric reductions.
 - ``turns``: multi-turn rollouts, 1 -> 8 turns (``rollout.multi_turn``) of ``TURN_TOKENS`` generated tokens,
-  each answered by ``FixedAnswer`` (bench_scaling_turns.py) with ``OBSERVATION``. The turns are exact: the
+  each answered by ``FixedAnswer`` (scaling_turns.py) with ``OBSERVATION``. The turns are exact: the
   policy of this axis is rigged to always write the character ``FORCED_CHAR`` (``rig_forced_token``), and the
   stop string is ``TURN_TOKENS`` of them. Each turn is one ``generate`` call whose prompt is the whole
   trajectory so far (``ppo.multi_turn.run_turns``), so its first forward prefills the prompt and every
@@ -86,14 +86,12 @@ quiet CPU cores; ``--quick`` is a smoke run of
 tiny points (seconds of work per point, mostly start-up).
 
 Run:
-    .venv/bin/python scripts/bench_scaling.py --png outputs/scaling.png           # table + figure
-    .venv/bin/python scripts/bench_scaling.py --axes response_len,ranks --json    # machine-readable
-    .venv/bin/python scripts/bench_scaling.py --quick --axes batch                # smoke run
-    .venv/bin/python scripts/bench_scaling.py --turns-preset configs/demo_cpu_tools.yaml  # a preset's turns
+    .venv/bin/python -m scripts.bench.scaling --png outputs/scaling.png           # table + figure
+    .venv/bin/python -m scripts.bench.scaling --axes response_len,ranks --json    # machine-readable
+    .venv/bin/python -m scripts.bench.scaling --quick --axes batch                # smoke run
 
-``--turns-preset`` runs only ``profile_preset``: a multi-turn preset's rollout on one rank (its share of
-the prompts, its model, sampler and environment) under forward hooks, each ``generate`` call's rows, padded
-width, prefill seconds and decoding steps and seconds: what re-reading earlier turns costs at its sizes.
+A multi-turn preset's own rollout, call by call (what re-reading earlier turns costs at its sizes), is
+multi_turn.py.
 """
 
 from __future__ import annotations
@@ -110,10 +108,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_common import (  # noqa: E402
+from scripts.bench.common import (
     add_common_args,
     add_tiny_model_args,
     print_json_lines,
@@ -122,7 +117,7 @@ from bench_common import (  # noqa: E402
     tiny_llama_config,
     write_prompts,
 )
-from bench_runs import (  # noqa: E402
+from scripts.bench.runs import (
     ROOT,
     fit_exponent,
     fit_line,
@@ -136,13 +131,12 @@ from bench_runs import (  # noqa: E402
     torchrun_command,
     watch_step_ends,
 )
-from bench_scaling_turns import (  # noqa: E402
+from scripts.bench.scaling_turns import (
     FIXED_ANSWER,
     FORCED_CHAR,
     OBSERVATION,
     TURN_COLUMNS,
     TURN_TOKENS,
-    profile_preset,
     profile_turns,
     rig_forced_token,
     turn_cost_model,
@@ -226,8 +220,9 @@ def axis_points(axis: str, quick: bool = False) -> list[Point]:
 
 def write_assets(folder: Path, args: argparse.Namespace) -> dict[str, Path]:
     """The policy (also the critic's backbone), the ``turns`` axis's rigged policy, and a prompt Parquet."""
-    import make_tiny_assets
     from transformers import AutoModelForCausalLM
+
+    from scripts import make_tiny_assets
 
     tokenizer = make_tiny_assets.build_tokenizer()
     config = tiny_llama_config(tokenizer, args.hidden, args.layers, max_positions=2048)
@@ -511,13 +506,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--png", type=Path, default=None, help="write the log-log curves here")
     parser.add_argument(
-        "--turns-preset",
-        type=Path,
-        default=None,
-        help="profile this multi-turn preset's rollout on one rank instead (e.g. configs/demo_cpu_tools.yaml)",
-    )
-    parser.add_argument("--preset-ranks", type=int, default=2, help="ranks the preset is sized for")
-    parser.add_argument(
         "--assets",
         type=Path,
         default=None,
@@ -537,21 +525,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.turns_preset is not None:
-        torch.set_num_threads(args.threads)
-        for i, run in enumerate(profile_preset(args.turns_preset, args.preset_ranks)):
-            if args.json:
-                print_json_lines([run], "preset_rollout")
-                continue
-            print(
-                f"rollout {i}: {run['trajectories']} trajectories, {run['gen_cpu_s']:.3f} CPU s, "
-                f"{run['tool_calls_mean']:.2f} tool calls per trajectory"
-            )
-            print_table(run["calls"], ["rows", "width", "prefill_s", "decode_steps", "decode_s"])
-        return 0
     rows = []
     turn_profile = None
-    with tempfile.TemporaryDirectory(prefix="bench_scaling_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="scaling_") as tmp:
         folder = Path(tmp)
         if args.assets is not None:
             args.assets.mkdir(parents=True, exist_ok=True)

@@ -11,18 +11,18 @@ once with groups of 1 (every rank the whole sequence) and once with groups of ``
 
 Columns: ``sp``, ``phase``, ``seq_len``, ``peak_mib`` (the phase's peak allocation beyond what existed
 before it, largest over ranks: activations, gradients and temporaries, FSDP's gathered parameters
-included; measured as bench_kernels.py does), ``time_s`` (the phase without the memory tracking, slowest
+included; measured as kernels.py does), ``time_s`` (the phase without the memory tracking, slowest
 rank), ``vs_sp1`` (``peak_mib`` over the SP=1 row's; the target for ``--sp 2`` is <= 0.6) and
 ``max_abs_diff`` (the outputs against SP=1's: the same numbers, split differently). ``--fused-kernels``
 takes the fused LM head (no ``[T, vocab]`` logits).
 
 Each rank uses one CPU thread (``--threads``) and the CPU clock (``--clock``) by default, for the reasons
-given in bench_rollout.py.
+given in rollout.py.
 
 Run:
-    .venv/bin/torchrun --standalone --nproc_per_node=2 scripts/bench_sp.py --sp 2 --seq-len 16384
-    .venv/bin/torchrun --standalone --nproc_per_node=2 scripts/bench_sp.py --seq-len 1024 --json
-    torchrun --nproc_per_node=8 scripts/bench_sp.py --sp 8 --model-config 0.5b --dtype bfloat16 \\
+    .venv/bin/torchrun --standalone --nproc_per_node=2 -m scripts.bench.sp --sp 2 --seq-len 16384
+    .venv/bin/torchrun --standalone --nproc_per_node=2 -m scripts.bench.sp --seq-len 1024 --json
+    torchrun --nproc_per_node=8 -m scripts.bench.sp --sp 8 --model-config 0.5b --dtype bfloat16 \\
         --seq-len 65536 --fused-kernels
 """
 
@@ -32,16 +32,20 @@ import argparse
 import dataclasses
 import functools
 import gc
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_common import (  # noqa: E402
+from ppo import ulysses
+from ppo.attention import resolve_attn_implementation
+from ppo.distributed import (
+    DistInfo,
+    all_reduce_scalar,
+    barrier,
+    exit_process,
+)
+from ppo.packing import Packed, pack
+from scripts.bench.common import (
     add_common_args,
     add_model_args,
     build_models,
@@ -52,16 +56,6 @@ from bench_common import (  # noqa: E402
     resolve_clock,
     timed,
 )
-
-from ppo import ulysses  # noqa: E402
-from ppo.attention import resolve_attn_implementation  # noqa: E402
-from ppo.distributed import (  # noqa: E402
-    DistInfo,
-    all_reduce_scalar,
-    barrier,
-    exit_process,
-)
-from ppo.packing import Packed, pack  # noqa: E402
 
 PHASES = ("actor", "critic", "ref")
 TEMPERATURE = 1.0
@@ -79,7 +73,7 @@ class SPRow:
     """Tokens of the sequence (each rank of a group holds ``seq_len / sp`` of them)."""
     peak_mib: float
     """Peak memory the phase allocates beyond what existed before it, largest over ranks: activations,
-    gradients and temporaries, FSDP's gathered parameters included (``bench_common.cpu_peak_bytes``:
+    gradients and temporaries, FSDP's gathered parameters included (``common.cpu_peak_bytes``:
     torch's CPU allocations and frees, or ``cuda_peak_bytes``: CUDA's allocator statistics)."""
     time_s: float
     """The phase without the memory tracking, slowest rank."""

@@ -9,9 +9,9 @@ is not done yet (here none: the benchmark "trains" for ``--gap-s`` seconds betwe
 between checkpoints). ``write_s`` is the time until the checkpoint is complete (renamed, ``latest``
 moved). Columns: mode, checkpoint size, stall (median), write (median), stall relative to blocking.
 
-    .venv/bin/python scripts/bench_checkpoint.py                       # 200M parameters, table
-    .venv/bin/python scripts/bench_checkpoint.py --params 50 --json
-    .venv/bin/torchrun --standalone --nproc_per_node=2 scripts/bench_checkpoint.py --params 100
+    .venv/bin/python -m scripts.bench.checkpoint                       # 200M parameters, table
+    .venv/bin/python -m scripts.bench.checkpoint --params 50 --json
+    .venv/bin/torchrun --standalone --nproc_per_node=2 -m scripts.bench.checkpoint --params 100
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import argparse
 import json
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,10 +27,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ppo.checkpointer import Checkpointer, TrainerState  # noqa: E402
-from ppo.distributed import (  # noqa: E402
+from ppo.checkpointer import Checkpointer, TrainerState
+from ppo.distributed import (
     DistInfo,
     barrier,
     broadcast_object,

@@ -1,6 +1,6 @@
-"""TRL's ``PPOTrainer`` beside ours, for bench_overhead.py: TRL imported from where ``--trl-path`` says
+"""TRL's ``PPOTrainer`` beside ours, for overhead.py: TRL imported from where ``--trl-path`` says
 (nothing of TRL is in the project's dependencies), then run in this process on the benchmark's models,
-prompts and shapes, with a clock at the end of each of its steps. bench_overhead.py's module docstring says
+prompts and shapes, with a clock at the end of each of its steps. overhead.py's module docstring says
 what is compared and how.
 """
 

@@ -1,33 +1,31 @@
-"""The ``turns`` axis of bench_scaling.py, and its ``--turns-preset``: the environment and the rigged policy
-that make a multi-turn rollout's work exact, that work by arithmetic (``turn_work``), its profile in this
-process on the trainer's sampler under forward hooks (``ForwardClock``, ``profile_turns``), the cost model
-fitted to the profile (``turn_cost_model``), and a multi-turn preset's rollout call by call (``CallClock``,
-``profile_preset``). bench_scaling.py's module docstring says what the axis measures and how to read it.
+"""The ``turns`` axis of scaling.py: the environment and the rigged policy that make a multi-turn rollout's
+work exact, that work by arithmetic (``turn_work``), its profile in this process on the trainer's sampler
+under forward hooks (``ForwardClock``, ``profile_turns``) and the cost model fitted to the profile
+(``turn_cost_model``). scaling.py's module docstring says what the axis measures and how to read it;
+multi_turn.py profiles a multi-turn preset's rollout call by call with the same clock.
 
-The axis's runs name ``FixedAnswer`` in this file as their ``rollout.multi_turn.env`` (``FIXED_ANSWER``),
-so every trainer process imports it: at the top it imports only torch and bench_runs.py.
+The axis's runs name ``FixedAnswer`` in this module as their ``rollout.multi_turn.env`` (``FIXED_ANSWER``),
+so every trainer process imports it: at the top it imports only torch and runs.py.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_runs import fit_exponent  # noqa: E402
+from scripts.bench.runs import fit_exponent
 
 TURN_TOKENS = 8
 """Generated tokens per turn on the ``turns`` axis (the stop string is this many ``FORCED_CHAR``)."""
 FORCED_CHAR = "a"
 OBSERVATION = "<r>0</r>"
 """The environment's answer to every turn (8 characters: 8 tokens of the character tokenizer)."""
-FIXED_ANSWER = f"{Path(__file__).resolve()}:FixedAnswer"
-"""``rollout.multi_turn.env`` of the ``turns`` axis: ``FixedAnswer`` in this file."""
+FIXED_ANSWER = "scripts.bench.scaling_turns:FixedAnswer"
+"""``rollout.multi_turn.env`` of the ``turns`` axis: ``FixedAnswer`` in this module (the runs start from the
+repository root, with it on ``PYTHONPATH``)."""
 TURN_PROFILE_PROMPTS = 8
 """Rows of ``profile_turns`` (the ``turns`` axis's 8 prompts)."""
 TURN_REPEATS = 3
@@ -180,74 +178,6 @@ def profile_turns(
             out.append({"turns": t, **work, **med})
     finally:
         torch.set_num_threads(before)
-    return out
-
-
-class CallClock(ForwardClock):
-    """A ``ForwardClock`` that also keeps each ``generate`` call's prefill (rows, width, seconds) and its
-    decoding steps and seconds."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__(model)
-        self.calls: list[dict[str, float]] = []
-
-    def _post(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], out: Any) -> None:
-        prefill_s, decode_s = self.prefill_s, self.decode_s
-        super()._post(module, args, kwargs, out)
-        rows, new = self._shape
-        if new > 1:
-            self.calls.append({"rows": rows, "width": new, "prefill_s": self.prefill_s - prefill_s,
-                               "decode_steps": 0, "decode_s": 0.0})  # fmt: skip
-        else:
-            self.calls[-1]["decode_steps"] += 1
-            self.calls[-1]["decode_s"] += self.decode_s - decode_s
-
-
-def profile_preset(config: Path, ranks: int, repeats: int = 3) -> list[dict]:
-    """A multi-turn preset's rollout on one rank, in this process (one torch thread): its model, its first
-    ``data.train_batch_size / ranks`` prompts x ``rollout.n``, its sampler settings and environment, run by
-    ``rollout.sample`` ``repeats`` times under a ``CallClock``: per rollout its CPU seconds, the turn
-    counts, and each ``generate`` call's prefill and decoding (the preset's paths must exist, e.g. after
-    ``make assets``)."""
-    from transformers import AutoTokenizer
-
-    from ppo import data, model_loading, multi_turn, rollout
-    from ppo.attention import PACKED_ATTENTION
-    from ppo.config_loader import load_config
-
-    cfg = load_config(config)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    model = model_loading.load_causal_lm(cfg.model.path, attn_implementation=PACKED_ATTENTION).train()
-    prompts = data.load_prompts(
-        cfg.data.train_files,
-        tokenizer,
-        max_prompt_length=cfg.data.max_prompt_length,
-        require_ground_truth=False,
-    )[: cfg.data.train_batch_size // ranks]
-    records = [r for r in prompts for _ in range(cfg.rollout.n)]
-    sampler = rollout.Sampler(
-        actor=model,
-        engine=None,
-        settings=cfg.rollout,
-        max_response_length=cfg.data.max_response_length,
-        eos_ids=model_loading.eos_token_ids(tokenizer, model),
-        pad_token_id=tokenizer.pad_token_id,
-        multi_turn=multi_turn.make_settings(cfg.rollout.multi_turn, tokenizer, cfg.data.max_response_length),
-    )
-    torch.manual_seed(0)
-    out = []
-    for _ in range(repeats):
-        clock = CallClock(model)
-        start = time.process_time()
-        result = rollout.sample(sampler, records, do_sample=cfg.rollout.do_sample)
-        total = time.process_time() - start
-        clock.remove()
-        out.append({
-            "trajectories": len(records),
-            "gen_cpu_s": total,
-            "tool_calls_mean": float(result.turn_stats["tool_calls"].mean()),
-            "calls": clock.calls,
-        })  # fmt: skip
     return out
 
 

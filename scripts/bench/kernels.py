@@ -37,9 +37,9 @@ Each row (a table line, or with --json one JSON object) is one shape x path x mo
      "ms": ..., "extra_gib": ..., ...}
 
 Run:
-    .venv/bin/python scripts/bench_kernels.py                     # CPU defaults, table
-    .venv/bin/python scripts/bench_kernels.py --shapes 4096x256x32000 --json
-    .venv/bin/python scripts/bench_kernels.py --device cuda --dtype bfloat16 --shapes 16384x4096x152064 \
+    .venv/bin/python -m scripts.bench.kernels                     # CPU defaults, table
+    .venv/bin/python -m scripts.bench.kernels --shapes 4096x256x32000 --json
+    .venv/bin/python -m scripts.bench.kernels --device cuda --dtype bfloat16 --shapes 16384x4096x152064 \
         --paths fused liger --json
 """
 
@@ -52,16 +52,11 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_common import cpu_peak_bytes, cuda_peak_bytes  # noqa: E402
-
-import ppo_kernels  # noqa: E402
+import ppo_kernels
+from scripts.bench.common import cpu_peak_bytes, cuda_peak_bytes
 
 PATHS = ("naive", "from_logits", "fused", "liger")
 DEFAULT_PATHS = ("naive", "from_logits", "fused")

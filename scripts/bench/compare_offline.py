@@ -3,7 +3,7 @@ same number of optimizer steps, each at three strengths; every final model measu
 table and a plot.
 
     make compare-offline       # on the demo assets (make assets first): 6 min on 2 quiet cores, 12-16 loaded
-    python scripts/compare_offline.py [--sft assets/sft] [--train-file assets/offline/train.parquet]
+    python -m scripts.bench.compare_offline [--sft assets/sft] [--train-file assets/offline/train.parquet]
         [--val-file assets/data/val.parquet] [--out outputs/compare_offline] [--steps 40] [--nproc 2]
         [--methods ppo,dpo,sppo,simpo] [--lr dpo=5e-5] [--strengths dpo=0.05,0.1,0.3] [--overwrite]
 
@@ -26,7 +26,7 @@ What it does, in order:
    Each method keeps its preset's batch (PPO 64 groups of 4 responses a step, DPO/SimPO 64 pairs), its
    schedule and its own learning rate (``METHODS``; the same across its three strengths), and all run
    ``--steps`` optimizer steps.
-2. One ``torchrun`` of this script's ``--evaluate`` mode on all final models and the SFT model (start-up
+2. One ``torchrun`` of this module's ``--evaluate`` mode on all final models and the SFT model (start-up
    paid once): ``ppo.model_eval.answer_metrics`` on the ``--val-file`` prompts (500 in the demo), with
    the SFT model as the reference.
 3. Writes into ``OUT``: ``table.md``, ``frontier.png``, ``results.json`` (every number, the settings and
@@ -66,10 +66,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_runs import pyplot, save_figure, torchrun_command  # noqa: E402
-from compare_offline_runs import (  # noqa: E402
+from scripts.bench.compare_offline_runs import (
     EVAL_MAX_NEW_TOKENS,
     EVAL_MAX_PROMPT_LENGTH,
     EVAL_SAMPLES,
@@ -83,6 +80,7 @@ from compare_offline_runs import (  # noqa: E402
     steps_and_loop_time,
     training_command,
 )
+from scripts.bench.runs import pyplot, save_figure, torchrun_command
 
 OUTPUTS = ("plan.json", "eval.json", "results.json", "table.md", "frontier.png", "runs")
 """What a comparison writes into its folder (``--overwrite`` deletes these and nothing else)."""
@@ -393,7 +391,14 @@ def compare(args: argparse.Namespace, methods: list[Method]) -> dict[str, Any]:
 
     # 2. evaluate every model in one torchrun
     print(f"evaluating the SFT model and {len(plan_runs)} runs ...", flush=True)
-    cmd = [*torchrun_command(args.nproc), str(Path(__file__).resolve()), "--evaluate", "--out", str(out)]
+    cmd = [
+        *torchrun_command(args.nproc),
+        "-m",
+        "scripts.bench.compare_offline",
+        "--evaluate",
+        "--out",
+        str(out),
+    ]
     eval_wall_s = run_logged(cmd, out / "eval.log")
     evals = json.loads((out / "eval.json").read_text())
 

@@ -1,34 +1,28 @@
-"""The padded baseline of bench_layout.py: the trainer's scoring and loss functions on right-padded rows.
+"""The padded baseline of layout.py: the trainer's scoring and loss functions on right-padded rows.
 
 Each function here has the signature of the trainer's function of the same role (``ppo.forwards.
 forward_logprobs`` and ``forward_values``, ``ppo.optimize.actor_loss`` and ``critic_loss``) and the same
 math (``ppo_kernels.logprobs_from_logits``, ``ppo.algorithms.policy_loss``, ``value_loss``, ``agg_loss``)
 on the same micro-batch plan (``ppo.packing.micro_batches``); only the layout differs: every micro-batch
 right-padded to its longest sequence, ``[b, max_len]`` with an attention mask, where the trainer packs.
-bench_layout.py's module docstring says what it is compared with.
+layout.py's module docstring says what it is compared with.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_common import PAD_ID  # noqa: E402
-
-import ppo_kernels  # noqa: E402
-from ppo import algorithms  # noqa: E402
-from ppo.batch import Batch  # noqa: E402
-from ppo.config import PPOConfig  # noqa: E402
-from ppo.optimize import LossFn  # noqa: E402
-from ppo.packing import micro_batches  # noqa: E402
-from ppo.ulysses import SPGroup  # noqa: E402
+import ppo_kernels
+from ppo import algorithms
+from ppo.batch import Batch
+from ppo.config import PPOConfig
+from ppo.optimize import LossFn
+from ppo.packing import micro_batches
+from ppo.ulysses import SPGroup
+from scripts.make_shaped_model import PAD_ID
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -123,7 +117,7 @@ def padded_forward_logprobs(
     """``ppo.forwards.forward_logprobs`` on padded rows: log-probs ``[B, R]``."""
     no_sp(sp)
     out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
-    tau, backend = cfg.rollout.temperature, cfg.actor.kernels
+    tau, backend = cfg.rollout.temperature, cfg.actor.kernel_backend
     for sel in micro_batches(batch, batch.rows(), cfg.actor, micro_batch_size):
         out[sel], _ = padded_logprobs(model, pad_rows(batch, sel), temperature=tau, backend=backend)
     return out
@@ -157,11 +151,11 @@ def padded_critic_loss(cfg: PPOConfig, critic: nn.Module, batch: Batch, sp: SPGr
 
 def padded_actor_loss(cfg: PPOConfig, actor: nn.Module, batch: Batch, sp: SPGroup) -> LossFn:
     """``ppo.optimize.actor_loss`` on padded rows: a micro-batch's share of the clipped policy loss minus
-    the entropy bonus. Only what bench_layout.py's ``path_config`` turns on: no KL loss, no on-policy
+    the entropy bonus. Only what layout.py's ``path_config`` turns on: no KL loss, no on-policy
     shortcut."""
     no_sp(sp)
     a = cfg.actor
-    if a.use_kl_loss or cfg.on_policy:
+    if a.use_kl_loss or cfg.one_update_per_rollout:
         raise ValueError("the padded baseline has no KL loss and no on-policy shortcut")
 
     def loss_fn(sel: torch.Tensor, counts: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -170,7 +164,7 @@ def padded_actor_loss(cfg: PPOConfig, actor: nn.Module, batch: Batch, sp: SPGrou
             actor,
             pad_rows(batch, sel),
             temperature=cfg.rollout.temperature,
-            backend=a.kernels,
+            backend=a.kernel_backend,
             compute_entropy=True,
         )
         pg_loss, pg_metrics = algorithms.policy_loss(

@@ -27,10 +27,10 @@ The model is built from a config with random weights (``--model-config tiny|0.5b
 downloaded) or loaded from ``--model-path``. Every rank builds the same weights (one seed).
 
 Run:
-    .venv/bin/python scripts/bench_rollout.py                        # one process, tiny model, table
-    .venv/bin/python scripts/bench_rollout.py --json --num-prompts 8 --new-tokens 8
-    .venv/bin/torchrun --standalone --nproc_per_node=2 scripts/bench_rollout.py
-    torchrun --nproc_per_node=8 scripts/bench_rollout.py --model-config 0.5b --dtype bfloat16 \\
+    .venv/bin/python -m scripts.bench.rollout                        # one process, tiny model, table
+    .venv/bin/python -m scripts.bench.rollout --json --num-prompts 8 --new-tokens 8
+    .venv/bin/torchrun --standalone --nproc_per_node=2 -m scripts.bench.rollout
+    torchrun --nproc_per_node=8 -m scripts.bench.rollout --model-config 0.5b --dtype bfloat16 \\
         --num-prompts 1024 --prompt-len 256 --new-tokens 512 --micro-batch 128
 """
 
@@ -39,18 +39,14 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import sys
-from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_common import (  # noqa: E402
-    EOS_ID,
-    PAD_ID,
+from ppo import attention, models, rollout, sharding
+from ppo.distributed import DistInfo, all_reduce_scalar, exit_process, make_mesh, rank_slice
+from ppo.rollout import generate, generation_config
+from scripts.bench.common import (
     add_common_args,
     add_model_args,
     causal_lm,
@@ -61,10 +57,7 @@ from bench_common import (  # noqa: E402
     resolve_clock,
     timed,
 )
-
-from ppo import attention, models, rollout, runner, sharding  # noqa: E402
-from ppo.distributed import DistInfo, all_reduce_scalar, exit_process, make_mesh  # noqa: E402
-from ppo.rollout import generate, generation_config  # noqa: E402
+from scripts.make_shaped_model import EOS_ID, PAD_ID
 
 
 @dataclasses.dataclass
@@ -167,7 +160,7 @@ def run(args: argparse.Namespace, info: DistInfo) -> list[Row]:
     plain = copy.deepcopy(model).to(device=device, dtype=sharding.torch_dtype(args.dtype)).eval()
     sharded = sharding.shard_model(model, make_mesh(info), fsdp_config(args.dtype), device=device)
     vocab = plain.config.get_text_config().vocab_size
-    prompts = runner.my_share(random_prompts(args.num_prompts, args.prompt_len, vocab, args.seed), info)
+    prompts = rank_slice(random_prompts(args.num_prompts, args.prompt_len, vocab, args.seed), info)
 
     def run_hf(n: int = args.new_tokens, p: list[torch.Tensor] = prompts) -> torch.Tensor:
         if args.do_sample:

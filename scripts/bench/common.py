@@ -1,9 +1,10 @@
-"""What the benchmarks share in their own process (none of them is imported by this module): the random
-models' configs and token ids, the actor / reference / critic built from one seed, random prompts, the tiny
-Llama on make_tiny_assets.py's character tokenizer and the files of a trainer run (model folders, a prompt
-Parquet), the common command-line options, the CPU threads and the clock of a phase over ranks, the peak
-memory of a call (CPU and CUDA), and the output (a table, or one JSON object per row). Not a benchmark
-itself; what a run of the trainer in its own process needs, and needs no torch for, is in bench_runs.py.
+"""What the benchmarks share in their own process (none of them is imported by this module): the actor /
+reference / critic built from one seed in one of the random models' shapes (``MODEL_CONFIGS`` of
+scripts/make_shaped_model.py), random prompts, the tiny Llama on make_tiny_assets.py's character tokenizer
+and the files of a trainer run (model folders, a prompt Parquet), the common command-line options, the CPU
+threads and the clock of a phase over ranks, the peak memory of a call (CPU and CUDA), and the output (a
+table, or one JSON object per row). Not a benchmark itself; what a run of the trainer in its own process
+needs, and needs no torch for, is in runs.py.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 import weakref
 from collections.abc import Callable
@@ -21,20 +21,11 @@ from typing import Any, TypeVar
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from transformers import (
-    AutoModelForCausalLM,
-    AutoModelForTokenClassification,
-    LlamaConfig,
-    PretrainedConfig,
-    PreTrainedModel,
-    Qwen2Config,
-)
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, LlamaConfig, PreTrainedModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ppo import model_loading, sharding  # noqa: E402
-from ppo.config import FSDPConfig, MixedPrecisionConfig  # noqa: E402
-from ppo.distributed import (  # noqa: E402
+from ppo import model_loading, sharding
+from ppo.config import FSDPConfig, MixedPrecisionConfig
+from ppo.distributed import (
     DistInfo,
     all_reduce_scalar,
     barrier,
@@ -42,58 +33,9 @@ from ppo.distributed import (  # noqa: E402
     init_distributed,
     make_mesh,
 )
+from scripts.make_shaped_model import MODEL_CONFIGS, model_config
 
 T = TypeVar("T")
-
-PAD_ID, EOS_ID = 0, 2
-"""Token ids of the random models: prompts draw from ids >= 3."""
-
-
-def _qwen2_5(
-    *, hidden: int, mlp: int, layers: int, heads: int, kv_heads: int, vocab: int, tied: bool
-) -> PretrainedConfig:
-    """A Qwen2.5 model's architecture (its rotary base, norm epsilon and context length)."""
-    return Qwen2Config(
-        hidden_size=hidden,
-        intermediate_size=mlp,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        vocab_size=vocab,
-        max_position_embeddings=32768,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=tied,
-    )
-
-
-MODEL_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
-    # A model of the CPU cost measurements in docs/platform.md: hidden 256, 4 layers, vocab 4096.
-    "tiny": lambda: LlamaConfig(
-        hidden_size=256,
-        intermediate_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=4096,
-        max_position_embeddings=4096,
-    ),
-    # Qwen2.5-0.5B's shapes (494M parameters, tied embeddings).
-    "0.5b": lambda: _qwen2_5(hidden=896, mlp=4864, layers=24, heads=14, kv_heads=2, vocab=151936, tied=True),
-    # Qwen2.5-1.5B's shapes (1.54B parameters, tied embeddings).
-    "1.5b": lambda: _qwen2_5(hidden=1536, mlp=8960, layers=28, heads=12, kv_heads=2, vocab=151936, tied=True),
-    # Qwen2.5-7B's shapes (7.6B parameters, untied embeddings).
-    "7b": lambda: _qwen2_5(hidden=3584, mlp=18944, layers=28, heads=28, kv_heads=4, vocab=152064, tied=False),
-}
-
-
-def model_config(name: str) -> PretrainedConfig:
-    """The config of ``--model-config`` with PPO's token ids and dropout off."""
-    if name not in MODEL_CONFIGS:
-        raise SystemExit(f"--model-config must be one of {', '.join(MODEL_CONFIGS)}, got {name!r}")
-    config = MODEL_CONFIGS[name]()
-    config.pad_token_id, config.eos_token_id, config.bos_token_id = PAD_ID, EOS_ID, 1
-    return config
 
 
 def fsdp_config(dtype: str) -> FSDPConfig:
@@ -147,7 +89,7 @@ def build_models(
 
 def tiny_llama_config(tokenizer: Any, hidden: int, layers: int, max_positions: int) -> LlamaConfig:
     """A Llama of ``layers`` x ``hidden`` (4 heads, MLP 4x) over ``tokenizer``'s vocabulary and special
-    tokens, untied head: the trainer-driving benchmarks' model (bench_overhead, bench_scaling)."""
+    tokens, untied head: the trainer-driving benchmarks' model (overhead, scaling)."""
     return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
@@ -173,9 +115,10 @@ def save_model(model: PreTrainedModel, tokenizer: Any, path: Path) -> Path:
 def write_prompts(path: Path, num: int, seed: int) -> Path:
     """The first ``num`` training problems of make_tiny_assets.py's arithmetic task (split by ``seed``) as
     a prompt Parquet in verl's layout, with their ground truth for the rule reward."""
-    import make_tiny_assets
     import pyarrow as pa
     import pyarrow.parquet as pq
+
+    from scripts import make_tiny_assets
 
     problems, _ = make_tiny_assets.split_problems(seed)
     pq.write_table(pa.Table.from_pylist(make_tiny_assets.prompt_rows(problems[:num], "train")), path)
@@ -304,7 +247,7 @@ def cpu_peak_bytes(run: Callable[[], None]) -> int:
     """Peak bytes of tensor storage allocated during run() and alive at once: every tensor an operation
     returns counts from then until its storage is freed, whichever thread frees it (outputs, temporaries,
     autograd's saved tensors, gradients); scratch memory inside one op or outside torch is not seen
-    (bench_kernels.py's docstring says why not torch's profiler, tracemalloc or RSS)."""
+    (kernels.py's docstring says why not torch's profiler, tracemalloc or RSS)."""
     with _StorageTracker() as tracker:
         run()
     return tracker.peak

@@ -10,14 +10,11 @@ from __future__ import annotations
 import gc
 import json
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_runs import ROOT, read_metrics, run_env, torchrun_command  # noqa: E402
+from scripts.bench.runs import ROOT, read_metrics, run_env, torchrun_command
 
 EVAL_SAMPLES = 4
 """Responses sampled per validation prompt at temperature 1 for the KL (and sample accuracy, pass@4)."""
@@ -201,7 +198,8 @@ def evaluate(out: Path) -> int:
 
     from ppo import data, model_eval, model_loading, runner
     from ppo.config import FSDPConfig, ModelConfig
-    from ppo.distributed import destroy_distributed, init_distributed, setup_logging
+    from ppo.distributed import destroy_distributed, init_distributed, main_rank_logs, setup_logging
+    from ppo.model_setup import build_model
 
     plan = json.loads((out / "plan.json").read_text())
     info = init_distributed("auto")
@@ -210,12 +208,12 @@ def evaluate(out: Path) -> int:
     try:
 
         def load(path: str) -> torch.nn.Module:
-            return runner.build_model(
+            return build_model(
                 model_loading.load_causal_lm, ModelConfig(path=path), FSDPConfig(), info, trainable=False
             )
 
         tokenizer = model_loading.load_tokenizer(plan["sft"])  # every run saves the SFT model's tokenizer
-        with runner.main_rank_logs(info):
+        with main_rank_logs(info):
             records = data.load_prompts(
                 [plan["val_file"]], tokenizer, max_prompt_length=EVAL_MAX_PROMPT_LENGTH
             )

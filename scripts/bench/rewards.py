@@ -10,9 +10,9 @@ With ``--hang-every K`` every K-th response hangs (a function that sleeps an hou
 GSM8K rule): each call of the pool waits ``--timeout-s`` for them and replaces their workers. Columns:
 way, median seconds per call of ``--responses`` responses, timeouts per call.
 
-    .venv/bin/python scripts/bench_rewards.py
-    .venv/bin/python scripts/bench_rewards.py --workers 1 2 4 --responses 4000 --json
-    .venv/bin/python scripts/bench_rewards.py --hang-every 4 --responses 16 --workers 4 --timeout-s 1
+    .venv/bin/python -m scripts.bench.rewards
+    .venv/bin/python -m scripts.bench.rewards --workers 1 2 4 --responses 4000 --json
+    .venv/bin/python -m scripts.bench.rewards --hang-every 4 --responses 16 --workers 4 --timeout-s 1
 """
 
 from __future__ import annotations
@@ -25,11 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ppo import rewards, rule_scoring  # noqa: E402
-from ppo.data import PromptRecord  # noqa: E402
-from ppo.reward_pool import RewardPool  # noqa: E402
+from ppo import rewards, rule_scoring
+from ppo.data import PromptRecord
+from ppo.reward_pool import RewardPool
 
 HANGING_FUNCTION = """
 import time

@@ -2,10 +2,10 @@
 run, torchrun's command and the environment of a run in its own process, the run's ``metrics.jsonl``, the
 clocks of its steps (in the trainer's process: a logging handler on its step lines; from outside: the CPU
 clocks of its process tree, read as each step's line appears), and what the numbers become: power-law fits
-and figures. Not a benchmark itself; bench_common.py holds the half that needs torch.
+and figures. Not a benchmark itself; common.py holds the half that needs torch.
 
-Nothing here imports torch, so a script that only starts runs (compare_offline.py) answers ``--help`` and
-refuses bad input at once: importing bench_common.py (torch, transformers, ppo) takes seconds.
+Nothing here imports torch, so a benchmark that only starts runs (compare_offline.py) answers ``--help`` and
+refuses bad input at once: importing common.py (torch, transformers, ppo) takes seconds.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 """The repository root: where runs start (``cwd``) and what they import first."""
 
 # ----------------------------------------------------------------------------------------------------

@@ -44,13 +44,13 @@ padded ``b * L^2``; transformers' sdpa and eager (``packed_dense``) cost ``T^2``
 than padding does, and the more so the larger the micro-batch.
 
 Each rank uses one CPU thread (``--threads``) and the CPU clock (``--clock``) by default, for the reasons
-given in bench_rollout.py; sizes are per rank unless said otherwise.
+given in rollout.py; sizes are per rank unless said otherwise.
 
 Run:
-    .venv/bin/python scripts/bench_layout.py                         # tiny model, all four paths, table
-    .venv/bin/python scripts/bench_layout.py --paths padded packed --json
-    .venv/bin/torchrun --standalone --nproc_per_node=2 scripts/bench_layout.py
-    torchrun --nproc_per_node=8 scripts/bench_layout.py --model-config 0.5b --dtype bfloat16 \\
+    .venv/bin/python -m scripts.bench.layout                         # tiny model, all four paths, table
+    .venv/bin/python -m scripts.bench.layout --paths padded packed --json
+    .venv/bin/torchrun --standalone --nproc_per_node=2 -m scripts.bench.layout
+    torchrun --nproc_per_node=8 -m scripts.bench.layout --model-config 0.5b --dtype bfloat16 \\
         --num-seqs 64 --prompt-len 256 --max-response 1024 --micro-batch 8
 """
 
@@ -59,19 +59,27 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_common import (  # noqa: E402
-    EOS_ID,
-    PAD_ID,
+from ppo import sharding
+from ppo.attention import PACKED_ATTENTION, VARLEN_FLASH, resolve_attn_implementation
+from ppo.batch import Batch, Rollout, group_index
+from ppo.batch_advantages import compute_advantages
+from ppo.build import make_kl_controller
+from ppo.config import PPOConfig
+from ppo.config_loader import load_config
+from ppo.data import PromptRecord
+from ppo.distributed import DistInfo, all_reduce_scalars, exit_process
+from ppo.forwards import forward_logprobs, forward_values
+from ppo.optim import Trained, with_optimizer
+from ppo.optimize import LossFn, actor_loss, critic_loss, optimize
+from ppo.packing import micro_batches
+from ppo.rollout import generate, generation_config
+from ppo.ulysses import NO_SP, SPGroup
+from scripts.bench.common import (
     add_common_args,
     add_model_args,
     build_models,
@@ -81,28 +89,13 @@ from bench_common import (  # noqa: E402
     resolve_clock,
     timed,
 )
-from bench_layout_padded import (  # noqa: E402
+from scripts.bench.layout_padded import (
     padded_actor_loss,
     padded_critic_loss,
     padded_forward_logprobs,
     padded_forward_values,
 )
-
-from ppo import sharding  # noqa: E402
-from ppo.attention import PACKED_ATTENTION, VARLEN_FLASH, resolve_attn_implementation  # noqa: E402
-from ppo.batch import Batch, Rollout, group_index  # noqa: E402
-from ppo.batch_advantages import compute_advantages  # noqa: E402
-from ppo.build import make_kl_controller  # noqa: E402
-from ppo.config import PPOConfig  # noqa: E402
-from ppo.config_loader import load_config  # noqa: E402
-from ppo.data import PromptRecord  # noqa: E402
-from ppo.distributed import DistInfo, all_reduce_scalars, exit_process  # noqa: E402
-from ppo.forwards import forward_logprobs, forward_values  # noqa: E402
-from ppo.optim import Trained, with_optimizer  # noqa: E402
-from ppo.optimize import LossFn, actor_loss, critic_loss, optimize  # noqa: E402
-from ppo.packing import micro_batches  # noqa: E402
-from ppo.rollout import generate, generation_config  # noqa: E402
-from ppo.ulysses import NO_SP, SPGroup  # noqa: E402
+from scripts.make_shaped_model import EOS_ID, PAD_ID
 
 PATHS = ("padded", "packed", "packed_dynamic", "packed_dense")
 VARLEN_ATTENTION = ("flash_attention_2", VARLEN_FLASH, PACKED_ATTENTION)
