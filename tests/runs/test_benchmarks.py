@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ppo.ulysses import NO_SP
-from scripts.bench import common, layout, overhead, rollout, runs
+from scripts.bench import common, layout, overhead, rewards, rollout, runs
 from tests.helpers import excerpt, read_metrics, torchrun
 
 ROLLOUT_COLUMNS = {
@@ -190,6 +190,19 @@ def test_bench_overhead_json(capsys: pytest.CaptureFixture[str]) -> None:
         assert row[f"{phase}_s"] is not None and row[f"{phase}_s"] >= 0, phase
     # Updates ran: 2 epochs x 2 mini-batches for critic and actor, timed inside the step.
     assert 0 < row["update_actor_s"] < row["step_wall_s"] and row["vs_trl"] is None
+
+
+@pytest.mark.slow
+def test_bench_rewards_json(capsys: pytest.CaptureFixture[str]) -> None:
+    """The reward pool's throughput against the trainer's process, and the calls of a pool whose function
+    hangs: what each call ends with (their seconds are what the benchmark is for, not checked here)."""
+    assert rewards.main(["--json", "--responses", "20", "--repeat", "1", "--workers", "1"]) == 0
+    (out,) = json_rows(capsys.readouterr().out)
+    assert [r["way"] for r in out["rows"]] == ["in-process", "1 worker(s)"]
+    assert all(r["s_per_1000"] > 0 for r in out["rows"]) and out["rows"][0]["vs_in_process"] == 1.0
+    ends = {r["scenario"]: (r["timeouts"], r["abandoned"]) for r in out["scenarios"]}
+    assert ends == {"timeout_replace": (2, 0), "total_timeout": (8, 0), "stop": (0, 3)}
+    assert all(r["s_per_call"] > 0 and r["limit_s"] > 0 for r in out["scenarios"])
 
 
 def test_cpu_peak_bytes_counts_allocations_once_and_frees_on_any_thread() -> None:

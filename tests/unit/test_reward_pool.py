@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -158,68 +158,164 @@ def test_a_worker_imports_neither_torch_nor_the_trainer(tmp_path: Path) -> None:
     assert out.scored == [Score(1.0, {"torch": 0.0, "ppo_rewards": 0.0, "worker_main": 1.0})]
 
 
-def test_a_timed_out_worker_is_replaced_without_holding_up_the_other_rows() -> None:
-    """2 workers, timeout 1 s, a hang at rows 0 and 4: both workers hang by row 5; each is replaced
-    without waiting and its replacement takes the rest when it is ready. Replacing them synchronously with
-    ``spawn``ed children (which imported torch and the trainer) took 11.2 s for this call on the 2-core
-    machine; the pool now takes 1.3 s (the timeout plus a bare interpreter's start)."""
+def test_timed_out_workers_are_replaced_and_their_replacements_take_the_rest() -> None:
+    """2 workers, timeout 1 s, a hang at rows 0 and 4: both workers hang by row 5; each is replaced and its
+    replacement scores rows after it. (How long such a call takes: ``python -m scripts.bench.rewards``.)"""
     pool = make_pool("hangs_on_seven", timeout_s=1.0)
     try:
+        first_pids = {w.proc.pid for w in pool.workers}
         texts = ["x7", "12", "4", "ab1", "7", "22", "1a", "9"]  # hangs_on_seven: digit share, 7 hangs
-        start = time.monotonic()
         out = pool.score(records(len(texts)), texts)
-        elapsed = time.monotonic() - start
         values = [s if s is None else s.value for s in out.scored]
         assert values == [None, 1.0, 1.0, 1 / 3, None, 1.0, 0.5, 1.0]
         assert (out.timeouts, out.errors, out.abandoned, out.capped) == (2, 0, 0, 0)
         assert out.first == "prompt row 100 (d): ran longer than reward.timeout_s=1.0"
-        assert elapsed < 5.0, elapsed
+        assert not first_pids & {w.proc.pid for w in pool.workers}  # both replaced
     finally:
         pool.close()
 
 
-def test_total_timeout_cuts_a_call_and_warns_once(caplog: pytest.LogCaptureFixture) -> None:
-    """Every call hangs: 8 rows on 2 workers with timeout_s=5 would take ceil(8 / 2) * 5 = 20 s;
-    reward.total_timeout_s=1.5 cuts the call after 1.5 s, every row a timeout."""
-    pool = make_pool("hangs_on_seven", timeout_s=5.0, total_timeout_s=1.5)
+# A reward function that writes what its worker does to the file $PPO_TEST_EVENTS ("<pid> <event>" lines,
+# appended in the order they happen), so a test can assert who scored what and in which order: "hang"
+# hangs, anything else scores 1. With $PPO_TEST_GATE set, a worker started after the pool's first two (a
+# replacement) finishes importing the function, and so reports ready, only once some worker was called
+# on "after".
+EVENTS_FN = """
+import os
+import time
+from pathlib import Path
+
+EVENTS = Path(os.environ["PPO_TEST_EVENTS"])
+
+
+def log(event):
+    with EVENTS.open("a") as f:
+        f.write(f"{os.getpid()} {event}\\n")
+
+
+def logged():
+    return [line.split(" ", 1)[1] for line in EVENTS.read_text().splitlines()] if EVENTS.exists() else []
+
+
+replacement = logged().count("import") >= 2
+log("import")
+if replacement and os.environ.get("PPO_TEST_GATE"):
+    deadline = time.monotonic() + 60  # only where the pool waits for this worker; then the test fails
+    while "call after" not in logged() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    log("ready")
+
+
+def score(data_source, solution_str, ground_truth, extra_info=None):
+    log(f"call {solution_str}")
+    if solution_str == "hang":
+        time.sleep(3600)
+    return 1.0
+"""
+
+
+def read_events(path: Path) -> list[tuple[int, str]]:
+    """The ``(pid, event)`` lines ``EVENTS_FN`` wrote, in order."""
+    if not path.exists():
+        return []
+    return [
+        (int(pid), event) for pid, event in (line.split(" ", 1) for line in path.read_text().splitlines())
+    ]
+
+
+def wait_until(condition: Callable[[], bool], limit_s: float = 60.0) -> None:
+    """Wait for what a worker does after a call returned; the limit only ends a wait for something that
+    never happens (the assertion after it fails then), it is not measured."""
+    deadline = time.monotonic() + limit_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def events_fn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``EVENTS_FN``'s file; its events go to ``tmp_path / "events"``, beside it."""
+    monkeypatch.setenv("PPO_TEST_EVENTS", str(tmp_path / "events"))
+    return write_fn(tmp_path, EVENTS_FN)
+
+
+def test_a_timed_out_worker_is_replaced_without_holding_up_the_other_rows(
+    events_fn: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Worker A times out on "hang" and is replaced; the replacement cannot report ready until a worker has
+    been called on "after" (``PPO_TEST_GATE``). The pool does not wait for it: the call returns with the
+    replacement still starting, and the next row goes to the other worker before the replacement is
+    ready. A pool that waited for its replacement would have it ready first (after the function's
+    60 s fallback). How long such a call takes is measured by ``python -m scripts.bench.rewards``."""
+    monkeypatch.setenv("PPO_TEST_GATE", "1")
+    events = events_fn.parent / "events"
+    pool = make_pool("score", timeout_s=1.0, fn_file=events_fn)
     try:
-        start = time.monotonic()
-        out = pool.score(records(8), ["7"] * 8)
-        elapsed = time.monotonic() - start
+        out = pool.score(records(1), ["hang"])
+        assert (out.scored, out.timeouts, out.errors, out.abandoned) == ([None], 1, 0, 0)
+        assert out.first == "prompt row 100 (d): ran longer than reward.timeout_s=1.0"
+        (hung,) = [pid for pid, event in read_events(events) if event == "call hang"]
+        starting = [w.proc.pid for w in pool.workers if not w.ready]
+        assert len(starting) == 1 and hung not in starting  # replaced, and the call did not wait for it
+        (other,) = [w.proc.pid for w in pool.workers if w.ready]
+        assert [s.value for s in pool.score(records(1), ["after"]).scored] == [1.0]
+        wait_until(lambda: (starting[0], "ready") in read_events(events))
+        log = read_events(events)
+        assert log.index((other, "call after")) < log.index((starting[0], "ready")), log
+    finally:
+        pool.close()
+
+
+def test_total_timeout_cuts_a_call_and_warns_once(events_fn: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Every call hangs: 8 rows on 2 workers with timeout_s=5 would be scored 2 at a time, each pair cut at
+    5 s; reward.total_timeout_s=1.5 cuts the call while the first pair runs: no third call starts, every
+    row is a timeout cut by the cap, both workers are replaced. (The call's seconds: scripts.bench.rewards.)"""
+    events = events_fn.parent / "events"
+    name = f"reward.custom_function='{events_fn}:score'"
+    pool = make_pool("score", timeout_s=5.0, total_timeout_s=1.5, fn_file=events_fn)
+    try:
+        first_pids = {w.proc.pid for w in pool.workers}
+        out = pool.score(records(8), ["hang"] * 8)
         assert out.scored == [None] * 8
         assert (out.timeouts, out.errors, out.abandoned, out.capped) == (8, 0, 0, 8)
         assert out.first == "prompt row 100 (d): cut by reward.total_timeout_s=1.5"
-        assert elapsed < 4.0, elapsed
+        calls = [pid for pid, event in read_events(events) if event == "call hang"]
+        assert sorted(calls) == sorted(first_pids)  # one call on each worker, then the cap
+        assert not first_pids & {w.proc.pid for w in pool.workers}  # both replaced, not waited for
         with (
             caplog.at_level(logging.WARNING, logger="ppo"),
             pytest.raises(RewardError, match="every one of the 8"),
         ):
-            rule_scores(make_rule_scorer(None, 0.0), records(8), ["7"] * 8, pool)
+            rule_scores(make_rule_scorer(None, 0.0), records(8), ["hang"] * 8, pool)
     finally:
         pool.close()
     assert [r.getMessage() for r in caplog.records if "total_timeout_s" in r.getMessage()] == [
-        f"reward.custom_function='{REWARD_FNS}:hangs_on_seven' failed (scored -1.0; logged once): rank 0, "
-        "prompt row 100 (d): cut by reward.total_timeout_s=1.5",
+        f"{name} failed (scored -1.0; logged once): rank 0, prompt row 100 (d): cut by reward.total_timeout_s=1.5",
         "reward.total_timeout_s=1.5 cut a scoring call (a step's, a validation's or the start-up check's): "
         "8 of its 8 responses were not scored in time (scored -1.0, counted in reward/timeouts; logged once)",
     ]
 
 
-def test_a_stop_request_ends_a_call_at_once() -> None:
-    """A stop request 0.5 s into a call whose workers hang (timeout 30 s): the call returns within a
-    poll, the rows not scored abandoned (not failures: no "failed on every response" error), their
-    scores error_score."""
-    pool = make_pool("hangs_on_seven", timeout_s=30.0)
+def test_a_stop_request_ends_a_call_at_once(events_fn: Path) -> None:
+    """A stop request once both workers hang (timeout 30 s): the call returns at its next poll, the hung
+    rows and the row not sent yet abandoned (not failures: no "failed on every response" error, no
+    timeout), their scores error_score; the hung workers are replaced, not waited for, and the row after
+    the stop never starts. (How soon the call returns: scripts.bench.rewards.)"""
+    events = events_fn.parent / "events"
+
+    def hung(count: int) -> Callable[[], bool]:
+        return lambda: sum(event == "call hang" for _, event in read_events(events)) >= count
+
+    pool = make_pool("score", timeout_s=30.0, fn_file=events_fn)
     try:
-        start = time.monotonic()
-        out = pool.score(records(4), ["1", "7", "7", "12"], stop=lambda: time.monotonic() > start + 0.5)
-        elapsed = time.monotonic() - start
+        first_pids = {w.proc.pid for w in pool.workers}
+        out = pool.score(records(4), ["1", "hang", "hang", "12"], stop=hung(2))
         assert [s if s is None else s.value for s in out.scored] == [1.0, None, None, None]
         assert (out.timeouts, out.errors, out.abandoned, out.first) == (0, 0, 3, None)
-        assert elapsed < 3.0, elapsed
-        start = time.monotonic()
+        calls = sorted(event for _, event in read_events(events) if event.startswith("call "))
+        assert calls == ["call 1", "call hang", "call hang"]  # "12", the row after the stop, never started
+        assert not first_pids & {w.proc.pid for w in pool.workers}
         scores, metrics = rule_scores(
-            make_rule_scorer(None, 0.0), records(2), ["7", "7"], pool, lambda: time.monotonic() > start + 0.5
+            make_rule_scorer(None, 0.0), records(2), ["hang", "hang"], pool, hung(4)
         )
         assert scores.tolist() == [-1.0, -1.0]
         assert metrics == {"reward/timeouts": 0.0, "reward/errors": 0.0}
