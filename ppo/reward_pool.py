@@ -25,8 +25,8 @@ ends a call at once, its unscored rows abandoned (not failures): the trainer the
 boundary. ``reward.pool_workers=0`` (the default) scores in the trainer's own process, where a failing
 function stops the run at once.
 
-16 responses, every 4th hanging, 4 workers, ``reward.timeout_s=1`` (``scripts/bench_rewards.py
---hang-every 4 --responses 16 --workers 4 --timeout-s 1``): 1.0 s a call, where replacing each timed-out
+16 responses, every 4th hanging, 4 workers, ``reward.timeout_s=1`` (``python -m
+scripts.bench.rewards --hang-every 4 --responses 16 --workers 4 --timeout-s 1``): 1.0 s a call, where replacing each timed-out
 worker synchronously with a ``spawn``ed child (which imported torch and the trainer's modules) took
 24.4 s on the same 2-core machine.
 """
