@@ -193,7 +193,7 @@ def needs_ground_truth(reward: RewardConfig, offline_fraction: float) -> bool:
 
 
 def check_rule_coverage(
-    scorer: RuleScorer,
+    scorer: RuleScorer | None,
     records: list[PromptRecord],
     custom_function: str | None,
     pool: RewardPool | None = None,
@@ -226,7 +226,7 @@ def batch_scores(
     reward: RewardConfig,
     *,
     group_size: int,
-    scorer: RuleScorer,
+    scorer: RuleScorer | None,
     tokenizer: Any,
     reward_model: torch.nn.Module | None,
     pool: RewardPool | None = None,
@@ -263,7 +263,7 @@ def batch_scores(
 
 
 def rule_scores(
-    scorer: RuleScorer,
+    scorer: RuleScorer | None,
     records: list[PromptRecord],
     texts: list[str],
     pool: RewardPool | None = None,

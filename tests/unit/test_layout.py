@@ -83,12 +83,13 @@ print(" ".join(sorted(m for m in sys.modules if m.split(".")[0] not in (*sys.std
 
 
 def test_the_reward_worker_imports_only_the_standard_library() -> None:
-    """A reward worker (``python -m ppo.reward_worker``) loads ``ppo.rule_scoring`` and the standard
-    library, never torch or the trainer: it starts in a fraction of a second (``-S``: no site-packages).
-    ``ppo.environments`` (what ``--print-config`` checks a multi-turn environment with) likewise."""
+    """A reward worker (``python -m ppo.reward_worker``) loads ``ppo.rule_scoring``, ``ppo.user_code``
+    and the standard library, never torch or the trainer: it starts in a fraction of a second (``-S``: no
+    site-packages). ``ppo.environments`` (what ``--print-config`` checks a multi-turn environment with)
+    loads ``ppo.user_code`` alone."""
     for module, loaded in (
-        ("ppo.reward_worker", ["ppo", "ppo.reward_worker", "ppo.rule_scoring"]),
-        ("ppo.environments", ["ppo", "ppo.environments", "ppo.rule_scoring"]),
+        ("ppo.reward_worker", ["ppo", "ppo.reward_worker", "ppo.rule_scoring", "ppo.user_code"]),
+        ("ppo.environments", ["ppo", "ppo.environments", "ppo.user_code"]),
     ):
         out = subprocess.run(
             [sys.executable, "-S", "-c", WORKER_IMPORTS.replace("ppo.reward_worker", module)],
