@@ -231,7 +231,9 @@ def score(cfg: PPOConfig, run: Run, batch: Batch, timer: Timer, stop: StopReques
         with timer("ref"):
             forwards.forward_reference(cfg, run.actor.model, run.ref, batch, run.sp)
         if batch.old_logprobs is not None:
-            metrics["actor/ref_kl"] = forwards.ref_kl(batch.old_logprobs, batch.ref_logprobs, batch.loss_mask)
+            metrics["actor/ref_kl"] = forwards.ref_kl(
+                batch.old_logprobs, batch.ref_logprobs, batch.response_mask
+            )
         at_boundary(stop)
     if run.critic is not None:
         with timer("values"):
@@ -241,7 +243,7 @@ def score(cfg: PPOConfig, run: Run, batch: Batch, timer: Timer, stop: StopReques
         if batch.scores is None:  # dynamic sampling and the accuracy filter scored their rounds already
             raw, reward_metrics = score_responses(cfg, run, batch, stop)
             batch.scores, shaping_metrics = rewards.shape_scores(
-                raw, batch.response_mask, cfg.reward, max_response_length=cfg.data.max_response_length
+                raw, batch.attention_mask, cfg.reward, max_response_length=cfg.data.max_response_length
             )
             metrics.update(reward_metrics)
             metrics.update(shaping_metrics)
@@ -317,7 +319,7 @@ def update_actor(cfg: PPOConfig, run: Run, batch: Batch) -> dict[str, float]:
     lr = actor.optimizer.param_groups[0]["lr"]  # the rate this step's updates use
     cov_mask, hook = None, None
     if a.policy_loss.loss_mode in ("clip_cov", "kl_cov"):
-        cov_mask = torch.zeros_like(batch.response_mask)
+        cov_mask = torch.zeros_like(batch.attention_mask)
         dp_rank = run.loader.rank // run.sp.size
         hook = cov_selection(cfg, batch, cov_mask, run.sp, dp_rank=dp_rank, step=run.state.step)
     kept, rejection_metrics = rollout_rejection(cfg, batch)  # algorithm.rollout_rs's tokens, else None
@@ -326,13 +328,13 @@ def update_actor(cfg: PPOConfig, run: Run, batch: Batch) -> dict[str, float]:
         "actor",
         actor,
         batch,
-        actor_loss(cfg, actor.model, batch, run.sp, cov_mask=cov_mask, loss_mask=kept),
+        actor_loss(cfg, actor.model, batch, run.sp, cov_mask=cov_mask, response_mask=kept),
         num_mini=cfg.data.train_batch_size // a.ppo_mini_batch_size,
         shuffle=a.shuffle,
         sp=run.sp,
         early_stop_kl=a.early_stop_kl,
         before_mini_batch=hook,
-        loss_mask=kept,
+        response_mask=kept,
     )
     out.update(rejection_metrics)
     actor.scheduler.step()

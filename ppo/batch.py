@@ -24,23 +24,24 @@ class Rollout:
     """``B`` prompt token tensors ``[P_i]`` (unpadded)."""
     responses: torch.Tensor
     """[B, R] response tokens, padded with the pad id after the end."""
-    response_mask: torch.Tensor
-    """[B, R] bool: True on generated tokens up to and including the first EOS."""
+    attention_mask: torch.Tensor
+    """[B, R] bool: True on the response tokens that exist, up to and including the first EOS (and a
+    multi-turn rollout's observations): what packing and the forwards see."""
     truncated: torch.Tensor
     """[B] bool: the response hit ``max_new_tokens`` without an EOS."""
-    loss_mask: torch.Tensor | None = None
-    """[B, R] bool: True on the tokens the policy generated, the ones every loss, KL, entropy, whitening
-    and token count uses; None: the same as ``response_mask`` (single-turn). A multi-turn rollout's
-    observation tokens exist (``response_mask``: packing, forwards) but are not trained."""
+    response_mask: torch.Tensor | None = None
+    """[B, R] bool: True on the tokens the policy generated, the ones trained (every loss, KL, entropy,
+    whitening and token count), as verl's ``response_mask``; given as None it is ``attention_mask``
+    (single-turn: every token that exists was generated). A multi-turn rollout's observation tokens
+    exist (``attention_mask``) but are not trained."""
     env_rewards: torch.Tensor | None = None
     """[B, R] rewards an environment gave, each on the last generated token of its turn; None: none."""
     turn_stats: dict[str, torch.Tensor] | None = None
     """Multi-turn rollouts: ``[B]`` per-row counts by name (``multi_turn.TURN_STATS``); None otherwise."""
 
-    @property
-    def trained_mask(self) -> torch.Tensor:
-        """``loss_mask``, or ``response_mask`` when every existing token was generated."""
-        return self.loss_mask if self.loss_mask is not None else self.response_mask
+    def __post_init__(self) -> None:
+        if self.response_mask is None:
+            self.response_mask = self.attention_mask
 
     @property
     def step_rewards(self) -> torch.Tensor:
@@ -48,14 +49,14 @@ class Rollout:
         return (
             self.env_rewards
             if self.env_rewards is not None
-            else torch.zeros_like(self.response_mask, dtype=torch.float32)
+            else torch.zeros_like(self.attention_mask, dtype=torch.float32)
         )
 
 
 def concat_rollouts(parts: list[Rollout], device: torch.device | None = None) -> Rollout:
     """One rollout of the sequences of ``parts`` in order (on ``device``, default: where they are). All
     parts share ``R``; multi-turn parts are all multi-turn (one run samples one way)."""
-    multi = any(part.loss_mask is not None for part in parts)
+    with_env_rewards = any(part.env_rewards is not None for part in parts)
 
     def cat(tensors: list[torch.Tensor]) -> torch.Tensor:
         out = torch.cat(tensors)
@@ -64,10 +65,10 @@ def concat_rollouts(parts: list[Rollout], device: torch.device | None = None) ->
     return Rollout(
         prompts=[p for part in parts for p in part.prompts],
         responses=cat([part.responses for part in parts]),
-        response_mask=cat([part.response_mask for part in parts]),
+        attention_mask=cat([part.attention_mask for part in parts]),
         truncated=cat([part.truncated for part in parts]),
-        loss_mask=cat([part.trained_mask for part in parts]) if multi else None,
-        env_rewards=cat([part.step_rewards for part in parts]) if multi else None,
+        response_mask=cat([part.response_mask for part in parts]),
+        env_rewards=cat([part.step_rewards for part in parts]) if with_env_rewards else None,
         turn_stats=(
             {k: cat([part.turn_stats[k] for part in parts]) for k in parts[0].turn_stats}
             if parts and parts[0].turn_stats is not None
@@ -81,9 +82,9 @@ def rollout_rows(rollout: Rollout, rows: slice, device: torch.device) -> Rollout
     return Rollout(
         prompts=[p.to(device) for p in rollout.prompts[rows]],
         responses=rollout.responses[rows].to(device),
-        response_mask=rollout.response_mask[rows].to(device),
+        attention_mask=rollout.attention_mask[rows].to(device),
         truncated=rollout.truncated[rows].to(device),
-        loss_mask=rollout.loss_mask[rows].to(device) if rollout.loss_mask is not None else None,
+        response_mask=rollout.response_mask[rows].to(device),
         env_rewards=rollout.env_rewards[rows].to(device) if rollout.env_rewards is not None else None,
         turn_stats=(
             {k: v[rows].to(device) for k, v in rollout.turn_stats.items()}
@@ -127,24 +128,25 @@ class Batch:
     """[B] the regression target of each response, for a loss with one (SPPO)."""
 
     @property
-    def response_mask(self) -> torch.Tensor:
-        """[B, R] the tokens that exist (packing and forwards)."""
-        return self.rollout.response_mask
+    def attention_mask(self) -> torch.Tensor:
+        """[B, R] the response tokens that exist (packing and forwards)."""
+        return self.rollout.attention_mask
 
     @property
-    def loss_mask(self) -> torch.Tensor:
-        """[B, R] the tokens the policy generated (every loss, KL, entropy, whitening and count)."""
-        return self.rollout.trained_mask
+    def response_mask(self) -> torch.Tensor:
+        """[B, R] the tokens the policy generated: what is trained (every loss, KL, entropy, whitening
+        and count)."""
+        return self.rollout.response_mask
 
     @property
     def seq_lens(self) -> list[int]:
         """Packed length (prompt + valid response tokens) of each sequence."""
-        resp = self.response_mask.sum(-1).tolist()
+        resp = self.attention_mask.sum(-1).tolist()
         return [p.numel() + int(r) for p, r in zip(self.rollout.prompts, resp, strict=True)]
 
     def rows(self) -> torch.Tensor:
         """``[B]`` the index of every sequence, on the batch's device."""
-        return torch.arange(len(self.records), device=self.response_mask.device)
+        return torch.arange(len(self.records), device=self.attention_mask.device)
 
 
 def group_index(num_rows: int, n: int, device: torch.device) -> torch.Tensor:
@@ -155,7 +157,7 @@ def group_index(num_rows: int, n: int, device: torch.device) -> torch.Tensor:
 def decode_responses(tokenizer: Any, rollout: Rollout) -> list[str]:
     """Response texts up to (not including) their EOS."""
     texts = []
-    for tokens, mask in zip(rollout.responses.tolist(), rollout.response_mask.tolist(), strict=True):
+    for tokens, mask in zip(rollout.responses.tolist(), rollout.attention_mask.tolist(), strict=True):
         texts.append(
             tokenizer.decode([t for t, m in zip(tokens, mask, strict=True) if m], skip_special_tokens=True)
         )

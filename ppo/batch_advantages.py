@@ -22,14 +22,14 @@ def compute_advantages(
     step: int,
 ) -> dict[str, float]:
     """Token rewards (score on the last generated token, plus a multi-turn environment's step rewards,
-    minus the in-reward KL penalty) and advantages, over the loss mask (the generated tokens).
+    minus the in-reward KL penalty) and advantages, over the response mask (the generated tokens).
 
     The group estimators (GRPO, RLOO, REINFORCE++-baseline, OPO) take each sequence's summed token
     rewards, as verl does (``token_level_rewards.sum(-1)``): with KL in the reward, a sequence that
     drifted from the reference earns less than its score. GAE, REINFORCE++ and REINFORCE++-baseline
     whiten over every valid token of the global batch (one all-reduce pattern for the three).
     """
-    mask = batch.loss_mask
+    mask = batch.response_mask
     token_rewards = batch.rollout.step_rewards.float().clone()
     token_rewards[batch.rows(), last_true(mask)] += batch.scores
     metrics: dict[str, float] = {}
@@ -69,7 +69,7 @@ def estimate(cfg: PPOConfig, batch: Batch) -> None:
 
     inputs = algorithms.AdvantageInputs(
         token_rewards=batch.token_rewards,
-        response_mask=batch.loss_mask,
+        response_mask=batch.response_mask,
         group_ids=batch.group_ids,
         values=batch.values,
         prm_rewards=batch.prm_rewards,

@@ -92,7 +92,7 @@ def collect_filtered(
             raise EndStep("skip", "non-finite reward")
         if f.metric == "seq_reward":  # the score the step trains with
             values, _ = rewards.shape_scores(
-                raw, batch.response_mask, cfg.reward, max_response_length=cfg.data.max_response_length
+                raw, batch.attention_mask, cfg.reward, max_response_length=cfg.data.max_response_length
             )
         else:
             values = (raw >= 1.0).float() if f.metric == "acc" else raw
@@ -118,7 +118,7 @@ def collect_filtered(
     batch = Batch(rollout=rollout, records=records, group_ids=group_index(len(records), n, device))
     raw = torch.cat([g.raw_scores for g in groups]).to(device)
     batch.scores, shaping_metrics = rewards.shape_scores(
-        raw, batch.response_mask, cfg.reward, max_response_length=cfg.data.max_response_length
+        raw, batch.attention_mask, cfg.reward, max_response_length=cfg.data.max_response_length
     )
     metrics |= {"train/num_gen_batches": float(rounds), "train/kept_group_share": num_kept / num_generated}
     metrics.update(shaping_metrics)

@@ -39,7 +39,7 @@ def forward_logprobs(
     cfg: PPOConfig, model: torch.nn.Module, batch: Batch, micro_batch_size: int, sp: ulysses.SPGroup
 ) -> torch.Tensor:
     """Log-probs ``[B, R]`` of the sampled tokens under ``model`` at the rollout temperature."""
-    out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
+    out = torch.zeros_like(batch.attention_mask, dtype=torch.float32)
     with models.evaluating(model):  # adapter dropout off: the policy that sampled, deterministically
         for sel in micro_batches(batch, batch.rows(), cfg.actor, micro_batch_size):
             out[sel], _ = ulysses.packed_logprobs(
@@ -93,7 +93,7 @@ def forward_full_kl(
     Needs both models' logits of a micro-batch at once: the costliest estimator, for small vocabularies
     or diagnostics. With sequence parallelism each rank computes its slice's tokens.
     """
-    out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
+    out = torch.zeros_like(batch.attention_mask, dtype=torch.float32)
     tau = cfg.rollout.temperature
     with models.evaluating(actor), models.evaluating(ref):
         for sel in micro_batches(batch, batch.rows(), cfg.actor):
@@ -112,7 +112,7 @@ def forward_values(
     cfg: PPOConfig, critic: torch.nn.Module, batch: Batch, sp: ulysses.SPGroup
 ) -> torch.Tensor:
     """The critic's values ``[B, R]`` of the response tokens."""
-    out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
+    out = torch.zeros_like(batch.attention_mask, dtype=torch.float32)
     with models.evaluating(critic):
         for sel in micro_batches(batch, batch.rows(), cfg.critic):
             out[sel] = ulysses.packed_values(critic, pack_rows(batch, sel), sp)

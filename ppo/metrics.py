@@ -409,13 +409,13 @@ def batch_metrics(cfg: PPOConfig, batch: Batch) -> dict[str, float]:
     (``1 - Var(returns - values) / (Var(returns) + 1e-5)``, unbiased), ``response_length/*`` and
     ``prompt_length/*`` with ``clip_ratio`` the share at the length limit; with offline groups
     ``rollout/offline_fraction``, the share of the step's responses read from the data set. Over the
-    generated tokens (the loss mask): a multi-turn response's length counts what the model wrote, its
+    generated tokens (the response mask): a multi-turn response's length counts what the model wrote, its
     ``clip_ratio`` the share that filled the budget (observations included), and it adds
     ``rollout/{turns,tool_calls,observation_tokens}/mean`` and the step's ``rollout/step_timeouts`` and
     ``rollout/observation_truncations``."""
-    mask = batch.loss_mask
+    mask = batch.response_mask
     resp_len = mask.sum(-1).float()
-    full_len = batch.response_mask.sum(-1).float()
+    full_len = batch.attention_mask.sum(-1).float()
     prompt_len = torch.tensor([float(p.numel()) for p in batch.rollout.prompts], device=mask.device)
     values = {
         "critic/score": batch.scores,

@@ -70,7 +70,7 @@ def response_logprobs(
     device = rollout.responses.device
     lengths = [
         p.numel() + int(n)
-        for p, n in zip(rollout.prompts, rollout.response_mask.sum(-1).tolist(), strict=True)
+        for p, n in zip(rollout.prompts, rollout.attention_mask.sum(-1).tolist(), strict=True)
     ]
     groups = plan_eval_micro_batches(lengths, use_dynamic_bsz=True, max_tokens=max_tokens, micro_batch_size=1)
     out = torch.zeros(rollout.responses.shape, dtype=torch.float32, device=device)
@@ -86,7 +86,7 @@ def response_logprobs(
                 continue
             idx = torch.tensor(group, dtype=torch.long, device=device)
             packed = pack(
-                [rollout.prompts[i] for i in group], rollout.responses[idx], rollout.response_mask[idx]
+                [rollout.prompts[i] for i in group], rollout.responses[idx], rollout.attention_mask[idx]
             )
             out[idx] = ulysses.packed_logprobs(model, packed, temperature=temperature)[0]
     sharding.release(model)  # without a backward, FSDP2 keeps the root gathered after a forward
@@ -160,12 +160,12 @@ def answer_metrics(
             log_ratio = sequence_log_ratio(
                 response_logprobs(model, sampled, temperature=temperature),
                 response_logprobs(ref, sampled, temperature=temperature),
-                sampled.response_mask,
+                sampled.attention_mask,
             ).double()
             sums += [
                 log_ratio.sum().item(),
                 log_ratio.square().sum().item(),
-                float(sampled.response_mask.sum().item()),
+                float(sampled.attention_mask.sum().item()),
             ]
             names += ["kl_sum", "kl_square_sum", "response_tokens"]
     total = dict(zip(names, all_reduce_scalars(sums, "sum"), strict=True))

@@ -20,8 +20,8 @@ so ranks may take different numbers of turns and the phase still ends together.
 
 Tokens, not text: generated ids are kept exactly as generated (a turn is cut right after the token that
 completes its stop string, found by decoding prefixes), observation ids come from the tokenizer. The
-``Rollout`` has two masks: ``response_mask`` (the token exists: packing and forwards) and ``loss_mask``
-(the policy generated it: every loss, KL, entropy, whitening and count), ``env_rewards`` with each
+``Rollout`` has two masks: ``attention_mask`` (the token exists: packing and forwards) and
+``response_mask`` (the policy generated it: every loss, KL, entropy, whitening and count), ``env_rewards`` with each
 ``step`` reward on the last generated token of its turn, and per-row ``turn_stats`` (``TURN_STATS``). A ``step`` that raises or returns the wrong types
 is an error naming the class; one that runs longer than ``rollout.multi_turn.step_timeout_s`` ends its
 trajectory with reward 0 and is counted (the stuck call is abandoned on a daemon thread: never a hang).
@@ -304,22 +304,22 @@ def _as_rollout(trajectories: list[Trajectory], width: int, pad_id: int, device:
     per-row counts."""
     b = len(trajectories)
     responses = torch.full((b, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(b, width, dtype=torch.bool)
     response_mask = torch.zeros(b, width, dtype=torch.bool)
-    loss_mask = torch.zeros(b, width, dtype=torch.bool)
     env_rewards = torch.zeros(b, width)
     for i, t in enumerate(trajectories):
         n = len(t.tokens)
         responses[i, :n] = torch.tensor(t.tokens, dtype=torch.long)
-        response_mask[i, :n] = True
-        loss_mask[i, :n] = torch.tensor(t.generated, dtype=torch.bool)
+        attention_mask[i, :n] = True
+        response_mask[i, :n] = torch.tensor(t.generated, dtype=torch.bool)
         for pos, r in t.rewards.items():
             env_rewards[i, pos] = r
     return Rollout(
         prompts=[torch.tensor(t.prompt, dtype=torch.long) for t in trajectories],
         responses=responses.to(device),
-        response_mask=response_mask.to(device),
+        attention_mask=attention_mask.to(device),
         truncated=torch.tensor([not t.ended for t in trajectories], device=device),
-        loss_mask=loss_mask.to(device),
+        response_mask=response_mask.to(device),
         env_rewards=env_rewards.to(device),
         turn_stats={
             k: torch.tensor([float(getattr(t, k)) for t in trajectories], device=device) for k in TURN_STATS

@@ -51,7 +51,7 @@ from ppo import data
 from ppo.batch import Batch, Rollout, concat_rollouts, group_index
 from ppo.data_files import DataError, Files, as_paths, cell_ref, parquet_columns, read_parquet, row_list
 from ppo.rewards import competition_ranks
-from ppo.rollout import response_mask_from_eos
+from ppo.rollout import attention_mask_from_eos
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -390,7 +390,7 @@ def offline_rollout(
     so ``group_ids = arange(B) // k`` as for sampled groups); ``prompts``: ``B`` prompt tensors ``[P_i]``
     on the CPU (each prompt repeated ``k`` times, as the trainer passes them to ``generate``);
     ``responses [B, R]`` with ``R = max_response_length``, right-padded with ``pad_token_id``;
-    ``response_mask [B, R]`` True up to and including the first EOS (``response_mask_from_eos``);
+    ``response_mask [B, R]`` True up to and including the first EOS (``attention_mask_from_eos``);
     ``truncated [B]`` False. Raises DataError (``check_eos``) when a response would end early, at an EOS
     id of ``eos_token_ids`` inside its text (e.g. one the model's generation config adds).
     """
@@ -404,14 +404,14 @@ def offline_rollout(
             )
         responses[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
     responses = responses.to(device)
-    response_mask, truncated = response_mask_from_eos(responses, eos_token_ids)
+    response_mask, truncated = attention_mask_from_eos(responses, eos_token_ids)
     if response_mask.sum(-1).tolist() != [len(tokens) for _, tokens in seqs]:
         check_eos(groups, eos_token_ids)  # raises, naming the response
     responses = torch.where(response_mask, responses, torch.full_like(responses, pad_token_id))
     return Rollout(
         prompts=[torch.tensor(g.record.input_ids, dtype=torch.long) for g, _ in seqs],
         responses=responses,
-        response_mask=response_mask,
+        attention_mask=response_mask,
         truncated=truncated,
     )
 

@@ -98,7 +98,7 @@ def optimize(
     sp: ulysses.SPGroup,
     early_stop_kl: float = 0.0,
     before_mini_batch: MiniBatchHook | None = None,
-    loss_mask: torch.Tensor | None = None,
+    response_mask: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """``role.ppo_epochs`` passes over the batch in ``num_mini`` mini-batches; per mini-batch, gradient
     accumulation over token-budget micro-batches, then one optimizer step.
@@ -108,18 +108,18 @@ def optimize(
     global mini-batch's. The metrics of a mini-batch are reduced once, so the early-stop decision (on
     ``<prefix>/ppo_kl``) is the same on every rank. A non-finite gradient norm skips that update.
     ``before_mini_batch`` (``MiniBatchHook``) runs before each mini-batch's micro-batches, so that what
-    it decides cannot depend on how the mini-batch is split. ``loss_mask [B, R]``: the tokens trained and
-    counted, when not ``batch.loss_mask`` (the actor's after rejection sampling, ``rollout_rejection``).
+    it decides cannot depend on how the mini-batch is split. ``response_mask [B, R]``: the tokens trained and
+    counted, when not ``batch.response_mask`` (the actor's after rejection sampling, ``rollout_rejection``).
     """
-    trained_mask = batch.loss_mask if loss_mask is None else loss_mask
+    response_mask = batch.response_mask if response_mask is None else response_mask
     sums: dict[str, float] = {}
     grad_norms: list[float] = []
     updates = skipped = 0
     early_stopped = False
     for _ in range(role.ppo_epochs):
         for idx in mini_batches(len(batch.records), num_mini, shuffle, sp):
-            idx = idx.to(batch.response_mask.device)
-            counts = global_counts(trained_mask[idx])  # the generated tokens: what is trained
+            idx = idx.to(batch.attention_mask.device)
+            counts = global_counts(response_mask[idx])  # the generated tokens: what is trained
             if before_mini_batch is not None:
                 before_mini_batch(idx, updates)
             contributions: dict[str, torch.Tensor] = {}
@@ -162,19 +162,19 @@ def actor_loss(
     sp: ulysses.SPGroup,
     *,
     cov_mask: torch.Tensor | None = None,
-    loss_mask: torch.Tensor | None = None,
+    response_mask: torch.Tensor | None = None,
 ) -> LossFn:
     """The actor's share of a mini-batch's loss on the rows ``sel`` of ``batch``: the policy loss named
     ``actor.policy_loss.loss_mode`` (``algorithms.POLICY_LOSSES``), minus the entropy bonus, plus the KL
     loss; with one update per rollout the old log-probs are the forward's own, detached. ``cov_mask
     [B, R]``: Clip-Cov's or KL-Cov's tokens of the current mini-batch (``cov_selection`` fills it before
-    the mini-batch). ``loss_mask [B, R]``: the tokens trained, when not ``batch.loss_mask``
+    the mini-batch). ``response_mask [B, R]``: the tokens trained, when not ``batch.response_mask``
     (``rollout_rejection``'s: the importance weights and ``mismatch/*`` stay over every generated token,
     as verl's)."""
     a = cfg.actor
     reuse_forward = cfg.one_update_per_rollout
     scale = sum_norm_scale(cfg, a.loss_scale_factor)
-    trained_mask = batch.loss_mask if loss_mask is None else loss_mask
+    response_mask = batch.response_mask if response_mask is None else response_mask
     loss_of = algorithms.POLICY_LOSSES[a.policy_loss.loss_mode]
     settings = algorithms.PolicyLossSettings(
         loss_agg_mode=a.loss_agg_mode,
@@ -189,7 +189,7 @@ def actor_loss(
 
     def loss_fn(sel: torch.Tensor, counts: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         counts = {**counts, "loss_scale_factor": scale}
-        mask = trained_mask[sel]
+        mask = response_mask[sel]
         logprobs, entropy = ulysses.packed_logprobs(
             actor,
             pack_rows(batch, sel),
@@ -241,7 +241,7 @@ def critic_loss(cfg: PPOConfig, critic: torch.nn.Module, batch: Batch, sp: ulyss
 
     def loss_fn(sel: torch.Tensor, counts: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         counts = {**counts, "loss_scale_factor": scale}
-        mask = batch.loss_mask[sel]
+        mask = batch.response_mask[sel]
         values = ulysses.packed_values(critic, pack_rows(batch, sel), sp)
         vf_loss, vf_metrics = algorithms.value_loss(
             values, batch.values[sel], batch.returns[sel], mask, c.cliprange_value, c.loss_agg_mode, **counts
@@ -278,7 +278,7 @@ def cov_selection(
     Clip-Cov's random draw comes from a generator seeded by ``(trainer.seed, step, mini-batch index)``,
     which the checkpoint holds: a resumed or rolled-back step draws the same tokens."""
     p = cfg.actor.policy_loss
-    num_rows, width = batch.response_mask.shape
+    num_rows, width = batch.attention_mask.shape
     rows = dp_rank * num_rows + torch.arange(num_rows, device=cov_mask.device)
     token_ids = rows[:, None] * width + torch.arange(width, device=cov_mask.device)[None, :]
 
@@ -289,7 +289,7 @@ def cov_selection(
         return torch.cat(all_gather_object(t.cpu() if sp.rank == 0 else t[:0].cpu()))  # each row once
 
     def hook(idx: torch.Tensor, mini_batch_index: int) -> None:
-        mask = batch.loss_mask[idx]
+        mask = batch.response_mask[idx]
         cov = algorithms.token_covariance(
             batch.advantages[idx], batch.old_logprobs[idx], mask, all_reduce=all_reduce
         )
@@ -326,7 +326,7 @@ def off_policy_weights(
     alg = cfg.algorithm
     if alg.rollout_is_threshold is None:
         return None, {}
-    rollout_logprobs, mask = batch.data_logprobs[sel], batch.loss_mask[sel]
+    rollout_logprobs, mask = batch.data_logprobs[sel], batch.response_mask[sel]
     sums = mismatch_sums(
         old_logprobs, rollout_logprobs, mask, alg.rollout_is_threshold, level=alg.rollout_is_level
     )
@@ -345,7 +345,7 @@ def off_policy_weights(
 
 def rollout_rejection(cfg: PPOConfig, batch: Batch) -> tuple[torch.Tensor | None, dict[str, float]]:
     """Rejection sampling (``algorithm.rollout_rs``, verl 0.9.1's): ``[B, R]`` the tokens the actor
-    trains, ``batch.loss_mask`` without those whose divergence from the sampler of their offline response
+    trains, ``batch.response_mask`` without those whose divergence from the sampler of their offline response
     breaks a bound (``rollout_rs_mask``, from the old log-probs; responses without the sampler's
     log-probs are kept), and over all ranks ``mismatch/rollout_rs_masked_fraction`` (the share of those
     responses' tokens rejected) and ``mismatch/rollout_rs_seq_masked_fraction`` (the share of them with a
@@ -355,7 +355,7 @@ def rollout_rejection(cfg: PPOConfig, batch: Batch) -> tuple[torch.Tensor | None
     alg = cfg.algorithm
     if alg.rollout_rs is None:
         return None, {}
-    mask = batch.loss_mask
+    mask = batch.response_mask
     if batch.data_logprobs is None:  # no response of this rank's batch has them: nothing to reject
         known = torch.zeros_like(mask)
         kept = mask

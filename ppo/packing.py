@@ -60,8 +60,8 @@ class Packed(PackedSequences):
     """[T] the next token where it is a response token, -100 elsewhere (prompt, last token)."""
     response_index: torch.Tensor
     """[B, R] packed position whose next-token prediction is response token j (0 at padding)."""
-    response_mask: torch.Tensor
-    """[B, R] bool, True on valid response tokens."""
+    attention_mask: torch.Tensor
+    """[B, R] bool, True on the response tokens that exist (packed)."""
 
 
 def pack_sequences(seqs: Sequence[Sequence[int]], device: torch.device | str) -> PackedSequences:
@@ -107,14 +107,14 @@ def pack(prompts: list[torch.Tensor], responses: torch.Tensor, response_mask: to
         offsets=base.offsets,
         labels=labels,
         response_index=response_index,
-        response_mask=mask,
+        attention_mask=mask,
     )
 
 
 def unpack(x: torch.Tensor, packed: Packed) -> torch.Tensor:
     """Gather a per-token quantity ``[T]`` into the response layout ``[B, R]`` (0 at padding)."""
     out = x[packed.response_index]
-    return torch.where(packed.response_mask, out, torch.zeros_like(out))
+    return torch.where(packed.attention_mask, out, torch.zeros_like(out))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -229,5 +229,5 @@ def pack_rows(batch: Batch, sel: torch.Tensor) -> Packed:
     return pack(
         [batch.rollout.prompts[i] for i in sel.tolist()],
         batch.rollout.responses[sel],
-        batch.response_mask[sel],
+        batch.attention_mask[sel],
     )

@@ -58,12 +58,12 @@ def collect_accuracy_filtered(
     # Passing groups first, each kind in the loader's order; the step trains on one batch's share.
     kept = sorted(range(len(items)), key=lambda g: (not passed[g], g))[: len(shares[0])]
     rows = torch.cat([torch.arange(g * n, (g + 1) * n) for g in kept]).to(raw.device)
-    device = batch.response_mask.device
+    device = batch.attention_mask.device
     rollout = concat_rollouts([rollout_rows(batch.rollout, slice(g * n, (g + 1) * n), device) for g in kept])
     records = [items[g] for g in kept for _ in range(n)]
     out = Batch(rollout=rollout, records=records, group_ids=group_index(len(records), n, device))
     out.scores, shaping_metrics = rewards.shape_scores(
-        raw[rows], out.response_mask, cfg.reward, max_response_length=d.max_response_length
+        raw[rows], out.attention_mask, cfg.reward, max_response_length=d.max_response_length
     )
     num_passed, num_groups, num_correct, num_responses = all_reduce_scalars(
         [float(sum(passed)), float(len(passed)), float(acc.sum()), float(acc.numel())], "sum"
@@ -107,7 +107,7 @@ def prm_loss(
         if prm_logprobs is not None:
             prm_logprobs[sel] = logprobs.detach()
         log_ratios = logprobs - batch.ref_logprobs[sel]
-        ce = algorithms.prime_ce_loss(log_ratios, acc[sel], batch.loss_mask[sel], p.beta_train)
+        ce = algorithms.prime_ce_loss(log_ratios, acc[sel], batch.response_mask[sel], p.beta_train)
         loss = ce * (len(sel) / counts["num_seqs"])
         return loss, {"reward_model/dpo_loss": loss}
 
@@ -124,7 +124,7 @@ def update_prm(cfg: PPOConfig, prm: Trained, batch: Batch, sp: ulysses.SPGroup) 
     p = cfg.reward.prime
     role = dataclasses.replace(cfg.actor, ppo_epochs=1, grad_clip=p.grad_clip)
     lr = prm.optimizer.param_groups[0]["lr"]  # the rate this step's updates use
-    mask = batch.loss_mask
+    mask = batch.response_mask
     prm_logprobs = torch.zeros_like(mask, dtype=torch.float32) if p.update == "after" else None
     out = optimize(
         role,

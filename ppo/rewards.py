@@ -155,7 +155,7 @@ def rollout_reward_model_scores(
     reward_model: torch.nn.Module, rollout: Rollout, *, micro_batch_size: int
 ) -> torch.Tensor:
     """The reward model's score of each sequence ``[B]`` (CPU), read at its last token."""
-    lengths = rollout.response_mask.sum(-1).tolist()
+    lengths = rollout.attention_mask.sum(-1).tolist()
     seqs = [
         p.tolist() + r[: int(n)]
         for p, r, n in zip(rollout.prompts, rollout.responses.tolist(), lengths, strict=True)
@@ -259,7 +259,7 @@ def batch_scores(
             scores[rows] = scores_from_ranks(
                 batch.data_ranks[offline_rows].cpu(), group_size, reward.rank_scores
             )
-    return scores.to(batch.response_mask.device), metrics
+    return scores.to(batch.attention_mask.device), metrics
 
 
 def rule_scores(

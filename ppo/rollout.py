@@ -100,12 +100,12 @@ def generate(
         responses = decode(
             decoder, prompts, config, micro_batch_size=micro_batch_size, fixed_shapes=engine is not None
         )
-    response_mask, truncated = response_mask_from_eos(
+    response_mask, truncated = attention_mask_from_eos(
         responses, list(config.eos_token_id), ignore_eos=ignore_eos
     )
     responses = torch.where(response_mask, responses, torch.full_like(responses, config.pad_token_id))
     return Rollout(
-        prompts=list(prompts), responses=responses, response_mask=response_mask, truncated=truncated
+        prompts=list(prompts), responses=responses, attention_mask=response_mask, truncated=truncated
     )
 
 
@@ -138,7 +138,7 @@ def decode(
     tokenizer: Any = None,
 ) -> torch.Tensor:
     """``[B, max_new_tokens]`` generated tokens of each prompt (right-padded with the pad id; a row may hold
-    tokens after its end: ``response_mask_from_eos`` or the caller cuts them), inside ``generating``.
+    tokens after its end: ``attention_mask_from_eos`` or the caller cuts them), inside ``generating``.
     ``fixed_shapes``: pad micro-batches to ``micro_batch_size`` rows and prompts to ``PROMPT_BUCKET``
     (the compiled engine). ``tokenizer``: for ``config.stop_strings``."""
     device = next(decoder.parameters()).device
@@ -222,7 +222,7 @@ def left_pad(
     return ids, mask
 
 
-def response_mask_from_eos(
+def attention_mask_from_eos(
     responses: torch.Tensor, eos_ids: list[int], *, ignore_eos: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, R]`` mask True up to and including the first EOS, and ``[B]`` "no EOS" flags.
@@ -320,11 +320,11 @@ def gather_group(batch: Batch, sp: ulysses.SPGroup, pad_token_id: int, n: int) -
     gathered = Rollout(
         prompts=[torch.tensor(p, dtype=torch.long) for part in parts for p in part[0]],
         responses=ulysses.all_gather_rows(rollout.responses, sp, pad_token_id),
-        response_mask=ulysses.all_gather_rows(rollout.response_mask, sp, False),
+        attention_mask=ulysses.all_gather_rows(rollout.attention_mask, sp, False),
         truncated=ulysses.all_gather_rows(rollout.truncated.to(device), sp, False),
     )
-    if rollout.loss_mask is not None:  # a multi-turn rollout
-        gathered.loss_mask = ulysses.all_gather_rows(rollout.loss_mask, sp, False)
+    if rollout.env_rewards is not None:  # a multi-turn rollout (else every token that exists is trained)
+        gathered.response_mask = ulysses.all_gather_rows(rollout.response_mask, sp, False)
         gathered.env_rewards = ulysses.all_gather_rows(rollout.env_rewards, sp, 0.0)
         gathered.turn_stats = {k: ulysses.all_gather_rows(v, sp) for k, v in rollout.turn_stats.items()}
     records = [r for part in parts for r in part[1]]

@@ -74,7 +74,9 @@ HYDRA = (
 RAY = "a Ray setting; this trainer is one SPMD program under torchrun, without Ray"
 PROFILER = "verl's profiler; this trainer's is trainer.profile_steps (the torch profiler)"
 PACKED = "sequences are always packed without padding here"
-COMPILE = "it compiles verl's log-prob computation; here the chunked kernels (actor.kernel_backend) compute it"
+COMPILE = (
+    "it compiles verl's log-prob computation; here the chunked kernels (actor.kernel_backend) compute it"
+)
 ENTROPY = "the entropy is always computed in chunks here, without the full logits (actor.kernel_backend)"
 SEEDED = "everything is seeded from trainer.seed here"
 OVERLONG_LOGGED = (

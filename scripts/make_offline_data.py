@@ -335,7 +335,7 @@ def sample_groups(
         rows = zip(
             need,
             rollout.responses.tolist(),
-            rollout.response_mask.tolist(),
+            rollout.attention_mask.tolist(),
             rollout.truncated.tolist(),
             strict=True,
         )

@@ -350,7 +350,7 @@ def make_batch(args: argparse.Namespace, info: DistInfo, actor: nn.Module, clock
     ]
     batch = Batch(
         rollout=Rollout(
-            prompts=prompts, responses=responses, response_mask=mask, truncated=rollout.truncated
+            prompts=prompts, responses=responses, attention_mask=mask, truncated=rollout.truncated
         ),
         records=records,
         group_ids=group_index(args.num_seqs, 1, info.device),
@@ -366,7 +366,7 @@ def slice_batch(batch: Batch, n: int) -> Batch:
         rollout=Rollout(
             prompts=r.prompts[:n],
             responses=r.responses[:n],
-            response_mask=r.response_mask[:n],
+            attention_mask=r.attention_mask[:n],
             truncated=r.truncated[:n],
         ),
         records=batch.records[:n],

@@ -44,7 +44,7 @@ class PaddedRows:
 def pad_rows(batch: Batch, sel: torch.Tensor) -> PaddedRows:
     """The sequences ``sel`` of ``batch`` right-padded: the padded counterpart of ``ppo.packing.pack_rows``."""
     prompts = [batch.rollout.prompts[i] for i in sel.tolist()]
-    responses, mask = batch.rollout.responses[sel], batch.response_mask[sel].bool()
+    responses, mask = batch.rollout.responses[sel], batch.attention_mask[sel].bool()
     device = responses.device
     lens = [p.numel() + int(n) for p, n in zip(prompts, mask.sum(-1).tolist(), strict=True)]
     b, width = len(prompts), max(lens)
@@ -116,7 +116,7 @@ def padded_forward_logprobs(
 ) -> torch.Tensor:
     """``ppo.forwards.forward_logprobs`` on padded rows: log-probs ``[B, R]``."""
     no_sp(sp)
-    out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
+    out = torch.zeros_like(batch.attention_mask, dtype=torch.float32)
     tau, backend = cfg.rollout.temperature, cfg.actor.kernel_backend
     for sel in micro_batches(batch, batch.rows(), cfg.actor, micro_batch_size):
         out[sel], _ = padded_logprobs(model, pad_rows(batch, sel), temperature=tau, backend=backend)
@@ -127,7 +127,7 @@ def padded_forward_logprobs(
 def padded_forward_values(cfg: PPOConfig, critic: nn.Module, batch: Batch, sp: SPGroup) -> torch.Tensor:
     """``ppo.forwards.forward_values`` on padded rows: values ``[B, R]``."""
     no_sp(sp)
-    out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
+    out = torch.zeros_like(batch.attention_mask, dtype=torch.float32)
     for sel in micro_batches(batch, batch.rows(), cfg.critic):
         out[sel] = padded_values(critic, pad_rows(batch, sel))
     return out
@@ -139,7 +139,7 @@ def padded_critic_loss(cfg: PPOConfig, critic: nn.Module, batch: Batch, sp: SPGr
     c = cfg.critic
 
     def loss_fn(sel: torch.Tensor, counts: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        mask = batch.response_mask[sel]
+        mask = batch.attention_mask[sel]
         values = padded_values(critic, pad_rows(batch, sel))
         vf_loss, _ = algorithms.value_loss(
             values, batch.values[sel], batch.returns[sel], mask, c.cliprange_value, c.loss_agg_mode, **counts
@@ -159,7 +159,7 @@ def padded_actor_loss(cfg: PPOConfig, actor: nn.Module, batch: Batch, sp: SPGrou
         raise ValueError("the padded baseline has no KL loss and no on-policy shortcut")
 
     def loss_fn(sel: torch.Tensor, counts: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        mask = batch.response_mask[sel]
+        mask = batch.attention_mask[sel]
         logprobs, entropy = padded_logprobs(
             actor,
             pad_rows(batch, sel),

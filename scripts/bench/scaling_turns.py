@@ -158,7 +158,7 @@ def profile_turns(
                 result = rollout.sample(sampler, records, do_sample=True)
                 total = time.process_time() - start
                 clock.remove()
-                generated = int(result.loss_mask.sum())
+                generated = int(result.response_mask.sum())
                 samples.append((total, clock, generated))
             work = turn_work([len(r.input_ids) for r in records], t)
             total, clock, generated = sorted(samples, key=lambda x: x[0])[len(samples) // 2]  # the median run

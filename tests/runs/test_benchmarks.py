@@ -150,7 +150,7 @@ def test_padded_forwards_match_packed() -> None:
             assert work.real == 3 * sum(batch.seq_lens)  # actor, reference, critic
             assert (work.computed > work.real) == (name == "padded")
             results[name] = (logprobs, values)
-        mask = batch.response_mask
+        mask = batch.attention_mask
         for name in ("padded", "packed_dense"):
             for got, want in zip(results[name], results["packed"], strict=True):
                 torch.testing.assert_close(got[mask], want[mask], atol=2e-5, rtol=1e-5)

@@ -356,10 +356,10 @@ def test_writer_stores_the_trainers_log_probs(sampled_groups: Path, tiny_assets:
     model = model_loading.load_causal_lm(str(tiny_assets / "base"))
     with torch.no_grad():
         lp, _ = ulysses.packed_logprobs(
-            model, pack(rollout.prompts, rollout.responses, rollout.response_mask), temperature=1.0
+            model, pack(rollout.prompts, rollout.responses, rollout.attention_mask), temperature=1.0
         )
     stored = offline.dataset_logprobs(groups, len(rollout.prompts), 12, "cpu")
-    mask = rollout.response_mask
+    mask = rollout.attention_mask
     assert torch.equal(torch.isnan(stored), ~mask)  # known exactly on the response tokens
     assert (stored[mask] - lp[mask]).abs().max() < 1e-5
 

@@ -37,7 +37,7 @@ def test_compiled_rollout_gives_the_plain_greedy_tokens(tiny_assets: Path, tmp_p
     for _ in range(2):  # the second call reuses the compiled step and the refreshed weights
         got = rollout.sample(compiled.sampler, records, do_sample=False)
         assert torch.equal(got.responses, expected.responses)
-        assert torch.equal(got.response_mask, expected.response_mask)
+        assert torch.equal(got.attention_mask, expected.attention_mask)
     # The engine decodes with the actor's current weights: change them and the tokens follow.
     with torch.no_grad():
         for p_plain, p_compiled in zip(

@@ -87,7 +87,7 @@ def unpack_local(
     holds: ``([B, R], owned [B, R] bool)``, 0 where not owned. Each valid response token is owned by
     exactly one rank of the group, so a masked loss summed over ranks counts it once (the trainer
     gathers whole rows instead; a loss on local tokens is checked against it below)."""
-    owned = packed.response_mask & (packed.response_index >= sl.start) & (packed.response_index < sl.stop)
+    owned = packed.attention_mask & (packed.response_index >= sl.start) & (packed.response_index < sl.stop)
     local_index = (packed.response_index - sl.start).clamp(0, x_local.shape[0] - 1)
     out = x_local[local_index]
     return torch.where(owned, out, torch.zeros_like(out)), owned
@@ -105,7 +105,7 @@ def test_unpack_local_owned_masks_partition_the_response_tokens() -> None:
         assert not values[~mask].any()
         owned.append(mask)
     # Every valid response token owned by exactly one rank; both ranks own some (responses straddle).
-    assert torch.equal(owned[0] ^ owned[1], packed.response_mask)
+    assert torch.equal(owned[0] ^ owned[1], packed.attention_mask)
     assert not (owned[0] & owned[1]).any() and owned[0].any() and owned[1].any()
 
 
@@ -126,10 +126,10 @@ def test_sp_size_one_is_a_no_op() -> None:
         for b in range(len(packed.offsets) - 1):
             start, stop = packed.offsets[b], packed.offsets[b + 1]
             logits = model(packed.input_ids[None, start:stop]).logits[0].float() / 0.7
-            at = packed.response_index[b][packed.response_mask[b]] - start  # predicts response token j
-            labels = packed.labels[packed.response_index[b][packed.response_mask[b]]]
+            at = packed.response_index[b][packed.attention_mask[b]] - start  # predicts response token j
+            labels = packed.labels[packed.response_index[b][packed.attention_mask[b]]]
             expected[b, : at.numel()] = logits.log_softmax(-1)[at, labels]
-    assert packed.response_mask.sum() == 8 and max_diff(got, expected) < 1e-5
+    assert packed.attention_mask.sum() == 8 and max_diff(got, expected) < 1e-5
 
 
 def test_check_heads_names_the_numbers() -> None:
@@ -332,13 +332,13 @@ def _worker(root: Path, out: Path) -> None:
             packed: Packed, lp: torch.Tensor, ent: torch.Tensor, num_tokens: float
         ) -> torch.Tensor:
             weights = torch.linspace(-1.0, 1.0, lp.numel()).reshape(lp.shape)  # stands in for advantages
-            mask = packed.response_mask
+            mask = packed.attention_mask
             return (torch.where(mask, lp * weights + 0.1 * ent, 0.0)).sum() / num_tokens
 
         def reference_backward(packed: Packed) -> float:
             """Zero both models' gradients, backward of the loss on the whole row through ``ref``; the
             row's number of response tokens."""
-            count = float(packed.response_mask.sum())
+            count = float(packed.attention_mask.sum())
             ref.zero_grad(set_to_none=True)
             model.zero_grad(set_to_none=True)
             lp, ent = ulysses.packed_logprobs(ref, packed, temperature=tau, compute_entropy=True)
@@ -365,7 +365,7 @@ def _worker(root: Path, out: Path) -> None:
         lp_local, ent_local = ulysses.local_logprobs(model, sl, temperature=tau, compute_entropy=True)
         lp, owned = unpack_local(sl, lp_local, packed)
         ent, _ = unpack_local(sl, ent_local, packed)
-        local_packed = Packed(**{**vars(packed), "response_mask": owned})
+        local_packed = Packed(**{**vars(packed), "attention_mask": owned})
         ppo_like_loss(local_packed, lp, ent, count).backward()
         within("grads_local_loss_row_a", grad_rel_diff(model, ref), GRAD_RTOL)
 
@@ -389,10 +389,10 @@ def _worker(root: Path, out: Path) -> None:
         values = ulysses.packed_values(critic, packed, sp)
         within("values_row_b", max_diff(values, values_ref), 1e-5)
         returns = torch.linspace(0.0, 1.0, values.numel()).reshape(values.shape)
-        count = float(packed.response_mask.sum())
+        count = float(packed.attention_mask.sum())
 
         def value_loss(v: torch.Tensor, num_tokens: float) -> torch.Tensor:
-            return torch.where(packed.response_mask, (v - returns) ** 2, 0.0).sum() / num_tokens
+            return torch.where(packed.attention_mask, (v - returns) ** 2, 0.0).sum() / num_tokens
 
         value_loss(values_ref, count).backward()
         value_loss(values, sp.size * count).backward()

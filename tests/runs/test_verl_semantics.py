@@ -46,7 +46,7 @@ def fake_batch(mask: torch.Tensor, prompt_lens: list[int], max_response: int | N
     out = Rollout(
         prompts=[torch.ones(n, dtype=torch.long) for n in prompt_lens],
         responses=torch.ones(b, r, dtype=torch.long),
-        response_mask=mask.bool(),
+        attention_mask=mask.bool(),
         truncated=torch.zeros(b, dtype=torch.bool),
     )
     return Batch(rollout=out, records=[None] * b, group_ids=torch.zeros(b, dtype=torch.long))
@@ -135,7 +135,7 @@ def test_rollout_ignores_the_checkpoint_generation_config_and_stops_at_every_eos
     plain = build(base_cfg, one_rank)
     records = plain.loader.records[:4]
     greedy = rollout.sample(plain.sampler, records, do_sample=False)
-    first = greedy.responses[0][greedy.response_mask[0]].tolist()
+    first = greedy.responses[0][greedy.attention_mask[0]].tolist()
     # An extra EOS: the first token of the greedy answer that is neither its first token nor an EOS.
     position, extra = next((j, t) for j, t in enumerate(first) if j > 0 and t not in (first[0], 2))
 
@@ -173,7 +173,7 @@ def test_rollout_ignores_the_checkpoint_generation_config_and_stops_at_every_eos
     assert seen[-1] == ["TemperatureLogitsWarper", "TopKLogitsWarper"]
     stopped = rollout.sample(run_.sampler, records, do_sample=False)
     assert seen[-1] == []  # greedy: no processor at all
-    assert int(stopped.response_mask[0].sum()) == position + 1  # up to and including the extra EOS
+    assert int(stopped.attention_mask[0].sum()) == position + 1  # up to and including the extra EOS
     assert int(stopped.responses[0, position]) == extra
 
 
@@ -211,14 +211,14 @@ def test_rollout_logprobs_equal_scoring_logprobs(tiny_assets: Path, tmp_path: Pa
         ],
         dim=1,
     )
-    mask, truncated = rollout.response_mask_from_eos(responses, run_.sampler.eos_ids)
+    mask, truncated = rollout.attention_mask_from_eos(responses, run_.sampler.eos_ids)
     width = cfg.data.max_response_length
     pad = width - responses.shape[1]
     batch = Batch(
         rollout=Rollout(
             prompts=prompts,
             responses=torch.nn.functional.pad(responses, (0, pad)),
-            response_mask=torch.nn.functional.pad(mask, (0, pad)),
+            attention_mask=torch.nn.functional.pad(mask, (0, pad)),
             truncated=truncated,
         ),
         records=records,

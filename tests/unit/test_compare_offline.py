@@ -143,12 +143,12 @@ def test_log_probs_of_the_hand_built_policies_are_exact(
         pad_token_id=tok.pad_token_id,
     )
     rollout = generate(policies["p"], prompts, config)
-    assert rollout.response_mask.all()  # never EOS: 8 tokens each
+    assert rollout.attention_mask.all()  # never EOS: 8 tokens each
     assert set(rollout.responses.unique().tolist()) == {a, b}
     ratio = model_eval.sequence_log_ratio(
         model_eval.response_logprobs(policies["p"], rollout),
         model_eval.response_logprobs(policies["q"], rollout),
-        rollout.response_mask,
+        rollout.attention_mask,
     )
     sevens = (rollout.responses == a).sum(-1).double()
     expected = sevens * LN(1.5) + (RESPONSE_TOKENS - sevens) * LN(0.5)
@@ -320,7 +320,7 @@ def _worker(root: Path, out: Path) -> None:
         ratio = model_eval.sequence_log_ratio(
             model_eval.response_logprobs(p, rollout, max_tokens=budget),
             model_eval.response_logprobs(q, rollout, max_tokens=budget),
-            rollout.response_mask,
+            rollout.attention_mask,
         )
         sevens = (rollout.responses == a).sum(-1).double()
         expected = sevens * LN(1.5) + (RESPONSE_TOKENS - sevens) * LN(0.5)

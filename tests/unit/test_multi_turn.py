@@ -116,10 +116,10 @@ def test_a_tool_call_trajectory_is_the_tokens_in_order_with_two_masks(tok: Any) 
     n = len(expected)
     for row in range(2):
         assert rollout.responses[row, :n].tolist() == expected
-        assert rollout.response_mask[row].tolist() == [True] * n + [False] * (64 - n)
+        assert rollout.attention_mask[row].tolist() == [True] * n + [False] * (64 - n)
         # The loss mask is 1 exactly on the generated tokens: turn 1, then turn 2 with its EOS.
         gen = [True] * len(enc(turn1)) + [False] * len(observation) + [True] * (len(enc(turn2[:-1])) + 1)
-        assert rollout.loss_mask[row, :n].tolist() == gen and not rollout.loss_mask[row, n:].any()
+        assert rollout.response_mask[row, :n].tolist() == gen and not rollout.response_mask[row, n:].any()
         # The step's reward sits on the last generated token of turn 1 (the ">" closing </calc>).
         assert rollout.env_rewards[row].nonzero().flatten().tolist() == [len(enc(turn1)) - 1]
         assert rollout.env_rewards[row, len(enc(turn1)) - 1].item() == 0.5
@@ -134,13 +134,15 @@ def test_the_response_budget_counts_observations_and_turns_stop_at_the_cap(tok: 
         model, records(tok, 1), settings(tok, Calc, max_turns=3, max_response_length=120)
     )
     assert counts["turns"] == 3.0 and counts["tool_calls"] == 3.0
-    assert rollout.response_mask.sum().item() == 3 * (16 + 18)
-    assert rollout.loss_mask.sum().item() == 3 * 16 and bool(rollout.truncated[0])  # never ended with an EOS
+    assert rollout.attention_mask.sum().item() == 3 * (16 + 18)
+    assert rollout.response_mask.sum().item() == 3 * 16 and bool(
+        rollout.truncated[0]
+    )  # never ended with an EOS
     # A budget of 40 tokens: turn 1 (16), its observation (18), 6 tokens of turn 2, then the budget ends it.
     rollout, counts = run_turns(
         Scripted(tok, ["<calc>1+1</calc>"]), records(tok, 1), settings(tok, Calc, max_response_length=40)
     )
-    assert rollout.response_mask.sum().item() == 40 and rollout.loss_mask.sum().item() == 16 + 6
+    assert rollout.attention_mask.sum().item() == 40 and rollout.response_mask.sum().item() == 16 + 6
     assert counts["turns"] == 2.0
 
 
@@ -167,7 +169,7 @@ def test_a_step_that_overruns_ends_the_trajectory_with_reward_0_and_is_counted(t
     )
     assert time.time() - start < 10
     assert counts["step_timeouts"] == 1.0 and counts["turns"] == 1.0
-    assert not rollout.env_rewards.any() and rollout.response_mask.sum().item() == 16
+    assert not rollout.env_rewards.any() and rollout.attention_mask.sum().item() == 16
 
 
 @pytest.mark.parametrize(
@@ -222,8 +224,8 @@ def test_no_gradient_reaches_the_logits_of_observation_tokens(tiny_assets: Path,
                       max_response_length=16, multi_turn=turns)  # fmt: skip
     recs = records(tok, 4)
     rollout = sample(sampler, recs, do_sample=True)
-    observed = rollout.response_mask & ~rollout.loss_mask
-    assert observed.sum() >= 4 * 3 and rollout.loss_mask.sum() >= 4  # every row called the tool
+    observed = rollout.attention_mask & ~rollout.response_mask
+    assert observed.sum() >= 4 * 3 and rollout.response_mask.sum() >= 4  # every row called the tool
     cfg = load_config(None, ["actor.entropy_coeff=0.01", "actor.use_kl_loss=true", "data.max_response_length=16",
                              "algorithm.use_kl_in_reward=false", "actor.ppo_epochs=2"])  # fmt: skip
     batch = Batch(rollout=rollout, records=recs, group_ids=group_index(4, 2, torch.device("cpu")))
@@ -239,13 +241,13 @@ def test_no_gradient_reaches_the_logits_of_observation_tokens(tiny_assets: Path,
 
     hook = model.lm_head.register_forward_hook(keep)
     sel = batch.rows()
-    loss, _ = actor_loss(cfg, model, batch, ulysses.NO_SP)(sel, global_counts(batch.loss_mask))
+    loss, _ = actor_loss(cfg, model, batch, ulysses.NO_SP)(sel, global_counts(batch.response_mask))
     loss.backward()
     hook.remove()
     grad = logits[0].grad.reshape(-1, logits[0].shape[-1])  # [T, V] over the packed row
     index = pack_rows(batch, sel).response_index
     assert grad[index[observed]].abs().max().item() == 0.0
-    assert grad[index[rollout.loss_mask]].abs().amax(-1).min().item() > 0.0
+    assert grad[index[rollout.response_mask]].abs().amax(-1).min().item() > 0.0
 
 
 def test_rewards_and_gae_across_an_observation_span_by_hand(one_rank: Any) -> None:
@@ -261,8 +263,8 @@ def test_rewards_and_gae_across_an_observation_span_by_hand(one_rank: Any) -> No
     the returns A + V equal GAE over the generated tokens alone."""
     exists = torch.tensor([[True] * 6])
     generated = torch.tensor([[True, True, False, False, True, False]])
-    rollout = Rollout(prompts=[torch.tensor([5, 6])], responses=torch.full((1, 6), 9), response_mask=exists,
-                      truncated=torch.tensor([False]), loss_mask=generated,
+    rollout = Rollout(prompts=[torch.tensor([5, 6])], responses=torch.full((1, 6), 9), attention_mask=exists,
+                      truncated=torch.tensor([False]), response_mask=generated,
                       env_rewards=torch.tensor([[0.0, 0.5, 0, 0, 0, 0]]))  # fmt: skip
     batch = Batch(rollout=rollout, records=[None], group_ids=torch.tensor([0]))
     batch.scores = torch.tensor([1.0])

@@ -34,7 +34,7 @@ from ppo.offline import (
     offline_rollout,
 )
 from ppo.rewards import scores_from_ranks
-from ppo.rollout import generate, generation_config, response_mask_from_eos
+from ppo.rollout import attention_mask_from_eos, generate, generation_config
 from tests.helpers import arith_row, base_args, write_parquet
 
 EOS = 2
@@ -266,7 +266,7 @@ def test_offline_rollout_by_hand() -> None:
         [[10, 11, EOS, PAD, PAD], [12, EOS, PAD, PAD, PAD], [13, 14, 15, 16, EOS], [EOS, PAD, PAD, PAD, PAD]]
     )
     assert torch.equal(rollout.responses, expected)
-    assert rollout.response_mask.tolist() == [
+    assert rollout.attention_mask.tolist() == [
         [True, True, True, False, False],
         [True, True, False, False, False],
         [True, True, True, True, True],  # fills R exactly and still ended: not truncated
@@ -274,8 +274,8 @@ def test_offline_rollout_by_hand() -> None:
     ]
     assert rollout.truncated.tolist() == [False] * 4
     assert [p.tolist() for p in rollout.prompts] == [[1, 5, 6], [1, 5, 6], [1, 7], [1, 7]]
-    mask, truncated = response_mask_from_eos(expected, [EOS])
-    assert torch.equal(rollout.response_mask, mask) and torch.equal(rollout.truncated, truncated)
+    mask, truncated = attention_mask_from_eos(expected, [EOS])
+    assert torch.equal(rollout.attention_mask, mask) and torch.equal(rollout.truncated, truncated)
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -287,11 +287,11 @@ def test_offline_rollout_of_loaded_text(tok: Any, tmp_path: Path) -> None:
         groups, max_response_length=24, pad_token_id=PAD, eos_token_ids=[EOS], device="cpu"
     )
     texts = group_row(23, 48)["responses"]
-    assert rollout.response_mask.sum(-1).tolist() == [len(t) + 1 for t in texts]  # characters + EOS
+    assert rollout.attention_mask.sum(-1).tolist() == [len(t) + 1 for t in texts]  # characters + EOS
     first = tok(texts[0], add_special_tokens=False)["input_ids"]
     assert EOS not in first and rollout.responses[0, :21].tolist() == first + [EOS]
     assert rollout.responses[0, 21:].tolist() == [PAD] * 3 and not rollout.truncated.any()
-    decoded = tok.decode(rollout.responses[0][rollout.response_mask[0]].tolist(), skip_special_tokens=True)
+    decoded = tok.decode(rollout.responses[0][rollout.attention_mask[0]].tolist(), skip_special_tokens=True)
     assert decoded == texts[0]
 
 
@@ -368,7 +368,7 @@ def test_mixing_offline_and_sampled_groups() -> None:
     both = concat_rollouts([a, b])
     assert both.responses.tolist() == [[10, EOS, PAD], [11, EOS, PAD], [12, 13, EOS], [EOS, PAD, PAD]]
     assert [p.tolist() for p in both.prompts] == [[1], [1], [2], [2]]
-    assert both.response_mask.sum(-1).tolist() == [2, 2, 3, 1]
+    assert both.attention_mask.sum(-1).tolist() == [2, 2, 3, 1]
     # 16 groups on a rank: 0.25 -> 4 offline; 0.5 of 3 -> 1.5 rounds up to 2; the ends are exact
     assert [num_offline_groups(16, 0.25), num_offline_groups(3, 0.5), num_offline_groups(5, 0.0)] == [4, 2, 0]
     assert num_offline_groups(5, 1.0) == 5

@@ -14,7 +14,7 @@ from ppo.packing import (
     plan_micro_batches,
     unpack,
 )
-from ppo.rollout import left_pad, response_mask_from_eos
+from ppo.rollout import attention_mask_from_eos, left_pad
 from tests.helpers import tiny_config
 
 
@@ -88,10 +88,10 @@ def test_plan_micro_batches_fixed_and_dynamic() -> None:
 def test_response_mask_stops_after_first_eos() -> None:
     eos = 2
     responses = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [2, 0, 0, 0]])
-    mask, truncated = response_mask_from_eos(responses, [eos])
+    mask, truncated = attention_mask_from_eos(responses, [eos])
     assert mask.tolist() == [[True, True, False, False], [True] * 4, [True, False, False, False]]
     assert truncated.tolist() == [False, True, False]  # the second never ended: clipped
-    mask, truncated = response_mask_from_eos(responses, [eos], ignore_eos=True)
+    mask, truncated = attention_mask_from_eos(responses, [eos], ignore_eos=True)
     assert mask.all() and truncated.all()
 
 

@@ -53,7 +53,7 @@ def mixed_batch() -> Batch:
     rollout = Rollout(
         prompts=[torch.randint(7, 100, (3,), generator=gen) for _ in range(ROWS)],
         responses=torch.randint(7, 100, (ROWS, WIDTH), generator=gen),
-        response_mask=torch.ones(ROWS, WIDTH, dtype=torch.bool),
+        attention_mask=torch.ones(ROWS, WIDTH, dtype=torch.bool),
         truncated=torch.zeros(ROWS, dtype=torch.bool),
     )
     records = [
@@ -139,17 +139,17 @@ def test_rejection_sampling_trains_the_kept_tokens_only(one_rank: Any) -> None:
 
     actor = tiny_actor().model
     sel = batch.rows()
-    loss, parts = actor_loss(cfg, actor, batch, ulysses.NO_SP, loss_mask=kept)(sel, counts)
+    loss, parts = actor_loss(cfg, actor, batch, ulysses.NO_SP, response_mask=kept)(sel, counts)
     without = mixed_batch()
-    without.rollout.loss_mask = kept.clone()  # the same tokens left out by hand
+    without.rollout.response_mask = kept.clone()  # the same tokens left out by hand
     by_hand, by_hand_parts = actor_loss(cfg, actor, without, ulysses.NO_SP)(sel, counts)
     torch.testing.assert_close(loss, by_hand, rtol=0, atol=1e-7)
     torch.testing.assert_close(parts["actor/entropy"], by_hand_parts["actor/entropy"], rtol=0, atol=1e-7)
-    full, _ = actor_loss(cfg, actor, mixed_batch(), ulysses.NO_SP)(sel, global_counts(batch.loss_mask))
+    full, _ = actor_loss(cfg, actor, mixed_batch(), ulysses.NO_SP)(sel, global_counts(batch.response_mask))
     assert abs(float((full - loss).detach())) > 1e-3, "the rejected rows change the loss"
     # the importance metrics stay over every token with data log-probs (verl computes them before rejection)
     assert parts["mismatch/mismatch_kl#count"] == 40.0
 
     # Through the update: the rejection fractions are the step's, the mismatch metrics unchanged.
-    out = update(cfg, mixed_batch(), loss_mask=kept)
+    out = update(cfg, mixed_batch(), response_mask=kept)
     assert out["mismatch/mismatch_kl"] == pytest.approx(-math.log(2.25) / 4, abs=1e-6)

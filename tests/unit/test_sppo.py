@@ -169,7 +169,7 @@ def batch_of(scores: list[float], n: int, ranks: list[int] | None = None) -> Bat
     rollout = Rollout(
         prompts=[torch.tensor([1])] * B,
         responses=torch.zeros(B, R, dtype=torch.long),
-        response_mask=torch.ones(B, R, dtype=torch.bool),
+        attention_mask=torch.ones(B, R, dtype=torch.bool),
         truncated=torch.zeros(B, dtype=torch.bool),
     )
     batch = Batch(rollout=rollout, records=[None] * B, group_ids=group_index(B, n, torch.device("cpu")))
