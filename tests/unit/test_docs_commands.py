@@ -53,6 +53,8 @@ ENTRY_POINTS = {
 }
 SHELL_PROGRAMS = {"cd", "source", "mkdir", "pip", "tensorboard", "wget", "export", "time", "git", "ls", "cat"}
 TORCHRUN_FLAGS = {
+    "-m",  # the script is a module: torchrun ... -m scripts.bench.sp
+    "--module",
     "--nproc_per_node",
     "--nproc-per-node",
     "--nnodes",
@@ -214,6 +216,11 @@ def check_script(c: Command, script: str, args: list[str], world_size: int | Non
     return problems
 
 
+def module_path(module: str) -> str:
+    """The file of a module of the repository, ``scripts.bench.kernels`` -> ``scripts/bench/kernels.py``."""
+    return module.replace(".", "/") + ".py"
+
+
 def split_options(args: list[str], takes_value: set[str]) -> tuple[dict[str, str], list[str]]:
     """Leading --options of a launcher (``--opt=v``, ``--opt v`` for those in ``takes_value``, flags)
     and the rest."""
@@ -243,14 +250,17 @@ def check(c: Command) -> list[str]:
     elif program in ("python", "python3"):
         if args[:2] == ["-m", "pytest"]:
             return problems
+        if args[0] == "-m":  # a module of the repository, run from its root: python -m scripts.bench.kernels
+            return problems + check_script(c, module_path(args[1]), args[2:], 1)
         problems += check_script(c, args[0], args[1:], 1)  # one process
     elif program == "torchrun":
-        options, rest = split_options(args, TORCHRUN_FLAGS - {"--standalone"})
+        options, rest = split_options(args, TORCHRUN_FLAGS - {"--standalone", "-m", "--module"})
         problems += [f"torchrun has no option {o}" for o in options if o not in TORCHRUN_FLAGS]
         nproc = options.get("--nproc_per_node", options.get("--nproc-per-node", "1"))
         nnodes = options.get("--nnodes", "1")
         world = int(nproc) * int(nnodes) if nproc.isdigit() and nnodes.isdigit() else None
-        problems += check_script(c, rest[0], rest[1:], world)
+        script = module_path(rest[0]) if {"-m", "--module"} & set(options) else rest[0]
+        problems += check_script(c, script, rest[1:], world)
     elif program == "sbatch":
         options, rest = split_options(args, SBATCH_FLAGS)
         problems += [f"sbatch option {o} is not one these docs use" for o in options if o not in SBATCH_FLAGS]
@@ -300,6 +310,11 @@ def test_a_bad_command_is_caught():
     assert bad("sbatch --nodes=3 scripts/slurm/ppo.sbatch configs/qwen2_5_7b_gsm8k.yaml")
     assert not bad("torchrun --nproc_per_node=2 train_ppo.py --config configs/demo_cpu.yaml")
     assert not bad("python scripts/make_offline_data.py --from-pairs data/p.parquet --out data/o.parquet")
+    assert bad("python -m scripts.bench.no_such_benchmark")
+    assert bad("python -m scripts.bench.kernels --no-such-flag")
+    assert bad("torchrun --nproc_per_node=2 -m scripts.bench.sp --no-such-flag")
+    assert not bad("torchrun --nproc_per_node=2 -m scripts.bench.sp --sp 2 --seq-len 16384")
+    assert not bad("python -m scripts.bench.kernels --shapes 4096x256x32000 --json")
 
 
 def anchors(path: Path) -> set[str]:
