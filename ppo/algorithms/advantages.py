@@ -302,8 +302,9 @@ class AdvantageSettings:
 
 
 class Estimate(NamedTuple):
-    """An estimator's output: ``advantages`` and ``returns`` ``[B, T]`` (0 outside the mask), and for a
-    loss that regresses each response onto one number (SPPO), its ``targets [B]``."""
+    """An estimator's output: ``advantages`` and ``returns`` ``[B, T]``, and for a loss that regresses each
+    response onto one number (SPPO), its ``targets [B]`` (SPPO's advantages are each row's target on
+    every position; every other estimator's are 0 outside the mask)."""
 
     advantages: torch.Tensor
     returns: torch.Tensor
