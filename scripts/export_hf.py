@@ -24,17 +24,13 @@ import argparse
 import logging
 from pathlib import Path
 
-from torch import nn
-
-from ppo import checkpoint_files, lora, model_loading, sharding
+from ppo import checkpoint_files, lora, model_setup, ulysses
 from ppo.config import ConfigError, PPOConfig
 from ppo.config_loader import load_config
 from ppo.distributed import (
-    DistInfo,
     destroy_distributed,
     exit_process,
     init_distributed,
-    make_mesh,
     setup_logging,
 )
 
@@ -96,13 +92,11 @@ def export(
                 "without --adapter"
             )
     info = init_distributed("cpu" if cfg.trainer.device == "cpu" else "auto", cfg.trainer.dist_timeout_s)
-    tokenizer = model_loading.load_tokenizer(
-        cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code
-    )
-    actor = build(cfg, info, "actor")
-    to_load = {"actor": actor}
+    tokenizer = model_setup.load_tokenizer(cfg.model)
+    # The actor and the critic as the trainer builds them (base weights, LoRA adapters, sharding).
+    to_load = {"actor": model_setup.actor(cfg, info, ulysses.NO_SP)}
     if with_critic:
-        to_load["critic"] = build(cfg, info, "critic")
+        to_load["critic"] = model_setup.critic(cfg, info, ulysses.NO_SP)
     checkpoint_files.load_models(ckpt_dir, to_load)
     for role, lora_cfg in roles:
         folder = out_dir if role == "actor" else out_dir / "critic"
@@ -110,36 +104,6 @@ def export(
         lora.save_hf(to_load[role], tokenizer, folder, is_main=info.is_main, merged=as_merged)
         what = "model" if not lora.uses_lora(lora_cfg) else "merged model" if as_merged else "adapter folder"
         logger.info("exported the %s of %s as a %s to %s", role, ckpt_dir, what, folder)
-
-
-def build(cfg: PPOConfig, info: DistInfo, role: str) -> nn.Module:
-    """The actor or critic as the trainer builds it (base weights, LoRA adapters, sharding)."""
-    if role == "actor":
-        path, key, lora_cfg, fsdp = cfg.model.path, "model.path", cfg.actor.lora, cfg.actor.fsdp
-        load, head = model_loading.load_causal_lm, None
-    else:
-        path, key = (
-            (cfg.critic.model_path, "critic.model_path")
-            if cfg.critic.model_path
-            else (cfg.model.path, "model.path")
-        )
-        lora_cfg, fsdp, load, head = cfg.critic.lora, cfg.critic.fsdp, model_loading.load_critic, "score"
-    model = load(
-        lora.base_model_path(path, config_key=key),
-        dtype=lora.load_dtype(lora_cfg, cfg.model.dtype),
-        attn_implementation="eager",
-        trust_remote_code=cfg.model.trust_remote_code,
-        config_key=key,
-    )
-    model = lora.apply_lora(
-        model,
-        lora_cfg,
-        model_dtype=cfg.model.dtype,
-        trainable_head=head,
-        config_key=f"{role}.lora",
-        init_from=path,
-    )
-    return sharding.shard_model(model, make_mesh(info), fsdp, device=info.device)
 
 
 def main(argv: list[str] | None = None) -> int:
