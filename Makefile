@@ -106,7 +106,7 @@ demo-resume: check-assets
 
 # Offline KL-PPO, DPO and SimPO on the ranked file, from the same SFT model, the same number of steps,
 # three strengths each; every final model's greedy accuracy and KL to the SFT model in one table and
-# plot (outputs/compare_offline; scripts/bench/compare_offline.py; about 6 minutes on 2 cores). Uses the
+# plot (outputs/compare_offline; scripts/ppo_bench/compare_offline.py; about 6 minutes on 2 cores). Uses the
 # assets as they are (never rebuilds them); replaces an earlier comparison. COMPARE_ARGS: more
 # options, e.g. COMPARE_ARGS="--methods dpo,simpo".
 .PHONY: compare-offline
@@ -115,7 +115,7 @@ compare-offline: install
 	@test -d $(A)/sft -a -f $(A)/offline/train.parquet || { \
 		echo "compare-offline needs $(A)/sft and $(A)/offline/train.parquet: run \`make assets$(if $(filter-out assets,$(A)), ASSETS=$(A))\` first"; \
 		exit 2; }
-	$(PY) -m scripts.bench.compare_offline --sft $(A)/sft --train-file $(A)/offline/train.parquet \
+	$(PY) -m ppo_bench.compare_offline --sft $(A)/sft --train-file $(A)/offline/train.parquet \
 		--val-file $(A)/data/val.parquet --nproc $(NPROC) --overwrite $(COMPARE_ARGS)
 
 # The whole suite, the parity tests against the released verl included (parity-env: a few seconds, once).

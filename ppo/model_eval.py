@@ -11,7 +11,7 @@ prompt records, nothing of a training run: HF ``generate`` on the model itself, 
 Every rank calls it with the same records and takes its share (``rank_slice``); generation gathers
 sharded parameters once per ``generate`` call and each log-prob forward of a sharded model is a
 collective, so the number of forwards is agreed across ranks first (``plan_eval_micro_batches``). The
-SFT and DPO stages' final evaluations and ``scripts/bench/compare_offline.py`` all measure with this module.
+SFT and DPO stages' final evaluations and ``scripts/ppo_bench/compare_offline.py`` all measure with this module.
 
 KL estimator: responses ``y ~ π(· | x)`` sampled at ``temperature`` (1: the policy itself), and the
 sequence log-ratio ``k1(y) = Σ_t log π(y_t | x, y_<t) − log π_ref(y_t | x, y_<t)`` over the response's

@@ -231,7 +231,7 @@ def build_model(
         and fsdp.mixed_precision.param_dtype == model_cfg.dtype
     ):
         # Nothing to shard, offload or cast: FSDP's hooks and its collectives on a world of one would
-        # only cost time (a third of a tiny model's step on CPU, scripts/bench/overhead.py).
+        # only cost time (a third of a tiny model's step on CPU, scripts/ppo_bench/overhead.py).
         return model.to(info.device)
     logger.info("start-up: sharding %s over %d ranks (FSDP2) onto %s", path, info.world_size, info.device)
     return sharding.shard_model(model, make_mesh(info, fsdp.fsdp_size), fsdp, device=info.device)

@@ -26,7 +26,7 @@ boundary. ``reward.pool_workers=0`` (the default) scores in the trainer's own pr
 function stops the run at once.
 
 16 responses, every 4th hanging, 4 workers, ``reward.timeout_s=1`` (``python -m
-scripts.bench.rewards --hang-every 4 --responses 16 --workers 4 --timeout-s 1``): 1.0 s a call, where replacing each timed-out
+ppo_bench.rewards --hang-every 4 --responses 16 --workers 4 --timeout-s 1``): 1.0 s a call, where replacing each timed-out
 worker synchronously with a ``spawn``ed child (which imported torch and the trainer's modules) took
 24.4 s on the same 2-core machine.
 """

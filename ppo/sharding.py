@@ -151,7 +151,7 @@ def gathered_for_generation(model: nn.Module) -> Iterator[nn.Module]:
 
     Without it, FSDP2 all-gathers every layer at every decode step. Inside, no collective runs (ranks
     may stop generating at different steps) and decoding runs at the speed of the unsharded model
-    (python -m scripts.bench.rollout):
+    (python -m ppo_bench.rollout):
 
     - ``generate`` makes no per-step all-reduce (``_fsdp_marker_hidden``), which transformers adds
       for a model it sees as FSDP-managed.

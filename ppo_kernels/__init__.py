@@ -14,7 +14,7 @@ accounting) over per-chunk primitives in Triton (`ppo_kernels/triton_ops.py`) or
 (`ppo_kernels/torch_ops.py`, which also holds the naive `*_reference` of each op); `backend` picks one
 ("auto" = Triton on CUDA, else torch; see `ppo_kernels/dispatch.py`).
 
-Tests: `.venv/bin/python -m pytest tests/unit/test_kernels.py` (Triton under TRITON_INTERPRET=1 on CPU). Benchmark: `.venv/bin/python -m scripts.bench.kernels`. Compile check of the
+Tests: `.venv/bin/python -m pytest tests/unit/test_kernels.py` (Triton under TRITON_INTERPRET=1 on CPU). Benchmark: `.venv/bin/python -m ppo_bench.kernels`. Compile check of the
 Triton kernels for a GPU without one: `.venv/bin/python -m ppo_kernels.aot_check`. On a GPU machine:
 `bash scripts/gpu_check.sh`.
 """

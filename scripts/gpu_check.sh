@@ -6,10 +6,10 @@
 # fails or runs out of time leaves nulls in the summary and the others still run.
 #
 # Stages (default: the first four, about 6 minutes on one H200; GPU_CHECK_EXTRA=1 adds the rest):
-#   kernels   CUDA kernel tests (real Triton), then scripts.bench.kernels in bf16 at T x H x V = 4096 x 4096 x
+#   kernels   CUDA kernel tests (real Triton), then ppo_bench.kernels in bf16 at T x H x V = 4096 x 4096 x
 #             152064, 16384 x 4096 x 152064 and 16384 x 896 x 152064 (from_logits, fused; liger where it
 #             imports): fused fwd+bwd ms and peak extra GiB, forward-only against logits + log-prob
-#   rollout   scripts.bench.rollout on the 0.5B shape, 256 prompts x 128 new tokens, bf16: plain HF generate,
+#   rollout   ppo_bench.rollout on the 0.5B shape, 256 prompts x 128 new tokens, bf16: plain HF generate,
 #             our sharded rollout and the compiled rollout (static cache + compiled step): ms per
 #             decoding step and greedy token equality
 #   ppo_0.5b  4 PPO steps of configs/qwen2_5_0_5b_gsm8k.yaml (GAE, 256 prompts x 512 response tokens)
@@ -59,13 +59,13 @@ stage kernel_tests 150 bash -c "'$PYTHON' -m pytest tests/unit/test_kernels.py -
 PATHS="from_logits fused"
 "$PYTHON" -c "import liger_kernel" 2>/dev/null && PATHS="$PATHS liger"
 # shellcheck disable=SC2086  # PATHS is a word list
-stage kernel_bench 150 bash -c "'$PYTHON' -m scripts.bench.kernels --device cuda --dtype bfloat16 --repeat 5 \
+stage kernel_bench 150 bash -c "'$PYTHON' -m ppo_bench.kernels --device cuda --dtype bfloat16 --repeat 5 \
     --json --paths $PATHS --shapes 4096x4096x152064 16384x4096x152064 16384x896x152064 \
     > '$RUNS/kernels.jsonl'"
 cat "$RUNS/kernels.jsonl" 2>/dev/null
 
 # -- rollout ----------------------------------------------------------------------------------------
-stage rollout 150 bash -c "'$PYTHON' -m scripts.bench.rollout --device cuda --model-config 0.5b \
+stage rollout 150 bash -c "'$PYTHON' -m ppo_bench.rollout --device cuda --model-config 0.5b \
     --dtype bfloat16 --num-prompts 256 --prompt-len 128 --new-tokens 128 --micro-batch 256 --repeat 2 \
     --compiled --json > '$RUNS/rollout.jsonl'"
 cat "$RUNS/rollout.jsonl" 2>/dev/null

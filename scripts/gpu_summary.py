@@ -6,7 +6,7 @@ so the line is always printed and always has the same keys:
 - ``kernel_tests``: passed / failed / skipped counts from ``pytest.txt``.
 - ``kernels``: from ``kernels.jsonl``, per ``TxHxV`` shape, ``ms`` and ``extra_gib`` of each path
   and mode (``fused_fwd+bwd_ms``, ``fused_fwd+bwd_gib``, ``from_logits_fwd_ms``, ...).
-- ``rollout``: from ``rollout.jsonl`` (scripts.bench.rollout --compiled), ms per decoding step of plain HF
+- ``rollout``: from ``rollout.jsonl`` (ppo_bench.rollout --compiled), ms per decoding step of plain HF
   generate and of the compiled rollout, their ratio, and the compiled path's greedy token match.
 - ``ppo_<name>``: from ``ppo_<name>/metrics.jsonl``, the median over every step but the first (which
   compiles and warms up) of the step's time, its phases, MFU both ways, throughput and peak memory.

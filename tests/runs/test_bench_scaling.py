@@ -1,5 +1,5 @@
-"""scripts.bench.scaling end to end at its ``--quick`` sizes (each point a train_ppo run in its own
-process), and scripts.bench.overhead_floor's table beside a short trainer run and, interleaved, beside
+"""ppo_bench.scaling end to end at its ``--quick`` sizes (each point a train_ppo run in its own
+process), and ppo_bench.overhead_floor's table beside a short trainer run and, interleaved, beside
 the trainer's step functions."""
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
-
-from scripts.bench import overhead, overhead_floor, scaling
+from ppo_bench import overhead, overhead_floor, scaling
 
 
 def run_json(

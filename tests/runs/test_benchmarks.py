@@ -1,10 +1,10 @@
-"""Smoke tests of the benchmarks of scripts.bench at tiny sizes, in-process (scripts.bench.sp on 2 ranks).
+"""Smoke tests of the benchmarks of ppo_bench at tiny sizes, in-process (ppo_bench.sp on 2 ranks).
 
-The rows must parse as JSON and hold the expected columns. scripts.bench.layout's packed paths run the
+The rows must parse as JSON and hold the expected columns. ppo_bench.layout's packed paths run the
 trainer's own step functions, and its padded baseline must compute the same step: the same log-probs and
 values as the trainer's packed forwards, the same losses and gradient norms through ``optimize`` (else
 its timings compare different work); so must the packed forwards with transformers' dense-mask sdpa
-(``packed_dense``). scripts.bench.overhead runs the real trainer for a few steps, without TRL.
+(``packed_dense``). ppo_bench.overhead runs the real trainer for a few steps, without TRL.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from ppo_bench import common, layout, overhead, rewards, rollout, runs
 
 from ppo.ulysses import NO_SP
-from scripts.bench import common, layout, overhead, rewards, rollout, runs
-from tests.helpers import excerpt, read_metrics, torchrun
+from tests.helpers import excerpt, load_script, read_metrics, torchrun
 
 ROLLOUT_COLUMNS = {
     "path",
@@ -178,7 +178,7 @@ def test_step_clock_counts_step_lines_only() -> None:
 
 
 def test_bench_overhead_json(capsys: pytest.CaptureFixture[str]) -> None:
-    """scripts.bench.overhead runs the real trainer (train_ppo.main) and reads its metrics; TRL left out."""
+    """ppo_bench.overhead runs the real trainer (train_ppo.main) and reads its metrics; TRL left out."""
     argv = ["--json", "--trl", "no", "--num-prompts", "4", "--response-len", "4"]
     assert overhead.main([*argv, "--steps", "4", "--rounds", "1"]) == 0
     rows = json_rows(capsys.readouterr().out)
@@ -210,7 +210,7 @@ def test_cpu_peak_bytes_counts_allocations_once_and_frees_on_any_thread() -> Non
     freed on another thread (as gloo's workers release a collective's buffers) stops counting."""
     import threading
 
-    from scripts.bench import kernels
+    from ppo_bench import kernels
 
     mib = 2**20
     weight = torch.ones(mib // 4)  # exists before: never counted, nor are its views
@@ -234,7 +234,7 @@ def test_cpu_peak_bytes_counts_allocations_once_and_frees_on_any_thread() -> Non
 @pytest.mark.slow
 def test_bench_sp_two_ranks() -> None:
     """``--sp 2`` on 2 gloo ranks: the same outputs as one rank per sequence, at a fraction of the memory."""
-    proc = torchrun("-m", "scripts.bench.sp", "--sp", "2", "--seq-len", "1024", "--json", timeout=240)
+    proc = torchrun("-m", "ppo_bench.sp", "--sp", "2", "--seq-len", "1024", "--json", timeout=240)
     assert proc.returncode == 0, excerpt(proc.stderr)
     rows = json_rows(proc.stdout)
     assert [(r["sp"], r["phase"]) for r in rows] == [
@@ -259,7 +259,7 @@ def test_gpu_check_pieces_on_cpu(
     that reads them (medians over the steps after the first)."""
     import train_ppo
     from ppo import model_loading
-    from scripts import gpu_summary, make_shaped_model
+    gpu_summary, make_shaped_model = load_script("gpu_summary"), load_script("make_shaped_model")
 
     model_dir = make_shaped_model.make_shaped_model(
         "tiny", tiny_assets / "tokenizer", tmp_path / "model_tiny", dtype="float32", device="cpu", seed=0

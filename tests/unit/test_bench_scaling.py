@@ -1,7 +1,7 @@
-"""The pure parts of scripts.bench.scaling (the points of each axis, a row from a run's metrics, the table
-and JSON output), of its turns axis in scripts.bench.scaling_turns (the work by arithmetic, the cost model,
-the rigged policy), of scripts.bench.multi_turn's call clock, of the run harness in scripts.bench.runs that
-they drive (the exponent fit, the clocks of a run's steps) and scripts.bench.overhead_floor's table. The
+"""The pure parts of ppo_bench.scaling (the points of each axis, a row from a run's metrics, the table
+and JSON output), of its turns axis in ppo_bench.scaling_turns (the work by arithmetic, the cost model,
+the rigged policy), of ppo_bench.multi_turn's call clock, of the run harness in ppo_bench.runs that
+they drive (the exponent fit, the clocks of a run's steps) and ppo_bench.overhead_floor's table. The
 end-to-end runs are in tests/runs/test_scaling.py."""
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from scripts.bench import multi_turn, overhead, overhead_floor, runs, scaling, scaling_turns
-from scripts.bench.scaling import Point
+from ppo_bench import multi_turn, overhead, overhead_floor, runs, scaling, scaling_turns
+from ppo_bench.scaling import Point
 
 
 @pytest.mark.parametrize("k", [1.0, 0.0, -1.0, 1.7])

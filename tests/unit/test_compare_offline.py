@@ -1,6 +1,6 @@
 """Tests of ``ppo/model_eval.py`` (answer accuracy and the KL to a reference on the policy's own samples)
-and of ``scripts/bench/compare_offline.py`` (inputs, table, frontier, plot) with its runs in
-``scripts/bench/compare_offline_runs.py`` (commands, a failed command).
+and of ``scripts/ppo_bench/compare_offline.py`` (inputs, table, frontier, plot) with its runs in
+``scripts/ppo_bench/compare_offline_runs.py`` (commands, a failed command).
 
 The KL is checked on policies built by hand whose next-token distribution is the same at every position,
 so the sequence KL is a number worked out on paper; the orchestrator's trainings are not run here (the
@@ -22,13 +22,13 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from ppo_bench import compare_offline as compare
+from ppo_bench import compare_offline_runs as compare_runs
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from ppo import data, model_eval, model_loading, rule_scoring
 from ppo.distributed import DistInfo
 from ppo.rollout import generate, generation_config
-from scripts.bench import compare_offline as compare
-from scripts.bench import compare_offline_runs as compare_runs
 from tests.helpers import Checks, assert_check, load_script, tiny_config, worker_results
 
 pytestmark = pytest.mark.usefixtures("one_thread")

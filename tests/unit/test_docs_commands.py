@@ -31,6 +31,7 @@ import contextlib
 import io
 import re
 import shlex
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +54,7 @@ ENTRY_POINTS = {
 }
 SHELL_PROGRAMS = {"cd", "source", "mkdir", "pip", "tensorboard", "wget", "export", "time", "git", "ls", "cat"}
 TORCHRUN_FLAGS = {
-    "-m",  # the script is a module: torchrun ... -m scripts.bench.sp
+    "-m",  # the script is a module: torchrun ... -m ppo_bench.sp
     "--module",
     "--nproc_per_node",
     "--nproc-per-node",
@@ -217,8 +218,13 @@ def check_script(c: Command, script: str, args: list[str], world_size: int | Non
 
 
 def module_path(module: str) -> str:
-    """The file of a module of the repository, ``scripts.bench.kernels`` -> ``scripts/bench/kernels.py``."""
-    return module.replace(".", "/") + ".py"
+    """The file of a module of the project, by pyproject.toml's package-dir: ``ppo_bench.kernels`` ->
+    ``scripts/ppo_bench/kernels.py``, ``ppo.cli`` -> ``ppo/cli.py``."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        package_dir = tomllib.load(f)["tool"]["setuptools"].get("package-dir", {})
+    top, _, rest = module.partition(".")
+    folder = package_dir.get(top, top)
+    return "/".join([folder, *rest.split(".")]) + ".py" if rest else f"{folder}/__init__.py"
 
 
 def split_options(args: list[str], takes_value: set[str]) -> tuple[dict[str, str], list[str]]:
@@ -250,7 +256,7 @@ def check(c: Command) -> list[str]:
     elif program in ("python", "python3"):
         if args[:2] == ["-m", "pytest"]:
             return problems
-        if args[0] == "-m":  # a module of the repository, run from its root: python -m scripts.bench.kernels
+        if args[0] == "-m":  # a module of the repository, run from its root: python -m ppo_bench.kernels
             return problems + check_script(c, module_path(args[1]), args[2:], 1)
         problems += check_script(c, args[0], args[1:], 1)  # one process
     elif program == "torchrun":
@@ -310,11 +316,11 @@ def test_a_bad_command_is_caught():
     assert bad("sbatch --nodes=3 scripts/slurm/ppo.sbatch configs/qwen2_5_7b_gsm8k.yaml")
     assert not bad("torchrun --nproc_per_node=2 train_ppo.py --config configs/demo_cpu.yaml")
     assert not bad("python scripts/make_offline_data.py --from-pairs data/p.parquet --out data/o.parquet")
-    assert bad("python -m scripts.bench.no_such_benchmark")
-    assert bad("python -m scripts.bench.kernels --no-such-flag")
-    assert bad("torchrun --nproc_per_node=2 -m scripts.bench.sp --no-such-flag")
-    assert not bad("torchrun --nproc_per_node=2 -m scripts.bench.sp --sp 2 --seq-len 16384")
-    assert not bad("python -m scripts.bench.kernels --shapes 4096x256x32000 --json")
+    assert bad("python -m ppo_bench.no_such_benchmark")
+    assert bad("python -m ppo_bench.kernels --no-such-flag")
+    assert bad("torchrun --nproc_per_node=2 -m ppo_bench.sp --no-such-flag")
+    assert not bad("torchrun --nproc_per_node=2 -m ppo_bench.sp --sp 2 --seq-len 16384")
+    assert not bad("python -m ppo_bench.kernels --shapes 4096x256x32000 --json")
 
 
 def anchors(path: Path) -> set[str]:

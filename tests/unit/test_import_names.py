@@ -49,22 +49,22 @@ def package_folders() -> set[str]:
     return {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file() and p.name != "tests"}
 
 
-RUN_FROM_ROOT = {"scripts"}
-"""Packages that are not installed: they import from the repository root (``python -m scripts.bench.X``)."""
-
-
 def our_import_names() -> set[str]:
     """The packages pyproject.toml installs, and any package folder at the repository root (a new
-    package counts before it is added to pyproject.toml; ``scripts`` is one that never is)."""
+    package counts before it is added to pyproject.toml)."""
     listed = set(project_metadata()["tool"]["setuptools"]["packages"])
     return {name.split(".")[0] for name in listed} | package_folders()
 
 
 def test_the_package_folders_are_the_installed_packages() -> None:
-    folders = package_folders()
-    assert folders - RUN_FROM_ROOT == set(project_metadata()["tool"]["setuptools"]["packages"])
-    assert folders == {"ppo", "ppo_kernels", "scripts"}
-    assert our_import_names() >= RUN_FROM_ROOT  # checked for clashes like the installed ones
+    """Every package is installed: the root's folders, and the benchmarks from ``scripts/ppo_bench``
+    (the package-dir of pyproject.toml; ``scripts`` itself is no package: verl ships one of that name)."""
+    setuptools = project_metadata()["tool"]["setuptools"]
+    assert package_folders() == {"ppo", "ppo_kernels"}
+    assert set(setuptools["packages"]) == {"ppo", "ppo_kernels", "ppo_bench"}
+    assert setuptools["package-dir"] == {"ppo_bench": "scripts/ppo_bench"}
+    assert (ROOT / "scripts" / "ppo_bench" / "__init__.py").is_file()
+    assert not (ROOT / "scripts" / "__init__.py").exists()
 
 
 def test_no_installed_distribution_ships_our_import_names() -> None:
@@ -83,7 +83,7 @@ def test_no_common_companion_ships_our_import_names() -> None:
 
 
 def test_every_module_imports() -> None:
-    """Every module of the packages (the benchmarks of ``scripts.bench`` included), the entry point and
+    """Every module of the packages (the benchmarks of ``ppo_bench`` included), the entry point and
     every script imports with the installed releases, the scripts also as the files they run as (CI's
     release lanes run this first: an upstream release that removed a name we import fails here, naming
     the module)."""
@@ -94,8 +94,7 @@ def test_every_module_imports() -> None:
     }
     importers["train_ppo"] = functools.partial(importlib.import_module, "train_ppo")
     for script in sorted((ROOT / "scripts").glob("*.py")):
-        if script.name != "__init__.py":
-            importers[f"scripts/{script.name}"] = functools.partial(load_script, script.stem)
+        importers[f"scripts/{script.name}"] = functools.partial(load_script, script.stem)
     failed = {}
     for name, load in importers.items():
         try:

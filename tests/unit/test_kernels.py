@@ -587,9 +587,8 @@ def test_memory_plan_keeps_chunks_within_budget(backend: str) -> None:
 def test_torch_fused_memory_measured_within_plan(dtype: torch.dtype) -> None:
     """The torch path's extra peak memory, fwd+bwd, measured like the benchmark (its CPU storage tracker), stays
     within fused_memory_plan and far below the naive path's."""
-    from tests.helpers import load_script
+    from ppo_bench import kernels as bench
 
-    bench = load_script("bench/kernels")
     num_tokens, hidden_size, vocab_size = 512, 64, 4096
     gen = torch.Generator().manual_seed(8)
     hidden = torch.randn(num_tokens, hidden_size, generator=gen).to(dtype)
@@ -675,7 +674,7 @@ def test_triton_kernels_compile_for_sm90() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The benchmark script (scripts/bench/kernels.py) at a small shape.
+# The benchmark script (scripts/ppo_bench/kernels.py) at a small shape.
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -684,9 +683,8 @@ def test_bench_kernels_json_rows(capsys: pytest.CaptureFixture[str]) -> None:
     cannot run (here: no CUDA or no liger_kernel)."""
     import json
 
-    from tests.helpers import load_script
+    from ppo_bench import kernels as bench
 
-    bench = load_script("bench/kernels")
     argv = [
         "--device",
         "cpu",

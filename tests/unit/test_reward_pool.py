@@ -160,7 +160,7 @@ def test_a_worker_imports_neither_torch_nor_the_trainer(tmp_path: Path) -> None:
 
 def test_timed_out_workers_are_replaced_and_their_replacements_take_the_rest() -> None:
     """2 workers, timeout 1 s, a hang at rows 0 and 4: both workers hang by row 5; each is replaced and its
-    replacement scores rows after it. (How long such a call takes: ``python -m scripts.bench.rewards``.)"""
+    replacement scores rows after it. (How long such a call takes: ``python -m ppo_bench.rewards``.)"""
     pool = make_pool("hangs_on_seven", timeout_s=1.0)
     try:
         first_pids = {w.proc.pid for w in pool.workers}
@@ -245,7 +245,7 @@ def test_a_timed_out_worker_is_replaced_without_holding_up_the_other_rows(
     been called on "after" (``PPO_TEST_GATE``). The pool does not wait for it: the call returns with the
     replacement still starting, and the next row goes to the other worker before the replacement is
     ready. A pool that waited for its replacement would have it ready first (after the function's
-    60 s fallback). How long such a call takes is measured by ``python -m scripts.bench.rewards``."""
+    60 s fallback). How long such a call takes is measured by ``python -m ppo_bench.rewards``."""
     monkeypatch.setenv("PPO_TEST_GATE", "1")
     events = events_fn.parent / "events"
     pool = make_pool("score", timeout_s=1.0, fn_file=events_fn)
@@ -268,7 +268,7 @@ def test_a_timed_out_worker_is_replaced_without_holding_up_the_other_rows(
 def test_total_timeout_cuts_a_call_and_warns_once(events_fn: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Every call hangs: 8 rows on 2 workers with timeout_s=5 would be scored 2 at a time, each pair cut at
     5 s; reward.total_timeout_s=1.5 cuts the call while the first pair runs: no third call starts, every
-    row is a timeout cut by the cap, both workers are replaced. (The call's seconds: scripts.bench.rewards.)"""
+    row is a timeout cut by the cap, both workers are replaced. (The call's seconds: ppo_bench.rewards.)"""
     events = events_fn.parent / "events"
     name = f"reward.custom_function='{events_fn}:score'"
     pool = make_pool("score", timeout_s=5.0, total_timeout_s=1.5, fn_file=events_fn)
@@ -299,7 +299,7 @@ def test_a_stop_request_ends_a_call_at_once(events_fn: Path) -> None:
     """A stop request once both workers hang (timeout 30 s): the call returns at its next poll, the hung
     rows and the row not sent yet abandoned (not failures: no "failed on every response" error, no
     timeout), their scores error_score; the hung workers are replaced, not waited for, and the row after
-    the stop never starts. (How soon the call returns: scripts.bench.rewards.)"""
+    the stop never starts. (How soon the call returns: ppo_bench.rewards.)"""
     events = events_fn.parent / "events"
 
     def hung(count: int) -> Callable[[], bool]:

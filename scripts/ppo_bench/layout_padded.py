@@ -22,7 +22,7 @@ from ppo.config import PPOConfig
 from ppo.optimize import LossFn
 from ppo.packing import micro_batches
 from ppo.ulysses import SPGroup
-from scripts.make_shaped_model import PAD_ID
+from ppo_bench.shapes import PAD_ID
 
 
 @dataclasses.dataclass(kw_only=True)

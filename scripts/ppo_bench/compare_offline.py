@@ -3,7 +3,7 @@ same number of optimizer steps, each at three strengths; every final model measu
 table and a plot.
 
     make compare-offline       # on the demo assets (make assets first): 6 min on 2 quiet cores, 12-16 loaded
-    python -m scripts.bench.compare_offline [--sft assets/sft] [--train-file assets/offline/train.parquet]
+    python -m ppo_bench.compare_offline [--sft assets/sft] [--train-file assets/offline/train.parquet]
         [--val-file assets/data/val.parquet] [--out outputs/compare_offline] [--steps 40] [--nproc 2]
         [--methods ppo,dpo,sppo,simpo] [--lr dpo=5e-5] [--strengths dpo=0.05,0.1,0.3] [--overwrite]
 
@@ -66,7 +66,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scripts.bench.compare_offline_runs import (
+from ppo_bench.compare_offline_runs import (
     EVAL_MAX_NEW_TOKENS,
     EVAL_MAX_PROMPT_LENGTH,
     EVAL_SAMPLES,
@@ -80,7 +80,7 @@ from scripts.bench.compare_offline_runs import (
     steps_and_loop_time,
     training_command,
 )
-from scripts.bench.runs import pyplot, save_figure, torchrun_command
+from ppo_bench.runs import pyplot, save_figure, torchrun_command
 
 OUTPUTS = ("plan.json", "eval.json", "results.json", "table.md", "frontier.png", "runs")
 """What a comparison writes into its folder (``--overwrite`` deletes these and nothing else)."""
@@ -394,7 +394,7 @@ def compare(args: argparse.Namespace, methods: list[Method]) -> dict[str, Any]:
     cmd = [
         *torchrun_command(args.nproc),
         "-m",
-        "scripts.bench.compare_offline",
+        "ppo_bench.compare_offline",
         "--evaluate",
         "--out",
         str(out),

@@ -20,9 +20,9 @@ Each rank uses one CPU thread (``--threads``) and the CPU clock (``--clock``) by
 given in rollout.py.
 
 Run:
-    .venv/bin/torchrun --standalone --nproc_per_node=2 -m scripts.bench.sp --sp 2 --seq-len 16384
-    .venv/bin/torchrun --standalone --nproc_per_node=2 -m scripts.bench.sp --seq-len 1024 --json
-    torchrun --nproc_per_node=8 -m scripts.bench.sp --sp 8 --model-config 0.5b --dtype bfloat16 \\
+    .venv/bin/torchrun --standalone --nproc_per_node=2 -m ppo_bench.sp --sp 2 --seq-len 16384
+    .venv/bin/torchrun --standalone --nproc_per_node=2 -m ppo_bench.sp --seq-len 1024 --json
+    torchrun --nproc_per_node=8 -m ppo_bench.sp --sp 8 --model-config 0.5b --dtype bfloat16 \\
         --seq-len 65536 --fused-kernels
 """
 
@@ -45,7 +45,7 @@ from ppo.distributed import (
     exit_process,
 )
 from ppo.packing import Packed, pack
-from scripts.bench.common import (
+from ppo_bench.common import (
     add_common_args,
     add_model_args,
     build_models,

@@ -37,9 +37,9 @@ Each row (a table line, or with --json one JSON object) is one shape x path x mo
      "ms": ..., "extra_gib": ..., ...}
 
 Run:
-    .venv/bin/python -m scripts.bench.kernels                     # CPU defaults, table
-    .venv/bin/python -m scripts.bench.kernels --shapes 4096x256x32000 --json
-    .venv/bin/python -m scripts.bench.kernels --device cuda --dtype bfloat16 --shapes 16384x4096x152064 \
+    .venv/bin/python -m ppo_bench.kernels                     # CPU defaults, table
+    .venv/bin/python -m ppo_bench.kernels --shapes 4096x256x32000 --json
+    .venv/bin/python -m ppo_bench.kernels --device cuda --dtype bfloat16 --shapes 16384x4096x152064 \
         --paths fused liger --json
 """
 
@@ -56,7 +56,7 @@ from collections.abc import Callable
 import torch
 
 import ppo_kernels
-from scripts.bench.common import cpu_peak_bytes, cuda_peak_bytes
+from ppo_bench.common import cpu_peak_bytes, cuda_peak_bytes
 
 PATHS = ("naive", "from_logits", "fused", "liger")
 DEFAULT_PATHS = ("naive", "from_logits", "fused")

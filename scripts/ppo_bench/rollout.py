@@ -27,10 +27,10 @@ The model is built from a config with random weights (``--model-config tiny|0.5b
 downloaded) or loaded from ``--model-path``. Every rank builds the same weights (one seed).
 
 Run:
-    .venv/bin/python -m scripts.bench.rollout                        # one process, tiny model, table
-    .venv/bin/python -m scripts.bench.rollout --json --num-prompts 8 --new-tokens 8
-    .venv/bin/torchrun --standalone --nproc_per_node=2 -m scripts.bench.rollout
-    torchrun --nproc_per_node=8 -m scripts.bench.rollout --model-config 0.5b --dtype bfloat16 \\
+    .venv/bin/python -m ppo_bench.rollout                        # one process, tiny model, table
+    .venv/bin/python -m ppo_bench.rollout --json --num-prompts 8 --new-tokens 8
+    .venv/bin/torchrun --standalone --nproc_per_node=2 -m ppo_bench.rollout
+    torchrun --nproc_per_node=8 -m ppo_bench.rollout --model-config 0.5b --dtype bfloat16 \\
         --num-prompts 1024 --prompt-len 256 --new-tokens 512 --micro-batch 128
 """
 
@@ -46,7 +46,7 @@ from transformers import PreTrainedModel
 from ppo import attention, models, rollout, sharding
 from ppo.distributed import DistInfo, all_reduce_scalar, exit_process, make_mesh, rank_slice
 from ppo.rollout import generate, generation_config
-from scripts.bench.common import (
+from ppo_bench.common import (
     add_common_args,
     add_model_args,
     causal_lm,
@@ -57,7 +57,7 @@ from scripts.bench.common import (
     resolve_clock,
     timed,
 )
-from scripts.make_shaped_model import EOS_ID, PAD_ID
+from ppo_bench.shapes import EOS_ID, PAD_ID
 
 
 @dataclasses.dataclass

@@ -14,8 +14,8 @@ a row per ``generate`` call: ``rows``, ``width`` (the padded prompt the prefill 
 ``make assets``).
 
 Run:
-    .venv/bin/python -m scripts.bench.multi_turn --turns-preset configs/demo_cpu_tools.yaml
-    .venv/bin/python -m scripts.bench.multi_turn --turns-preset configs/demo_cpu_tools.yaml --json
+    .venv/bin/python -m ppo_bench.multi_turn --turns-preset configs/demo_cpu_tools.yaml
+    .venv/bin/python -m ppo_bench.multi_turn --turns-preset configs/demo_cpu_tools.yaml --json
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from scripts.bench.common import add_common_args, print_json_lines, print_table
-from scripts.bench.scaling_turns import ForwardClock
+from ppo_bench.common import add_common_args, print_json_lines, print_table
+from ppo_bench.scaling_turns import ForwardClock
 
 
 class CallClock(ForwardClock):

@@ -32,8 +32,8 @@ few % more tokens than the trainer's packed rows (prompt padding), so a small ne
 One process, one torch thread (``--threads``).
 
 Run:
-    .venv/bin/python -m scripts.bench.overhead_floor                              # runs, then bare calls
-    .venv/bin/python -m scripts.bench.overhead_floor --interleave --floor-reps 20  # phase by phase
+    .venv/bin/python -m ppo_bench.overhead_floor                              # runs, then bare calls
+    .venv/bin/python -m ppo_bench.overhead_floor --interleave --floor-reps 20  # phase by phase
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from scripts.bench.common import add_common_args, print_rows, set_threads
-from scripts.bench.overhead import (
+from ppo_bench.common import add_common_args, print_rows, set_threads
+from ppo_bench.overhead import (
     NUM_MINI_BATCHES,
     OUR_PHASES,
     add_step_args,

@@ -16,16 +16,16 @@ from typing import Any
 
 import torch
 
-from scripts.bench.runs import fit_exponent
+from ppo_bench.runs import fit_exponent
 
 TURN_TOKENS = 8
 """Generated tokens per turn on the ``turns`` axis (the stop string is this many ``FORCED_CHAR``)."""
 FORCED_CHAR = "a"
 OBSERVATION = "<r>0</r>"
 """The environment's answer to every turn (8 characters: 8 tokens of the character tokenizer)."""
-FIXED_ANSWER = "scripts.bench.scaling_turns:FixedAnswer"
-"""``rollout.multi_turn.env`` of the ``turns`` axis: ``FixedAnswer`` in this module (the runs start from the
-repository root, with it on ``PYTHONPATH``)."""
+FIXED_ANSWER = "ppo_bench.scaling_turns:FixedAnswer"
+"""``rollout.multi_turn.env`` of the ``turns`` axis: ``FixedAnswer`` in this module (imported by name from the
+installed ``ppo_bench`` package)."""
 TURN_PROFILE_PROMPTS = 8
 """Rows of ``profile_turns`` (the ``turns`` axis's 8 prompts)."""
 TURN_REPEATS = 3

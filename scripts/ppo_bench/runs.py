@@ -11,6 +11,7 @@ refuses bad input at once: importing common.py (torch, transformers, ppo) takes 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import math
@@ -24,6 +25,17 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def repo_script(name: str) -> Any:
+    """A plain script of ``scripts/`` (run as a file, not a module of this package), loaded by its path:
+    ``repo_script("make_tiny_assets")``."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 """The repository root: where runs start (``cwd``) and what they import first."""
 
 # ----------------------------------------------------------------------------------------------------

@@ -86,9 +86,9 @@ quiet CPU cores; ``--quick`` is a smoke run of
 tiny points (seconds of work per point, mostly start-up).
 
 Run:
-    .venv/bin/python -m scripts.bench.scaling --png outputs/scaling.png           # table + figure
-    .venv/bin/python -m scripts.bench.scaling --axes response_len,ranks --json    # machine-readable
-    .venv/bin/python -m scripts.bench.scaling --quick --axes batch                # smoke run
+    .venv/bin/python -m ppo_bench.scaling --png outputs/scaling.png           # table + figure
+    .venv/bin/python -m ppo_bench.scaling --axes response_len,ranks --json    # machine-readable
+    .venv/bin/python -m ppo_bench.scaling --quick --axes batch                # smoke run
 
 A multi-turn preset's own rollout, call by call (what re-reading earlier turns costs at its sizes), is
 multi_turn.py.
@@ -108,7 +108,7 @@ from typing import Any
 
 import torch
 
-from scripts.bench.common import (
+from ppo_bench.common import (
     add_common_args,
     add_tiny_model_args,
     print_json_lines,
@@ -117,7 +117,7 @@ from scripts.bench.common import (
     tiny_llama_config,
     write_prompts,
 )
-from scripts.bench.runs import (
+from ppo_bench.runs import (
     ROOT,
     fit_exponent,
     fit_line,
@@ -131,7 +131,7 @@ from scripts.bench.runs import (
     torchrun_command,
     watch_step_ends,
 )
-from scripts.bench.scaling_turns import (
+from ppo_bench.scaling_turns import (
     FIXED_ANSWER,
     FORCED_CHAR,
     OBSERVATION,
@@ -222,8 +222,9 @@ def write_assets(folder: Path, args: argparse.Namespace) -> dict[str, Path]:
     """The policy (also the critic's backbone), the ``turns`` axis's rigged policy, and a prompt Parquet."""
     from transformers import AutoModelForCausalLM
 
-    from scripts import make_tiny_assets
+    from ppo_bench.runs import repo_script
 
+    make_tiny_assets = repo_script("make_tiny_assets")
     tokenizer = make_tiny_assets.build_tokenizer()
     config = tiny_llama_config(tokenizer, args.hidden, args.layers, max_positions=2048)
     paths = {"policy": folder / "policy", "forced": folder / "forced", "prompts": folder / "prompts.parquet"}

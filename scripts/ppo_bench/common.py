@@ -33,7 +33,7 @@ from ppo.distributed import (
     init_distributed,
     make_mesh,
 )
-from scripts.make_shaped_model import MODEL_CONFIGS, model_config
+from ppo_bench.shapes import MODEL_CONFIGS, model_config
 
 T = TypeVar("T")
 
@@ -118,8 +118,9 @@ def write_prompts(path: Path, num: int, seed: int) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from scripts import make_tiny_assets
+    from ppo_bench.runs import repo_script
 
+    make_tiny_assets = repo_script("make_tiny_assets")
     problems, _ = make_tiny_assets.split_problems(seed)
     pq.write_table(pa.Table.from_pylist(make_tiny_assets.prompt_rows(problems[:num], "train")), path)
     return path

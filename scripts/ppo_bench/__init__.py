@@ -1,5 +1,6 @@
-"""The benchmarks: each module measures one thing by driving the real code through its parameters, and runs
-from the repository root as ``python -m scripts.bench.<name>`` (``torchrun ... -m scripts.bench.<name>`` on
+"""The benchmarks, the package ``ppo_bench`` (its files in ``scripts/ppo_bench/``, installed with the project by
+``make install``): each module measures one thing by driving the real code through its parameters, and runs
+as ``python -m ppo_bench.<name>`` (``torchrun ... -m ppo_bench.<name>`` on
 several ranks); ``--help`` says what it measures and how to read it, ``--json`` writes one object per row.
 
 - ``kernels``: the log-prob paths (naive, from logits, fused, Liger), time and peak extra memory.
@@ -15,6 +16,7 @@ several ranks); ``--help`` says what it measures and how to read it, ``--json`` 
 - ``compare_offline``: offline KL-PPO, DPO, offline SPPO and SimPO on one ranked file (its runs in
   ``compare_offline_runs``).
 
-The shared harness: ``common`` (models, options, clocks, memory, output; torch) and ``runs`` (a trainer run
-in its own process, its metrics and step clocks, fits and figures; no torch).
+The shared harness: ``common`` (models, options, clocks, memory, output; torch), ``shapes`` (the random
+models' architectures) and ``runs`` (a trainer run in its own process, its metrics and step clocks, fits and
+figures; no torch).
 """

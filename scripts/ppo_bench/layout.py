@@ -47,10 +47,10 @@ Each rank uses one CPU thread (``--threads``) and the CPU clock (``--clock``) by
 given in rollout.py; sizes are per rank unless said otherwise.
 
 Run:
-    .venv/bin/python -m scripts.bench.layout                         # tiny model, all four paths, table
-    .venv/bin/python -m scripts.bench.layout --paths padded packed --json
-    .venv/bin/torchrun --standalone --nproc_per_node=2 -m scripts.bench.layout
-    torchrun --nproc_per_node=8 -m scripts.bench.layout --model-config 0.5b --dtype bfloat16 \\
+    .venv/bin/python -m ppo_bench.layout                         # tiny model, all four paths, table
+    .venv/bin/python -m ppo_bench.layout --paths padded packed --json
+    .venv/bin/torchrun --standalone --nproc_per_node=2 -m ppo_bench.layout
+    torchrun --nproc_per_node=8 -m ppo_bench.layout --model-config 0.5b --dtype bfloat16 \\
         --num-seqs 64 --prompt-len 256 --max-response 1024 --micro-batch 8
 """
 
@@ -79,7 +79,7 @@ from ppo.optimize import LossFn, actor_loss, critic_loss, optimize
 from ppo.packing import micro_batches
 from ppo.rollout import generate, generation_config
 from ppo.ulysses import NO_SP, SPGroup
-from scripts.bench.common import (
+from ppo_bench.common import (
     add_common_args,
     add_model_args,
     build_models,
@@ -89,13 +89,13 @@ from scripts.bench.common import (
     resolve_clock,
     timed,
 )
-from scripts.bench.layout_padded import (
+from ppo_bench.layout_padded import (
     padded_actor_loss,
     padded_critic_loss,
     padded_forward_logprobs,
     padded_forward_values,
 )
-from scripts.make_shaped_model import EOS_ID, PAD_ID
+from ppo_bench.shapes import EOS_ID, PAD_ID
 
 PATHS = ("padded", "packed", "packed_dynamic", "packed_dense")
 VARLEN_ATTENTION = ("flash_attention_2", VARLEN_FLASH, PACKED_ATTENTION)

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from scripts.bench.runs import ROOT, read_metrics, run_env, torchrun_command
+from ppo_bench.runs import ROOT, read_metrics, run_env, torchrun_command
 
 EVAL_SAMPLES = 4
 """Responses sampled per validation prompt at temperature 1 for the KL (and sample accuracy, pass@4)."""

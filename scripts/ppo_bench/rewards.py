@@ -27,9 +27,9 @@ With ``--hang-every K`` every K-th response hangs instead (a function that sleep
 the GSM8K rule): each call of the pool waits ``--timeout-s`` for them and replaces their workers.
 Columns: way, median seconds per call of ``--responses`` responses, timeouts per call.
 
-    .venv/bin/python -m scripts.bench.rewards
-    .venv/bin/python -m scripts.bench.rewards --workers 1 2 4 --responses 4000 --json
-    .venv/bin/python -m scripts.bench.rewards --hang-every 4 --responses 16 --workers 4 --timeout-s 1
+    .venv/bin/python -m ppo_bench.rewards
+    .venv/bin/python -m ppo_bench.rewards --workers 1 2 4 --responses 4000 --json
+    .venv/bin/python -m ppo_bench.rewards --hang-every 4 --responses 16 --workers 4 --timeout-s 1
 """
 
 from __future__ import annotations

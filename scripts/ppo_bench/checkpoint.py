@@ -9,9 +9,9 @@ is not done yet (here none: the benchmark "trains" for ``--gap-s`` seconds betwe
 between checkpoints). ``write_s`` is the time until the checkpoint is complete (renamed, ``latest``
 moved). Columns: mode, checkpoint size, stall (median), write (median), stall relative to blocking.
 
-    .venv/bin/python -m scripts.bench.checkpoint                       # 200M parameters, table
-    .venv/bin/python -m scripts.bench.checkpoint --params 50 --json
-    .venv/bin/torchrun --standalone --nproc_per_node=2 -m scripts.bench.checkpoint --params 100
+    .venv/bin/python -m ppo_bench.checkpoint                       # 200M parameters, table
+    .venv/bin/python -m ppo_bench.checkpoint --params 50 --json
+    .venv/bin/torchrun --standalone --nproc_per_node=2 -m ppo_bench.checkpoint --params 100
 """
 
 from __future__ import annotations

@@ -28,9 +28,9 @@ Where the rest of our step goes, phase by phase against the bare calls it consis
 overhead_floor.py.
 
 Run:
-    .venv/bin/python -m scripts.bench.overhead                       # ours only (TRL not installed)
+    .venv/bin/python -m ppo_bench.overhead                       # ours only (TRL not installed)
     pip install --no-deps --target /tmp/trl trl==1.12.0              # TRL beside, not into, the venv
-    .venv/bin/python -m scripts.bench.overhead --trl-path /tmp/trl   # TRL side by side
+    .venv/bin/python -m ppo_bench.overhead --trl-path /tmp/trl   # TRL side by side
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from scripts.bench.common import (
+from ppo_bench.common import (
     add_common_args,
     add_tiny_model_args,
     print_rows,
@@ -55,8 +55,8 @@ from scripts.bench.common import (
     tiny_llama_config,
     write_prompts,
 )
-from scripts.bench.overhead_trl import import_trl, run_trl
-from scripts.bench.runs import StepClock, read_metrics, run_overrides
+from ppo_bench.overhead_trl import import_trl, run_trl
+from ppo_bench.runs import StepClock, read_metrics, run_overrides
 
 NUM_MINI_BATCHES = 2
 """Optimizer steps per model per PPO epoch (mini-batches of the rollout)."""
@@ -95,8 +95,9 @@ class OverheadRow:
 
 def write_assets(folder: Path, args: argparse.Namespace) -> dict[str, Path]:
     """Policy (also the critic's backbone), reward model and prompt Parquet of the benchmark's shapes."""
-    from scripts import make_tiny_assets
+    from ppo_bench.runs import repo_script
 
+    make_tiny_assets = repo_script("make_tiny_assets")
     tokenizer = make_tiny_assets.build_tokenizer()
     config = tiny_llama_config(tokenizer, args.hidden, args.layers, max_positions=256)
     paths = {"policy": folder / "policy", "reward": folder / "reward", "prompts": folder / "prompts.parquet"}
