@@ -20,7 +20,6 @@ from tests.helpers import (
     ROOT,
     base_args,
     excerpt,
-    has_metrics,
     read_metrics,
     torchrun,
     wait_until,
@@ -31,12 +30,13 @@ TIMEOUT_S = 3.0
 
 def hanging_run(
     assets: Path, out: Path, extra: list[str], ready: Callable[[], bool], settle_s: float, **env: str
-) -> tuple[str, float]:
+) -> str:
     """A 4-step GRPO run in ``out`` under torchrun on 2 ranks, scored by ``slow_after`` in one reward
     worker per rank (``reward.timeout_s=600``, no cap; ``extra`` overrides and ``env`` added): once
     ``ready()`` holds and ``settle_s`` more seconds have passed, SIGTERM to the launcher's process group,
-    as Slurm sends it (it may reach the reward workers too). torchrun's stderr and the seconds from the
-    signal to its exit."""
+    as Slurm sends it (it may reach the reward workers too). torchrun's stderr (``communicate``'s 120 s
+    only keeps a run that never exits from hanging the test; ``python -m ppo_bench.stops`` measures
+    the seconds from the signal to the exit)."""
     args = base_args(assets, out, steps=4) + [
         "trainer.val_before_train=false",
         "algorithm.adv_estimator=grpo",
@@ -57,10 +57,8 @@ def hanging_run(
     try:
         wait_until(proc, ready, timeout=400)
         time.sleep(settle_s)
-        sent = time.time()
         os.killpg(proc.pid, signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=120)
-        return stderr, time.time() - sent
+        return proc.communicate(timeout=120)[1]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -101,14 +99,17 @@ def test_a_stop_signal_while_every_reward_call_hangs_saves_the_last_step(
     tiny_assets: Path, tmp_path: Path
 ) -> None:
     """Both ranks' reward calls of step 2 hang (reward.timeout_s=600, no cap); SIGTERM to the launcher's
-    process group, as Slurm sends it (it may reach the reward workers too): scoring gives up within half a
-    second, the run saves step 1 and exits well inside torchrun's grace, with no traceback but torchrun's
-    own SignalException. The scoring used to wait out its 600 s time limit."""
-    out = tmp_path / "run"
-    # A worker's calls before the slow one: the start-up probe, then its rank's 4 responses of step 1.
-    # Step 1 logged, then 2 s: inside step 2's hanging scoring.
-    stderr, waited = hanging_run(tiny_assets, out, [], has_metrics(out), 2, PPO_TEST_FAST_CALLS="5")
-    assert waited < 25, excerpt(stderr)
+    process group, as Slurm sends it (it may reach the reward workers too): scoring gives up at once, the
+    run saves step 1 and logs that it stopped, with no traceback but torchrun's own SignalException.
+    The scoring used to wait out its 600 s time limit, so torchrun's SIGKILL (30 s after its SIGTERM)
+    ended the ranks before they logged a stop; had scoring finished, step 2 would have been logged and
+    saved."""
+    out, mark = tmp_path / "run", tmp_path / "slow"
+    # A worker's calls before the slow one: the start-up probe, then its rank's 4 responses of step 1; the
+    # signal goes once both ranks' first call of step 2 has begun to hang.
+    slow = lambda: all(Path(f"{mark}.{r}").exists() for r in (0, 1))  # noqa: E731 (both ranks hang)
+    env = {"PPO_TEST_FAST_CALLS": "5", "PPO_TEST_SLOW_MARK": str(mark)}
+    stderr = hanging_run(tiny_assets, out, [], slow, 1, **env)
     assert "stopping: saved step 1" in stderr, excerpt(stderr)
     assert "did not start" not in stderr and "the reward worker died" not in stderr, excerpt(stderr)
     signalled = "torch.distributed.elastic.multiprocessing.api.SignalException: Process"
@@ -130,8 +131,7 @@ def test_a_stop_signal_while_validation_scoring_hangs_saves_the_step(
     # A worker's calls before the slow one: the start-up probe, then its rank's 4 responses of step 1.
     slow = lambda: all(Path(f"{mark}.{r}").exists() for r in (0, 1))  # noqa: E731 (both ranks hang)
     env = {"PPO_TEST_FAST_CALLS": "5", "PPO_TEST_SLOW_MARK": str(mark)}
-    stderr, waited = hanging_run(tiny_assets, out, ["trainer.test_freq=1"], slow, 1, **env)
-    assert waited < 25, excerpt(stderr)
+    stderr = hanging_run(tiny_assets, out, ["trainer.test_freq=1"], slow, 1, **env)
     assert "validation stopped while scoring (SIGTERM)" in stderr, excerpt(stderr)
     assert "stopping: saved step 1" in stderr, excerpt(stderr)
     assert (out / "checkpoints" / "latest").read_text() == "step_00000001"

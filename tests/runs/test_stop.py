@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from ppo import run_folder
 from ppo.distributed import Watch
@@ -157,8 +159,8 @@ def test_stop_signal_inside_a_long_step_saves_the_last_step_at_once(
 ) -> None:
     """Step 2 is long (its scoring waits 6 s, then 60 updates follow): a stop request during its
     scoring is honoured at the next phase boundary, before the updates. The last complete step (1) is
-    checkpointed and the run exits within seconds, well inside torchrun's 30 s grace, and resumes."""
-    out = tmp_path / "run"
+    checkpointed with step 1's 60 optimizer steps only, and the run resumes."""
+    out, mark = tmp_path / "run", tmp_path / "slow"
     extra = [
         "trainer.val_before_train=false",
         "algorithm.adv_estimator=grpo",
@@ -168,17 +170,20 @@ def test_stop_signal_inside_a_long_step_saves_the_last_step_at_once(
     nproc = 2 if launcher == "torchrun_sigterm" else 1
     # Calls before the slow one, per rank: the start-up probe, then step 1's responses.
     fast_calls = 1 + 8 // nproc
-    env = {"PPO_TEST_SLOW_S": "6", "PPO_TEST_FAST_CALLS": str(fast_calls)}
+    env = {"PPO_TEST_SLOW_S": "6", "PPO_TEST_FAST_CALLS": str(fast_calls), "PPO_TEST_SLOW_MARK": str(mark)}
     proc = launch(base_args(tiny_assets, out, steps=4) + extra, nproc=nproc, env=env)
-    wait_until(proc, has_metrics(out), timeout=400)
-    time.sleep(2)  # inside step 2's slow scoring
-    sent = time.time()
+    # Every rank inside step 2's slow scoring.
+    wait_until(proc, lambda: all(Path(f"{mark}.{r}").exists() for r in range(nproc)), timeout=400)
     proc.send_signal(signal.SIGTERM if nproc == 2 else signal.SIGINT)
     _, stderr = proc.communicate(timeout=300)
-    assert time.time() - sent < 25, "waited for the step's updates"
     assert "stopping: saved step 1" in stderr, excerpt(stderr)
     assert (out / "checkpoints" / "latest").read_text() == "step_00000001"
     assert [r["step"] for r in read_metrics(out)] == [1]
+    # Saved at the stop, after step 2's scoring: the actor's optimizer took step 1's 60 steps, none of
+    # step 2's (30 epochs x 2 mini-batches a step).
+    dcp_to_torch_save(out / "checkpoints" / "step_00000001" / "dcp", tmp_path / "state.pt")
+    state = torch.load(tmp_path / "state.pt", weights_only=False)
+    assert {float(p["step"]) for p in state["actor.optim"]["state"].values()} == {60.0}
     # The stopped run resumes where it stopped.
     assert [r["step"] for r in train(tiny_assets, out, *extra, steps=2)] == [1, 2]
 
@@ -292,49 +297,70 @@ def test_offline_data_never_replaces_its_input_or_another_output(
     assert script.main(["--from-pairs", str(prefs), "--out", str(out), "--overwrite"]) == 0
 
 
-SLOW_STEP_2 = [
-    "trainer.val_before_train=false",
-    "algorithm.adv_estimator=grpo",
-    "trainer.save_freq=1",
-    f"reward.custom_function={REWARD_FNS}:slow_after",
-]
-"""Step 2's scoring waits (``slow_after``): a window to signal a running trainer in."""
+SLOW_SCORING = """
+import time
+
+
+def slow_ninth(data_source, solution_str, ground_truth, extra_info=None, *, log, slow_s):
+    if not solution_str:  # the start-up check's empty response
+        return 0.0
+    with open(log, "a+") as f:
+        f.seek(0)
+        calls = len(f.read().splitlines())
+        f.write("call\\n")
+    if calls == 8:
+        time.sleep(slow_s)
+        with open(log, "a") as f:
+            f.write("slow call returned\\n")
+    return float("7" in solution_str)
+"""
+"""A reward function whose 9th call (step 2's first: a step has 8 responses) sleeps ``slow_s`` seconds;
+``log`` gets a line when a call starts and one when the slow call returns."""
 
 
 def signalled_run(
     tiny_assets: Path, out: Path, slow_s: int, *signals: signal.Signals
-) -> tuple[subprocess.Popen, str, float]:
-    """Start a run whose step 2 scoring waits ``slow_s`` seconds, send ``signals`` (0.5 s apart) during
-    that wait; the process, its stderr and the seconds from the last signal to its exit."""
-    env = {"PPO_TEST_SLOW_S": str(slow_s), "PPO_TEST_FAST_CALLS": str(1 + 8)}
-    proc = launch(base_args(tiny_assets, out, steps=4) + SLOW_STEP_2, env=env)
-    wait_until(proc, has_metrics(out), timeout=400)
-    time.sleep(1)
+) -> tuple[subprocess.Popen, str, list[str]]:
+    """Start a run whose step 2 scoring waits ``slow_s`` seconds, send ``signals`` (0.5 s apart) once the
+    wait has begun; the process, its stderr and the reward function's log."""
+    fn, log = out.parent / "slow_scoring.py", out.parent / "calls.txt"
+    fn.write_text(SLOW_SCORING)
+    args = [
+        "trainer.val_before_train=false",
+        "algorithm.adv_estimator=grpo",
+        "trainer.save_freq=1",
+        f"reward.custom_function={fn}:slow_ninth",
+        f"reward.reward_kwargs={{log: {log}, slow_s: {slow_s}}}",
+    ]
+    proc = launch(base_args(tiny_assets, out, steps=4) + args)
+    wait_until(proc, lambda: log.is_file() and len(log.read_text().splitlines()) >= 9, timeout=400)
     for i, signum in enumerate(signals):
         if i:
             time.sleep(0.5)
         proc.send_signal(signum)
-    sent = time.time()
     _, stderr = proc.communicate(timeout=300)
-    return proc, stderr, time.time() - sent
+    return proc, stderr, log.read_text().splitlines()
 
 
 @pytest.mark.slow
 def test_sighup_is_a_stop_signal(tiny_assets: Path, tmp_path: Path) -> None:
-    """A closed terminal (SIGHUP) stops the run at the next boundary with its last step saved; it
-    used to kill it at once."""
+    """A closed terminal (SIGHUP) stops the run at the next boundary, after the slow scoring call returned,
+    with its last step saved; it used to kill it at once."""
     out = tmp_path / "run"
-    proc, stderr, _ = signalled_run(tiny_assets, out, 6, signal.SIGHUP)
+    proc, stderr, calls = signalled_run(tiny_assets, out, 6, signal.SIGHUP)
     assert proc.returncode == 0, excerpt(stderr)
     assert "SIGHUP received" in stderr and "stopping: saved step 1 (SIGHUP)" in stderr
+    # Step 2's scoring went on to its end (the next boundary): the slow call returned, and 7 more.
+    assert calls == ["call"] * 9 + ["slow call returned"] + ["call"] * 7
     assert (out / "checkpoints" / "latest").read_text() == "step_00000001"
 
 
 @pytest.mark.slow
 def test_a_second_ctrl_c_exits_at_once_quietly(tiny_assets: Path, tmp_path: Path) -> None:
+    """The second Ctrl-C ends the run inside the slow scoring call (30 s), which never returns."""
     out = tmp_path / "run"
-    proc, stderr, waited = signalled_run(tiny_assets, out, 30, signal.SIGINT, signal.SIGINT)
-    assert waited < 15  # not the 30 s of the slow scoring
+    proc, stderr, calls = signalled_run(tiny_assets, out, 30, signal.SIGINT, signal.SIGINT)
+    assert calls == ["call"] * 9  # not "slow call returned", nor a later call
     assert proc.returncode == 130 and "Traceback" not in stderr, excerpt(stderr)
     assert "interrupted; the last complete checkpoint is intact" in stderr
     assert (out / "checkpoints" / "latest").read_text() == "step_00000001"
@@ -370,16 +396,18 @@ def test_validation_stops_between_chunks(tiny_assets: Path, tmp_path: Path, one_
 
 @pytest.mark.slow
 def test_leftover_rank_variables_fail_fast(tiny_assets: Path, tmp_path: Path) -> None:
-    """RANK and WORLD_SIZE left in the shell of a plain ``python`` run: one line within the rendezvous
-    wait (here trainer.dist_timeout_s=5), instead of waiting silently for the 30-minute timeout."""
+    """RANK and WORLD_SIZE left in the shell of a plain ``python`` run: one line after the rendezvous
+    wait, which is trainer.dist_timeout_s=5 here (not RENDEZVOUS_TIMEOUT_S, 120 s), instead of waiting
+    silently for the 30-minute timeout. The subprocess's 120 s only keeps a run that waits from hanging
+    the test."""
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29613"}
     env.pop("TORCHELASTIC_RUN_ID", None)
     args = base_args(tiny_assets, tmp_path / "run", steps=1) + ["trainer.dist_timeout_s=5"]
-    start = time.time()
     proc = subprocess.run(
         [sys.executable, str(ROOT / "train_ppo.py"), *args],
         capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
-    assert proc.returncode == 2 and time.time() - start < 60
+    assert proc.returncode == 2, excerpt(proc.stderr)
     assert "RANK=0 and WORLD_SIZE=2 are set in the environment (not by torchrun)" in proc.stderr
+    assert "other ranks did not join at 127.0.0.1:29613 within 5 s" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -3,7 +3,6 @@ function, the rank and the prompt's row (fast cases of the same rules: tests/uni
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -34,22 +33,46 @@ def test_sys_exit_in_a_reward_function_on_one_of_two_ranks(tiny_assets: Path, tm
     assert proc.stderr.count("Traceback") == 1 and "ChildFailedError" in proc.stderr  # torchrun's own
 
 
+HANGS_ONCE = """
+import time
+
+
+def hangs(data_source, solution_str, ground_truth, extra_info=None, *, log):
+    if not solution_str:  # the start-up check's empty response
+        return 0.0
+    with open(log, "a+") as f:
+        f.seek(0)
+        first = not f.read()
+        f.write("start\\n")
+    if first:
+        time.sleep(120)
+    with open(log, "a") as f:
+        f.write("end\\n")
+    return 0.0
+"""
+"""A reward function that hangs (120 s) on its first response and returns 0 at once on the others;
+``log`` gets a line when a call starts and one when it returns."""
+
+
 def test_reward_timeout_holds_without_workers(
     tiny_assets: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """reward.timeout_s=2 with reward.pool_workers=0 and a function that hangs: the run stops after about
-    2 s of scoring, naming the key to set (it waited for ever)."""
+    """reward.timeout_s=2 with reward.pool_workers=0 and a function that hangs: the hanging call is
+    interrupted (it started and never returned) and the run stops at it, naming the key to set (it waited
+    for ever)."""
+    fn, log = tmp_path / "hangs_once.py", tmp_path / "calls.txt"
+    fn.write_text(HANGS_ONCE)
     args = base_args(tiny_assets, tmp_path / "run", steps=1) + [
         "trainer.val_before_train=false",
-        f"reward.custom_function={REWARD_FNS}:hangs",
+        f"reward.custom_function={fn}:hangs",
+        f"reward.reward_kwargs={{log: {log}}}",
         "reward.timeout_s=2",
     ]
-    start = time.monotonic()
     assert run(args) == 2
-    assert time.monotonic() - start < 120
+    assert log.read_text().splitlines() == ["start"]  # one call, cut short: no "end", no second call
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1, errors
-    assert f"reward.custom_function='{REWARD_FNS}:hangs' ran longer than reward.timeout_s=2.0" in errors[0]
+    assert f"reward.custom_function='{fn}:hangs' ran longer than reward.timeout_s=2.0" in errors[0]
     assert "set reward.pool_workers=1 or more; prompt row " in errors[0]
 
 

@@ -10,7 +10,7 @@ import re
 import signal
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -146,10 +146,18 @@ def test_the_response_budget_counts_observations_and_turns_stop_at_the_cap(tok: 
     assert counts["turns"] == 2.0
 
 
-class Slow(Calc):
-    def step(self, action: str) -> tuple[str, float, bool]:
-        time.sleep(30)
-        return "", 1.0, False
+def slow_env(calls: list[str], release: threading.Event) -> type[Calc]:
+    """A calculator whose ``step`` appends "start" to ``calls``, waits for ``release`` (60 s at most, so
+    that a turn loop that waited for it fails instead of hanging), appends "end" and returns reward 1."""
+
+    class Slow(Calc):
+        def step(self, action: str) -> tuple[str, float, bool]:
+            calls.append("start")
+            release.wait(60)
+            calls.append("end")
+            return "", 1.0, False
+
+    return Slow
 
 
 class Wrong(Calc):
@@ -163,11 +171,19 @@ class Raises(Calc):
 
 
 def test_a_step_that_overruns_ends_the_trajectory_with_reward_0_and_is_counted(tok: Any) -> None:
-    start = time.time()
-    rollout, counts = run_turns(
-        Scripted(tok, ["<calc>1+1</calc>"]), records(tok, 1), settings(tok, Slow, step_timeout_s=0.5)
-    )
-    assert time.time() - start < 10
+    """The step has not returned when the rollout comes back: the turn loop gave up on it rather than
+    waiting (it would have scored its reward 1 and gone on to a second turn)."""
+    calls: list[str] = []
+    release = threading.Event()
+    try:
+        rollout, counts = run_turns(
+            Scripted(tok, ["<calc>1+1</calc>"]),
+            records(tok, 1),
+            settings(tok, slow_env(calls, release), step_timeout_s=0.5),
+        )
+        assert "end" not in calls
+    finally:
+        release.set()  # the abandoned call ends
     assert counts["step_timeouts"] == 1.0 and counts["turns"] == 1.0
     assert not rollout.env_rewards.any() and rollout.attention_mask.sum().item() == 16
 

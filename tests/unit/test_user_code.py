@@ -7,6 +7,7 @@ import errno
 import json
 import math
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -233,10 +234,30 @@ class Env:
         return " ok", 0.5, True
 
 
-class Stuck(Env):
-    def step(self, action: str) -> tuple[str, float, bool]:
-        time.sleep(60)
-        return "", 1.0, True
+def blocking_env(calls: list[str], release: threading.Event) -> type[Env]:
+    """An environment whose ``step`` appends "start" to ``calls``, waits for ``release`` (60 s at most, so
+    that a turn loop that waited for it fails instead of hanging), appends "end" and returns reward 1."""
+
+    class Stuck(Env):
+        def step(self, action: str) -> tuple[str, float, bool]:
+            calls.append("start")
+            release.wait(60)
+            calls.append("end")
+            return "", 1.0, True
+
+    return Stuck
+
+
+def meeting_env(meeting: threading.Barrier) -> type[Env]:
+    """An environment whose ``step`` answers once ``meeting.parties`` calls are inside ``step`` together
+    (a ``BrokenBarrierError`` after the barrier's timeout)."""
+
+    class Meets(Env):
+        def step(self, action: str) -> tuple[str, float, bool]:
+            meeting.wait()
+            return " ok", 0.5, True
+
+    return Meets
 
 
 class Exits(Env):
@@ -289,16 +310,32 @@ def turns(tok: Any, settings: MultiTurn, n: int = 1) -> dict[str, float]:
     return {k: v.sum().item() for k, v in rollout.turn_stats.items()}
 
 
-def test_stuck_steps_time_out_together_and_are_logged(tok: Any, caplog: pytest.LogCaptureFixture) -> None:
-    start = time.monotonic()
-    with caplog.at_level("WARNING", logger="ppo"):
-        counts = turns(tok, turn_settings(tok, Stuck, step_timeout_s=1.0), n=6)
-    assert time.monotonic() - start < 4  # one deadline for the turn's 6 calls (they took 6 s one by one)
+def test_stuck_steps_time_out_and_are_logged(tok: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Six steps that never answer: the turn ends with none of them returned (it waited for none), each
+    counted as a timeout, and one warning names the rows."""
+    calls: list[str] = []
+    release = threading.Event()
+    try:
+        with caplog.at_level("WARNING", logger="ppo"):
+            counts = turns(tok, turn_settings(tok, blocking_env(calls, release), step_timeout_s=1.0), n=6)
+        assert "end" not in calls
+    finally:
+        release.set()  # the abandoned calls end
     assert counts["step_timeouts"] == 6.0
     assert caplog.messages == [
         "6 of 6 environment steps ran longer than rollout.multi_turn.step_timeout_s=1.0 (prompt rows 0, 1, 2, "
         "3, 4, 5); their trajectories end with reward 0"
     ]
+
+
+def test_a_turns_steps_run_at_once(tok: Any) -> None:
+    """Each of the turn's six steps answers only once all six are inside ``step``: run one at a time, the
+    first would wait for the others until the barrier broke (an error) or its step_timeout_s ran out (a
+    timeout). So a turn's stuck steps cost one deadline, not one each; the seconds are measured by
+    ``python -m ppo_bench.stops``."""
+    meeting = threading.Barrier(6, timeout=30)  # only so that steps run one at a time fail, not hang
+    counts = turns(tok, turn_settings(tok, meeting_env(meeting), step_timeout_s=30.0), n=6)
+    assert counts["step_timeouts"] == 0.0 and counts["tool_calls"] == 6.0
 
 
 @pytest.mark.parametrize(
