@@ -13,6 +13,8 @@ several ranks); ``--help`` says what it measures and how to read it, ``--json`` 
 - ``multi_turn``: a multi-turn preset's rollout, ``generate`` call by call.
 - ``rewards``: the reward worker pool's throughput, and its timeouts and stops.
 - ``checkpoint``: the stall of saving a checkpoint.
+- ``stops``: how long user code that does not answer holds a run: a turn's stuck environment steps, and a
+  SIGTERM while reward workers hang.
 - ``compare_offline``: offline KL-PPO, DPO, offline SPPO and SimPO on one ranked file (its runs in
   ``compare_offline_runs``).
 
