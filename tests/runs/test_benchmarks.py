@@ -259,6 +259,7 @@ def test_gpu_check_pieces_on_cpu(
     that reads them (medians over the steps after the first)."""
     import train_ppo
     from ppo import model_loading
+
     gpu_summary, make_shaped_model = load_script("gpu_summary"), load_script("make_shaped_model")
 
     model_dir = make_shaped_model.make_shaped_model(
