@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -384,3 +385,18 @@ def tiny_config(config_class: type[PretrainedConfig] | None = None, **overrides:
     )
     kwargs.update(overrides)
     return (config_class or LlamaConfig)(**kwargs)
+
+
+def waiting_env(base: type, calls: list[str], release: threading.Event, *, done: bool) -> type:
+    """A subclass of the environment class ``base`` whose ``step`` appends "start" to ``calls``, waits for
+    ``release`` (60 s at most, so that a turn loop that waited for it fails instead of hanging), appends
+    "end" and returns ``("", 1.0, done)``: which of a turn's calls began, and whether any returned."""
+
+    class Waiting(base):
+        def step(self, action: str) -> tuple[str, float, bool]:
+            calls.append("start")
+            release.wait(60)
+            calls.append("end")
+            return "", 1.0, done
+
+    return Waiting

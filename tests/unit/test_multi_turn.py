@@ -42,6 +42,7 @@ from tests.helpers import (
     run,
     torchrun,
     wait_until,
+    waiting_env,
     write_parquet,
 )
 from tests.reward_fns import EVERY_CHARACTER
@@ -146,20 +147,6 @@ def test_the_response_budget_counts_observations_and_turns_stop_at_the_cap(tok: 
     assert counts["turns"] == 2.0
 
 
-def slow_env(calls: list[str], release: threading.Event) -> type[Calc]:
-    """A calculator whose ``step`` appends "start" to ``calls``, waits for ``release`` (60 s at most, so
-    that a turn loop that waited for it fails instead of hanging), appends "end" and returns reward 1."""
-
-    class Slow(Calc):
-        def step(self, action: str) -> tuple[str, float, bool]:
-            calls.append("start")
-            release.wait(60)
-            calls.append("end")
-            return "", 1.0, False
-
-    return Slow
-
-
 class Wrong(Calc):
     def step(self, action: str) -> Any:
         return "ok", "high", False
@@ -179,7 +166,7 @@ def test_a_step_that_overruns_ends_the_trajectory_with_reward_0_and_is_counted(t
         rollout, counts = run_turns(
             Scripted(tok, ["<calc>1+1</calc>"]),
             records(tok, 1),
-            settings(tok, slow_env(calls, release), step_timeout_s=0.5),
+            settings(tok, waiting_env(Calc, calls, release, done=False), step_timeout_s=0.5),
         )
         assert "end" not in calls
     finally:

@@ -28,7 +28,7 @@ from ppo.reward_pool import RewardPool
 from ppo.rewards import rule_scores
 from ppo.rollout import Sampler, sample
 from ppo.rule_scoring import RewardError, make_rule_scorer
-from tests.helpers import REWARD_FNS, load_script
+from tests.helpers import REWARD_FNS, load_script, waiting_env
 
 export_hf = load_script("export_hf")
 
@@ -234,20 +234,6 @@ class Env:
         return " ok", 0.5, True
 
 
-def blocking_env(calls: list[str], release: threading.Event) -> type[Env]:
-    """An environment whose ``step`` appends "start" to ``calls``, waits for ``release`` (60 s at most, so
-    that a turn loop that waited for it fails instead of hanging), appends "end" and returns reward 1."""
-
-    class Stuck(Env):
-        def step(self, action: str) -> tuple[str, float, bool]:
-            calls.append("start")
-            release.wait(60)
-            calls.append("end")
-            return "", 1.0, True
-
-    return Stuck
-
-
 def meeting_env(meeting: threading.Barrier) -> type[Env]:
     """An environment whose ``step`` answers once ``meeting.parties`` calls are inside ``step`` together
     (a ``BrokenBarrierError`` after the barrier's timeout)."""
@@ -317,7 +303,9 @@ def test_stuck_steps_time_out_and_are_logged(tok: Any, caplog: pytest.LogCapture
     release = threading.Event()
     try:
         with caplog.at_level("WARNING", logger="ppo"):
-            counts = turns(tok, turn_settings(tok, blocking_env(calls, release), step_timeout_s=1.0), n=6)
+            counts = turns(
+                tok, turn_settings(tok, waiting_env(Env, calls, release, done=True), step_timeout_s=1.0), n=6
+            )
         assert "end" not in calls
     finally:
         release.set()  # the abandoned calls end
