@@ -182,9 +182,8 @@ def padded_actor_loss(cfg: PPOConfig, actor: nn.Module, batch: Batch, sp: SPGrou
             entropy = entropy.detach()
         entropy_loss = algorithms.agg_loss(entropy, mask, a.loss_agg_mode, **counts)
         loss = pg_loss - a.entropy_coeff * entropy_loss if a.entropy_coeff else pg_loss
-        weight = mask.sum() / counts["num_tokens"]
         parts = {"actor/pg_loss": pg_loss, "actor/entropy": entropy_loss}
-        parts.update({f"actor/{k}": v * weight for k, v in pg_metrics.items()})
+        parts.update({f"actor/{k}": v for k, v in pg_metrics.items()})  # already this micro-batch's shares
         return loss, parts
 
     return loss_fn

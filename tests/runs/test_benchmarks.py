@@ -124,7 +124,9 @@ def test_bench_layout_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_padded_forwards_match_packed() -> None:
     """The padded baseline's scoring and the dense-mask packed path compute what the trainer's scoring
-    functions do, so their timings compare the same work."""
+    functions do, so their timings compare the same work; the padded actor loss gives the trainer's loss
+    and metrics (each a share of the mini-batch) on a micro-batch of half the mini-batch."""
+    from ppo import optimize
     from ppo.distributed import destroy_distributed, init_distributed
 
     args = layout.parse_args(
@@ -150,7 +152,20 @@ def test_padded_forwards_match_packed() -> None:
             assert work.real == 3 * sum(batch.seq_lens)  # actor, reference, critic
             assert (work.computed > work.real) == (name == "padded")
             results[name] = (logprobs, values)
+            if name in ("packed", "padded"):  # the actor's loss closure, metrics included, on one micro-batch
+                if batch.old_logprobs is None:
+                    generator = torch.Generator().manual_seed(0)
+                    batch.old_logprobs = logprobs + 0.3 * torch.randn(logprobs.shape, generator=generator)
+                    batch.advantages = torch.randn(logprobs.shape, generator=generator)
+                sel = torch.arange(2)
+                counts = optimize.global_counts(batch.response_mask)  # the micro-batch is half the mini-batch
+                _, parts = path_layout.actor_loss(cfg, nets["actor"], batch, NO_SP)(sel, counts)
+                results[f"{name}_parts"] = {k: float(v.detach()) for k, v in parts.items()}
         mask = batch.attention_mask
+        packed_parts, padded_parts = results["packed_parts"], results["padded_parts"]
+        for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl"):
+            assert padded_parts[key] == pytest.approx(packed_parts[key], rel=1e-4, abs=1e-6), key
+        assert packed_parts["actor/pg_clipfrac"] > 0
         for name in ("padded", "packed_dense"):
             for got, want in zip(results[name], results["packed"], strict=True):
                 torch.testing.assert_close(got[mask], want[mask], atol=2e-5, rtol=1e-5)
