@@ -79,15 +79,43 @@ def check_logits_args(logits: Tensor, labels: Tensor, temperature: float) -> Non
 
 def check_linear_args(hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float) -> None:
     """ValueError unless hidden [T, H], weight [V, H] of the same dtype, labels [T], temperature > 0."""
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(
-            f"expected hidden [T, H] and weight [V, H], got {tuple(hidden.shape)}, {tuple(weight.shape)}"
-        )
+    _check_hidden_weight(hidden, weight)
     if labels.shape != hidden.shape[:1]:
         raise ValueError(f"expected labels [T] = [{hidden.shape[0]}], got {tuple(labels.shape)}")
-    if hidden.dtype != weight.dtype:
-        raise ValueError(f"hidden and weight dtypes differ: {hidden.dtype} vs {weight.dtype}")
     _check_temperature(temperature)
+
+
+def check_topk_args(hidden: Tensor, weight: Tensor, k: int, temperature: float) -> None:
+    """ValueError unless hidden [T, H], weight [V, H] of one float dtype, 1 <= k <= V, temperature > 0."""
+    _check_hidden_weight(hidden, weight)
+    _check_float(hidden)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= weight.shape[0]:
+        raise ValueError(f"k must be an int in [1, V] = [1, {weight.shape[0]}], got {k!r}")
+    _check_temperature(temperature)
+
+
+def check_gather_args(
+    hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float, return_topk: bool
+) -> None:
+    """ValueError unless hidden [T, H], weight [V, H] of one float dtype, integer ids [T, K] with K >= 1
+    (K <= V when return_topk asks for the top-K), temperature > 0. The id values are not read (that would
+    sync a GPU): out-of-range ids fail in the gather."""
+    _check_hidden_weight(hidden, weight)
+    _check_float(hidden)
+    if ids.dim() != 2 or ids.shape[0] != hidden.shape[0] or ids.shape[1] < 1:
+        raise ValueError(f"expected ids [T, K] with T = {hidden.shape[0]} and K >= 1, got {tuple(ids.shape)}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"ids must be an integer tensor, got {ids.dtype}")
+    if return_topk and ids.shape[1] > weight.shape[0]:
+        raise ValueError(f"return_topk needs K <= V, got K = {ids.shape[1]} and V = {weight.shape[0]}")
+    _check_temperature(temperature)
+
+
+def check_chunk_sizes(**sizes: int | None) -> None:
+    """ValueError unless each chunk size is None (from the budget) or a positive int."""
+    for name, size in sizes.items():
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"{name} must be None or an int >= 1, got {size!r}")
 
 
 def check_kl_args(logprobs: Tensor, ref_logprobs: Tensor) -> None:
@@ -99,6 +127,20 @@ def check_kl_args(logprobs: Tensor, ref_logprobs: Tensor) -> None:
 def _check_temperature(temperature: float) -> None:
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def _check_hidden_weight(hidden: Tensor, weight: Tensor) -> None:
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"expected hidden [T, H] and weight [V, H], got {tuple(hidden.shape)}, {tuple(weight.shape)}"
+        )
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden and weight dtypes differ: {hidden.dtype} vs {weight.dtype}")
+
+
+def _check_float(hidden: Tensor) -> None:
+    if not hidden.dtype.is_floating_point:
+        raise ValueError(f"hidden and weight must be floating point, got {hidden.dtype}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -430,21 +472,24 @@ def _linear_stats(config: OpConfig, hidden: Tensor, weight: Tensor, labels: Tens
     return stats
 
 
-def _linear_grads(
-    config: OpConfig,
+def vocab_chunk_grads(
     hidden: Tensor,
     weight: Tensor,
-    grad_rows: GradRows,
+    vocab_chunk_size: int,
+    logits_grad: Callable[[Tensor, int], None],
+    accumulate_matmul: Callable[[Tensor, Tensor, Tensor], None],
     need_hidden: bool,
     need_weight: bool,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """Backward over vocabulary chunks: (grad_hidden, grad_weight) in the input dtype (None if not needed).
+    """Backward of any op on logits = hidden @ weight^T over vocabulary chunks: (grad_hidden,
+    grad_weight) in the input dtype (None if not needed).
 
-    Per chunk W_c = weight[v0:v0+n]: logits_c = hidden @ W_c^T, turned in place into d logits_c;
-    grad_weight[v0:v0+n] = d logits_c^T @ hidden (complete, written once); grad_hidden (fp32) +=
-    d logits_c @ W_c.
+    Per chunk W_c = weight[v0:v0+n]: logits_c = hidden @ W_c^T ([T, n], input dtype, one reused buffer),
+    which `logits_grad(logits_c, v0)` turns in place into d loss / d logits_c; then grad_weight[v0:v0+n]
+    = d logits_c^T @ hidden (complete, written once) and grad_hidden (fp32) += d logits_c @ W_c through
+    `accumulate_matmul`. Shared by `fused_linear_logprobs` and `ppo_kernels.topk`.
     """
-    (num_tokens, hidden_size), vocab_size, step = hidden.shape, weight.shape[0], config.vocab_chunk_size
+    (num_tokens, hidden_size), vocab_size, step = hidden.shape, weight.shape[0], vocab_chunk_size
     grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if need_weight else None
     acc_dtype = compute_dtype(hidden.dtype)
     grad_hidden = (
@@ -455,15 +500,40 @@ def _linear_grads(
         w_chunk = weight[v0 : v0 + step]
         dlogits = buffer[: num_tokens * w_chunk.shape[0]].view(num_tokens, -1)
         torch.mm(hidden, w_chunk.T, out=dlogits)
-        config.prims.logits_grad(dlogits, dlogits, grad_rows, v0)
+        logits_grad(dlogits, v0)
         if need_weight:
             torch.mm(dlogits.T, hidden, out=grad_weight[v0 : v0 + step])
         if need_hidden:
-            config.prims.accumulate_matmul(grad_hidden, dlogits, w_chunk)
+            accumulate_matmul(grad_hidden, dlogits, w_chunk)
     del buffer, dlogits
     if need_hidden:
         grad_hidden = grad_hidden.to(hidden.dtype)
     return grad_hidden, grad_weight
+
+
+def _linear_grads(
+    config: OpConfig,
+    hidden: Tensor,
+    weight: Tensor,
+    grad_rows: GradRows,
+    need_hidden: bool,
+    need_weight: bool,
+) -> tuple[Tensor | None, Tensor | None]:
+    """Backward of the fused log-probs over vocabulary chunks (`vocab_chunk_grads`), each chunk's
+    d logits from the backend's `logits_grad`."""
+
+    def logits_grad(dlogits: Tensor, col_offset: int) -> None:
+        config.prims.logits_grad(dlogits, dlogits, grad_rows, col_offset)
+
+    return vocab_chunk_grads(
+        hidden,
+        weight,
+        config.vocab_chunk_size,
+        logits_grad,
+        config.prims.accumulate_matmul,
+        need_hidden,
+        need_weight,
+    )
 
 
 class _FusedLinearLogprobs(torch.autograd.Function):

@@ -9,6 +9,9 @@
   check). Needs the triton package, which is imported lazily so that importing `ppo_kernels` works without it.
 - "torch": the chunked PyTorch path. "reference": the naive full-tensor formulas.
 
+`fused_linear_topk` and `fused_linear_gather_logprobs` have no Triton kernel (`ppo_kernels/topk.py`
+says why): every backend but "reference" runs their chunked PyTorch code.
+
 Beyond the names, `backend` may be a `ppo_kernels.chunked.Primitives` instance: the chunked algorithm on
 those primitives (tests use Triton with narrow blocks, `ppo_kernels.triton_ops.primitives(block_v=256)`).
 """
@@ -21,7 +24,7 @@ import types
 import torch
 from torch import Tensor
 
-from ppo_kernels import chunked, torch_ops
+from ppo_kernels import chunked, topk, torch_ops
 from ppo_kernels.chunked import IGNORE_INDEX
 
 BACKENDS = ("auto", "triton", "torch", "reference")
@@ -165,6 +168,85 @@ def fused_linear_logprobs(
         prims, float(temperature), compute_entropy, ignore_index, chunk_size, vocab_chunk_size
     )
     return chunked.fused_linear_logprobs(hidden, weight, labels, config)
+
+
+def _topk_reference(backend: str | chunked.Primitives, x: Tensor) -> bool:
+    """Whether a top-k op runs its reference (else its chunked torch code, whatever the fast backend)."""
+    return not isinstance(backend, chunked.Primitives) and resolve_backend(backend, x) == "reference"
+
+
+def fused_linear_topk(
+    hidden: Tensor,
+    weight: Tensor,
+    k: int,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    backend: str | chunked.Primitives = "auto",
+) -> tuple[Tensor, Tensor]:
+    """Top-k log-probs per token of softmax(z), z = (hidden @ weight^T).float() / temperature, without
+    ever holding the [T, V] logits. For on-policy distillation: the teacher's top-k, the student's own.
+
+    logprobs[t, j] = z[t, ids[t, j]] - logsumexp(z[t]) over the k largest z[t], sorted descending like
+    `torch.topk` (ids are torch.topk's on the fp32 z; `ppo_kernels.topk` says how ties are ordered).
+    Computed `chunk_size` tokens at a time, one GEMM per chunk in the input dtype. No gradient: the
+    outputs are detached. There is no Triton kernel: every backend but "reference" runs the chunked
+    PyTorch path (the GEMMs are cuBLAS either way; `ppo_kernels.topk` has the peak memory).
+
+    Args:
+        hidden: [T, H] final hidden states. weight: [V, H] LM-head weight, same dtype.
+        k: 1 <= k <= V.
+        chunk_size: tokens per chunk (default: [chunk, V] temporaries within 256 MiB on CUDA, 64 MiB else).
+
+    Returns:
+        logprobs [T, k] fp32 (fp64 for fp64 inputs) and ids [T, k] int64.
+    """
+    if _topk_reference(backend, hidden):
+        return torch_ops.fused_linear_topk_reference(hidden, weight, k, temperature=temperature)
+    return topk.fused_linear_topk(hidden, weight, k, temperature=temperature, chunk_size=chunk_size)
+
+
+def fused_linear_gather_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    ids: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    vocab_chunk_size: int | None = None,
+    return_topk: bool = False,
+    backend: str | chunked.Primitives = "auto",
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs at given ids, logprobs[t, j] = z[t, ids[t, j]] - logsumexp(z[t]), z = (hidden @
+    weight^T).float() / temperature, differentiable in hidden and weight, without holding [T, V].
+
+    d loss / d z = scatter_add(g at ids) - (sum_j g[t, j]) softmax(z[t]), g = d loss / d logprobs. The
+    forward keeps only [T] logsumexp; the backward recomputes the logits `vocab_chunk_size` vocabulary
+    rows at a time, like `fused_linear_logprobs` (peak memory: `ppo_kernels.topk`). There is no Triton
+    kernel: every backend but "reference" runs the chunked PyTorch path.
+
+    Args:
+        hidden: [T, H] final hidden states. weight: [V, H] LM-head weight, same dtype.
+        ids: [T, K] integer vocabulary ids, valid everywhere (pass 0 on ignored rows and mask the result).
+        chunk_size: tokens per forward chunk. vocab_chunk_size: vocabulary rows per backward chunk.
+        return_topk: also return the student's own top-K ids, found in the same forward chunks.
+
+    Returns:
+        logprobs [T, K] fp32 (fp64 for fp64 inputs) and own top-K ids [T, K] int64 (or None).
+    """
+    if _topk_reference(backend, hidden):
+        return torch_ops.fused_linear_gather_logprobs_reference(
+            hidden, weight, ids, temperature=temperature, return_topk=return_topk
+        )
+    return topk.fused_linear_gather_logprobs(
+        hidden,
+        weight,
+        ids,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        vocab_chunk_size=vocab_chunk_size,
+        return_topk=return_topk,
+    )
 
 
 def low_var_kl(logprobs: Tensor, ref_logprobs: Tensor, backend: str | chunked.Primitives = "auto") -> Tensor:

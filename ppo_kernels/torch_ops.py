@@ -30,9 +30,11 @@ from ppo_kernels.chunked import (
     GradRows,
     Primitives,
     RowStats,
+    check_gather_args,
     check_kl_args,
     check_linear_args,
     check_logits_args,
+    check_topk_args,
     compute_dtype,
 )
 
@@ -116,6 +118,42 @@ def fused_linear_logprobs_reference(
     return logprobs_from_logits_reference(
         logits, labels, temperature=temperature, compute_entropy=compute_entropy, ignore_index=ignore_index
     )
+
+
+def fused_linear_topk_reference(
+    hidden: Tensor, weight: Tensor, k: int, *, temperature: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """Naive top-k log-probs: z = (hidden @ weight^T) upcast / temperature ([T, V]), log_softmax(z), and
+    the k largest per token, sorted descending. The ids are `torch.topk(z, k)`'s (ties in its order).
+
+    Returns:
+        logprobs [T, k] in the compute dtype (fp32; fp64 for fp64 inputs) and ids [T, k] int64; no grad.
+    """
+    check_topk_args(hidden, weight, k, temperature)
+    with torch.no_grad():
+        z = (hidden @ weight.T).to(compute_dtype(hidden.dtype)) / temperature
+        ids = z.topk(k, dim=-1).indices
+        return torch.log_softmax(z, dim=-1).gather(-1, ids), ids
+
+
+def fused_linear_gather_logprobs_reference(
+    hidden: Tensor, weight: Tensor, ids: Tensor, *, temperature: float = 1.0, return_topk: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """Naive log-probs at given ids: log_softmax(z).gather(ids), z = (hidden @ weight^T) upcast /
+    temperature, differentiated by autograd.
+
+    Args:
+        ids: [T, K] integer vocabulary ids (valid everywhere: callers mask ignored rows afterwards).
+        return_topk: also return `torch.topk(z, K)`'s ids.
+
+    Returns:
+        logprobs [T, K] in the compute dtype and the top-K ids [T, K] int64 (or None).
+    """
+    check_gather_args(hidden, weight, ids, temperature, return_topk)
+    z = (hidden @ weight.T).to(compute_dtype(hidden.dtype)) / temperature
+    logprobs = torch.log_softmax(z, dim=-1).gather(-1, ids.long())
+    own_topk_ids = z.detach().topk(ids.shape[1], dim=-1).indices if return_topk else None
+    return logprobs, own_topk_ids
 
 
 def low_var_kl_reference(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
