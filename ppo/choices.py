@@ -24,6 +24,11 @@ GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "prim
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 """Names of the per-token KL estimators of :func:`kl_penalty` (each may carry a ``+`` suffix)."""
 
+DISTILLATION_LOSS_MODES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "forward_kl_topk")
+"""On-policy distillation's per-token losses (verl 0.9.1's ``distillation.distillation_loss.loss_mode``):
+the reverse-KL estimators of the sampled token (:func:`distillation_token_losses`, the ``KL_KINDS``
+without ``+``) and the forward KL over the teacher's top-k tokens (:func:`forward_kl_topk`)."""
+
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 """Names of the loss aggregation modes of :func:`agg_loss`."""
 

@@ -26,7 +26,8 @@ policy losses and the covariance token selections; the value loss), ``tables`` (
 advantage estimator under its config name: ``POLICY_LOSSES``, ``ADVANTAGE_ESTIMATORS``), ``correction`` (off-policy
 importance weights), ``preference`` (the DPO family's per-pair losses: DPO/cDPO, IPO, SimPO, KTO), ``sppo`` (SPPO's win
 rates, soft mean and squared log-ratio loss), ``prime`` (PRIME's implicit process rewards, its PRM
-loss and advantages).
+loss and advantages), ``distillation`` (on-policy distillation's per-token losses, reverse-KL estimators and
+the teacher's top-k forward KL, their aggregation, policy-gradient advantages and metrics).
 Users import every name from ``ppo.algorithms`` itself; the lists of allowed names (``ADV_ESTIMATORS``,
 ``KL_KINDS``, ...) live in the dependency-free ``ppo.choices``, which the config schema reads too.
 """
@@ -44,6 +45,15 @@ from ppo.algorithms.advantages import (
     filter_groups,
 )
 from ppo.algorithms.correction import mismatch_metrics, rollout_is_weights
+from ppo.algorithms.distillation import (
+    distillation_loss,
+    distillation_metrics,
+    distillation_pg_advantages,
+    distillation_token_losses,
+    distillation_topk_metrics,
+    forward_kl_topk,
+    topk_overlap,
+)
 from ppo.algorithms.kl import (
     AdaptiveKLController,
     FixedKLController,
@@ -76,6 +86,7 @@ from ppo.algorithms.stats import bootstrap_best, masked_mean, masked_whiten, pas
 from ppo.algorithms.tables import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, policy_loss
 from ppo.choices import (
     ADV_ESTIMATORS,
+    DISTILLATION_LOSS_MODES,
     GROUP_ESTIMATORS,
     KL_KINDS,
     LOSS_AGG_MODES,
@@ -87,6 +98,7 @@ from ppo.choices import (
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "ADV_ESTIMATORS",
+    "DISTILLATION_LOSS_MODES",
     "GROUP_ESTIMATORS",
     "KL_KINDS",
     "LOSS_AGG_MODES",
@@ -112,11 +124,17 @@ __all__ = [
     "compute_reinforce_plus_plus_advantages",
     "compute_reinforce_plus_plus_baseline_advantages",
     "compute_rloo_advantages",
+    "distillation_loss",
+    "distillation_metrics",
+    "distillation_pg_advantages",
+    "distillation_token_losses",
+    "distillation_topk_metrics",
     "dpo_abs_accuracy",
     "dpo_accuracy",
     "dpo_loss",
     "entropy_from_logits",
     "filter_groups",
+    "forward_kl_topk",
     "full_kl",
     "global_softmean",
     "ipo_loss",
@@ -137,6 +155,7 @@ __all__ = [
     "softmean",
     "sppo_loss",
     "token_covariance",
+    "topk_overlap",
     "value_loss",
     "win_rates",
 ]

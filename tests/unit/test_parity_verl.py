@@ -381,3 +381,271 @@ def test_filter_groups_as_dapo() -> None:
         if values[groups == g].numel() == 1 or np.std(values[groups == g].numpy()) > 0
     }
     assert ours.filter_groups(values, groups).tolist() == [int(g) in kept for g in groups]
+
+
+# ---------------------------------------------------------------------------------------------------
+# on-policy distillation (verl.trainer.distillation)
+# ---------------------------------------------------------------------------------------------------
+
+try:  # imported apart, so that the tests above run even where these modules do not import
+    _distill = import_verl(
+        "verl.trainer.distillation.losses",
+        "verl.trainer.distillation.fsdp.losses",
+        "verl.workers.config",
+        "verl.utils.tensordict_utils",
+        "tensordict",
+    )
+except Exception:  # noqa: BLE001
+    _distill = None
+needs_distillation = pytest.mark.skipif(
+    _distill is None, reason="verl 0.9.1's distillation modules do not import"
+)
+if _distill is not None:
+    verl_distill, verl_distill_fsdp, verl_workers_config, verl_tu, tensordict = _distill
+
+VOCAB, TOPK, MIN_CLAMP = 12, 4, -3.0
+
+
+def topk_batch(seed: int) -> dict[str, torch.Tensor]:
+    """``batch(seed)``'s mask with student logits ``[8, 7, VOCAB]`` and the teacher's top-``TOPK``
+    log-probs and ids. Row b's student logits are ``a_b`` times the teacher's plus noise: sharper (the
+    student's mass on the teacher's top-k exceeds the teacher's, so the divergence is negative), alike,
+    or reversed (no top-k overlap)."""
+    gen = torch.Generator().manual_seed(seed)
+    teacher_logits = 2 * torch.randn(8, WIDTH, VOCAB, generator=gen, dtype=torch.float64)
+    a = torch.tensor([1.5, 1.0, -1.0, 1.5, -1.0, 1.0, 0.0, 1.5], dtype=torch.float64)[:, None, None]
+    student_logits = a * teacher_logits + torch.randn(8, WIDTH, VOCAB, generator=gen, dtype=torch.float64)
+    teacher_lp, teacher_ids = torch.log_softmax(teacher_logits, -1).topk(TOPK, -1)
+    return {
+        "mask": batch(seed)["mask"],
+        "logits": student_logits,
+        "teacher_lp": teacher_lp,
+        "teacher_ids": teacher_ids,
+    }
+
+
+def packed(x: torch.Tensor) -> torch.Tensor:
+    """``[n, T, ...] -> [n (T + 1), ...]``: verl's unpadded layout of n sequences of one prompt token and T
+    response tokens, whose response outputs sit one place left (``no_padding_2_padding``)."""
+    pad = torch.zeros(x.shape[0], 1, *x.shape[2:], dtype=x.dtype)
+    return torch.cat([x, pad], 1).reshape(-1, *x.shape[2:])
+
+
+def verl_topk_outputs(logits: torch.Tensor, teacher_lp: torch.Tensor, teacher_ids: torch.Tensor,
+                      clamp: float | None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """verl's FSDP ``compute_forward_kl_topk`` on ``[n, T, ...]`` rows packed as one sequence: each output
+    ``[n (T + 1)]``."""
+    cfg = SimpleNamespace(distillation_loss=SimpleNamespace(log_prob_min_clamp=clamp, use_chunked_topk=False))
+    nested = [torch.nested.nested_tensor([packed(x)], layout=torch.jagged) for x in (teacher_lp, teacher_ids)]
+    out = verl_distill_fsdp.compute_forward_kl_topk(packed(logits)[None], *nested, cfg, "thd")
+    return {k: v[0] for k, v in out.items()}
+
+
+def our_topk(b: dict[str, torch.Tensor], logits: torch.Tensor, r: slice, clamp: float | None):  # noqa: ANN201
+    """Our ``forward_kl_topk`` and ``topk_overlap`` on rows ``r``, from the same logits."""
+    logprobs = torch.log_softmax(logits[r], -1)
+    student = logprobs.gather(-1, b["teacher_ids"][r])
+    losses, student_mass, teacher_mass = ours.forward_kl_topk(student, b["teacher_lp"][r], clamp)
+    student_ids = logprobs.topk(TOPK, -1).indices
+    count, advantage = ours.topk_overlap(b["teacher_ids"][r], student_ids, b["teacher_lp"][r], student, clamp)
+    return losses, student_mass, teacher_mass, count, advantage
+
+
+def verl_distillation_loss(loss_mode: str, agg_mode: str, rows: slice, mask: torch.Tensor,
+                           model_output: dict[str, torch.Tensor], teacher_lp: torch.Tensor | None,
+                           old: torch.Tensor | None, **loss_config: object) -> tuple[torch.Tensor, dict]:  # fmt: skip
+    """verl's ``distillation_loss`` (the whole composition: the mode's token losses, their range, the
+    clamp, then ``agg_loss`` or the vanilla policy loss) on the micro-batch ``rows`` of 8 rows of
+    ``WIDTH`` tokens, with the global counts of ``mask``; ``model_output`` is already packed. Returns
+    the loss and verl's metrics (``Metric``s aggregated)."""
+    n = mask[rows].shape[0]
+    data = {
+        "prompts": torch.ones(n, 1, dtype=torch.long),
+        "responses": torch.ones(n, WIDTH, dtype=torch.long),
+        "attention_mask": torch.ones(n, WIDTH + 1, dtype=torch.long),
+        "response_mask": mask[rows].double(),
+    }
+    if teacher_lp is not None:
+        data["teacher_logprobs"] = packed(teacher_lp[rows])
+    if old is not None:
+        data["old_log_probs"] = old[rows]
+    data = tensordict.TensorDict(data, batch_size=[])
+    counts = verl_counts(mask)
+    verl_tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=counts["batch_num_tokens"],
+                              global_batch_size=counts["global_batch_size"])  # fmt: skip
+    loss_cfg = verl_workers_config.DistillationLossConfig(loss_mode=loss_mode, topk=TOPK, **loss_config)
+    actor = SimpleNamespace(loss_agg_mode=agg_mode, global_batch_info={}, loss_scale_factor=WIDTH)
+    loss, metrics = verl_distill.distillation_loss(
+        actor, SimpleNamespace(distillation_loss=loss_cfg), model_output, data
+    )
+    return loss, {k: v.aggregate() if hasattr(v, "aggregate") else v for k, v in metrics.items()}
+
+
+@needs_distillation
+def test_distillation_loss_modes() -> None:
+    """Our list of loss modes is verl's registry; the estimator modes are its ``use_estimator`` ones."""
+    assert sorted(ours.DISTILLATION_LOSS_MODES) == sorted(verl_distill.DISTILLATION_LOSS_REGISTRY)
+    estimators = [
+        m
+        for m in ours.DISTILLATION_LOSS_MODES
+        if verl_distill.get_distillation_loss_settings(m).use_estimator
+    ]
+    assert estimators == [m for m in ours.DISTILLATION_LOSS_MODES if m != "forward_kl_topk"]
+
+
+@needs_distillation
+@pytest.mark.parametrize("mode", ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"])
+def test_distillation_token_losses_as_kl_penalty(mode: str) -> None:
+    b = batch(8)
+    lp_v, lp_o = b["logprobs"].clone().requires_grad_(), b["logprobs"].clone().requires_grad_()
+    theirs = verl.kl_penalty(logprob=lp_v, ref_logprob=b["ref"], kl_penalty=mode)
+    mine = ours.distillation_token_losses(lp_o, b["ref"], mode)
+    close(mine, theirs)
+    (theirs * b["adv"]).sum().backward()
+    (mine * b["adv"]).sum().backward()
+    close(lp_o.grad, lp_v.grad)
+
+
+@needs_distillation
+@pytest.mark.parametrize("clamp", [None, MIN_CLAMP])
+def test_forward_kl_topk_and_overlap(clamp: float | None) -> None:
+    """Top-k loss (after verl's clamp at 0), masses, overlap count and advantage, and the gradient to the
+    student's logits, against verl's FSDP ``compute_forward_kl_topk`` on the same logits."""
+    b = topk_batch(101)
+    mask = b["mask"]
+    weights = b["mask"] * torch.rand(
+        8, WIDTH, generator=torch.Generator().manual_seed(0), dtype=torch.float64
+    )
+    logits_v, logits_o = b["logits"].clone().requires_grad_(), b["logits"].clone().requires_grad_()
+    theirs = verl_topk_outputs(logits_v, b["teacher_lp"], b["teacher_ids"], clamp)
+    theirs = {k: v.reshape(8, WIDTH + 1)[:, :WIDTH] for k, v in theirs.items()}  # the responses of packed()
+    losses, student_mass, teacher_mass, count, advantage = our_topk(b, logits_o, slice(0, 8), clamp)
+    close(losses, theirs["distillation_losses"].clamp_min(0.0))
+    close(student_mass, theirs["student_mass"])
+    close(teacher_mass, theirs["teacher_mass"])
+    assert torch.equal(count, theirs["overlap_count"])
+    close(advantage, theirs["overlap_token_advantage"])
+    (theirs["distillation_losses"].clamp_min(0.0) * weights).sum().backward()
+    (losses * weights).sum().backward()
+    close(logits_o.grad, logits_v.grad)
+    # the inputs exercise every corner: negative divergences clamped at 0, log-probs under the clamp,
+    # tokens whose top-k do not overlap at all and tokens whose do entirely
+    assert int((theirs["distillation_losses"][mask] < 0).sum()) > 0
+    assert int((b["teacher_lp"][mask] < MIN_CLAMP).sum()) > 0
+    assert {0, TOPK} <= set(count[mask].tolist())
+
+
+@needs_distillation
+@pytest.mark.parametrize("loss_max_clamp", [None, 0.3])
+@pytest.mark.parametrize("sizes", SPLITS)
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("loss_mode", ["k3", "abs", "forward_kl_topk"])
+def test_distillation_loss(loss_mode: str, mode: str, sizes: list[int], loss_max_clamp: float | None) -> None:
+    """The supervised loss (``use_policy_gradient=False``) and its gradient, summed over micro-batches
+    with global counts, against verl's whole ``distillation_loss`` (verl refuses k1 here)."""
+    topk = loss_mode == "forward_kl_topk"
+    b = topk_batch(102) if topk else batch(9)
+    mask = b["mask"]
+    source = "logits" if topk else "logprobs"
+    grads = {}
+    for who in ("verl", "ours"):
+        x = b[source].clone().requires_grad_()
+
+        def one(r: slice, x: torch.Tensor = x, who: str = who) -> torch.Tensor:
+            if who == "verl":
+                if topk:
+                    out = verl_topk_outputs(x[r], b["teacher_lp"][r], b["teacher_ids"][r], MIN_CLAMP)
+                    return verl_distillation_loss(loss_mode, mode, r, mask, out, None, None,
+                                                  use_policy_gradient=False, loss_max_clamp=loss_max_clamp,
+                                                  log_prob_min_clamp=MIN_CLAMP)[0]  # fmt: skip
+                return verl_distillation_loss(loss_mode, mode, r, mask, {"log_probs": packed(x[r])}, b["ref"],
+                                              None, use_policy_gradient=False,
+                                              loss_max_clamp=loss_max_clamp)[0]  # fmt: skip
+            if topk:
+                token_losses = our_topk(b, x, r, MIN_CLAMP)[0]
+            else:
+                token_losses = ours.distillation_token_losses(x[r], b["ref"][r], loss_mode)
+            return ours.distillation_loss(token_losses, mask[r], mode, loss_max_clamp, **our_counts(mask))
+
+        total = split_sum(one, sizes)
+        total.backward()
+        grads[who] = (total.detach(), x.grad)
+    close(grads["ours"][0], grads["verl"][0])
+    close(grads["ours"][1], grads["verl"][1])
+    if loss_max_clamp is not None:  # the clamp acts on some tokens
+        losses = ours.distillation_token_losses(b["logprobs"], b["ref"], loss_mode) if not topk else None
+        losses = our_topk(b, b["logits"], slice(0, 8), MIN_CLAMP)[0] if topk else losses
+        assert 0 < int((losses[mask] > loss_max_clamp).sum()) < int(mask.sum())
+
+
+@needs_distillation
+@pytest.mark.parametrize("sizes", SPLITS)
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("loss_mode, loss_max_clamp", [("k1", 0.5), ("k3", None)])
+def test_distillation_policy_gradient(loss_mode: str, loss_max_clamp: float | None, mode: str,
+                                      sizes: list[int]) -> None:  # fmt: skip
+    """``use_policy_gradient=True``: the vanilla clipped loss with ``distillation_pg_advantages`` as the
+    advantages, summed over micro-batches, against verl's ``distillation_loss``."""
+    b = batch(10)
+    mask = b["mask"]
+    grads = {}
+    for who in ("verl", "ours"):
+        lp = b["logprobs"].clone().requires_grad_()
+
+        def one(r: slice, lp: torch.Tensor = lp, who: str = who) -> torch.Tensor:
+            if who == "verl":
+                return verl_distillation_loss(loss_mode, mode, r, mask, {"log_probs": packed(lp[r])}, b["ref"],
+                                              b["old"], use_policy_gradient=True, loss_max_clamp=loss_max_clamp,
+                                              clip_ratio_high=0.28)[0]  # fmt: skip
+            token_losses = ours.distillation_token_losses(lp[r], b["ref"][r], loss_mode)
+            advantages = ours.distillation_pg_advantages(token_losses, loss_max_clamp)
+            loss, _ = ours.policy_loss(lp[r], b["old"][r], advantages, mask[r], 0.2, 0.28, 3.0, mode,
+                                       **our_counts(mask))  # fmt: skip
+            return loss
+
+        total = split_sum(one, sizes)
+        total.backward()
+        grads[who] = (total.detach(), lp.grad)
+    close(grads["ours"][0], grads["verl"][0])
+    close(grads["ours"][1], grads["verl"][1])
+
+
+def resolved(means: dict[str, tuple[torch.Tensor, torch.Tensor]], extremes: dict[str, torch.Tensor]) -> dict:
+    return {**{k: s / c for k, (s, c) in means.items()}, **extremes}
+
+
+@needs_distillation
+@pytest.mark.parametrize("loss_mode", ["kl", "k3", "abs", "forward_kl_topk"])
+def test_distillation_metrics(loss_mode: str) -> None:
+    """Our metrics' parts, resolved, on one micro-batch, against the ``distillation/*`` metrics of verl's
+    ``distillation_loss``. Named difference: over several micro-batches verl averages each micro-batch's
+    mean with equal weight, ours are the mini-batch's token means (``Σ sum / Σ count``)."""
+    topk = loss_mode == "forward_kl_topk"
+    b = topk_batch(103) if topk else batch(11)
+    mask, rows = b["mask"], slice(0, 8)
+    if topk:
+        out = verl_topk_outputs(b["logits"], b["teacher_lp"], b["teacher_ids"], MIN_CLAMP)
+        _, theirs = verl_distillation_loss(loss_mode, "token-mean", rows, mask, out, None, None,
+                                           use_policy_gradient=False, log_prob_min_clamp=MIN_CLAMP)  # fmt: skip
+        losses, student_mass, teacher_mass, count, advantage = our_topk(b, b["logits"], rows, MIN_CLAMP)
+        mine = resolved(
+            *ours.distillation_topk_metrics(student_mass, teacher_mass, mask, count, advantage, TOPK)
+        )
+        mine.update(
+            ours.distillation_metrics(losses, mask)[1]
+        )  # loss_min, loss_max; verl logs no abs_loss here
+    else:
+        _, theirs = verl_distillation_loss(loss_mode, "token-mean", rows, mask, {"log_probs": packed(b["logprobs"])},
+                                           b["ref"], b["old"], use_policy_gradient=loss_mode == "kl",
+                                           loss_max_clamp=0.1)  # fmt: skip
+        theirs = {
+            k: v for k, v in theirs.items() if not k.startswith(("distillation/pg_", "distillation/ppo_kl"))
+        }
+        mine = resolved(
+            *ours.distillation_metrics(
+                ours.distillation_token_losses(b["logprobs"], b["ref"], loss_mode), mask
+            )
+        )
+    assert set(theirs) == {f"distillation/{k}" for k in mine}
+    for key, value in mine.items():
+        close(value, theirs[f"distillation/{key}"])
