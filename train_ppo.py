@@ -4,10 +4,11 @@
     python train_ppo.py --config configs/X.yaml --print-config [--world-size 32]
 
 A step is a straight line: 1. rollout (HF generate, parameters gathered once; with DAPO's dynamic
-sampling, rounds until enough groups score unlike), 2. score (old and reference log-probs, values,
-rewards, the overlong penalty), 3. advantages (KL in the reward, GAE | GRPO | RLOO | REINFORCE++ |
-REINFORCE++-baseline | OPO), 4. update (critic, then actor: epochs x mini-batches x token-budget
-micro-batches; vanilla PPO, GSPO, Clip-Cov or KL-Cov), 5. log (one cross-rank reduction, validation),
+sampling, rounds until enough groups score unlike), 2. score (old and reference log-probs, the
+distillation teachers' log-probs, values, rewards, the overlong penalty), 3. advantages (KL in the
+reward, GAE | GRPO | RLOO | REINFORCE++ | REINFORCE++-baseline | OPO; none for distillation alone),
+4. update (critic, then actor: epochs x mini-batches x token-budget micro-batches; vanilla PPO, GSPO,
+Clip-Cov or KL-Cov, plus or instead of them the distillation loss), 5. log (one cross-rank reduction, validation),
 6. checkpoint. Every rank runs the same lines; only rank 0 writes files.
 ``build`` makes everything the loop needs once; ``train`` is the loop; the step functions follow in step
 order, then the ways a step ends early (stop, rollback, skip), handled in one place.
@@ -30,6 +31,7 @@ import torch
 from ppo import (
     batch_advantages,
     checkpoint_files,
+    distillation,
     dynamic_sampling,
     forwards,
     lora,
@@ -85,7 +87,7 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
                 metrics.update(rollout_metrics)
                 at_boundary(stop)
 
-                # 2. score: old and reference log-probs, values, rewards (all without gradients)
+                # 2. score: old and reference log-probs, teachers' log-probs, values, rewards (no gradients)
                 metrics.update(score(cfg, run, batch, timer, stop))
                 check_scores(cfg, run, batch, metrics)
                 at_boundary(stop)
@@ -219,7 +221,8 @@ def collect_round(cfg: PPOConfig, run: Run, items: list, timer: Timer) -> Batch:
 
 def score(cfg: PPOConfig, run: Run, batch: Batch, timer: Timer, stop: StopRequest) -> dict[str, float]:
     """Old log-probs (unless the on-policy shortcut makes them the update's own), reference log-probs
-    (and ``actor/ref_kl``), values and scores, into ``batch``; a stop signal is honoured between them."""
+    (and ``actor/ref_kl``), the distillation teachers' log-probs, values and scores, into ``batch``; a
+    stop signal is honoured between them."""
     metrics: dict[str, float] = {}
     if forwards.needs_old_logprobs(cfg):
         with timer("old_log_prob"):  # the actor's, or SPPO's snapshot of it (refreshed every N steps)
@@ -234,6 +237,10 @@ def score(cfg: PPOConfig, run: Run, batch: Batch, timer: Timer, stop: StopReques
             metrics["actor/ref_kl"] = forwards.ref_kl(
                 batch.old_logprobs, batch.ref_logprobs, batch.response_mask
             )
+        at_boundary(stop)
+    if run.teachers:
+        with timer("teacher"):  # each row's teacher's log-probs (or top-k), for the distillation loss
+            distillation.forward_teachers(cfg, run.teachers, batch, run.sp)
         at_boundary(stop)
     if run.critic is not None:
         with timer("values"):

@@ -126,6 +126,13 @@ class Batch:
     returns: torch.Tensor | None = None
     targets: torch.Tensor | None = None
     """[B] the regression target of each response, for a loss with one (SPPO)."""
+    teacher_logprobs: torch.Tensor | None = None
+    """[B, R] the row's teacher's log-prob of each sampled token (distillation's estimator losses)."""
+    teacher_topk_logprobs: torch.Tensor | None = None
+    """[B, R, K] the teacher's ``K`` most likely next tokens' log-probs at each response position
+    (``distillation.distillation_loss.loss_mode=forward_kl_topk``), with ``teacher_topk_ids``."""
+    teacher_topk_ids: torch.Tensor | None = None
+    """[B, R, K] those tokens' ids."""
 
     @property
     def attention_mask(self) -> torch.Tensor:

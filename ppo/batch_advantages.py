@@ -27,12 +27,16 @@ def compute_advantages(
     The group estimators (GRPO, RLOO, REINFORCE++-baseline, OPO) take each sequence's summed token
     rewards, as verl does (``token_level_rewards.sum(-1)``): with KL in the reward, a sequence that
     drifted from the reference earns less than its score. GAE, REINFORCE++ and REINFORCE++-baseline
-    whiten over every valid token of the global batch (one all-reduce pattern for the three).
+    whiten over every valid token of the global batch (one all-reduce pattern for the three). Without the
+    task's loss (``PPOConfig.task_loss``: distillation alone) only the token rewards are set.
     """
     mask = batch.response_mask
     token_rewards = batch.rollout.step_rewards.float().clone()
     token_rewards[batch.rows(), last_true(mask)] += batch.scores
     metrics: dict[str, float] = {}
+    if not cfg.task_loss:  # distillation alone: the rewards are logged, no advantage is trained on
+        batch.token_rewards = token_rewards
+        return metrics
     if cfg.algorithm.use_kl_in_reward:
         kind = cfg.algorithm.kl_penalty
         if kind == "full":

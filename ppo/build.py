@@ -23,6 +23,8 @@ from ppo import (
     checkpointer,
     data,
     data_files,
+    distillation,
+    input_paths,
     lora,
     model_loading,
     model_setup,
@@ -69,6 +71,8 @@ class Run:
     """PRIME's implicit process reward model (``algorithm.adv_estimator=prime``), else None."""
     ref: torch.nn.Module | None
     """The reference policy; the actor's own module under LoRA (adapters off); None without KL terms."""
+    teachers: dict[str, torch.nn.Module]
+    """On-policy distillation's frozen teachers by name (``distillation.teacher_models``); {} without."""
     sppo_old: torch.nn.Module | None
     """SPPO's old policy with ``actor.sppo_refresh_steps > 1``: a snapshot of the actor, loaded and
     sharded as the actor is, refreshed every that many steps and checkpointed; None otherwise."""
@@ -101,6 +105,7 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
         if cfg.rollout.multi_turn.enable
         else None
     )
+    check_teachers(cfg, items)
     loader = data.make_loader(items, cfg, info)
     total_steps = data.total_steps(cfg, loader)
     sp = ulysses.make_sp_groups(cfg.actor.ulysses_sequence_parallel_size)
@@ -108,6 +113,7 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
     # seeded RNG, a fresh head or LoRA's initialisation).
     actor = model_setup.actor(cfg, info, sp)
     ref = model_setup.reference(cfg, info, actor, sp)
+    teachers = model_setup.teachers(cfg, info, sp)
     critic = model_setup.critic(cfg, info, sp)
     reward_model = model_setup.reward_model(cfg, info)
     sppo_old = model_setup.sppo_old_policy(cfg, info, sp)
@@ -153,6 +159,7 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
         critic=trained_critic,
         prm=trained_prm,
         ref=ref,
+        teachers=teachers,
         sppo_old=sppo_old,
         reward_model=reward_model,
         scorer=scorer,
@@ -176,6 +183,19 @@ def check_machine(cfg: PPOConfig, device: torch.device) -> None:
         raise ConfigError(
             f"actor.kernel_backend={cfg.actor.kernel_backend} cannot run here: {reason}; use actor.kernel_backend=auto"
         )
+
+
+def check_teachers(cfg: PPOConfig, items: list[Any]) -> None:
+    """Before any model loads, what distilling into this student needs: teachers whose files match the
+    student's tokenizer and vocabulary (``input_paths.teacher_problems``), and a teacher for every
+    training row (``distillation.check_routing``)."""
+    if not cfg.distillation.enabled:
+        return
+    problems = input_paths.teacher_problems(cfg)
+    if problems:
+        raise ConfigError(problems[0])
+    records = [getattr(item, "record", item) for item in items]  # an offline group's prompt
+    distillation.check_routing(cfg, records)
 
 
 def make_scorer(cfg: PPOConfig) -> rule_scoring.RuleScorer | None:

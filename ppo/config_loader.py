@@ -285,7 +285,7 @@ def _merge(
         if not dataclasses.is_dataclass(section) or not isinstance(value, dict):
             sources[dotted] = source  # a section's keys record their own: the others keep "the defaults"
         if typing.get_origin(section) is dict and isinstance(value, dict) and isinstance(dst.get(key), dict):
-            dst[key] = {**dst[key], **value}  # a mapping key (reward.reward_kwargs) set key by key
+            dst[key] = _merged(dst[key], value)  # a mapping key (reward.reward_kwargs) set key by key
             continue
         if not dataclasses.is_dataclass(section):
             dst[key] = value
@@ -297,6 +297,16 @@ def _merge(
             )
             continue
         _merge(dst.setdefault(key, {}), value, sources, source, dotted + ".", section, errors)
+
+
+def _merged(old: dict, new: dict) -> dict:
+    """``new`` over ``old`` key by key, nested mappings too (a teacher's ``model_path`` and ``key`` given
+    in two overrides of ``distillation.teacher_models``)."""
+    out = dict(old)
+    for key, value in new.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merged(out[key], value) if both else value
+    return out
 
 
 def _source(sources: dict[str, str], dotted: str) -> str:

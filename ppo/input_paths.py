@@ -11,6 +11,7 @@ that does not exist fails at once with the key, never as a hub id (retries witho
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -188,7 +189,7 @@ def input_problems(cfg: Any) -> list[str]:
     if rollout is not None and rollout.multi_turn.enable and rollout.multi_turn.env:
         specs.append(("rollout.multi_turn.env", rollout.multi_turn.env))
     problems += [p for key, spec in specs if (p := code_problem(spec, key)) is not None]
-    return problems
+    return problems + teacher_problems(cfg)
 
 
 def _model_paths(cfg: Any) -> list[tuple[str, str]]:
@@ -203,4 +204,92 @@ def _model_paths(cfg: Any) -> list[tuple[str, str]]:
         paths.append(("critic.model_path", critic.model_path))
     if reward is not None and getattr(reward, "model_path", None):
         paths.append(("reward.model_path", reward.model_path))
-    return paths
+    return paths + teacher_paths(cfg)
+
+
+def teacher_paths(cfg: Any) -> list[tuple[str, str]]:
+    """``(key, path)`` of each teacher of a distillation run (none otherwise)."""
+    d = getattr(cfg, "distillation", None)
+    if d is None or not d.enabled:
+        return []
+    return [
+        (f"distillation.teacher_models.{name}.model_path", t.model_path)
+        for name, t in d.teacher_models.items()
+    ]
+
+
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model", "special_tokens_map.json")
+"""The files whose content is the tokenizer: a teacher must have the student's, byte for byte, where both
+folders hold them (``tokenizer_config.json`` is compared on its special tokens only)."""
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def _special_tokens(folder: str) -> dict[str, Any]:
+    """The special tokens ``tokenizer_config.json`` names, {} without the file."""
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return {k: config.get(k) for k in SPECIAL_TOKENS}
+
+
+def _vocab_size(folder: str) -> int | None:
+    """``vocab_size`` of the model's ``config.json`` (None where the file does not say)."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            size = json.load(f).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return size if isinstance(size, int) else None
+
+
+def teacher_problems(cfg: Any) -> list[str]:
+    """What the local folders tell, before any model loads, against distilling each teacher into the
+    student: a tokenizer file or special token that differs from the student's (the teacher's log-probs
+    would be of other tokens), a vocabulary of another size, or ``topk`` not below the vocabulary."""
+    problems: list[str] = []
+    if not teacher_paths(cfg):
+        return problems
+    student = os.path.expanduser(cfg.model.tokenizer_path or cfg.model.path)
+    student_key = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path"
+    student_vocab = _vocab_size(os.path.expanduser(cfg.model.path))
+    loss = cfg.distillation.distillation_loss
+    for key, path in teacher_paths(cfg):
+        folder = os.path.expanduser(path)
+        if not os.path.isdir(folder):
+            continue  # a hub id: transformers checks it when it loads
+        if os.path.isdir(student):
+            for name in TOKENIZER_FILES:
+                mine, theirs = os.path.join(student, name), os.path.join(folder, name)
+                if os.path.isfile(mine) and os.path.isfile(theirs) and _read(mine) != _read(theirs):
+                    problems.append(
+                        f"{key}={path}: its tokenizer differs from the student's ({student_key}={student}): "
+                        f"{name} is not the same file; a teacher must share the student's tokenizer"
+                    )
+                    break
+            else:
+                mine, theirs = _special_tokens(student), _special_tokens(folder)
+                differ = [k for k in SPECIAL_TOKENS if mine and theirs and mine.get(k) != theirs.get(k)]
+                if differ:
+                    problems.append(
+                        f"{key}={path}: its special tokens differ from the student's ({student_key}={student}): "
+                        + ", ".join(f"{k} {theirs.get(k)!r} vs {mine.get(k)!r}" for k in differ)
+                    )
+        vocab = _vocab_size(folder)
+        if vocab is not None and student_vocab is not None and vocab != student_vocab:
+            problems.append(
+                f"{key}={path}: its vocabulary has {vocab} tokens and the student's (model.path) {student_vocab}; "
+                "a teacher must share the student's tokenizer"
+            )
+        if vocab is not None and loss.use_topk and loss.topk >= vocab:
+            problems.append(
+                f"distillation.distillation_loss.topk={loss.topk} must be below the vocabulary of {key}={path} "
+                f"({vocab} tokens)"
+            )
+    return problems
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()

@@ -420,13 +420,14 @@ def batch_metrics(cfg: PPOConfig, batch: Batch) -> dict[str, float]:
     values = {
         "critic/score": batch.scores,
         "critic/rewards": batch.token_rewards.sum(-1),
-        "critic/advantages": batch.advantages[mask],
-        "critic/returns": batch.returns[mask],
         "response_length": resp_len,
         "response_length/clip": (full_len == cfg.data.max_response_length).float(),
         "prompt_length": prompt_len,
         "prompt_length/clip": (prompt_len == cfg.data.max_prompt_length).float(),
     }
+    if batch.advantages is not None:  # none without the task's loss (distillation alone)
+        values["critic/advantages"] = batch.advantages[mask]
+        values["critic/returns"] = batch.returns[mask]
     if batch.values is not None:
         values["critic/values"] = batch.values[mask]
         values["critic/return_error"] = (batch.returns - batch.values)[mask]
@@ -446,7 +447,8 @@ def batch_metrics(cfg: PPOConfig, batch: Batch) -> dict[str, float]:
         "response_length",
         "prompt_length",
     ):
-        out.update({f"{name}/{k}": stats[name][k] for k in ("mean", "max", "min")})
+        if name in stats:
+            out.update({f"{name}/{k}": stats[name][k] for k in ("mean", "max", "min")})
     out["response_length/clip_ratio"] = stats["response_length/clip"]["mean"]
     out["prompt_length/clip_ratio"] = stats["prompt_length/clip"]["mean"]
     if batch.data_ranks is not None:
@@ -508,3 +510,61 @@ def max_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+# ----------------------------------------------------------------------------------------------------
+# The metric parts of a loss: summed over micro-batches, ranks and mini-batches by ppo.optimize
+# ----------------------------------------------------------------------------------------------------
+
+
+RATIO_SUM, RATIO_COUNT = "#sum", "#count"
+"""Suffixes of a ratio metric's two parts (``ratio_parts``), summed separately over micro-batches, ranks
+and mini-batches and divided once at the end of ``ppo.optimize.optimize``."""
+
+
+def ratio_parts(key: str, total: torch.Tensor, count: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A metric that is a mean over the rows or tokens it concerns (not over every token of the
+    mini-batch): its sum and its count on this micro-batch, which ``ppo.optimize.optimize`` reduces and divides."""
+    return {key + RATIO_SUM: total, key + RATIO_COUNT: count}
+
+
+EXTREMES = {"#min": "min", "#max": "max"}
+"""Suffixes of a metric that is a minimum or maximum over the tokens it concerns (``extreme_part``):
+taken over micro-batches, ranks and mini-batches instead of summed."""
+
+
+def extreme_part(key: str, value: torch.Tensor, kind: str) -> dict[str, torch.Tensor]:
+    """A metric that is the ``kind`` (``min`` or ``max``) over the tokens it concerns: this micro-batch's
+    ``value`` (``+inf`` for a min, ``-inf`` for a max where it has none), which ``ppo.optimize.optimize``
+    reduces with ``kind`` over micro-batches, ranks and mini-batches (0 where no token had any)."""
+    return {f"{key}#{kind}": value.detach()}
+
+
+def metric_kind(key: str) -> str:
+    """How a metric part combines over micro-batches, ranks and mini-batches: ``sum``, ``min`` or ``max``."""
+    return EXTREMES.get(key[key.rfind("#") :], "sum") if "#" in key else "sum"
+
+
+def combine_parts(
+    old: torch.Tensor | float | None, new: torch.Tensor | float, key: str
+) -> torch.Tensor | float:
+    """A metric part of another micro-batch or mini-batch added to ``old``: summed, or its min or max."""
+    if old is None:
+        return new
+    kind = metric_kind(key)
+    if kind == "sum":
+        return old + new
+    if isinstance(new, torch.Tensor):
+        return torch.minimum(old, new) if kind == "min" else torch.maximum(old, new)
+    return min(old, new) if kind == "min" else max(old, new)
+
+
+def resolve_ratios(metrics: dict[str, float]) -> dict[str, float]:
+    """``metrics`` with each ``ratio_parts`` pair replaced by ``sum / count`` (0 with nothing counted)."""
+    out = {k: v for k, v in metrics.items() if not k.endswith((RATIO_SUM, RATIO_COUNT))}
+    for key in metrics:
+        if key.endswith(RATIO_SUM):
+            name = key.removesuffix(RATIO_SUM)
+            count = metrics[name + RATIO_COUNT]
+            out[name] = metrics[key] / count if count > 0 else 0.0
+    return out

@@ -1,5 +1,6 @@
 """Every model a run holds, set up as its config says: one function per model of PPO (the actor, the
-reference, the critic, the reward model, SPPO's old policy, PRIME's process reward model), each called
+reference, the critic, the reward model, SPPO's old policy, PRIME's process reward model, the
+distillation teachers), each called
 once by ``ppo.build``; the stages (SFT, the reward model, DPO) set theirs up with the same
 ``build_model`` and ``frozen_reference``; and the tokenizer.
 
@@ -57,8 +58,12 @@ def actor(cfg: PPOConfig, info: DistInfo, sp: ulysses.SPGroup) -> nn.Module:
         lora_cfg=cfg.actor.lora,
         lora_key="actor.lora",
     )
-    if cfg.actor.use_fused_kernels:
-        models.check_fused_lm_head(model)
+    if cfg.actor.use_fused_kernels or (
+        cfg.distillation.enabled and cfg.distillation.distillation_loss.use_topk
+    ):
+        models.check_fused_lm_head(
+            model
+        )  # the top-k distillation loss reads the LM head as the fused kernels do
     return model
 
 
@@ -134,6 +139,32 @@ def prm(cfg: PPOConfig, info: DistInfo) -> nn.Module | None:
         lora_cfg=cfg.actor.lora,
         lora_key="actor.lora",
     )
+
+
+def teachers(cfg: PPOConfig, info: DistInfo, sp: ulysses.SPGroup) -> dict[str, nn.Module]:
+    """The teachers of on-policy distillation by name (``distillation.teacher_models``), {} without
+    ``distillation.enabled``: each loaded once, frozen, sharded by ``ref.fsdp`` (its ``param_offload``
+    included) like the reference. The top-k loss reads their final hidden states and LM head, which is
+    checked here (as for the fused kernels)."""
+    d = cfg.distillation
+    if not d.enabled:
+        return {}
+    out = {}
+    for name, teacher in d.teacher_models.items():
+        model = build_model(
+            model_loading.load_causal_lm,
+            cfg.model,
+            cfg.ref.fsdp,
+            info,
+            path=teacher.model_path,
+            path_key=f"distillation.teacher_models.{name}.model_path",
+            trainable=False,
+            sequence_parallel=sp.size,
+        )
+        if d.distillation_loss.use_topk:
+            models.check_fused_lm_head(model)
+        out[name] = model
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------

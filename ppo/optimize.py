@@ -13,6 +13,7 @@ looks the name up. Clip-Cov and KL-Cov also pick their tokens once per mini-batc
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -22,12 +23,14 @@ from ppo import algorithms, ulysses
 from ppo.algorithms.correction import mismatch_sums, rollout_rs_mask
 from ppo.batch import Batch
 from ppo.config import ActorConfig, CriticConfig, PPOConfig
+from ppo.distillation import StudentForward, student_loss
 from ppo.distributed import (
     all_gather_object,
     all_reduce_scalars,
     all_reduce_sum,
     all_reduce_tensors,
 )
+from ppo.metrics import combine_parts, metric_kind, ratio_parts, resolve_ratios
 from ppo.optim import Trained, optimizer_step
 from ppo.packing import micro_batches, pack_rows
 from ppo.token_kl import kl_estimate
@@ -38,29 +41,8 @@ logger = logging.getLogger("ppo")
 LossFn = Callable[[torch.Tensor, dict[str, float]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """``(micro-batch row indices, global counts) -> (loss, metric contributions)``: the loss is this
 micro-batch's share of the mini-batch's global loss; each metric is its share of the mini-batch value,
-or a ``ratio_parts`` pair (a sum and a count) for a mean over some of the tokens."""
-
-RATIO_SUM, RATIO_COUNT = "#sum", "#count"
-"""Suffixes of a ratio metric's two parts (``ratio_parts``), summed separately over micro-batches, ranks
-and mini-batches and divided once at the end of ``optimize``."""
-
-
-def ratio_parts(key: str, total: torch.Tensor, count: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A metric that is a mean over the rows or tokens it concerns (not over every token of the
-    mini-batch): its sum and its count on this micro-batch, which ``optimize`` reduces and divides."""
-    return {key + RATIO_SUM: total, key + RATIO_COUNT: count}
-
-
-def resolve_ratios(metrics: dict[str, float]) -> dict[str, float]:
-    """``metrics`` with each ``ratio_parts`` pair replaced by ``sum / count`` (0 with nothing counted)."""
-    out = {k: v for k, v in metrics.items() if not k.endswith((RATIO_SUM, RATIO_COUNT))}
-    for key in metrics:
-        if key.endswith(RATIO_SUM):
-            name = key.removesuffix(RATIO_SUM)
-            count = metrics[name + RATIO_COUNT]
-            out[name] = metrics[key] / count if count > 0 else 0.0
-    return out
-
+a ``ratio_parts`` pair (a sum and a count) for a mean over some of the tokens, or an ``extreme_part``
+(a minimum or maximum over them); ``ppo.metrics`` has the helpers."""
 
 MiniBatchHook = Callable[[torch.Tensor, int], None]
 """``(mini-batch row indices, mini-batch index) -> None``, run on every rank before a mini-batch's
@@ -127,15 +109,20 @@ def optimize(
                 loss, parts = loss_fn(sel, counts)
                 loss.backward()
                 for key, value in parts.items():
-                    contributions[key] = contributions.get(key, 0.0) + value.detach()
-            reduced = all_reduce_tensors(contributions, "sum")
+                    contributions[key] = combine_parts(contributions.get(key), value.detach(), key)
+            reduced = {}
+            for op in ("sum", "min", "max"):  # a collective each, only for the kinds there are
+                part = {k: v for k, v in contributions.items() if metric_kind(k) == op}
+                if part:
+                    reduced |= all_reduce_tensors(part, op)
             grad_norm, was_skipped = optimizer_step(trained.model, trained.optimizer, role.grad_clip)
             grad_norms.append(grad_norm)
             updates += 1
             skipped += was_skipped
             for key, value in reduced.items():
-                sums[key] = sums.get(key, 0.0) + value
-            if early_stop_kl > 0 and reduced[f"{prefix}/ppo_kl"] > early_stop_kl:
+                sums[key] = combine_parts(sums.get(key), value, key)
+            # (no ppo_kl without the task's loss: distillation alone never stops early)
+            if early_stop_kl > 0 and reduced.get(f"{prefix}/ppo_kl", 0.0) > early_stop_kl:
                 early_stopped = True
                 logger.info(
                     "%s: ppo_kl %.4f > early_stop_kl; the step's remaining updates are skipped",
@@ -146,7 +133,10 @@ def optimize(
         if early_stopped:
             break
     # Every rank holds the same global values; the step's mean reduction over ranks keeps them.
-    out = resolve_ratios({k: v / updates for k, v in sums.items()})
+    out = resolve_ratios({k: v / updates for k, v in sums.items() if metric_kind(k) == "sum"})
+    out |= {
+        k[: k.rfind("#")]: v if math.isfinite(v) else 0.0 for k, v in sums.items() if metric_kind(k) != "sum"
+    }
     out[f"{prefix}/grad_norm"] = float(np.mean(grad_norms))
     out[f"{prefix}/num_updates"] = float(updates)
     out[f"{prefix}/skipped_updates"] = float(skipped)
@@ -166,7 +156,9 @@ def actor_loss(
 ) -> LossFn:
     """The actor's share of a mini-batch's loss on the rows ``sel`` of ``batch``: the policy loss named
     ``actor.policy_loss.loss_mode`` (``algorithms.POLICY_LOSSES``), minus the entropy bonus, plus the KL
-    loss; with one update per rollout the old log-probs are the forward's own, detached. ``cov_mask
+    loss (the task's loss, ``PPOConfig.task_loss``), plus ``distillation_loss_coef`` times the
+    distillation loss (``ppo.distillation.student_loss``; alone with ``use_task_rewards=false``, as
+    verl); with one update per rollout the old log-probs are the forward's own, detached. ``cov_mask
     [B, R]``: Clip-Cov's or KL-Cov's tokens of the current mini-batch (``cov_selection`` fills it before
     the mini-batch). ``response_mask [B, R]``: the tokens trained, when not ``batch.response_mask``
     (``rollout_rejection``'s: the importance weights and ``mismatch/*`` stay over every generated token,
@@ -184,23 +176,77 @@ def actor_loss(
         ppo_kl_coef=a.policy_loss.ppo_kl_coef,
     )
 
+    distill = cfg.distillation.distillation_loss if cfg.distillation.enabled else None
+
     def rows(t: torch.Tensor | None, sel: torch.Tensor) -> torch.Tensor | None:
         return None if t is None else t[sel]
 
     def loss_fn(sel: torch.Tensor, counts: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         counts = {**counts, "loss_scale_factor": scale}
         mask = response_mask[sel]
-        logprobs, entropy = ulysses.packed_logprobs(
-            actor,
-            pack_rows(batch, sel),
-            sp,
-            temperature=cfg.rollout.temperature,
-            backend=a.kernel_backend,
-            compute_entropy=True,  # logged every step; its gradient only with an entropy bonus
-            fused=a.use_fused_kernels,
-        )
+        packed = pack_rows(batch, sel)
+        topk_lp = topk_ids = None
+        if distill is not None and distill.use_topk:  # one forward for both: the student's top-k side too
+            logprobs, entropy, topk_lp, topk_ids = ulysses.packed_logprobs_at(
+                actor,
+                packed,
+                batch.teacher_topk_ids[sel],
+                sp,
+                temperature=cfg.rollout.temperature,
+                backend=a.kernel_backend,
+                compute_entropy=True,
+            )
+        else:
+            logprobs, entropy = ulysses.packed_logprobs(
+                actor,
+                packed,
+                sp,
+                temperature=cfg.rollout.temperature,
+                backend=a.kernel_backend,
+                compute_entropy=True,  # logged every step; its gradient only with an entropy bonus
+                fused=a.use_fused_kernels,
+            )
         old_logprobs = logprobs.detach() if reuse_forward else batch.old_logprobs[sel]
         is_weights, mismatch = off_policy_weights(cfg, old_logprobs, batch, sel)
+        if not a.entropy_coeff or not cfg.task_loss:
+            entropy = entropy.detach()
+        # The metric is the mean token entropy whatever the aggregation (a sum under token-sum modes).
+        mean_entropy = algorithms.agg_loss(entropy.detach(), mask, "token-mean", counts["num_tokens"])
+        parts = {"actor/entropy": mean_entropy}
+        loss = logprobs.new_zeros(())
+        if cfg.task_loss:
+            loss = task_loss(sel, counts, mask, logprobs, old_logprobs, entropy, is_weights, parts)
+        if distill is not None:
+            student = StudentForward(
+                logprobs=logprobs,
+                old_logprobs=old_logprobs,
+                topk_logprobs=topk_lp,
+                topk_ids=topk_ids,
+                is_weights=is_weights,
+            )
+            distill_loss, distill_parts = student_loss(cfg, batch, sel, mask, student, counts)
+            coef = distill.distillation_loss_coef if cfg.task_loss else 1.0
+            loss = loss + coef * distill_loss
+            parts.update(distill_parts)
+        parts.update(mismatch)
+        if reuse_forward and batch.old_logprobs is None and batch.ref_logprobs is not None:
+            # The scoring forward was skipped: the step's KL to the reference from this forward.
+            seq_kl = algorithms.masked_mean(logprobs.detach() - batch.ref_logprobs[sel], mask, dim=-1)
+            parts["actor/ref_kl"] = seq_kl.sum() / counts["num_seqs"]
+        return loss, parts
+
+    def task_loss(
+        sel: torch.Tensor,
+        counts: dict[str, float],
+        mask: torch.Tensor,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        entropy: torch.Tensor,
+        is_weights: torch.Tensor | None,
+        parts: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """The policy loss on the advantages, minus the entropy bonus, plus the KL loss; metrics into
+        ``parts``."""
         inputs = algorithms.PolicyLossInputs(
             logprobs=logprobs,
             old_logprobs=old_logprobs,
@@ -211,25 +257,17 @@ def actor_loss(
             cov_mask=rows(cov_mask, sel),
         )
         pg_loss, pg_metrics = loss_of(inputs, settings, **counts)  # metrics: this micro-batch's shares
-        if not a.entropy_coeff:
-            entropy = entropy.detach()
-        entropy_loss = algorithms.agg_loss(entropy, mask, a.loss_agg_mode, **counts)
-        loss = pg_loss - a.entropy_coeff * entropy_loss if a.entropy_coeff else pg_loss
-        # The metric is the mean token entropy whatever the aggregation (a sum under token-sum modes).
-        mean_entropy = algorithms.agg_loss(entropy.detach(), mask, "token-mean", counts["num_tokens"])
-        parts = {"actor/pg_loss": pg_loss, "actor/entropy": mean_entropy}
+        loss = pg_loss
+        if a.entropy_coeff:
+            loss = loss - a.entropy_coeff * algorithms.agg_loss(entropy, mask, a.loss_agg_mode, **counts)
+        parts["actor/pg_loss"] = pg_loss
         parts.update({f"actor/{k}": v for k, v in pg_metrics.items()})
-        parts.update(mismatch)
         if a.use_kl_loss:
             kl = kl_estimate(logprobs, batch.ref_logprobs[sel], a.kl_loss_type, a.kernel_backend)
             kl_loss = algorithms.agg_loss(kl, mask, a.loss_agg_mode, **counts)
             loss = loss + a.kl_loss_coef * kl_loss
             parts["actor/kl_loss"] = kl_loss
-        if reuse_forward and batch.old_logprobs is None and batch.ref_logprobs is not None:
-            # The scoring forward was skipped: the step's KL to the reference from this forward.
-            seq_kl = algorithms.masked_mean(logprobs.detach() - batch.ref_logprobs[sel], mask, dim=-1)
-            parts["actor/ref_kl"] = seq_kl.sum() / counts["num_seqs"]
-        return loss, parts
+        return loss
 
     return loss_fn
 

@@ -112,9 +112,19 @@ def pack(prompts: list[torch.Tensor], responses: torch.Tensor, response_mask: to
 
 
 def unpack(x: torch.Tensor, packed: Packed) -> torch.Tensor:
-    """Gather a per-token quantity ``[T]`` into the response layout ``[B, R]`` (0 at padding)."""
+    """Gather a per-token quantity ``[T, ...]`` into the response layout ``[B, R, ...]`` (0 at padding)."""
     out = x[packed.response_index]
-    return torch.where(packed.attention_mask, out, torch.zeros_like(out))
+    mask = packed.attention_mask.view(*packed.attention_mask.shape, *([1] * (x.dim() - 1)))
+    return torch.where(mask, out, torch.zeros_like(out))
+
+
+def repack(x: torch.Tensor, packed: Packed) -> torch.Tensor:
+    """The inverse of ``unpack``: a quantity ``[B, R, ...]`` of the response tokens placed at the packed
+    positions that predict them, ``[T, ...]`` (0 elsewhere)."""
+    out = x.new_zeros((packed.num_tokens, *x.shape[2:]))
+    mask = packed.attention_mask
+    out[packed.response_index[mask]] = x[mask]
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -340,10 +340,16 @@ def fingerprint(path: str | Path | None) -> str | None:
 
 
 def input_fingerprints(cfg: PPOConfig | StageConfig) -> dict[str, str | None]:
-    """The fingerprints a checkpoint records of what its run read: each model path and data file."""
+    """The fingerprints a checkpoint records of what its run read: each model path (the distillation
+    teachers' included) and data file."""
     models = {"model.path": cfg.model.path}
     if isinstance(cfg, PPOConfig):
         models |= {"ref.model_path": cfg.ref.model_path, "critic.model_path": cfg.critic.model_path}
+        if cfg.distillation.enabled:  # teachers are not saved: named (the config) and fingerprinted
+            models |= {
+                f"distillation.teacher_models.{name}.model_path": t.model_path
+                for name, t in cfg.distillation.teacher_models.items()
+            }
     out = {key: fingerprint(path) for key, path in models.items() if path}
     out |= {f"data.train_files[{i}]": fingerprint(f) for i, f in enumerate(cfg.data.train_files)}
     return out

@@ -376,6 +376,14 @@ class SPSlice:
         """One past the packed position of the slice's last token (padding included)."""
         return self.start + self.input_ids.numel()
 
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a per-token quantity of the row, ``[T, ...] -> [T_local, ...]`` (0 on the
+        padding)."""
+        pad = self.sp.size * self.input_ids.numel() - self.num_tokens
+        if pad:
+            x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
+        return x[self.start : self.stop]
+
     def gather(self, x_local: torch.Tensor) -> torch.Tensor:
         """A per-token output of every rank's slice, as the row's ``[T, ...]`` (padding dropped);
         differentiable (``gather_tokens``)."""
@@ -476,12 +484,18 @@ def local_logprobs(
         return ppo_kernels.logprobs_from_logits(
             logits, sl.labels, temperature=temperature, compute_entropy=compute_entropy, backend=backend
         )
-    with _forward_kwargs(model, sl) as offsets:
-        hidden = models.causal_lm_hidden(model, sl.input_ids, sl.position_ids, offsets)
+    hidden = local_hidden(model, sl)
     weight = models.lm_head_weight(model)
     return ppo_kernels.fused_linear_logprobs(
         hidden, weight, sl.labels, temperature=temperature, compute_entropy=compute_entropy, backend=backend
     )
+
+
+def local_hidden(model: nn.Module, sl: SPSlice) -> torch.Tensor:
+    """The final hidden states (after the last norm) of the slice's tokens, ``[T_local, H]``, which with
+    ``models.lm_head_weight(model)`` give the logits (collective, as ``local_logits``)."""
+    with _forward_kwargs(model, sl) as offsets:
+        return models.causal_lm_hidden(model, sl.input_ids, sl.position_ids, offsets)
 
 
 def local_values(critic: nn.Module, sl: SPSlice) -> torch.Tensor:
@@ -519,6 +533,59 @@ def packed_logprobs(
         both = sl.gather(torch.stack([lp, ent], dim=-1))  # one collective for both
         lp, ent = both[:, 0], both[:, 1]
     return packing.unpack(lp, packed), packing.unpack(ent, packed)
+
+
+@torch.no_grad()
+def packed_topk(
+    model: nn.Module,
+    packed: Packed,
+    sp: SPGroup = NO_SP,
+    *,
+    k: int,
+    temperature: float = 1.0,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most likely next tokens at each response position and their log-probs, ``[B, R, k]``
+    each (ids int64), from the final hidden states and the LM head in token chunks
+    (``ppo_kernels.fused_linear_topk``: the ``[T, V]`` logits never exist whole); a teacher's top-k."""
+    sl = slice_for_rank(packed, sp)
+    logprobs, ids = ppo_kernels.fused_linear_topk(
+        local_hidden(model, sl), models.lm_head_weight(model), k, temperature=temperature, backend=backend
+    )
+    return packing.unpack(sl.gather(logprobs), packed), packing.unpack(sl.gather(ids), packed)
+
+
+def packed_logprobs_at(
+    model: nn.Module,
+    packed: Packed,
+    ids: torch.Tensor,
+    sp: SPGroup = NO_SP,
+    *,
+    temperature: float,
+    backend: str = "auto",
+    compute_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """``packed_logprobs`` (fused) from one forward, plus the log-probs of the tokens ``ids [B, R, K]`` at
+    each response position (differentiable, ``ppo_kernels.fused_linear_gather_logprobs``, the logits
+    recomputed in token chunks) and the model's own top-``K`` ids there (``[B, R, K]``, for the
+    distillation overlap metrics): a student's side of the top-k distillation loss."""
+    sl = slice_for_rank(packed, sp)
+    hidden = local_hidden(model, sl)
+    weight = models.lm_head_weight(model)
+    lp, ent = ppo_kernels.fused_linear_logprobs(
+        hidden, weight, sl.labels, temperature=temperature, compute_entropy=compute_entropy, backend=backend
+    )
+    at, own = ppo_kernels.fused_linear_gather_logprobs(
+        hidden,
+        weight,
+        sl.take(packing.repack(ids, packed)),
+        temperature=temperature,
+        return_topk=True,
+        backend=backend,
+    )
+    out = [packing.unpack(sl.gather(x), packed) for x in (lp, at, own)]
+    entropy = None if ent is None else packing.unpack(sl.gather(ent), packed)
+    return out[0], entropy, out[1], out[2]
 
 
 def packed_values(critic: nn.Module, packed: Packed, sp: SPGroup = NO_SP) -> torch.Tensor:

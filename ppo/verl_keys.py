@@ -40,6 +40,8 @@ from ppo.verl_rules import (
     renamed_to,
 )
 
+TEACHERS = "teachers are models of this run, sharded over all its ranks like the reference (no resource pool)"
+
 VERL_SECTIONS = {
     "actor_rollout_ref.actor": "actor",
     "actor_rollout_ref.rollout": "rollout",
@@ -441,8 +443,14 @@ VERL_KEYS: dict[str, VerlKey] = {
     "ray_kwargs.*": ignored(RAY),
     "ray_init.*": ignored(RAY),
     "transfer_queue.*": ignored("verl's transfer queue (Ray); there is none here"),
-    "distillation.enabled": refused("distillation from teacher models is not available here", (False,)),
-    "distillation.*": ignored("used only with distillation.enabled=true"),
+    "distillation.n_gpus_per_node": ignored(TEACHERS),
+    "distillation.nnodes": ignored(TEACHERS),
+    "distillation.distillation_loss.use_chunked_topk": ignored(
+        "the top-k log-probs are always computed in chunks of tokens here, without the [tokens, vocab] logits"
+    ),
+    "distillation.distillation_loss.chunked_topk_chunk_size": ignored(
+        "the kernels size their token chunks by memory here"
+    ),
     "skip.rollout.enable": refused("rollouts are always generated here", (False,)),
     "skip.rollout_tq.enable": refused("rollouts are always generated here", (False,)),
     "skip.async_rollout.enable": refused("rollouts are always generated here", (False,)),

@@ -44,6 +44,7 @@ class PPOConfig(PPOTree):
         _check_multi_turn(self)
         _check_sequence_parallel(self)
         _check_prime(self)
+        _check_distillation(self)
 
     def warnings(self) -> list[str]:
         """One message per group of keys that are set but do nothing in this run, which still trains
@@ -111,7 +112,9 @@ def _resolve_fallbacks(cfg: PPOConfig) -> None:
 def _check_groups(cfg: PPOConfig) -> None:
     """A group baseline and a ranking compare the ``rollout.n`` responses to a prompt: they need two."""
     n = cfg.rollout.n
-    if cfg.algorithm.adv_estimator in ("grpo", "rloo", "prime") and n < 2:
+    # Without the task's loss (distillation alone) no advantage is computed: verl's distillation
+    # scripts keep adv_estimator=grpo with rollout.n=1.
+    if cfg.algorithm.adv_estimator in ("grpo", "rloo", "prime") and n < 2 and cfg.task_loss:
         raise FieldError(
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs rollout.n >= 2 "
             f"(a group baseline), got rollout.n={n}",
@@ -428,4 +431,33 @@ def _check_prime(cfg: PPOConfig) -> None:
                 f"{d.accuracy_upper_bound}: no group can pass",
                 "data.accuracy_lower_bound",
                 "data.accuracy_upper_bound",
+            )
+
+
+def _check_distillation(cfg: PPOConfig) -> None:
+    """On-policy distillation trains the actor (the student) on the teachers' log-probs of its samples;
+    without the task's loss the estimator computes nothing, so one with a critic would train it for
+    nothing; SPPO's loss and PRIME's process rewards are not combined with it here."""
+    d = cfg.distillation
+    if not d.enabled:
+        return
+    loss = d.distillation_loss
+    if not loss.use_task_rewards and cfg.algorithm.adv_estimator == "gae":
+        raise FieldError(
+            "distillation.distillation_loss.use_task_rewards=false trains on the distillation loss alone, so "
+            "algorithm.adv_estimator=gae would train a critic whose values nothing uses (with "
+            "use_policy_gradient the advantages are the distillation losses): set algorithm.adv_estimator=grpo "
+            "as verl's distillation examples do",
+            "distillation.distillation_loss.use_task_rewards",
+            "algorithm.adv_estimator",
+        )
+    for key, value, refused in (
+        ("actor.policy_loss.loss_mode", cfg.actor.policy_loss.loss_mode, "sppo"),
+        ("algorithm.adv_estimator", cfg.algorithm.adv_estimator, "prime"),
+    ):
+        if value == refused:
+            raise FieldError(
+                f"distillation.enabled=true is not combined with {key}={refused} here",
+                "distillation.enabled",
+                key,
             )

@@ -9,7 +9,7 @@ import os
 
 from ppo.choices import GROUP_ESTIMATORS
 from ppo.config.roles import ActorConfig, PolicyLossConfig
-from ppo.config.sections import AlgorithmConfig, KLControlConfig, RewardConfig
+from ppo.config.sections import AlgorithmConfig, DistillationLossConfig, KLControlConfig, RewardConfig
 from ppo.config.tree import PPOTree
 
 
@@ -22,6 +22,7 @@ def startup_warnings(cfg: PPOTree) -> list[str]:
         *_critic_warmup_warnings(cfg),
         *_reward_function_warnings(cfg),
         *_reward_cap_warnings(cfg),
+        *_distillation_warnings(cfg),
         *repeated_file_warnings(cfg.data),
     ]
 
@@ -173,6 +174,68 @@ def _reward_function_warnings(cfg: PPOTree) -> list[str]:
         f"reward.custom_function is not set (the built-in rule scores): {', '.join(unused)} "
         f"{'is' if len(unused) == 1 else 'are'} ignored"
     ]
+
+
+def _distillation_warnings(cfg: PPOTree) -> list[str]:
+    """Distillation keys that do nothing: teachers without ``distillation.enabled``, verl's serving keys,
+    the loss keys of another mode, and, without the task's loss, the keys of that loss and the reward."""
+    d = cfg.distillation
+    loss, default = d.distillation_loss, DistillationLossConfig()
+    if not d.enabled:
+        return (
+            [
+                f"distillation.enabled=false: distillation.teacher_models ({', '.join(d.teacher_models)}) is ignored"
+            ]
+            if (d.teacher_models)
+            else []
+        )
+    out = []
+    if d.ignored_keys:
+        out.append(
+            f"{', '.join(sorted(set(d.ignored_keys)))}: verl's serving settings of a teacher mean nothing here "
+            "(teachers are sharded over this run's ranks like the reference) and are ignored"
+        )
+    p = "distillation.distillation_loss"
+    for reason, keys, off in (
+        (f"{p}.loss_mode={loss.loss_mode}", ("topk", "log_prob_min_clamp"), not loss.use_topk),
+        (
+            f"{p}.use_policy_gradient=false",
+            ("clip_ratio", "clip_ratio_low", "clip_ratio_high"),
+            not loss.use_policy_gradient,
+        ),
+        (f"{p}.use_task_rewards=false", ("distillation_loss_coef",), not loss.use_task_rewards),
+    ):
+        unused = [
+            f"{p}.{k}={getattr(loss, k)}" for k in keys if off and getattr(loss, k) != getattr(default, k)
+        ]
+        if unused:
+            out.append(f"{reason}: {', '.join(unused)} {'is' if len(unused) == 1 else 'are'} ignored")
+    if not loss.use_task_rewards:
+        a = cfg.actor
+        task = [
+            f"{k}={v}"
+            for k, v, on in (
+                ("actor.use_kl_loss", a.use_kl_loss, a.use_kl_loss),
+                (
+                    "algorithm.use_kl_in_reward",
+                    cfg.algorithm.use_kl_in_reward,
+                    cfg.algorithm.use_kl_in_reward,
+                ),
+                ("actor.entropy_coeff", a.entropy_coeff, bool(a.entropy_coeff)),
+            )
+            if on
+        ]
+        if task:
+            out.append(
+                f"{p}.use_task_rewards=false trains on the distillation loss alone: {', '.join(task)} "
+                f"{'does' if len(task) == 1 else 'do'} nothing"
+            )
+        if cfg.reward.custom_function is not None:
+            out.append(
+                f"{p}.use_task_rewards=false: the scores of reward.custom_function={cfg.reward.custom_function} "
+                "do not train the student (they are logged as critic/score/*, and validation uses them)"
+            )
+    return out
 
 
 def repeated_file_warnings(data: object) -> list[str]:

@@ -10,7 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ppo.config.roles import ActorConfig, CriticConfig, RefConfig
-from ppo.config.sections import AlgorithmConfig, DataConfig, RewardConfig, RolloutConfig, TrainerConfig
+from ppo.config.sections import (
+    AlgorithmConfig,
+    DataConfig,
+    DistillationConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainerConfig,
+)
 from ppo.config.shared import ModelConfig
 
 
@@ -36,6 +43,16 @@ class PPOTree:
     """Advantages, KL in the reward, rollback."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Run length, logging, checkpoints, validation."""
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
+    """On-policy distillation from teacher models."""
+
+    @property
+    def task_loss(self) -> bool:
+        """The task's policy loss trains the actor: always, except in a distillation run without
+        ``distillation.distillation_loss.use_task_rewards`` (its loss is the distillation loss alone, so
+        no advantages are computed)."""
+        d = self.distillation
+        return not d.enabled or d.distillation_loss.use_task_rewards
 
     @property
     def use_critic(self) -> bool:
@@ -67,8 +84,7 @@ class PPOTree:
     def needs_reference(self) -> bool:
         """A reference policy is scored when a KL term, the KL rollback or PRIME's implicit rewards use it."""
         return (
-            self.algorithm.use_kl_in_reward
-            or self.actor.use_kl_loss
+            (self.task_loss and (self.algorithm.use_kl_in_reward or self.actor.use_kl_loss))
             or self.algorithm.rollback_kl > 0
             or self.algorithm.adv_estimator == "prime"
         )

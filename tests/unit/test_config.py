@@ -28,6 +28,7 @@ from ppo.config import (
     AlgorithmConfig,
     ConfigError,
     CriticConfig,
+    DistillationLossConfig,
     DPOConfig,
     FSDPConfig,
     OptimConfig,
@@ -612,6 +613,32 @@ RANGE_CASES = [
     (PPOConfig, "reward.prime.grad_clip=-1", "reward.prime.grad_clip"),
     (PPOConfig, "data.accuracy_lower_bound=-0.1", "data.accuracy_lower_bound"),
     (PPOConfig, "data.accuracy_upper_bound=1.5", "data.accuracy_upper_bound"),
+    (PPOConfig, "distillation.distillation_loss.topk=0", "distillation.distillation_loss.topk"),
+    (
+        PPOConfig,
+        "distillation.distillation_loss.loss_max_clamp=0",
+        "distillation.distillation_loss.loss_max_clamp",
+    ),
+    (
+        PPOConfig,
+        "distillation.distillation_loss.distillation_loss_coef=-1",
+        "distillation.distillation_loss.distillation_loss_coef",
+    ),
+    (
+        PPOConfig,
+        "distillation.distillation_loss.clip_ratio=-0.1",
+        "distillation.distillation_loss.clip_ratio",
+    ),
+    (
+        PPOConfig,
+        "distillation.distillation_loss.clip_ratio_low=-0.1",
+        "distillation.distillation_loss.clip_ratio_low",
+    ),
+    (
+        PPOConfig,
+        "distillation.distillation_loss.clip_ratio_high=-0.1",
+        "distillation.distillation_loss.clip_ratio_high",
+    ),
     (RewardModelConfig, "loss.margin=-0.5", "loss.margin"),
     (RewardModelConfig, "data.max_length=-1", "data.max_length"),
     (RewardModelConfig, "trainer.save_freq=-3", "trainer.save_freq"),
@@ -624,6 +651,7 @@ UNRANGED = {
     (PolicyLossConfig, "clip_cov_ub"),
     (AlgorithmConfig, "reward_dpo_coef"),
     (AlgorithmConfig, "reward_gt_coef"),
+    (DistillationLossConfig, "log_prob_min_clamp"),
 }
 """Numeric fields any finite value is valid for (the Clip-Cov bounds' order is a cross-field check)."""
 
@@ -947,7 +975,21 @@ def test_the_schema_imports_nothing_heavy() -> None:
 @pytest.mark.parametrize(
     ("cls", "sections"),
     [
-        (PPOConfig, ["model", "data", "actor", "critic", "ref", "rollout", "reward", "algorithm", "trainer"]),
+        (
+            PPOConfig,
+            [
+                "model",
+                "data",
+                "actor",
+                "critic",
+                "ref",
+                "rollout",
+                "reward",
+                "algorithm",
+                "trainer",
+                "distillation",
+            ],
+        ),
         (SFTConfig, ["model", "data", "optim", "fsdp", "trainer"]),
         (RewardModelConfig, ["model", "data", "optim", "fsdp", "trainer", "loss"]),
         (DPOConfig, ["model", "data", "optim", "fsdp", "trainer", "ref", "loss", "lora"]),

@@ -1,7 +1,8 @@
 """verl's example scripts run here with only model paths, data paths and sizes appended, as a user appends
 them through the scripts' ``$@``: GAE with dynamic batch size, GRPO (and with LoRA), REINFORCE++, RLOO,
-GSPO, DAPO, KL-Cov, PPO with a reward model; the multi-turn GSM8K tool example is refused with one line
-that says what to write instead. Their key=value lines are transcribed in ``tests/unit/verl_examples.yaml``.
+GSPO, DAPO, KL-Cov, PPO with a reward model, on-policy distillation from a teacher (the distillation loss
+alone, one response per prompt); the multi-turn GSM8K tool example is refused with one line that says
+what to write instead. Their key=value lines are transcribed in ``tests/unit/verl_examples.yaml``.
 
 Also here, what such a command line relies on: the last value of a key decides (Hydra's rule, so ``$@``
 overrides work), a key given in two spellings is named in a warning, verl's warm-up default, metrics kept
@@ -24,6 +25,8 @@ from tests.helpers import REWARD_FNS, ROOT, excerpt, read_metrics, torchrun
 
 EXAMPLES = yaml.safe_load((Path(__file__).parent / "verl_examples.yaml").read_text())
 RUNS = [name for name in EXAMPLES if not name.startswith("multi_turn")]
+DISTILLATION = "on_policy_distillation"
+"""The example without the task's loss: its own run test checks what it logs."""
 
 SIZES = [
     "data.train_batch_size=4",
@@ -46,11 +49,15 @@ SIZES = [
 
 def paths(assets: Path, out: Path, name: str = "") -> list[str]:
     """The model and data paths a user appends, in verl's spelling (and the reward function, or for the
-    reward-model example the reward model)."""
+    reward-model example the reward model; for the distillation example the teacher, here the student's
+    own tiny model: it has the student's tokenizer)."""
     if name == "reward_model":
         reward = [f"reward_model.model.path={assets / 'base_rm'}"]
     else:
         reward = [f"custom_reward_function.path={REWARD_FNS}", "custom_reward_function.name=digit_score"]
+    teacher = []
+    if name == DISTILLATION:
+        teacher = [f"distillation.teacher_models.teacher_model.model_path={assets / 'base'}"]
     return [
         f"actor_rollout_ref.model.path={assets / 'base'}",
         f"critic.model.path={assets / 'base_critic'}",
@@ -58,6 +65,7 @@ def paths(assets: Path, out: Path, name: str = "") -> list[str]:
         f"data.val_files={assets / 'data' / 'val.parquet'}",
         f"trainer.default_local_dir={out}",
         *reward,
+        *teacher,
     ]
 
 
@@ -217,7 +225,7 @@ def test_verl_base_holds_verls_defaults() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", RUNS)
+@pytest.mark.parametrize("name", [name for name in RUNS if name != DISTILLATION])
 def test_a_verl_example_trains_two_steps_on_two_ranks(name: str, tiny_assets: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     steps = ["trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1"]
@@ -228,3 +236,111 @@ def test_a_verl_example_trains_two_steps_on_two_ranks(name: str, tiny_assets: Pa
     assert [row["step"] for row in rows] == [1, 2]
     assert all("actor/pg_loss" in row for row in rows)
     assert ("critic/vf_loss" in rows[0]) == (name in ("gae_dynamic_bsz", "reward_model"))  # GAE's critic
+
+
+# ----------------------------------------------------------------------------------------------------
+# On-policy distillation: the distillation loss alone, one response per prompt
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_the_distillation_example_samples_once_per_prompt(
+    tiny_assets: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # verl's distillation examples keep adv_estimator=grpo with rollout.n=1: without the task's loss no
+    # group baseline is computed, so the example's n=1 is taken here too (SIZES' n=2 replaced).
+    argv = ["--print-config", *EXAMPLES[DISTILLATION], *paths(tiny_assets, tmp_path, DISTILLATION), *SIZES]
+    code, out, err = print_config([*argv, "actor_rollout_ref.rollout.n=1"], capsys)
+    assert code == 0, err
+    cfg = yaml.safe_load(out)
+    assert (cfg["rollout"]["n"], cfg["algorithm"]["adv_estimator"]) == (1, "grpo")
+    assert cfg["distillation"]["enabled"] is True
+    assert cfg["distillation"]["teacher_models"] == {
+        "teacher_model": {"key": None, "model_path": str(tiny_assets / "base")}
+    }
+    loss = cfg["distillation"]["distillation_loss"]
+    assert (loss["loss_mode"], loss["use_task_rewards"], loss["use_policy_gradient"]) == ("k3", False, False)
+    # verl's teacher resource pool and serving settings are named as ignored, and so is what the reward
+    # function's scores do without the task's loss.
+    warnings = err.splitlines()
+    assert (
+        "warning: distillation.n_gpus_per_node=1 (from the command line), distillation.nnodes=1 (from the "
+        "command line) are ignored: teachers are models of this run, sharded over all its ranks like the "
+        "reference (no resource pool)"
+    ) in warnings
+    assert (
+        "warning: distillation.teacher_models.teacher_model.inference, distillation.teacher_models."
+        "teacher_model.num_replicas: verl's serving settings of a teacher mean nothing here (teachers are "
+        "sharded over this run's ranks like the reference) and are ignored"
+    ) in warnings
+    assert (
+        f"warning: distillation.distillation_loss.use_task_rewards=false: the scores of "
+        f"reward.custom_function={REWARD_FNS}:digit_score do not train the student (they are logged as "
+        f"critic/score/*, and validation uses them)"
+    ) in warnings
+    # With the task's loss as well, GRPO needs its group again.
+    task_too = [
+        *argv,
+        "actor_rollout_ref.rollout.n=1",
+        "distillation.distillation_loss.use_task_rewards=True",
+    ]
+    code, out, err = print_config(task_too, capsys)
+    assert (code, out) == (2, "")
+    assert err == (
+        "config error: algorithm.adv_estimator=grpo needs rollout.n >= 2 (a group baseline), got "
+        "rollout.n=1 (rollout.n from the command line, as actor_rollout_ref.rollout.n; "
+        "algorithm.adv_estimator from the command line)\n"
+    )
+
+
+@pytest.mark.slow
+def test_the_distillation_example_trains_on_the_distillation_loss_alone(
+    tiny_assets: Path, tmp_path: Path
+) -> None:
+    """verl's distillation command line on 2 ranks, 4 prompts with one response each, 12 response tokens:
+    the student learns from the teacher's log-probs alone (no policy-gradient, KL or value loss)."""
+
+    def run(out: Path, steps: int, *extra: str) -> list[dict[str, float]]:
+        args = [
+            *EXAMPLES[DISTILLATION],
+            *paths(tiny_assets, out, DISTILLATION),
+            *SIZES,
+            "actor_rollout_ref.rollout.n=1",  # the example's own n
+            f"trainer.total_training_steps={steps}",
+            "trainer.val_before_train=false",
+            "trainer.test_freq=-1",
+            "trainer.logger=[console]",
+            *extra,
+        ]
+        result = torchrun(ROOT / "train_ppo.py", *args, nproc=2, timeout=900)
+        assert result.returncode == 0, excerpt(result.stderr)
+        return read_metrics(out)
+
+    # The teacher is the student's own starting point (paths() appends base): k3 of equal log-probs is 0,
+    # so the first step's loss and gradient are 0.
+    rows = run(tmp_path / "same", 2)
+    assert [row["step"] for row in rows] == [1, 2]
+    distilled = {
+        "distillation/loss",
+        "distillation/abs_loss",
+        "distillation/loss_min",
+        "distillation/loss_max",
+    }
+    for row in rows:
+        assert distilled <= set(row), sorted(row)
+        # The distillation loss alone: no task loss, no advantages, no KL to a reference, no critic.
+        assert not [
+            k for k in row if k.startswith(("actor/pg_", "actor/kl_", "actor/ppo_kl", "critic/advantages"))
+        ]
+        assert "critic/vf_loss" not in row and "actor/ref_kl" not in row
+        assert "critic/score/mean" in row  # the reward is still scored and logged
+    first = rows[0]
+    assert first["distillation/loss"] == pytest.approx(0.0, abs=1e-6)
+    assert first["distillation/abs_loss"] == pytest.approx(0.0, abs=1e-6)
+    assert first["actor/grad_norm"] == pytest.approx(0.0, abs=1e-2)
+    # Another teacher (the larger tiny Llama, same tokenizer): its log-probs differ, the loss is positive
+    # and the student gets a gradient; the token mean lies between the token extremes.
+    teacher = f"distillation.teacher_models.teacher_model.model_path={tiny_assets / 'base_teacher'}"
+    (row,) = run(tmp_path / "other", 1, teacher)
+    assert row["distillation/abs_loss"] > 0.01 and row["actor/grad_norm"] > 0.1
+    assert 0.0 <= row["distillation/loss_min"] <= row["distillation/abs_loss"] <= row["distillation/loss_max"]
+    assert "actor/pg_loss" not in row

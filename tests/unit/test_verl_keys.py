@@ -96,7 +96,7 @@ def test_verl_defaults_as_one_command_line_and_as_a_file(
 @pytest.mark.parametrize(
     ("override_", "fragment"),
     [
-        ("distillation.enabled=true", "distillation from teacher models is not available here"),
+        ("distillation.enabled=true", "distillation.enabled=true needs a teacher"),
         ("actor_rollout_ref.actor.qat.enable=true", "quantization-aware training is not available here"),
         ("actor_rollout_ref.actor.fsdp_config.qat.enable=true", "quantization-aware training"),
         ("skip.rollout.enable=true", "rollouts are always generated here"),
