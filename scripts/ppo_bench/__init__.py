@@ -17,6 +17,7 @@ several ranks); ``--help`` says what it measures and how to read it, ``--json`` 
   SIGTERM while reward workers hang.
 - ``compare_offline``: offline KL-PPO, DPO, offline SPPO and SimPO on one ranked file (its runs in
   ``compare_offline_runs``).
+- ``distill``: on-policy distillation against GRPO from one SFT model: accuracy per step, per seed.
 
 The shared harness: ``common`` (models, options, clocks, memory, output; torch), ``shapes`` (the random
 models' architectures) and ``runs`` (a trainer run in its own process, its metrics and step clocks, fits and
