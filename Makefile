@@ -48,10 +48,13 @@ lock: install
 	$(UV_COMPILE) locks/cuda.in -o locks/cuda.txt
 
 # Tiny tokenizer, models and task; SFT on the flawed demonstrations (assets/sft, the PPO actor's start);
-# that model fine-tuned on demonstrations of which 40% call a calculator (assets/tools/sft, the start of
+# the teacher of on-policy distillation, a larger tiny Llama (assets/base_teacher) SFT'd on the same
+# problems with every answer right (assets/teacher; `make teacher` trains only it); that SFT model
+# fine-tuned on demonstrations of which 40% call a calculator (assets/tools/sft, the start of
 # configs/demo_cpu_tools.yaml); the reward model (assets/rm); offline groups for configs/demo_cpu_offline.yaml: 4 samples from
 # the SFT model for each of the first 2048 training prompts, ranked by the rule (assets/offline). Final
-# numbers go to assets/metrics.json. About 6 minutes on 2 cores (5m44s measured).
+# numbers go to assets/metrics.json. About 8 minutes on 2 cores (5m44s measured before the teacher, which
+# adds 2.5; 14m30s and 17m35s measured for SEED=1 and 2 while other jobs shared the cores).
 # SEED=1 builds another task split, initialization and data order (the presets' seed is 0);
 # ASSETS=dir writes the whole set to another folder (run a preset on it with model.path=dir/sft etc.).
 SEED ?= 0
@@ -63,6 +66,15 @@ SFT_PATHS := model.path=$(A)/base data.train_files=[$(A)/data/sft_train.parquet]
 RM_PATHS := model.path=$(A)/sft data.train_files=[$(A)/data/pref_train.parquet] \
 	data.val_files=[$(A)/data/pref_val.parquet] trainer.output_dir=$(A)/runs/rm trainer.save_path=$(A)/rm \
 	trainer.seed=$(SEED)
+TEACHER_PATHS := model.path=$(A)/base_teacher data.train_files=[$(A)/data/teacher_sft_train.parquet] \
+	data.val_files=[$(A)/data/teacher_sft_val.parquet] data.eval_prompt_files=[$(A)/data/val.parquet] \
+	trainer.output_dir=$(A)/runs/teacher trainer.save_path=$(A)/teacher trainer.seed=$(SEED)
+TRAIN_TEACHER := .venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) scripts/train_sft.py \
+	--config configs/sft_teacher_demo.yaml $(TEACHER_PATHS)
+# The summary's lines that `make teacher` prints too (python; m: the metrics.json): how a stage that stopped
+# before its planned steps is named, the teacher's numbers.
+STOPPED_EARLY := early = lambda s: ('; STOPPED EARLY after %d of %d steps: resume it with trainer.resume_mode=auto' % (m[s + '_steps'], m[s + '_steps_planned'])) if m.get(s + '_stopped_early') else '';
+TEACHER_LINE := print('teacher model $(A)/teacher: greedy accuracy %(teacher_val_accuracy).3f, one sample at T=1 %(teacher_sample_accuracy).3f, pass@%(teacher_eval_samples_per_prompt)d %(teacher_pass_at_k).3f (%(teacher_eval_prompts)d val problems; %(teacher_steps)d steps in %(teacher_train_time_s).0f s' % m + early('teacher') + ')');
 TOOLS_PATHS := model.path=$(A)/sft data.train_files=[$(A)/data/sft_tools_train.parquet] \
 	data.val_files=[$(A)/data/sft_tools_val.parquet] trainer.output_dir=$(A)/tools/runs/sft \
 	trainer.save_path=$(A)/tools/sft trainer.seed=$(SEED)
@@ -71,6 +83,7 @@ assets: install
 	rm -rf $(A)/runs $(A)/metrics.json $(A)/offline $(A)/tools
 	$(PY) scripts/make_tiny_assets.py --out $(A) --seed $(SEED)
 	.venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) scripts/train_sft.py --config configs/sft_demo.yaml $(SFT_PATHS)
+	$(TRAIN_TEACHER)
 	.venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) scripts/train_sft.py --config configs/sft_tools_demo.yaml $(TOOLS_PATHS)
 	.venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) scripts/train_reward_model.py --config configs/rm_demo.yaml $(RM_PATHS)
 	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) scripts/make_offline_data.py \
@@ -78,12 +91,23 @@ assets: install
 		--max-prompts 2048 --shard-size 512 --max-prompt-length 16 --max-response-length 28 --seed $(SEED) \
 		--metrics $(A)/metrics.json
 	@$(PY) -c "import json; m = json.load(open('$(A)/metrics.json')); \
-	early = lambda s: ('; STOPPED EARLY after %d of %d steps: resume it with trainer.resume_mode=auto' % (m[s + '_steps'], m[s + '_steps_planned'])) if m.get(s + '_stopped_early') else ''; \
+	$(STOPPED_EARLY) \
 	print('SFT model    $(A)/sft: greedy accuracy %(sft_val_accuracy).3f, one sample at T=1 %(sft_sample_accuracy).3f, pass@%(sft_eval_samples_per_prompt)d %(sft_pass_at_k).3f (%(sft_eval_prompts)d val problems; %(sft_steps)d steps in %(sft_train_time_s).0f s' % m + early('sft') + ')'); \
 	print('reward model $(A)/rm:  held-out accuracy %(rm_val_accuracy).3f, margin %(rm_val_margin).2f (%(rm_steps)d steps in %(rm_train_time_s).0f s' % m + early('rm') + ')'); \
 	print('  by mistake: ' + ', '.join('%s %.3f' % kv for kv in m['rm_val_accuracy_by_mistake'].items())); \
 	print('offline data $(A)/offline: %(offline_groups)d groups of %(offline_group_size)d from %(offline_prompts)d prompts, mean rule score %(offline_mean_score).3f, %(offline_unequal_share).2f of groups with unequal scores (%(offline_time_s).0f s)' % m); \
+	$(TEACHER_LINE) \
 	print('all numbers: $(A)/metrics.json')"
+
+# Only the teacher of `make assets` (assets/base_teacher, its clean demonstrations, assets/teacher; its
+# numbers join assets/metrics.json), for assets built before they had one: SEED must be the one they were
+# built with, or the teacher trains on the student's validation problems. About 2.5 minutes on 2 cores.
+.PHONY: teacher
+teacher: install
+	rm -rf $(A)/runs/teacher
+	$(PY) scripts/make_tiny_assets.py --out $(A) --seed $(SEED) --teacher-only
+	$(TRAIN_TEACHER)
+	@$(PY) -c "import json; m = json.load(open('$(A)/metrics.json')); $(STOPPED_EARLY) $(TEACHER_LINE)"
 
 # PPO on the SFT model with the true reward (GAE, adaptive KL in the reward), then its curves. The assets
 # are built only when they are missing (`make assets` rebuilds them); `make demo` reruns the PPO demo from
@@ -92,7 +116,7 @@ assets: install
 DEMO_PPO := OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) train_ppo.py \
 	--config configs/demo_cpu.yaml
 check-assets: install
-	@if test -d $(A)/sft -a -d $(A)/rm -a -f $(A)/metrics.json; then \
+	@if test -d $(A)/sft -a -d $(A)/rm -a -d $(A)/teacher -a -f $(A)/metrics.json; then \
 		echo "using the assets in $(A) (\`make assets\` rebuilds them)"; \
 	else $(MAKE) assets; fi
 

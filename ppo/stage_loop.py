@@ -7,7 +7,7 @@ checkpoint, the per-step optimizer step and schedule, validation every ``trainer
 metrics, progress, checkpoints every ``trainer.save_freq`` steps and on a stop signal, the time cap, and the end-of-run
 summary. A run that stops before its planned steps (a stop signal, ``trainer.max_time_s``) says so in
 the stage's final numbers (``<stage>_stopped_early``, ``<stage>_steps_planned`` in the ``metrics.json``
-next to its model, ``STAGE_PREFIX``). A stage run killed or preempted resumes exactly, like a PPO run::
+next to its model, ``metrics_prefix``). A stage run killed or preempted resumes exactly, like a PPO run::
 
     start = start_stage(cfg, info, functools.partial(load_sft_examples, max_length=cfg.data.max_length))
     result = train_stage(cfg, info, start.out_dir, trained=trained, loader=start.loader,
@@ -196,7 +196,7 @@ def train_stage(
             state.step,
         )
     early = stopped or timed_out
-    prefix = STAGE_PREFIX.get(type(cfg))
+    prefix = metrics_prefix(cfg)
     if prefix is not None:
         save_path = run_folder.stage_save_path(cfg)
         runner.write_final_metrics(
@@ -234,3 +234,11 @@ def train_stage(
 
 STAGE_PREFIX: dict[type, str] = {SFTConfig: "sft", RewardModelConfig: "rm", DPOConfig: "dpo"}
 """The prefix of a stage's keys in the ``metrics.json`` next to its model (``sft_steps``, ...)."""
+
+
+def metrics_prefix(cfg: StageConfig) -> str | None:
+    """The prefix of the run's keys in the ``metrics.json`` next to its model: SFT's
+    ``trainer.metrics_prefix``, the stage's ``STAGE_PREFIX`` otherwise."""
+    if isinstance(cfg, SFTConfig):
+        return cfg.trainer.metrics_prefix
+    return STAGE_PREFIX.get(type(cfg))

@@ -1,6 +1,7 @@
 """Build the tiny assets the CPU demo and the tests run on: tokenizer, models and the synthetic task.
 
     python scripts/make_tiny_assets.py --out assets --seed 0     # or: make assets
+    python scripts/make_tiny_assets.py --out assets --seed 0 --teacher-only     # or: make teacher
 
 Deterministic in the seed, no downloads, a few seconds. Writes::
 
@@ -8,28 +9,39 @@ Deterministic in the seed, no downloads, a few seconds. Writes::
     assets/base/            tiny Llama causal LM (hidden 128, 3 layers, 4 heads, ~0.8M params) + tokenizer
     assets/base_rm/         the same backbone with a 1-output sequence-classification head (reward model)
     assets/base_critic/     the same backbone with a 1-output token-classification head (critic)
+    assets/base_teacher/    a larger tiny Llama (hidden 192, 4 layers, 6 heads, ~2.4M params), same tokenizer
     assets/data/train.parquet, val.parquet            RL prompts in verl's layout
     assets/data/sft_train.parquet, sft_val.parquet    prompt + answer demonstrations
     assets/data/pref_train.parquet, pref_val.parquet  prompt, chosen, rejected, mistake
     assets/data/sft_tools_train.parquet, sft_tools_val.parquet   the demonstrations, 40% calling a calculator
+    assets/data/teacher_sft_train.parquet, teacher_sft_val.parquet   the same problems, every answer right
+
+``--teacher-only`` writes only ``base_teacher/`` and the ``teacher_sft_*`` files (the tokenizer and every
+other file as they are), for assets built before the teacher existed; give it the seed they were built
+with, or the teacher learns from the student's validation problems.
 
 ``make assets`` then trains ``assets/sft`` and ``assets/rm`` on these files, fine-tunes ``assets/sft`` on
-the tool-use demonstrations into ``assets/tools/sft`` (the start of ``configs/demo_cpu_tools.yaml``), and
+the tool-use demonstrations into ``assets/tools/sft`` (the start of ``configs/demo_cpu_tools.yaml``),
 samples the offline groups of ``configs/demo_cpu_offline.yaml`` from the SFT model
-(``assets/offline/train.parquet``, ``scripts/make_offline_data.py``).
+(``assets/offline/train.parquet``, ``scripts/make_offline_data.py``), and trains ``assets/base_teacher``
+on the clean demonstrations into ``assets/teacher``, the teacher that on-policy distillation distills into
+the SFT model (``configs/sft_teacher_demo.yaml``; ``make teacher`` does only that).
 
 The task (see docs/demo.md): two-digit addition, prompt ``[{"role": "user", "content": "23 +
 48"}]``, answer in GSM8K form ``23 + 48 = 71\\n#### 71``. In the SFT training data 60% of the additions
 that need a carry show the carry forgotten (the answer 10 too small), a systematic flaw that RL with the
-rule reward then corrects; validation answers are always right. Validation problems are disjoint from
-training ones. ``make_task`` is the pure generator (tests import this file by path).
+rule reward then corrects; validation answers are always right, and so are all of the teacher's.
+Validation problems are disjoint from training ones. ``make_task`` is the pure generator (tests import
+this file by path).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import string
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +94,20 @@ MODEL_SHAPE = dict(
     max_position_embeddings=256,
 )
 """The tiny Llama of docs/demo.md (813,696 parameters with the 103-token vocabulary)."""
+TEACHER_SHAPE = dict(
+    hidden_size=192,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=6,
+    num_key_value_heads=6,
+    max_position_embeddings=MODEL_SHAPE["max_position_embeddings"],
+    initializer_range=0.05,
+)
+"""The teacher's larger tiny Llama (2,400,576 parameters), same tokenizer and context as the student's.
+Initialized with std 0.05 instead of Llama's 0.02: on clean data it then learns the units digit about 100
+steps earlier (configs/sft_teacher_demo.yaml)."""
+TEACHER_FILES = ("teacher_sft_train", "teacher_sft_val")
+"""The data file stems ``--teacher-only`` writes."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -217,8 +243,8 @@ def preference_rows(problems: list[tuple[int, int]], rng: np.random.Generator) -
 
 def make_task(seed: int) -> dict[str, list[dict[str, Any]]]:
     """Every data file's rows, keyed by file stem (``train``, ``val``, ``sft_train``, ``sft_val``,
-    ``pref_train``, ``pref_val``, ``sft_tools_train``, ``sft_tools_val``). Pure and deterministic in
-    ``seed``."""
+    ``pref_train``, ``pref_val``, ``sft_tools_train``, ``sft_tools_val``, ``teacher_sft_train``,
+    ``teacher_sft_val``). Pure and deterministic in ``seed``."""
     pool, val = split_problems(seed)
     pref_order = np.random.default_rng([seed, 1]).permutation(len(pool))[:NUM_PREF_TRAIN]
     sft_train = sft_rows(pool, CARRY_FLAW_FRACTION, np.random.default_rng([seed, 2]))
@@ -232,14 +258,20 @@ def make_task(seed: int) -> dict[str, list[dict[str, Any]]]:
         "pref_val": preference_rows(val, np.random.default_rng([seed, 5])),
         "sft_tools_train": sft_tool_rows(sft_train, TOOL_FRACTION, np.random.default_rng([seed, 6])),
         "sft_tools_val": sft_tool_rows(sft_val, TOOL_FRACTION, np.random.default_rng([seed, 7])),
+        # The teacher's demonstrations: the student's problems with every answer right.
+        "teacher_sft_train": sft_rows(pool, 0.0, np.random.default_rng([seed, 8])),
+        "teacher_sft_val": sft_val,
     }
 
 
-def write_task(out_dir: Path, seed: int) -> dict[str, int]:
-    """Write the task's Parquet files under ``out_dir``; returns rows per file stem."""
+def write_task(out_dir: Path, seed: int, names: tuple[str, ...] | None = None) -> dict[str, int]:
+    """Write the task's Parquet files under ``out_dir`` (those of ``names``, default all); returns rows per
+    file stem."""
     out_dir.mkdir(parents=True, exist_ok=True)
     sizes = {}
     for name, rows in make_task(seed).items():
+        if names is not None and name not in names:
+            continue
         pq.write_table(pa.Table.from_pylist(rows), out_dir / f"{name}.parquet")
         sizes[name] = len(rows)
     return sizes
@@ -276,24 +308,39 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_models(out: Path, tokenizer: PreTrainedTokenizerFast, seed: int) -> int:
-    """Save the random-init causal LM to ``out/base`` and its reward-model and critic variants next to it
-    (same backbone, fresh 1-output heads). Returns the causal LM's parameter count."""
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **MODEL_SHAPE,
-    )
-    # "Newly initialized weights" is the point here: silence it (and the progress bars), then restore
-    # the caller's settings.
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence transformers' "newly initialized weights" (the point here) and its progress bars, then
+    restore the caller's settings."""
     verbosity = transformers.logging.get_verbosity()
     bars = transformers.utils.logging.is_progress_bar_enabled()
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+
+
+def llama_config(tokenizer: PreTrainedTokenizerFast, shape: dict[str, Any]) -> LlamaConfig:
+    """A Llama of ``shape`` (``MODEL_SHAPE``, ``TEACHER_SHAPE``) over ``tokenizer``'s vocabulary."""
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **shape,
+    )
+
+
+def build_models(out: Path, tokenizer: PreTrainedTokenizerFast, seed: int) -> int:
+    """Save the random-init causal LM to ``out/base`` and its reward-model and critic variants next to it
+    (same backbone, fresh 1-output heads). Returns the causal LM's parameter count."""
+    config = llama_config(tokenizer, MODEL_SHAPE)
+    with quiet_transformers():
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
         model.save_pretrained(out / "base")
@@ -307,18 +354,26 @@ def build_models(out: Path, tokenizer: PreTrainedTokenizerFast, seed: int) -> in
         critic = AutoModelForTokenClassification.from_pretrained(out / "base", num_labels=1)
         critic.save_pretrained(out / "base_critic")
         tokenizer.save_pretrained(out / "base_critic")
-    finally:
-        transformers.logging.set_verbosity(verbosity)
-        if bars:
-            transformers.utils.logging.enable_progress_bar()
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_teacher(out: Path, tokenizer: PreTrainedTokenizerFast, seed: int) -> int:
+    """Save the teacher's random-init causal LM (``TEACHER_SHAPE``) and ``tokenizer`` to
+    ``out/base_teacher``. Returns its parameter count."""
+    with quiet_transformers():
+        torch.manual_seed(seed + 3)  # seed .. seed + 2 initialize the student, its reward model and critic
+        model = LlamaForCausalLM(llama_config(tokenizer, TEACHER_SHAPE))
+        model.save_pretrained(out / "base_teacher")
+        tokenizer.save_pretrained(out / "base_teacher")
     return sum(p.numel() for p in model.parameters())
 
 
 def build_assets(out: Path, seed: int) -> dict[str, Any]:
-    """Build everything under ``out``; returns a summary (sizes, parameter count, token counts)."""
+    """Build everything under ``out``; returns a summary (sizes, parameter counts, token counts)."""
     tokenizer = build_tokenizer()
     tokenizer.save_pretrained(out / "tokenizer")
     num_params = build_models(out, tokenizer, seed)
+    num_teacher_params = build_teacher(out, tokenizer, seed)
     sizes = write_task(out / "data", seed)
     prompt = tokenizer.apply_chat_template(
         prompt_messages(23, 48), add_generation_prompt=True, tokenize=False
@@ -326,6 +381,7 @@ def build_assets(out: Path, seed: int) -> dict[str, Any]:
     return {
         "vocab_size": len(tokenizer),
         "num_params": num_params,
+        "num_teacher_params": num_teacher_params,
         "rows": sizes,
         "example_prompt": prompt,
         "prompt_tokens": len(tokenizer(prompt, add_special_tokens=False)["input_ids"]),
@@ -335,24 +391,36 @@ def build_assets(out: Path, seed: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Command line: ``--out DIR --seed N``."""
+    """Command line: ``--out DIR --seed N [--teacher-only]``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("assets"), help="output folder (default: assets)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data and the weights")
+    parser.add_argument(
+        "--teacher-only",
+        action="store_true",
+        help="write only base_teacher/ and the teacher_sft_* data (assets built with the same --seed)",
+    )
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
-    s = build_assets(args.out, args.seed)
     out = args.out
-    print(f"tokenizer  {out / 'tokenizer'}  ({s['vocab_size']} tokens, character level)")
-    print(
-        f"models     {out / 'base'}, {out / 'base_rm'}, {out / 'base_critic'}  ({s['num_params']:,} params)"
-    )
-    for name, n in s["rows"].items():
+    if args.teacher_only:
+        num_teacher_params = build_teacher(out, build_tokenizer(), args.seed)
+        rows = write_task(out / "data", args.seed, TEACHER_FILES)
+    else:
+        s = build_assets(out, args.seed)
+        num_teacher_params, rows = s["num_teacher_params"], s["rows"]
+        print(f"tokenizer  {out / 'tokenizer'}  ({s['vocab_size']} tokens, character level)")
+        print(
+            f"models     {out / 'base'}, {out / 'base_rm'}, {out / 'base_critic'}  ({s['num_params']:,} params)"
+        )
+    print(f"teacher    {out / 'base_teacher'}  ({num_teacher_params:,} params)")
+    for name, n in rows.items():
         print(f"data       {out / 'data' / name}.parquet  ({n} rows)")
-    print(
-        f"example    prompt {s['example_prompt']!r} = {s['prompt_tokens']} tokens, "
-        f"response '23 + 48 = 71\\n#### 71' + eos = {s['response_tokens']} tokens"
-    )
+    if not args.teacher_only:
+        print(
+            f"example    prompt {s['example_prompt']!r} = {s['prompt_tokens']} tokens, "
+            f"response '23 + 48 = 71\\n#### 71' + eos = {s['response_tokens']} tokens"
+        )
     print(f"done in {time.perf_counter() - t0:.1f} s (seed {args.seed})")
 
 

@@ -10,7 +10,8 @@ over the whole global batch. FSDP2, AdamW with warm-up and cosine decay, gradien
 ``trainer.save_freq`` steps and on SIGTERM/Ctrl-C, resumed with ``trainer.resume_mode=auto``. At the end the
 model is saved with ``save_pretrained`` (``trainer.save_path``, the PPO actor's ``model.path``) and,
 when ``data.eval_prompt_files`` is set, its greedy and sampled answers are scored by the rule reward:
-``sft_val_accuracy`` and ``sft_sample_accuracy`` go to ``metrics.json`` beside the saved folder.
+``sft_val_accuracy`` and ``sft_sample_accuracy`` go to ``metrics.json`` beside the saved folder
+(``trainer.metrics_prefix`` names them otherwise: ``teacher_val_accuracy``).
 """
 
 from __future__ import annotations
@@ -133,21 +134,22 @@ def train(cfg: SFTConfig, info: DistInfo) -> None:
 
     # Save the model (the PPO actor's starting point), then score its answers.
     saved = models.save_model(model, start.tokenizer, run_folder.stage_save_path(cfg), info)
-    final = {"sft_steps": result.steps, "sft_train_time_s": round(result.train_time_s, 1)}
+    final = {"steps": result.steps, "train_time_s": round(result.train_time_s, 1)}
     if "val/loss" in result.metrics:
-        final["sft_val_loss"] = round(result.metrics["val/loss"], 4)
+        final["val_loss"] = round(result.metrics["val/loss"], 4)
     if cfg.data.eval_prompt_files:
         answers = evaluate_answers(model, start.tokenizer, cfg, info)
         result.metrics_logger.log(result.steps, answers)
         final.update(
-            sft_val_accuracy=round(answers["val/accuracy"], 4),
-            sft_sample_accuracy=round(answers["val/sample_accuracy"], 4),
-            sft_pass_at_k=round(answers["val/pass_at_k"], 4),
-            sft_eval_prompts=int(answers["val/num_prompts"]),
-            sft_eval_samples_per_prompt=NUM_EVAL_SAMPLES,
+            val_accuracy=round(answers["val/accuracy"], 4),
+            sample_accuracy=round(answers["val/sample_accuracy"], 4),
+            pass_at_k=round(answers["val/pass_at_k"], 4),
+            eval_prompts=int(answers["val/num_prompts"]),
+            eval_samples_per_prompt=NUM_EVAL_SAMPLES,
         )
     result.metrics_logger.close()
-    runner.write_final_metrics(saved.parent, info, final)
+    prefix = cfg.trainer.metrics_prefix
+    runner.write_final_metrics(saved.parent, info, {f"{prefix}_{k}": v for k, v in final.items()})
 
 
 def answer_labels(packed: PackedSequences, examples: list[stage_data.SFTExample]) -> torch.Tensor:

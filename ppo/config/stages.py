@@ -83,6 +83,24 @@ class StageTrainerConfig(RunTrainerConfig):
 
 
 @dataclass(kw_only=True)
+class SFTTrainerConfig(StageTrainerConfig):
+    """SFT's ``trainer`` section: the stages' keys, and the prefix of its final numbers."""
+
+    metrics_prefix: str = "sft"
+    """Prefix of the run's final numbers in the ``metrics.json`` beside its saved model (``sft_steps``,
+    ``sft_val_accuracy``, ...): another name keeps two SFT runs that save into one folder apart (``make
+    assets``' teacher writes ``teacher_*`` beside the student's ``sft_*``)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.metrics_prefix.isidentifier():
+            raise FieldError(
+                f"metrics_prefix must be a name of letters, digits and underscores, got {self.metrics_prefix!r}",
+                "metrics_prefix",
+            )
+
+
+@dataclass(kw_only=True)
 class StageRunConfig:
     """What every stage has: a model to train with its optimizer and sharding, batches of examples, a
     trainer section. Each stage sets its own defaults and adds its sections after these."""
@@ -114,8 +132,8 @@ class SFTConfig(StageRunConfig):
 
     data: StageDataConfig = field(default_factory=StageDataConfig)
     """Training and validation files, lengths, batch sizes."""
-    trainer: StageTrainerConfig = field(default_factory=lambda: StageTrainerConfig(output_dir="outputs/sft"))
-    """Run length, logging, output (default folder ``outputs/sft``)."""
+    trainer: SFTTrainerConfig = field(default_factory=lambda: SFTTrainerConfig(output_dir="outputs/sft"))
+    """Run length, logging, output (default folder ``outputs/sft``), the prefix of the final numbers."""
 
 
 @dataclass(kw_only=True)

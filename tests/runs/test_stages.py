@@ -206,6 +206,35 @@ def test_sft_steps_lower_the_loss_and_save_a_loadable_model(tiny: Path, tmp_path
     assert final["sft_pass_at_k"] >= final["sft_sample_accuracy"] - 1e-9
 
 
+def test_sft_metrics_prefix_keeps_the_keys_of_another_run(tiny: Path, tmp_path: Path) -> None:
+    """Two SFT runs that save their models into one folder (``make assets``' student and teacher): the
+    second's ``trainer.metrics_prefix`` names its final numbers, and the first run's stay as they were."""
+    student = {"sft_steps": 1600, "sft_steps_planned": 1600, "sft_stopped_early": False, "sft_val_loss": 0.5}
+    (tmp_path / "metrics.json").write_text(json.dumps(student))
+    args = sft_args(
+        tiny,
+        tmp_path / "runs" / "teacher",
+        "trainer.total_training_steps=2",
+        f"trainer.save_path={tmp_path / 'teacher'}",
+        "trainer.metrics_prefix=teacher",
+    )
+    assert sft.main(args) == 0
+    final = json.loads((tmp_path / "metrics.json").read_text())
+    assert {k: final[k] for k in student} == student
+    assert (final["teacher_steps"], final["teacher_steps_planned"], final["teacher_stopped_early"]) == (
+        2,
+        2,
+        False,
+    )
+    assert set(final) == set(student) | {
+        "teacher_steps",
+        "teacher_steps_planned",
+        "teacher_stopped_early",
+        "teacher_train_time_s",
+        "teacher_val_loss",
+    }
+
+
 def test_sft_resumes_exactly(tiny: Path, tmp_path: Path) -> None:
     """Six steps, a checkpoint, then the next six from it: the model and every logged number of a run
     that never stopped."""

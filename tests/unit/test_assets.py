@@ -1,5 +1,6 @@
 """Tests of scripts/make_tiny_assets.py: the assets load back with from_pretrained, are deterministic in the
-seed, and the synthetic task has the flaw and the splits that docs/demo.md describes."""
+seed, the synthetic task has the flaw and the splits that docs/demo.md describes, and the distillation
+teacher is a larger model of the student's tokenizer with demonstrations free of the flaw."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ DATA_FILES = (
     "pref_val",
     "sft_tools_train",
     "sft_tools_val",
+    "teacher_sft_train",
+    "teacher_sft_val",
 )
 
 
@@ -64,11 +67,12 @@ def test_cli_builds_everything_deterministically(
     assets.main(["--out", str(tmp_path), "--seed", "0"])
     printed = capsys.readouterr().out
     assert "813,696 params" in printed and "(4096 rows)" in printed and "= 10 tokens" in printed
+    assert "base_teacher  (2,400,576 params)" in printed
     for name in DATA_FILES:
         a, b = built / "data" / f"{name}.parquet", tmp_path / "data" / f"{name}.parquet"
         assert pq.read_table(a).equals(pq.read_table(b)), name
         assert a.read_bytes() == b.read_bytes(), name
-    for folder in ("base", "base_rm", "base_critic"):
+    for folder in ("base", "base_rm", "base_critic", "base_teacher"):
         first = load_file(built / folder / "model.safetensors")
         second = load_file(tmp_path / folder / "model.safetensors")
         assert first.keys() == second.keys()
@@ -84,10 +88,29 @@ def test_other_seed_gives_other_data_and_weights(assets: ModuleType, built: Path
     w0 = load_file(built / "base" / "model.safetensors")["model.embed_tokens.weight"]
     w1 = load_file(tmp_path / "base" / "model.safetensors")["model.embed_tokens.weight"]
     assert not torch.equal(w0, w1)
+    assets.build_teacher(tmp_path, assets.build_tokenizer(), seed=1)
+    w0 = load_file(built / "base_teacher" / "model.safetensors")["model.embed_tokens.weight"]
+    w1 = load_file(tmp_path / "base_teacher" / "model.safetensors")["model.embed_tokens.weight"]
+    assert not torch.equal(w0, w1)
+
+
+def test_teacher_only_writes_the_teachers_files_as_the_full_build(
+    assets: ModuleType, built: Path, tmp_path: Path
+) -> None:
+    """``--teacher-only`` (``make teacher``) adds the teacher to assets built before it: exactly the files a
+    full build writes for it, and nothing else."""
+    assets.main(["--out", str(tmp_path), "--seed", "0", "--teacher-only"])
+    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert written == sorted(
+        [f"base_teacher/{p.name}" for p in (built / "base_teacher").iterdir()]
+        + ["data/teacher_sft_train.parquet", "data/teacher_sft_val.parquet"]
+    )
+    for name in written:
+        assert (tmp_path / name).read_bytes() == (built / name).read_bytes(), name
 
 
 def test_tokenizer_loads_back_with_chat_template(built: Path) -> None:
-    for folder in ("tokenizer", "base", "base_rm", "base_critic"):
+    for folder in ("tokenizer", "base", "base_rm", "base_critic", "base_teacher"):
         tok = AutoTokenizer.from_pretrained(built / folder)
         assert len(tok) == 103  # 7 special tokens + 10 digits + 52 letters + space + 32 punctuation + newline
         assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
@@ -126,6 +149,33 @@ def test_models_load_back_and_run(built: Path) -> None:
     assert torch.equal(critic.model.layers[2].mlp.up_proj.weight, lm.model.layers[2].mlp.up_proj.weight)
 
 
+def test_teacher_is_larger_with_the_students_tokenizer(built: Path) -> None:
+    """On-policy distillation scores the student's tokens with the teacher: same vocabulary, same special
+    tokens and chat template (the tokenizer files byte for byte), same context; a larger model."""
+    student = AutoModelForCausalLM.from_pretrained(built / "base")
+    teacher = AutoModelForCausalLM.from_pretrained(built / "base_teacher")
+    s, t = student.config, teacher.config
+    # embeddings and head 2 * 103 * 192 = 39,552, four layers of attention 4 * 192^2 = 147,456, MLP
+    # 3 * 192 * 768 = 442,368 and two norms 384, the final norm 192: 2,400,576 (~3x the student's 813,696)
+    assert sum(p.numel() for p in teacher.parameters()) == 2_400_576
+    assert (t.hidden_size, t.intermediate_size, t.num_hidden_layers, t.num_attention_heads) == (
+        192,
+        768,
+        4,
+        6,
+    )
+    assert t.hidden_size > s.hidden_size and t.num_hidden_layers > s.num_hidden_layers
+    for key in ("vocab_size", "max_position_embeddings", "tie_word_embeddings", "pad_token_id"):
+        assert getattr(t, key) == getattr(s, key), key
+    assert (t.bos_token_id, t.eos_token_id) == (s.bos_token_id, s.eos_token_id)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (built / "base_teacher" / name).read_bytes() == (built / "base" / name).read_bytes(), name
+    ids = torch.tensor([[1, 5, 11, 12, 6]])
+    with torch.no_grad():
+        logits = teacher(ids).logits
+    assert logits.shape == (1, 5, 103) and torch.isfinite(logits).all()
+
+
 def test_data_files_load_with_ppo_data(built: Path) -> None:
     tok = AutoTokenizer.from_pretrained(built / "tokenizer")
     data = built / "data"
@@ -156,6 +206,8 @@ def test_sizes_and_val_disjoint_from_training(task: dict[str, list[dict[str, Any
         "pref_val": 500,
         "sft_tools_train": 7600,
         "sft_tools_val": 500,
+        "teacher_sft_train": 7600,
+        "teacher_sft_val": 500,
     }
 
     def problems(name: str) -> set[str]:
@@ -189,6 +241,23 @@ def test_sft_train_forgets_60_percent_of_carries(
     assert all(
         not row["flawed"] and row["answer"].endswith(f"#### {row['ground_truth']}") for row in task["sft_val"]
     )
+
+
+def test_teacher_demonstrations_are_the_students_problems_all_right(
+    task: dict[str, list[dict[str, Any]]],
+) -> None:
+    for split in ("train", "val"):
+        teacher, student = task[f"teacher_sft_{split}"], task[f"sft_{split}"]
+        assert [r["prompt"] for r in teacher] == [r["prompt"] for r in student]  # same problems, same order
+        for row in teacher:
+            a, b = (int(x) for x in row["prompt"][0]["content"].split(" + "))
+            assert not row["flawed"] and row["ground_truth"] == str(a + b)
+            assert row["answer"] == f"{a} + {b} = {a + b}\n#### {a + b}"
+    # The student's training file differs exactly on its forgotten carries: 60% of the 3430 carries of
+    # seed 0's training pool, round(2058.0) = 2058.
+    pairs = zip(task["teacher_sft_train"], task["sft_train"], strict=True)
+    differ = [s["flawed"] for t, s in pairs if t["answer"] != s["answer"]]
+    assert len(differ) == 2058 and all(differ)
 
 
 def test_tool_demonstrations_call_the_calculator_in_40_percent(

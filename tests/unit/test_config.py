@@ -578,6 +578,15 @@ RANGE_CASES = [
     (SFTConfig, "trainer.save_freq=-2", "trainer.save_freq"),
     (SFTConfig, "trainer.max_ckpt_to_keep=-1", "trainer.max_ckpt_to_keep"),
     (SFTConfig, "trainer.grad_clip=-1", "trainer.grad_clip"),
+    # SFT's trainer section is its own class (trainer.metrics_prefix); the other stages share the base.
+    (DPOConfig, "trainer.dist_timeout_s=0", "trainer.dist_timeout_s"),
+    (DPOConfig, "trainer.seed=-1", "trainer.seed"),
+    (DPOConfig, "trainer.total_epochs=0", "trainer.total_epochs"),
+    (DPOConfig, "trainer.total_training_steps=-1", "trainer.total_training_steps"),
+    (DPOConfig, "trainer.max_time_s=-1", "trainer.max_time_s"),
+    (DPOConfig, "trainer.test_freq=-2", "trainer.test_freq"),
+    (DPOConfig, "trainer.max_ckpt_to_keep=-1", "trainer.max_ckpt_to_keep"),
+    (DPOConfig, "trainer.grad_clip=-1", "trainer.grad_clip"),
     (PPOConfig, "data.gen_batch_size=0", "data.gen_batch_size"),
     (PPOConfig, "actor.loss_scale_factor=0", "actor.loss_scale_factor"),
     (PPOConfig, "actor.policy_loss.clip_cov_ratio=0", "actor.policy_loss.clip_cov_ratio"),
@@ -664,6 +673,17 @@ def test_out_of_range_names_full_key_and_source(cls: type, override: str, key: s
     path = write_yaml(tmp_path, nested_yaml([override]))
     msg = load_error(path, cls=cls)
     assert msg.startswith(f"{key} ") and msg.endswith(f"(from {path})"), msg
+
+
+def test_sft_metrics_prefix_is_a_name() -> None:
+    msg = load_error(overrides=["trainer.metrics_prefix=my-teacher"], cls=SFTConfig)
+    assert msg == (
+        "trainer.metrics_prefix must be a name of letters, digits and underscores, got 'my-teacher' "
+        "(from the command line)"
+    )
+    assert (
+        load_config(None, ["trainer.metrics_prefix=teacher"], SFTConfig).trainer.metrics_prefix == "teacher"
+    )
 
 
 def test_every_numeric_field_has_a_range_case() -> None:
