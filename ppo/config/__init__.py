@@ -17,27 +17,26 @@ The schema imports only the standard library (no torch): ``--help`` and ``--prin
 before torch loads, and what the machine can run is checked where the run starts. Its modules, each
 importing only those before it: ``errors`` (the errors and the single-value checks), ``shared`` (the
 sections every run has), ``roles`` (PPO's model sections: actor with its policy loss and LoRA, critic,
-reference), ``sections`` (PPO's other sections: data, rollout, reward, algorithm, trainer), ``tree`` (the
+reference), ``sections`` (PPO's other sections: data, rollout, reward, algorithm, trainer),
+``distillation`` (on-policy distillation's teachers and loss), ``tree`` (the
 tree of PPO's sections and what it implies), ``startup_warnings`` (keys set that do nothing),
 ``world_size`` (what ``validate`` checks), ``root`` (``PPOConfig``: the tree with its cross-section
 rules), ``stages`` (SFT, the reward model, DPO). Import every name from ``ppo.config`` itself.
 """
 
+from ppo.config.distillation import DistillationConfig, DistillationLossConfig, TeacherModelConfig
 from ppo.config.errors import ConfigError, FieldError, check_kl_kind
 from ppo.config.roles import ActorConfig, CriticConfig, LoRAConfig, PolicyLossConfig, RefConfig
 from ppo.config.root import SP_ATTENTION, PPOConfig
 from ppo.config.sections import (
     AlgorithmConfig,
     DataConfig,
-    DistillationConfig,
-    DistillationLossConfig,
     FilterGroupsConfig,
     KLControlConfig,
     MultiTurnConfig,
     OverlongBufferConfig,
     RewardConfig,
     RolloutConfig,
-    TeacherModelConfig,
     TrainerConfig,
     ValKwargsConfig,
 )

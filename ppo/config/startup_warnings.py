@@ -8,8 +8,9 @@ from __future__ import annotations
 import os
 
 from ppo.choices import GROUP_ESTIMATORS
+from ppo.config.distillation import DistillationLossConfig
 from ppo.config.roles import ActorConfig, PolicyLossConfig
-from ppo.config.sections import AlgorithmConfig, DistillationLossConfig, KLControlConfig, RewardConfig
+from ppo.config.sections import AlgorithmConfig, KLControlConfig, RewardConfig
 from ppo.config.tree import PPOTree
 
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ppo.config.distillation import DistillationConfig
 from ppo.config.roles import ActorConfig, CriticConfig, RefConfig
 from ppo.config.sections import (
     AlgorithmConfig,
     DataConfig,
-    DistillationConfig,
     RewardConfig,
     RolloutConfig,
     TrainerConfig,
