@@ -16,6 +16,10 @@ the device.
   matrix, ``T = sum(l_i)``.
 - Every call that is not a packed forward (``generate`` with left padding and a KV cache, padded
   batches) goes to transformers' sdpa, unchanged.
+- Shared prefixes (``SHARED_PREFIX``, ``SharedPrefix``): a row whose groups hold a prompt once and its
+  responses after it; the prompt attends causally to itself, each response to the prompt's keys and
+  values and causally to its own (``ppo.packing.pack(..., share_prompts=True)`` builds such rows). Both
+  packed kernels implement it; transformers' own would attend across responses, so it needs one of them.
 - Sequence parallelism (``ppo.ulysses``): a forward whose kwargs carry ``ULYSSES`` runs on this rank's
   slice of a packed row; both packed kernels then exchange heads for tokens around the attention proper
   (one all-to-all before, one after) and attend over the whole row with its offsets. Without the kwarg
@@ -60,6 +64,93 @@ ULYSSES = "ppo_ulysses"
 read here only through the context's ``scatter_heads`` / ``gather_heads`` and ``attention_kwargs``."""
 
 
+SHARED_PREFIX = "ppo_shared_prefix"
+"""Forward keyword argument of a shared-prefix row: its ``SharedPrefix`` (in place of ``PACKED_OFFSETS``)."""
+
+
+class SharedPrefix:
+    """Where the groups of a shared-prefix row are, and the index tensors its attention needs (built on
+    first use, once per forward, for every layer).
+
+    ``groups``: per group ``(a, b, e_1, ..., e_G)`` (host ints, groups back to back from 0 to ``T``): the
+    shared tokens ``[a, b)`` (possibly none) and suffix ``i`` at ``[e_{i-1}, e_i)`` with ``e_0 = b``.
+    Query ``t`` of suffix ``i`` attends to keys ``[a, b)`` and ``[e_{i-1}, e_{i-1} + t]``; the shared
+    tokens attend causally among themselves. A plain packed row is the case ``a = b`` with one suffix.
+
+    A plain class, not a dataclass: FSDP2's input casting rebuilds dataclasses found in forward kwargs.
+    """
+
+    __slots__ = ("groups", "device", "_cache")
+
+    def __init__(self, groups: tuple[tuple[int, ...], ...], device: torch.device | str) -> None:
+        check_shared_prefix_groups(groups)
+        self.groups = groups
+        self.device = torch.device(device)
+        self._cache: dict[Any, Any] = {}
+
+    @property
+    def num_tokens(self) -> int:
+        return self.groups[-1][-1]
+
+    def suffix_index(self, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Group ``g``'s suffixes right-padded to the longest, ``L``: ``index [G, L]`` (row positions;
+        padding repeats the suffix's last token), ``valid [G, L]`` bool, and the lower-right causal mask
+        ``[L, P + L]`` over the group's ``P`` shared keys and then the suffix's own."""
+        if (key := ("suffix", g)) not in self._cache:
+            a, b, *ends = self.groups[g]
+            starts = [b, *ends[:-1]]
+            width = max(e - s for s, e in zip(starts, ends, strict=True))
+            j = torch.arange(width)
+            start = torch.tensor(starts)[:, None]
+            length = torch.tensor(ends)[:, None] - start
+            valid = j[None, :] < length
+            index = start + torch.minimum(j[None, :], length - 1)
+            keys = torch.arange(b - a + width)
+            mask = keys[None, :] <= j[:, None] + (b - a)
+            self._cache[key] = tuple(t.to(self.device) for t in (index, valid, mask))
+        return self._cache[key]
+
+    def varlen(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+        """The row as one varlen call with separate query and key lengths: ``kv_index [T_k]`` (each
+        shared part's keys for itself, then the shared keys again before each suffix's own), ``cu_q``,
+        ``cu_k`` (int32) and the longest query and key sequences; with bottom-right causal alignment
+        query ``t`` of a sequence of ``l`` queries over ``k`` keys sees keys ``<= t + k - l``."""
+        if "varlen" not in self._cache:
+            kv, cu_q, cu_k = [], [0], [0]
+            for a, b, *ends in self.groups:
+                if b > a:
+                    kv.append(torch.arange(a, b))
+                    cu_q.append(b)
+                    cu_k.append(cu_k[-1] + b - a)
+                for s, e in zip([b, *ends[:-1]], ends, strict=True):
+                    kv.extend([torch.arange(a, b), torch.arange(s, e)])
+                    cu_q.append(e)
+                    cu_k.append(cu_k[-1] + (b - a) + (e - s))
+            longest_q = max(y - x for x, y in itertools.pairwise(cu_q))
+            longest_k = max(y - x for x, y in itertools.pairwise(cu_k))
+            self._cache["varlen"] = (
+                torch.cat(kv).to(self.device),
+                torch.tensor(cu_q, dtype=torch.int32).to(self.device),
+                torch.tensor(cu_k, dtype=torch.int32).to(self.device),
+                longest_q,
+                longest_k,
+            )
+        return self._cache["varlen"]
+
+
+def check_shared_prefix_groups(groups: tuple[tuple[int, ...], ...]) -> None:
+    """Fail unless ``groups`` tile ``[0, T)`` in order with non-empty suffixes (``SharedPrefix``)."""
+    at = 0
+    for group in groups:
+        a, b, *ends = group
+        bounds = [b, *ends]
+        if a != at or b < a or not ends or any(y <= x for x, y in itertools.pairwise(bounds)):
+            raise ValueError(f"shared-prefix group {group} does not continue the row at {at}: {groups}")
+        at = ends[-1]
+    if not groups:
+        raise ValueError("a shared-prefix row with no groups")
+
+
 class MissingKernelError(ConfigError, ImportError):
     """``model.attn_implementation`` names a kernel whose package (or torch version) is missing: a config
     error (one line at start-up), and an ImportError for callers that catch a missing package."""
@@ -82,7 +173,7 @@ def packed_kwargs(offsets: list[int], device: torch.device | str) -> dict[str, A
 
 
 def resolve_attn_implementation(
-    name: str, device: torch.device | str, *, sequence_parallel: bool = False
+    name: str, device: torch.device | str, *, sequence_parallel: bool = False, shared_prefix: bool = False
 ) -> str:
     """The attention kernel to load with (see the module docstring for ``auto``). ``sdpa`` and ``eager``
     are transformers' own (dense block-diagonal mask on packed rows). An explicit flash_attention_2
@@ -90,15 +181,21 @@ def resolve_attn_implementation(
 
     ``sequence_parallel``: the model runs with Ulysses sequence parallelism, which only this module's
     kernels implement: ``auto`` skips flash_attention_2 (``VARLEN_FLASH`` is the same FlashAttention-2
-    algorithm), and any other explicit name fails."""
+    algorithm), and any other explicit name fails. ``shared_prefix``: the same, for rows with shared
+    prompts (``actor.use_prefix_grouper``), whose two-part attention only this module's kernels know."""
     device = torch.device(device)
-    if sequence_parallel and name not in SP_ATTENTION:
-        raise ConfigError(
-            f"model.attn_implementation={name} cannot run with ulysses_sequence_parallel_size > 1; "
-            f"use auto ({VARLEN_FLASH} on CUDA, {PACKED_ATTENTION} elsewhere)"
-        )
+    for needed, key in (
+        (sequence_parallel, "ulysses_sequence_parallel_size > 1"),
+        (shared_prefix, "actor.use_prefix_grouper=true"),
+    ):
+        if needed and name not in SP_ATTENTION:
+            raise ConfigError(
+                f"model.attn_implementation={name} cannot run with {key}; "
+                f"use auto ({VARLEN_FLASH} on CUDA, {PACKED_ATTENTION} elsewhere)"
+            )
     if name == "auto":
-        if device.type == "cuda" and _flash_attn_error() is None and not sequence_parallel:
+        own = sequence_parallel or shared_prefix
+        if device.type == "cuda" and _flash_attn_error() is None and not own:
             return "flash_attention_2"
         if device.type == "cuda" and _varlen_attn() is not None:
             return VARLEN_FLASH
@@ -173,6 +270,9 @@ def varlen_sdpa_attention(
     if (context := kwargs.get(ULYSSES)) is not None:
         args = (module, query, key, value, attention_mask, dropout, scaling)
         return _ulysses_attention(varlen_sdpa_attention, context, *args, kwargs)
+    if (layout := kwargs.get(SHARED_PREFIX)) is not None:
+        _check_shared_prefix_call(module, query, key, attention_mask, layout, kwargs)
+        return _shared_prefix_sdpa(query, key, value, layout, dropout, scaling), None
     offsets = _packed_offsets(query, key, attention_mask, kwargs)
     if offsets is None or len(offsets) == 2:
         return sdpa_attention_forward(
@@ -216,6 +316,11 @@ def varlen_flash_attention(
     if (context := kwargs.get(ULYSSES)) is not None:
         args = (module, query, key, value, attention_mask, dropout, scaling)
         return _ulysses_attention(varlen_flash_attention, context, *args, kwargs)
+    if (layout := kwargs.get(SHARED_PREFIX)) is not None:
+        _check_shared_prefix_call(module, query, key, attention_mask, layout, kwargs)
+        if dropout:
+            raise NotImplementedError(f"{VARLEN_FLASH} has no attention dropout; models load with it off")
+        return _shared_prefix_varlen(query, key, value, layout, scaling), None
     offsets = _packed_offsets(query, key, attention_mask, kwargs)
     if offsets is None:
         return sdpa_attention_forward(
@@ -240,6 +345,96 @@ def varlen_flash_attention(
         q, k, v, cu_seqlens, cu_seqlens, longest, longest, scale=scaling, window_size=(-1, 0), **gqa
     )
     return out[None], None  # [1, T, H, d]
+
+
+def _shared_prefix_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: SharedPrefix,
+    dropout: float,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Two-part attention of a shared-prefix row with sdpa, ``[1, T, H, d]``: per group one causal call
+    over its shared tokens, and one call over its ``G`` suffixes right-padded to the longest ``L``, each
+    over ``[shared keys; its own keys]`` with the lower-right causal mask ``[L, P + L]`` (padding keys
+    come after every real query's position, so the mask hides them; padded queries are dropped). A group
+    without shared tokens and one suffix is a plain causal sequence."""
+    gqa = {"enable_gqa": True} if key.shape[1] != query.shape[1] else {}
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **extra: Any) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout, scale=scaling, **gqa, **extra
+        )
+
+    q_all, k_all, v_all = query[0], key[0], value[0]  # [heads, T, d]
+    outputs = []  # [H, tokens, d] each, in row order
+    for g, (a, b, *ends) in enumerate(layout.groups):
+        if b > a:
+            outputs.append(sdpa(q_all[:, a:b], k_all[:, a:b], v_all[:, a:b], is_causal=True))
+        if b == a and len(ends) == 1:
+            outputs.append(
+                sdpa(q_all[:, b : ends[0]], k_all[:, b : ends[0]], v_all[:, b : ends[0]], is_causal=True)
+            )
+            continue
+        index, valid, mask = layout.suffix_index(g)  # [G, L], [G, L], [L, P + L]
+        groups = index.shape[0]
+        q = q_all[:, index].transpose(0, 1)  # [G, H, L, d]
+        k = torch.cat(
+            [k_all[None, :, a:b].expand(groups, -1, -1, -1), k_all[:, index].transpose(0, 1)], dim=2
+        )
+        v = torch.cat(
+            [v_all[None, :, a:b].expand(groups, -1, -1, -1), v_all[:, index].transpose(0, 1)], dim=2
+        )
+        outputs.append(sdpa(q, k, v, attn_mask=mask).transpose(0, 1)[:, valid])
+    return torch.cat(outputs, dim=1).transpose(0, 1)[None].contiguous()
+
+
+def _shared_prefix_varlen(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SharedPrefix, scaling: float | None
+) -> torch.Tensor:
+    """Two-part attention of a shared-prefix row as one varlen FlashAttention call, ``[1, T, H, d]``: the
+    queries are the row itself (each shared part and each suffix a sequence), the keys and values are
+    gathered so that each suffix's sequence is ``[shared; its own]`` (``SharedPrefix.varlen``), and
+    causal attention aligned bottom-right gives each suffix query every shared key."""
+    kv_index, cu_q, cu_k, longest_q, longest_k = layout.varlen()
+    q = query[0].transpose(0, 1)  # [T, heads, d]
+    k = key[0].transpose(0, 1).index_select(0, kv_index)
+    v = value[0].transpose(0, 1).index_select(0, kv_index)
+    gqa = {}
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in inspect.signature(_varlen_attn()).parameters:
+            gqa = {"enable_gqa": True}
+        else:
+            repeat = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    out = _varlen_attn()(q, k, v, cu_q, cu_k, longest_q, longest_k, scale=scaling, window_size=(-1, 0), **gqa)
+    return out[None]
+
+
+def _check_shared_prefix_call(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    layout: SharedPrefix,
+    kwargs: dict[str, Any],
+) -> None:
+    """A shared-prefix row is one packed row without a mask (transformers builds none for it: its
+    position ids restart) and without a cache, holding exactly the layout's tokens."""
+    tokens = layout.num_tokens
+    if (
+        attention_mask is not None
+        or query.shape[0] != 1
+        or query.shape[2] != tokens
+        or key.shape[2] != tokens
+    ):
+        raise RuntimeError(
+            f"a shared-prefix forward is one row of {tokens} tokens without a mask or cache; got query "
+            f"{tuple(query.shape)}, key {tuple(key.shape)}, "
+            f"mask {None if attention_mask is None else tuple(attention_mask.shape)}"
+        )
+    _check_plain_causal(module, kwargs)
 
 
 def _ulysses_attention(
@@ -271,7 +466,7 @@ def _ulysses_attention(
         )
     _check_plain_causal(module, kwargs)
     query, key, value = context.scatter_heads(query, key, value)
-    inner = {k: v for k, v in kwargs.items() if k not in (ULYSSES, "position_ids")}
+    inner = {k: v for k, v in kwargs.items() if k not in (ULYSSES, "position_ids", SHARED_PREFIX)}
     inner.update(context.attention_kwargs)
     out, _ = attention(module, query, key, value, None, dropout=dropout, scaling=scaling, **inner)
     return context.gather_heads(out), None

@@ -133,6 +133,9 @@ class Batch:
     (``distillation.distillation_loss.loss_mode=forward_kl_topk``), with ``teacher_topk_ids``."""
     teacher_topk_ids: torch.Tensor | None = None
     """[B, R, K] those tokens' ids."""
+    share_prompts: bool = False
+    """Pack each prompt once with its responses after it in every forward of the step
+    (``actor.use_prefix_grouper``; ``ppo.packing.pack``, ``micro_batches``)."""
 
     @property
     def attention_mask(self) -> torch.Tensor:

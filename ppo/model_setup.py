@@ -55,6 +55,7 @@ def actor(cfg: PPOConfig, info: DistInfo, sp: ulysses.SPGroup) -> nn.Module:
         cfg.actor.fsdp,
         info,
         sequence_parallel=sp.size,
+        shared_prefix=cfg.actor.use_prefix_grouper,
         lora_cfg=cfg.actor.lora,
         lora_key="actor.lora",
     )
@@ -73,7 +74,15 @@ def reference(cfg: PPOConfig, info: DistInfo, policy: nn.Module, sp: ulysses.SPG
     ``policy`` (the actor) itself, its adapters off."""
     if not cfg.needs_reference:
         return None
-    return frozen_reference(cfg.model, cfg.ref, cfg.actor.lora, info, policy, sequence_parallel=sp.size)
+    return frozen_reference(
+        cfg.model,
+        cfg.ref,
+        cfg.actor.lora,
+        info,
+        policy,
+        sequence_parallel=sp.size,
+        shared_prefix=cfg.actor.use_prefix_grouper,
+    )
 
 
 def critic(cfg: PPOConfig, info: DistInfo, sp: ulysses.SPGroup) -> nn.Module | None:
@@ -90,6 +99,7 @@ def critic(cfg: PPOConfig, info: DistInfo, sp: ulysses.SPGroup) -> nn.Module | N
         path=cfg.critic.model_path or cfg.model.path,
         path_key="critic.model_path" if cfg.critic.model_path else "model.path",
         sequence_parallel=sp.size,
+        shared_prefix=cfg.actor.use_prefix_grouper,
         sp_key="critic.ulysses_sequence_parallel_size",
         lora_cfg=cfg.critic.lora,
         lora_key="critic.lora",
@@ -138,6 +148,7 @@ def prm(cfg: PPOConfig, info: DistInfo) -> nn.Module | None:
         path_key="ref.model_path" if cfg.ref.model_path else "model.path",
         lora_cfg=cfg.actor.lora,
         lora_key="actor.lora",
+        shared_prefix=cfg.actor.use_prefix_grouper,
     )
 
 
@@ -160,6 +171,7 @@ def teachers(cfg: PPOConfig, info: DistInfo, sp: ulysses.SPGroup) -> dict[str, n
             path_key=f"distillation.teacher_models.{name}.model_path",
             trainable=False,
             sequence_parallel=sp.size,
+            shared_prefix=cfg.actor.use_prefix_grouper,
         )
         if d.distillation_loss.use_topk:
             models.check_fused_lm_head(model)
@@ -180,6 +192,7 @@ def frozen_reference(
     policy: nn.Module,
     *,
     sequence_parallel: int = 1,
+    shared_prefix: bool = False,
 ) -> nn.Module:
     """The frozen reference of ``policy`` (PPO's actor, DPO's policy): ``policy`` itself under LoRA
     without ``ref.model_path`` (every reference forward then runs in ``lora.adapters_disabled``: no second
@@ -196,6 +209,7 @@ def frozen_reference(
         path_key="ref.model_path" if ref.model_path else "model.path",
         trainable=False,
         sequence_parallel=sequence_parallel,
+        shared_prefix=shared_prefix,
     )
 
 
@@ -210,6 +224,7 @@ def build_model(
     trainable: bool = True,
     sequence_parallel: int = 1,
     sp_key: str = "actor.ulysses_sequence_parallel_size",
+    shared_prefix: bool = False,
     lora_cfg: LoRAConfig | None = None,
     lora_key: str = "",
     trainable_head: str | None = None,
@@ -219,12 +234,16 @@ def build_model(
     Weights load on CPU and move to the device shard by shard inside ``fully_shard``, so no rank ever
     holds a whole model on the accelerator; the attention kernel is picked for the device it will run
     on (and for Ulysses sequence parallelism, ``sequence_parallel`` ranks per group, whose heads are
-    checked). A model that trains is put in training mode (dropout is off from loading; transformers
-    recomputes checkpointed layers only in training mode) with gradient checkpointing as configured;
-    a frozen one gets ``requires_grad=False`` and eval mode.
+    checked; ``shared_prefix``: for rows with shared prompts, ``actor.use_prefix_grouper``). A model
+    that trains is put in training mode (dropout is off from loading; transformers recomputes
+    checkpointed layers only in training mode) with gradient checkpointing as configured; a frozen one
+    gets ``requires_grad=False`` and eval mode.
     """
     attn = attention.resolve_attn_implementation(
-        model_cfg.attn_implementation, info.device, sequence_parallel=sequence_parallel > 1
+        model_cfg.attn_implementation,
+        info.device,
+        sequence_parallel=sequence_parallel > 1,
+        shared_prefix=shared_prefix,
     )
     path = path or model_cfg.path
     lora_cfg = lora_cfg or LoRAConfig()  # rank 0: no adapters (a saved adapter folder is still merged)

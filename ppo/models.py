@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ppo.attention import packed_kwargs
+from ppo.attention import SHARED_PREFIX, SharedPrefix, packed_kwargs
 from ppo.distributed import DistInfo
 from ppo.model_loading import score_head
 from ppo.sharding import full_state_dict
@@ -50,9 +50,13 @@ logger = logging.getLogger("ppo")
 # ----------------------------------------------------------------------------------------------------
 
 
-def _packed_inputs(
-    input_ids: torch.Tensor, position_ids: torch.Tensor, offsets: list[int] | None
-) -> dict[str, Any]:
+Layout = list[int] | SharedPrefix | None
+"""Where a packed row's sequences are, for its attention layers: the offsets ``[0, ..., T]`` of plain
+packed sequences, a shared-prefix row's ``SharedPrefix``, or None (the layers find the sequences from
+the position ids)."""
+
+
+def _packed_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, offsets: Layout) -> dict[str, Any]:
     if input_ids.dim() != 1 or input_ids.shape != position_ids.shape:
         raise ValueError(
             f"packed input_ids and position_ids must both be [total_tokens]; got {tuple(input_ids.shape)} "
@@ -62,13 +66,15 @@ def _packed_inputs(
     # attends block-diagonally (the ppo.attention kernels: per sequence); a cache would make it ignore
     # the packing (silently). ``offsets`` (host list) spare each layer finding the boundaries itself.
     inputs = {"input_ids": input_ids[None], "position_ids": position_ids[None], "use_cache": False}
-    if offsets is not None:
+    if isinstance(offsets, SharedPrefix):
+        inputs[SHARED_PREFIX] = offsets
+    elif offsets is not None:
         inputs.update(packed_kwargs(offsets, input_ids.device))
     return inputs
 
 
 def causal_lm_logits(
-    model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, offsets: list[int] | None = None
+    model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, offsets: Layout = None
 ) -> torch.Tensor:
     """Next-token logits of packed sequences: ``[total_tokens] -> [total_tokens, vocab]``.
 
@@ -78,7 +84,7 @@ def causal_lm_logits(
 
 
 def causal_lm_hidden(
-    model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, offsets: list[int] | None = None
+    model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, offsets: Layout = None
 ) -> torch.Tensor:
     """Final (normed) hidden states of packed sequences: ``[total_tokens] -> [total_tokens, hidden]``.
 
@@ -142,7 +148,7 @@ def lm_head_weight(model: nn.Module) -> torch.Tensor:
 
 
 def critic_values(
-    critic: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, offsets: list[int] | None = None
+    critic: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, offsets: Layout = None
 ) -> torch.Tensor:
     """Token values of packed sequences: ``[total_tokens] -> [total_tokens]`` fp32.
 

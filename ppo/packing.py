@@ -10,9 +10,20 @@ token quantities come back as ``[B, R]`` over response tokens (``unpack``), the 
 ``ppo.algorithms``; the forwards on packed rows are ``ppo.ulysses``'s (with or without sequence
 parallelism).
 
+Shared prefixes (``actor.use_prefix_grouper``): with ``share_prompts`` the rows of one prompt (its
+``rollout.n`` responses) are packed as the prompt without its last token, once, then per response a
+suffix of the prompt's last token and the response (positions continuing the prompt's). Each suffix
+attends to the shared tokens and causally to itself (``ppo.attention.SharedPrefix``), so every token
+sees exactly what it sees in its own sequence and the results equal the plain layout's; repeating the
+last prompt token keeps one label per position, so the same kernels compute log-probs, entropy and
+values, and the shared tokens' gradient is the sum over the responses. A group of ``G`` responses to a
+prompt of ``P`` tokens takes ``P - 1 + G`` tokens of prompt instead of ``G P``.
+
 Micro-batches are cut by a token budget and balanced by length (longest-first greedy partition, the
 classic LPT heuristic), with their count agreed across ranks so every rank makes the same number of
-forward/backward calls.
+forward/backward calls. With shared prefixes the budget counts the shared layout's tokens and keeps a
+prompt's responses together, splitting them (the prompt then repeated in each piece) only where one
+prompt's group exceeds the budget or a rank needs more micro-batches than it has prompts.
 
     packed = pack_sequences([[1, 2, 3], [4, 5]], device)        # SFT / reward model
     packed = pack(prompts, responses, response_mask)            # PPO: prompt + response
@@ -28,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ppo.attention import SharedPrefix
 from ppo.batch import Batch
 from ppo.config import ActorConfig, CriticConfig
 from ppo.distributed import all_reduce_scalar
@@ -62,6 +74,14 @@ class Packed(PackedSequences):
     """[B, R] packed position whose next-token prediction is response token j (0 at padding)."""
     attention_mask: torch.Tensor
     """[B, R] bool, True on the response tokens that exist (packed)."""
+    shared: SharedPrefix | None = None
+    """The shared-prefix layout of the row (``pack(..., share_prompts=True)``), None for plain packed
+    sequences (``offsets``)."""
+
+    @property
+    def layout(self) -> list[int] | SharedPrefix:
+        """What the attention layers need to know of the row (``ppo.models.Layout``)."""
+        return self.offsets if self.shared is None else self.shared
 
 
 def pack_sequences(seqs: Sequence[Sequence[int]], device: torch.device | str) -> PackedSequences:
@@ -82,12 +102,24 @@ def pack_sequences(seqs: Sequence[Sequence[int]], device: torch.device | str) ->
     )
 
 
-def pack(prompts: list[torch.Tensor], responses: torch.Tensor, response_mask: torch.Tensor) -> Packed:
+def pack(
+    prompts: list[torch.Tensor],
+    responses: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    share_prompts: bool = False,
+) -> Packed:
     """Pack prompts ``[P_i]`` and right-padded responses ``[B, R]`` (valid where ``response_mask``).
 
     Response token ``j`` of sequence ``i`` is predicted at packed position ``start_i + P_i - 1 + j``:
     logits there give its log-prob and the critic's value there is the value of the state before it.
+    ``share_prompts``: identical prompts once (see the module docstring); response token ``j`` is then
+    predicted at its suffix's start ``+ j``. Without two identical prompts the row is the plain one.
     """
+    if share_prompts:
+        groups = prompt_groups(prompts)
+        if any(len(g) > 1 for g in groups):
+            return _pack_shared(prompts, responses, response_mask, groups)
     device = responses.device
     mask = response_mask.bool()
     resp_lens = mask.sum(dim=-1).tolist()
@@ -108,6 +140,65 @@ def pack(prompts: list[torch.Tensor], responses: torch.Tensor, response_mask: to
         labels=labels,
         response_index=response_index,
         attention_mask=mask,
+    )
+
+
+def prompt_groups(prompts: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Indices of identical prompts (by their tokens), grouped in the order of first appearance."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(tuple(p.tolist()), []).append(i)
+    return list(groups.values())
+
+
+def _pack_shared(
+    prompts: list[torch.Tensor], responses: torch.Tensor, response_mask: torch.Tensor, groups: list[list[int]]
+) -> Packed:
+    """``pack(..., share_prompts=True)`` for ``groups`` of identical prompts (``prompt_groups``)."""
+    device = responses.device
+    mask = response_mask.bool()
+    resp_lens = [int(n) for n in mask.sum(dim=-1).tolist()]
+    rows = responses.tolist()
+    ids: list[int] = []
+    positions: list[int] = []
+    first = [0] * len(prompts)  # packed position that predicts each row's response token 0
+    bounds: list[tuple[int, ...]] = []
+    for group in groups:
+        prompt = prompts[group[0]].tolist()
+        length = len(prompt)
+        start = len(ids)
+        if len(group) == 1:  # a plain sequence
+            (i,) = group
+            first[i] = start + length - 1
+            ids += prompt + rows[i][: resp_lens[i]]
+            positions += range(length + resp_lens[i])
+            bounds.append((start, start, len(ids)))
+            continue
+        ids += prompt[:-1]
+        positions += range(length - 1)
+        ends = []
+        for i in group:
+            first[i] = len(ids)
+            ids += prompt[-1:] + rows[i][: resp_lens[i]]
+            positions += range(length - 1, length + resp_lens[i])
+            ends.append(len(ids))
+        bounds.append((start, start + length - 1, *ends))
+    offsets = sorted({0, *(x for b in bounds for x in b)})
+    j = torch.arange(responses.shape[1], device=device)
+    response_index = torch.tensor(first, device=device)[:, None] + j[None, :]
+    response_index = torch.where(mask, response_index, torch.zeros_like(response_index))
+    input_ids = torch.tensor(ids, dtype=torch.long).to(device)
+    labels = torch.full_like(input_ids, -100)
+    labels[response_index[mask]] = responses[mask]
+    return Packed(
+        input_ids=input_ids,
+        position_ids=torch.tensor(positions, dtype=torch.long).to(device),
+        cu_seqlens=torch.tensor(offsets, dtype=torch.int32).to(device),
+        offsets=offsets,
+        labels=labels,
+        response_index=response_index,
+        attention_mask=mask,
+        shared=SharedPrefix(tuple(bounds), device),
     )
 
 
@@ -219,25 +310,92 @@ DUMMY_SEQUENCE = [0]
 # ----------------------------------------------------------------------------------------------------
 
 
+def shared_tokens(prompt_len: int, response_lens: Sequence[int]) -> int:
+    """Tokens of one prompt's responses packed with the prompt once: ``P - 1 + sum(1 + n_i)``, or
+    ``P + n`` for a single response (a plain sequence)."""
+    if len(response_lens) == 1:
+        return prompt_len + response_lens[0]
+    return prompt_len - 1 + sum(1 + n for n in response_lens)
+
+
+def plan_shared_micro_batches(
+    prompt_lens: list[int],
+    response_lens: list[int],
+    groups: list[list[int]],
+    *,
+    use_dynamic_bsz: bool,
+    max_tokens: int,
+    micro_batch_size: int,
+) -> list[list[int]]:
+    """``plan_micro_batches`` for rows packed with shared prompts: ``groups`` are the indices of rows with
+    identical prompts (``prompt_groups``).
+
+    Fixed: the rows in group order, ``micro_batch_size`` at a time (the plain plan's count). Dynamic: each
+    group is one unit of ``shared_tokens``, cut into consecutive pieces where it exceeds ``max_tokens``
+    (each piece repeats the prompt; a lone longer response is a piece of its own); the fewest
+    micro-batches any rank needs, maxed over ranks (one all-reduce), and where this rank has fewer
+    units than that, its unit of most rows is halved until it has as many (every rank holds the same
+    number of rows, so it can); then the units are balanced by tokens (``balanced_partition``).
+    """
+    if not prompt_lens:
+        raise ValueError("a mini-batch with no sequences")
+    if not use_dynamic_bsz:
+        order = [i for g in groups for i in g]
+        return [sorted(order[i : i + micro_batch_size]) for i in range(0, len(order), micro_batch_size)]
+
+    def tokens(unit: list[int]) -> int:
+        return shared_tokens(prompt_lens[unit[0]], [response_lens[i] for i in unit])
+
+    units: list[list[int]] = []
+    for group in groups:
+        piece: list[int] = []
+        for i in group:
+            if piece and tokens([*piece, i]) > max_tokens:
+                units.append(piece)
+                piece = []
+            piece.append(i)
+        units.append(piece)
+    k = int(all_reduce_scalar(min_micro_batches([tokens(u) for u in units], max_tokens), "max"))
+    while len(units) < k:
+        widest = max(range(len(units)), key=lambda u: (len(units[u]), tokens(units[u]), -u))
+        unit = units[widest]
+        if len(unit) == 1:  # fewer rows than micro-batches: the ranks hold different numbers of rows
+            raise ValueError(f"{len(prompt_lens)} rows cannot fill the {k} micro-batches other ranks need")
+        units[widest : widest + 1] = [unit[: len(unit) // 2], unit[len(unit) // 2 :]]
+    parts = balanced_partition([tokens(u) for u in units], k)
+    return [sorted(i for u in part for i in units[u]) for part in parts]
+
+
 def micro_batches(
     batch: Batch, idx: torch.Tensor, role: ActorConfig | CriticConfig, micro_batch_size: int | None = None
 ) -> list[torch.Tensor]:
     """Micro-batches (index tensors into the batch) of the sequences ``idx``, agreed across ranks: the
-    role's token budget with dynamic batch size, else ``micro_batch_size`` (default the role's)."""
-    lens = batch.seq_lens
-    groups = plan_micro_batches(
-        [lens[i] for i in idx.tolist()],
-        use_dynamic_bsz=role.use_dynamic_bsz,
+    role's token budget with dynamic batch size, else ``micro_batch_size`` (default the role's); with
+    ``batch.share_prompts`` by ``plan_shared_micro_batches``."""
+    plan = {
+        "use_dynamic_bsz": role.use_dynamic_bsz,
         # A sequence-parallel group splits each micro-batch over its ranks: its budget is theirs together.
-        max_tokens=role.ppo_max_token_len_per_gpu * role.ulysses_sequence_parallel_size,
-        micro_batch_size=micro_batch_size or role.ppo_micro_batch_size_per_gpu,
-    )
+        "max_tokens": role.ppo_max_token_len_per_gpu * role.ulysses_sequence_parallel_size,
+        "micro_batch_size": micro_batch_size or role.ppo_micro_batch_size_per_gpu,
+    }
+    rows = idx.tolist()
+    if batch.share_prompts:
+        prompts = [batch.rollout.prompts[i] for i in rows]
+        response_lens = batch.attention_mask[idx].sum(-1).tolist()
+        groups = plan_shared_micro_batches(
+            [p.numel() for p in prompts], [int(n) for n in response_lens], prompt_groups(prompts), **plan
+        )
+    else:
+        lens = batch.seq_lens
+        groups = plan_micro_batches([lens[i] for i in rows], **plan)
     return [idx[torch.tensor(g, dtype=torch.long, device=idx.device)] for g in groups]
 
 
 def pack_rows(batch: Batch, sel: torch.Tensor) -> Packed:
+    """The rows ``sel`` of ``batch`` packed, each prompt once with ``batch.share_prompts``."""
     return pack(
         [batch.rollout.prompts[i] for i in sel.tolist()],
         batch.rollout.responses[sel],
         batch.attention_mask[sel],
+        share_prompts=batch.share_prompts,
     )

@@ -73,7 +73,14 @@ from transformers import PretrainedConfig
 
 import ppo_kernels
 from ppo import models, packing
-from ppo.attention import PACKED_ATTENTION, ULYSSES, VARLEN_FLASH, packed_kwargs
+from ppo.attention import (
+    PACKED_ATTENTION,
+    SHARED_PREFIX,
+    ULYSSES,
+    VARLEN_FLASH,
+    SharedPrefix,
+    packed_kwargs,
+)
 from ppo.config import ConfigError
 from ppo.packing import Packed, PackedSequences
 
@@ -365,8 +372,9 @@ class SPSlice:
     """Packed position of the slice's first token: local token ``t`` is row token ``start + t``."""
     num_tokens: int
     """``T``, the row's length without padding."""
-    offsets: list[int]
-    """The row's sequence offsets ``[0, ..., T]`` (without the padding)."""
+    layout: list[int] | SharedPrefix
+    """The row's layout for its attention layers without sequence parallelism: its sequence offsets
+    ``[0, ..., T]`` or its shared-prefix groups (``Packed.layout``; without the padding)."""
     sp: SPGroup
     context: UlyssesContext | None
     """The attention layers' ``ULYSSES`` kwarg; None for ``sp.size == 1``."""
@@ -412,29 +420,35 @@ def slice_for_rank(packed: PackedSequences, sp: SPGroup) -> SPSlice:
         if labels is not None:
             labels = torch.cat([labels, labels.new_full((pad,), IGNORE_INDEX)])
     window = slice(start, start + local)
+    layout = getattr(packed, "layout", packed.offsets)
     context = None
     if size > 1:
-        offsets = list(packed.offsets) + ([padded] if pad else [])
-        context = UlyssesContext(sp, local, packed_kwargs(offsets, packed.input_ids.device))
+        device = packed.input_ids.device
+        if isinstance(layout, SharedPrefix):  # the padding: a plain sequence of its own
+            groups = layout.groups + (((total, total, padded),) if pad else ())
+            attention_kwargs = {SHARED_PREFIX: SharedPrefix(groups, device)}
+        else:
+            attention_kwargs = packed_kwargs(list(layout) + ([padded] if pad else []), device)
+        context = UlyssesContext(sp, local, attention_kwargs)
     return SPSlice(
         input_ids=input_ids[window],
         position_ids=position_ids[window],
         labels=None if labels is None else labels[window],
         start=start,
         num_tokens=total,
-        offsets=list(packed.offsets),
+        layout=layout,
         sp=sp,
         context=context,
     )
 
 
 @contextlib.contextmanager
-def _forward_kwargs(model: nn.Module, sl: SPSlice) -> Iterator[list[int] | None]:
+def _forward_kwargs(model: nn.Module, sl: SPSlice) -> Iterator[models.Layout]:
     """For the forwards of ``model`` inside: the ``ULYSSES`` kwarg added to the root's forward (so the
-    ``ppo.models`` helpers run unchanged), and the offsets to pass them (None: the slice's own offsets
+    ``ppo.models`` helpers run unchanged), and the layout to pass them (None: the slice's own offsets
     mean nothing to the attention, which reads the full row's from the context)."""
     if sl.context is None:
-        yield sl.offsets
+        yield sl.layout
         return
     impl = getattr(model.config, "_attn_implementation", None)
     if impl not in (PACKED_ATTENTION, VARLEN_FLASH):

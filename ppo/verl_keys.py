@@ -70,7 +70,6 @@ VERL_KEYS: dict[str, VerlKey] = {
     "actor.calculate_entropy": ignored("the entropy is always computed and logged here (actor/entropy)"),
     "actor.tau_pos": ignored("a parameter of verl's SAPO loss, which this trainer does not have"),
     "actor.tau_neg": ignored("a parameter of verl's SAPO loss, which this trainer does not have"),
-    "actor.use_prefix_grouper": refused("not available here", (False,)),
     "actor.calculate_sum_pi_squared": refused("not available here", (False,)),
     "actor.sum_pi_squared_checkpointing": ignored("used only with calculate_sum_pi_squared"),
     "actor.freeze_vision_tower": refused("vision-language models are not supported here", (False,)),

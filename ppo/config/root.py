@@ -380,6 +380,14 @@ def _check_sequence_parallel(cfg: PPOConfig) -> None:
             "model.attn_implementation",
             "actor.ulysses_sequence_parallel_size",
         )
+    if cfg.actor.use_prefix_grouper and cfg.model.attn_implementation not in SP_ATTENTION:
+        raise FieldError(
+            f"model.attn_implementation={cfg.model.attn_implementation} cannot run with "
+            "actor.use_prefix_grouper=true: only the packed kernels attend each response to its shared "
+            "prompt and to itself; use model.attn_implementation=auto",
+            "model.attn_implementation",
+            "actor.use_prefix_grouper",
+        )
 
 
 def _check_prime(cfg: PPOConfig) -> None:

@@ -164,6 +164,10 @@ class RolloutConfig:
     Default: 1 with ``source=dataset``, 0 with ``source=generate``."""
     compile: bool | Literal["auto"] = "auto"
     """Decode with a static KV cache and a compiled decoding step (CUDA graphs): ``auto`` on CUDA."""
+    reuse_prompt_cache: bool = True
+    """Prefill each distinct prompt of a generation micro-batch once and copy its KV cache to its
+    samples, and keep each multi-turn row's cache from turn to turn (only new tokens are prefilled);
+    the same tokens as prefilling every copy (``ppo.rollout``)."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn rollouts with a user's environment or tool."""
 
