@@ -177,7 +177,7 @@ def collect(cfg: PPOConfig, run: Run, timer: Timer, stop: StopRequest) -> tuple[
         batch = gather_group(batch, run.sp, run.tokenizer.pad_token_id, cfg.rollout.n)
         if scores is not None:
             batch.scores = ulysses.all_gather_rows(scores, run.sp)
-    batch.share_prompts = cfg.actor.use_prefix_grouper  # every forward of the step: each prompt once
+    batch.share_prompts = cfg.share_prompts  # every forward of the step: each prompt once
     return batch, metrics
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ppo import algorithms, models, sharding, ulysses
+from ppo import algorithms, models, packed_forward, sharding, ulysses
 from ppo.batch import Batch
 from ppo.config import PPOConfig
 from ppo.data_files import DataError
@@ -93,13 +93,13 @@ def forward_teachers(
                 sel = torch.tensor([rows[i] for i in group] or [0], device=device)
                 packed = pack_rows(batch, sel)
                 if loss.use_topk:
-                    logprobs, ids = ulysses.packed_topk(
+                    logprobs, ids = packed_forward.topk(
                         teacher, packed, sp, k=loss.topk, backend=a.kernel_backend
                     )
                     if group:
                         batch.teacher_topk_logprobs[sel], batch.teacher_topk_ids[sel] = logprobs, ids
                 else:
-                    logprobs, _ = ulysses.packed_logprobs(
+                    logprobs, _ = packed_forward.logprobs(
                         teacher,
                         packed,
                         sp,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ppo import algorithms, lora, models, sharding, ulysses
+from ppo import algorithms, lora, models, packed_forward, sharding, ulysses
 from ppo.batch import Batch
 from ppo.config import PPOConfig
 from ppo.packing import micro_batches, pack_rows, unpack
@@ -42,7 +42,7 @@ def forward_logprobs(
     out = torch.zeros_like(batch.attention_mask, dtype=torch.float32)
     with models.evaluating(model):  # adapter dropout off: the policy that sampled, deterministically
         for sel in micro_batches(batch, batch.rows(), cfg.actor, micro_batch_size):
-            out[sel], _ = ulysses.packed_logprobs(
+            out[sel], _ = packed_forward.logprobs(
                 model,
                 pack_rows(batch, sel),
                 sp,
@@ -99,9 +99,9 @@ def forward_full_kl(
         for sel in micro_batches(batch, batch.rows(), cfg.actor):
             packed = pack_rows(batch, sel)
             part = ulysses.slice_for_rank(packed, sp)  # the whole row without sequence parallelism
-            logits = ulysses.local_logits(actor, part).float() / tau
+            logits = packed_forward.part_logits(actor, part).float() / tau
             with lora.adapters_disabled(ref):  # the reference may be the actor itself (LoRA)
-                ref_logits = ulysses.local_logits(ref, part).float() / tau
+                ref_logits = packed_forward.part_logits(ref, part).float() / tau
             kl = algorithms.full_kl(logits[None], ref_logits[None], (part.labels != -100)[None])[0]
             out[sel] = unpack(part.gather(kl), packed)
     return out
@@ -115,7 +115,7 @@ def forward_values(
     out = torch.zeros_like(batch.attention_mask, dtype=torch.float32)
     with models.evaluating(critic):
         for sel in micro_batches(batch, batch.rows(), cfg.critic):
-            out[sel] = ulysses.packed_values(critic, pack_rows(batch, sel), sp)
+            out[sel] = packed_forward.values(critic, pack_rows(batch, sel), sp)
     return out
 
 

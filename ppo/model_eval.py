@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from ppo import algorithms, model_loading, models, rule_scoring, sharding, ulysses
+from ppo import algorithms, model_loading, models, packed_forward, rule_scoring, sharding
 from ppo.batch import Rollout, decode_responses
 from ppo.data import PromptRecord
 from ppo.distributed import DistInfo, all_reduce_scalars, rank_slice
@@ -62,7 +62,7 @@ def response_logprobs(
     model: nn.Module, rollout: Rollout, *, temperature: float = 1.0, max_tokens: int = FORWARD_MAX_TOKENS
 ) -> torch.Tensor:
     """``model``'s log-probs of the rollout's response tokens, ``[B, R]`` fp32 (0 at padding), from
-    packed padding-free forwards of at most ``max_tokens`` tokens (``ulysses.packed_logprobs``).
+    packed padding-free forwards of at most ``max_tokens`` tokens (``packed_forward.logprobs``).
 
     Every rank must call it: the number of forwards is agreed across ranks, and a rank with fewer
     sequences forwards ``DUMMY_SEQUENCE`` for the rest (each forward of a sharded model is a collective).
@@ -82,13 +82,13 @@ def response_logprobs(
                     torch.zeros(1, 1, dtype=torch.long, device=device),
                     torch.zeros(1, 1, dtype=torch.bool, device=device),
                 )
-                ulysses.packed_logprobs(model, dummy, temperature=temperature)
+                packed_forward.logprobs(model, dummy, temperature=temperature)
                 continue
             idx = torch.tensor(group, dtype=torch.long, device=device)
             packed = pack(
                 [rollout.prompts[i] for i in group], rollout.responses[idx], rollout.attention_mask[idx]
             )
-            out[idx] = ulysses.packed_logprobs(model, packed, temperature=temperature)[0]
+            out[idx] = packed_forward.logprobs(model, packed, temperature=temperature)[0]
     sharding.release(model)  # without a backward, FSDP2 keeps the root gathered after a forward
     return out
 

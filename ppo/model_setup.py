@@ -55,7 +55,7 @@ def actor(cfg: PPOConfig, info: DistInfo, sp: ulysses.SPGroup) -> nn.Module:
         cfg.actor.fsdp,
         info,
         sequence_parallel=sp.size,
-        shared_prefix=cfg.actor.use_prefix_grouper,
+        shared_prefix=cfg.share_prompts,
         lora_cfg=cfg.actor.lora,
         lora_key="actor.lora",
     )
@@ -81,7 +81,7 @@ def reference(cfg: PPOConfig, info: DistInfo, policy: nn.Module, sp: ulysses.SPG
         info,
         policy,
         sequence_parallel=sp.size,
-        shared_prefix=cfg.actor.use_prefix_grouper,
+        shared_prefix=cfg.share_prompts,
     )
 
 
@@ -99,7 +99,7 @@ def critic(cfg: PPOConfig, info: DistInfo, sp: ulysses.SPGroup) -> nn.Module | N
         path=cfg.critic.model_path or cfg.model.path,
         path_key="critic.model_path" if cfg.critic.model_path else "model.path",
         sequence_parallel=sp.size,
-        shared_prefix=cfg.actor.use_prefix_grouper,
+        shared_prefix=cfg.share_prompts,
         sp_key="critic.ulysses_sequence_parallel_size",
         lora_cfg=cfg.critic.lora,
         lora_key="critic.lora",
@@ -148,7 +148,7 @@ def prm(cfg: PPOConfig, info: DistInfo) -> nn.Module | None:
         path_key="ref.model_path" if cfg.ref.model_path else "model.path",
         lora_cfg=cfg.actor.lora,
         lora_key="actor.lora",
-        shared_prefix=cfg.actor.use_prefix_grouper,
+        shared_prefix=cfg.share_prompts,
     )
 
 
@@ -171,7 +171,7 @@ def teachers(cfg: PPOConfig, info: DistInfo, sp: ulysses.SPGroup) -> dict[str, n
             path_key=f"distillation.teacher_models.{name}.model_path",
             trainable=False,
             sequence_parallel=sp.size,
-            shared_prefix=cfg.actor.use_prefix_grouper,
+            shared_prefix=cfg.share_prompts,
         )
         if d.distillation_loss.use_topk:
             models.check_fused_lm_head(model)

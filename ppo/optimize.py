@@ -19,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ppo import algorithms, ulysses
+from ppo import algorithms, packed_forward, ulysses
 from ppo.algorithms.correction import mismatch_sums, rollout_rs_mask
 from ppo.batch import Batch
 from ppo.config import ActorConfig, CriticConfig, PPOConfig
@@ -187,7 +187,7 @@ def actor_loss(
         packed = pack_rows(batch, sel)
         topk_lp = topk_ids = None
         if distill is not None and distill.use_topk:  # one forward for both: the student's top-k side too
-            logprobs, entropy, topk_lp, topk_ids = ulysses.packed_logprobs_at(
+            logprobs, entropy, topk_lp, topk_ids = packed_forward.logprobs_at(
                 actor,
                 packed,
                 batch.teacher_topk_ids[sel],
@@ -197,7 +197,7 @@ def actor_loss(
                 compute_entropy=True,
             )
         else:
-            logprobs, entropy = ulysses.packed_logprobs(
+            logprobs, entropy = packed_forward.logprobs(
                 actor,
                 packed,
                 sp,
@@ -280,7 +280,7 @@ def critic_loss(cfg: PPOConfig, critic: torch.nn.Module, batch: Batch, sp: ulyss
     def loss_fn(sel: torch.Tensor, counts: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         counts = {**counts, "loss_scale_factor": scale}
         mask = batch.response_mask[sel]
-        values = ulysses.packed_values(critic, pack_rows(batch, sel), sp)
+        values = packed_forward.values(critic, pack_rows(batch, sel), sp)
         vf_loss, vf_metrics = algorithms.value_loss(
             values, batch.values[sel], batch.returns[sel], mask, c.cliprange_value, c.loss_agg_mode, **counts
         )

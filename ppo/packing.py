@@ -27,7 +27,7 @@ prompt's group exceeds the budget or a rank needs more micro-batches than it has
 
     packed = pack_sequences([[1, 2, 3], [4, 5]], device)        # SFT / reward model
     packed = pack(prompts, responses, response_mask)            # PPO: prompt + response
-    logprobs, entropy = ulysses.packed_logprobs(actor, packed, ulysses.NO_SP, temperature=1.0)  # [B, R]
+    logprobs, entropy = packed_forward.logprobs(actor, packed, ulysses.NO_SP, temperature=1.0)  # [B, R]
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from ppo import algorithms, forwards, rewards, ulysses
+from ppo import algorithms, forwards, packed_forward, rewards, ulysses
 from ppo.batch import Batch, concat_rollouts, group_index, rollout_rows
 from ppo.config import PPOConfig
 from ppo.data import ShardedLoader
@@ -96,7 +96,7 @@ def prm_loss(
     acc = prime_labels(batch.scores)
 
     def loss_fn(sel: torch.Tensor, counts: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        logprobs, _ = ulysses.packed_logprobs(
+        logprobs, _ = packed_forward.logprobs(
             prm,
             pack_rows(batch, sel),
             sp,

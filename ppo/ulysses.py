@@ -17,12 +17,11 @@ Attention needs whole sequences, so around it the layout switches from sequence-
 - Slicing: ``slice_for_rank`` pads the row to a multiple of ``sp`` (padding is a sequence of its own,
   label -100, counted nowhere) and takes this rank's slice; position ids stay global, so rotary
   embeddings are those of the whole row.
-- Forwards: ``packed_logprobs`` / ``packed_values`` take a packed micro-batch (``ppo.packing``) and
-  the group and return the whole micro-batch's ``[B, R]`` on every rank of the group (``gather_tokens``,
-  differentiable); they are the trainer's only forwards on packed rows, with ``NO_SP`` (the default)
-  when there is no sequence parallelism. ``local_logprobs`` / ``local_values`` / ``local_logits``
-  return the slice's ``[T/sp, ...]`` outputs, for other per-token quantities (``SPSlice.gather``
-  assembles the row).
+- Forwards: ``ppo.packed_forward`` runs every forward on packed rows; it takes this rank's slice
+  (``slice_for_rank``; the row itself with ``NO_SP``), runs the model inside ``attention_layout`` (which
+  hands the attention layers the ``ULYSSES`` context) and assembles the row's per-token outputs with
+  ``SPSlice.gather`` (``gather_tokens``, differentiable): the whole micro-batch's outputs on every rank
+  of the group.
 - Grouped-query attention: ``sp`` must divide the query heads ``H`` (``check_heads``); where it does
   not divide the key/value heads ``H_kv``, each key/value head is repeated
   ``r = sp / gcd(H_kv, sp)`` times before the exchange (``H_kv * r = lcm(H_kv, sp)`` divides ``H``, and
@@ -53,8 +52,8 @@ Usage (every rank; ``packed`` holds the group's micro-batch, the same on every r
 
     sp = make_sp_groups(cfg.actor.ulysses_sequence_parallel_size)   # collective, once
     check_heads(actor.config, sp.size, "actor.ulysses_sequence_parallel_size")
-    logprobs, entropy = packed_logprobs(actor, packed, sp, temperature=1.0, compute_entropy=True)
-    values = packed_values(critic, packed, sp)                     # [B, R]
+    logprobs, entropy = packed_forward.logprobs(actor, packed, sp, temperature=1.0, compute_entropy=True)
+    values = packed_forward.values(critic, packed, sp)             # [B, R]
 """
 
 from __future__ import annotations
@@ -71,8 +70,6 @@ import torch.distributed as dist
 from torch import nn
 from transformers import PretrainedConfig
 
-import ppo_kernels
-from ppo import models, packing
 from ppo.attention import (
     PACKED_ATTENTION,
     SHARED_PREFIX,
@@ -82,7 +79,7 @@ from ppo.attention import (
     packed_kwargs,
 )
 from ppo.config import ConfigError
-from ppo.packing import Packed, PackedSequences
+from ppo.packing import PackedSequences
 
 IGNORE_INDEX = -100
 """The label of tokens whose log-prob is not computed (prompts, the last token, SP padding)."""
@@ -443,10 +440,11 @@ def slice_for_rank(packed: PackedSequences, sp: SPGroup) -> SPSlice:
 
 
 @contextlib.contextmanager
-def _forward_kwargs(model: nn.Module, sl: SPSlice) -> Iterator[models.Layout]:
-    """For the forwards of ``model`` inside: the ``ULYSSES`` kwarg added to the root's forward (so the
-    ``ppo.models`` helpers run unchanged), and the layout to pass them (None: the slice's own offsets
-    mean nothing to the attention, which reads the full row's from the context)."""
+def attention_layout(model: nn.Module, sl: SPSlice) -> Iterator[list[int] | SharedPrefix | None]:
+    """For the forwards of ``model`` on ``sl`` inside: the layout to pass ``ppo.models``' helpers, and
+    with sequence parallelism the ``ULYSSES`` kwarg added to the root's forward (the layout is then None:
+    the slice's own offsets mean nothing to the attention, which reads the full row's from the
+    context). Without sequence parallelism the slice is the row and its layout is the row's."""
     if sl.context is None:
         yield sl.layout
         return
@@ -467,143 +465,3 @@ def _forward_kwargs(model: nn.Module, sl: SPSlice) -> Iterator[models.Layout]:
         yield None
     finally:
         handle.remove()
-
-
-def local_logits(model: nn.Module, sl: SPSlice) -> torch.Tensor:
-    """Next-token logits of the slice's tokens, ``[T_local, vocab]`` in the compute dtype (collective:
-    every rank of the group calls it, and runs the backward if there is one)."""
-    with _forward_kwargs(model, sl) as offsets:
-        return models.causal_lm_logits(model, sl.input_ids, sl.position_ids, offsets)
-
-
-def local_logprobs(
-    model: nn.Module,
-    sl: SPSlice,
-    *,
-    temperature: float,
-    backend: str = "auto",
-    compute_entropy: bool = False,
-    fused: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropy) of the slice's labels, ``[T_local]`` fp32 each (0 where label is -100).
-
-    The kernels of ``packed_logprobs``, on the slice: ``fused`` from the final hidden states
-    and the LM head weight, else from the ``[T_local, vocab]`` logits. Every rank of the group must call
-    it (the attention layers exchange heads), and, with gradients, run the backward.
-    """
-    if sl.labels is None:
-        raise ValueError("log-probs need a row with labels (ppo.packing.Packed)")
-    if not fused:
-        logits = local_logits(model, sl)
-        return ppo_kernels.logprobs_from_logits(
-            logits, sl.labels, temperature=temperature, compute_entropy=compute_entropy, backend=backend
-        )
-    hidden = local_hidden(model, sl)
-    weight = models.lm_head_weight(model)
-    return ppo_kernels.fused_linear_logprobs(
-        hidden, weight, sl.labels, temperature=temperature, compute_entropy=compute_entropy, backend=backend
-    )
-
-
-def local_hidden(model: nn.Module, sl: SPSlice) -> torch.Tensor:
-    """The final hidden states (after the last norm) of the slice's tokens, ``[T_local, H]``, which with
-    ``models.lm_head_weight(model)`` give the logits (collective, as ``local_logits``)."""
-    with _forward_kwargs(model, sl) as offsets:
-        return models.causal_lm_hidden(model, sl.input_ids, sl.position_ids, offsets)
-
-
-def local_values(critic: nn.Module, sl: SPSlice) -> torch.Tensor:
-    """The critic's value at each of the slice's tokens, ``[T_local]`` fp32 (collective, as
-    ``local_logprobs``)."""
-    with _forward_kwargs(critic, sl) as offsets:
-        return models.critic_values(critic, sl.input_ids, sl.position_ids, offsets)
-
-
-def packed_logprobs(
-    model: nn.Module,
-    packed: Packed,
-    sp: SPGroup = NO_SP,
-    *,
-    temperature: float,
-    backend: str = "auto",
-    compute_entropy: bool = False,
-    fused: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropy) of the response tokens, ``[B, R]`` fp32 each, the whole micro-batch on
-    every rank of the group; temperature divides after the fp32 upcast (inside the kernels).
-
-    ``fused`` computes them from the final hidden states and the LM head weight without building the
-    ``[T, V]`` logits; otherwise from the logits (``local_logprobs``). With sequence parallelism
-    ``packed`` must be the same row on every rank of the group: each rank computes its slice and one
-    differentiable ``gather_tokens`` assembles the row; without it (``NO_SP``) the slice is the row.
-    """
-    sl = slice_for_rank(packed, sp)
-    lp, ent = local_logprobs(
-        model, sl, temperature=temperature, backend=backend, compute_entropy=compute_entropy, fused=fused
-    )
-    if ent is None:
-        return packing.unpack(sl.gather(lp), packed), None
-    if sp.size > 1:
-        both = sl.gather(torch.stack([lp, ent], dim=-1))  # one collective for both
-        lp, ent = both[:, 0], both[:, 1]
-    return packing.unpack(lp, packed), packing.unpack(ent, packed)
-
-
-@torch.no_grad()
-def packed_topk(
-    model: nn.Module,
-    packed: Packed,
-    sp: SPGroup = NO_SP,
-    *,
-    k: int,
-    temperature: float = 1.0,
-    backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` most likely next tokens at each response position and their log-probs, ``[B, R, k]``
-    each (ids int64), from the final hidden states and the LM head in token chunks
-    (``ppo_kernels.fused_linear_topk``: the ``[T, V]`` logits never exist whole); a teacher's top-k."""
-    sl = slice_for_rank(packed, sp)
-    logprobs, ids = ppo_kernels.fused_linear_topk(
-        local_hidden(model, sl), models.lm_head_weight(model), k, temperature=temperature, backend=backend
-    )
-    return packing.unpack(sl.gather(logprobs), packed), packing.unpack(sl.gather(ids), packed)
-
-
-def packed_logprobs_at(
-    model: nn.Module,
-    packed: Packed,
-    ids: torch.Tensor,
-    sp: SPGroup = NO_SP,
-    *,
-    temperature: float,
-    backend: str = "auto",
-    compute_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """``packed_logprobs`` (fused) from one forward, plus the log-probs of the tokens ``ids [B, R, K]`` at
-    each response position (differentiable, ``ppo_kernels.fused_linear_gather_logprobs``, the logits
-    recomputed in token chunks) and the model's own top-``K`` ids there (``[B, R, K]``, for the
-    distillation overlap metrics): a student's side of the top-k distillation loss."""
-    sl = slice_for_rank(packed, sp)
-    hidden = local_hidden(model, sl)
-    weight = models.lm_head_weight(model)
-    lp, ent = ppo_kernels.fused_linear_logprobs(
-        hidden, weight, sl.labels, temperature=temperature, compute_entropy=compute_entropy, backend=backend
-    )
-    at, own = ppo_kernels.fused_linear_gather_logprobs(
-        hidden,
-        weight,
-        sl.take(packing.repack(ids, packed)),
-        temperature=temperature,
-        return_topk=True,
-        backend=backend,
-    )
-    out = [packing.unpack(sl.gather(x), packed) for x in (lp, at, own)]
-    entropy = None if ent is None else packing.unpack(sl.gather(ent), packed)
-    return out[0], entropy, out[1], out[2]
-
-
-def packed_values(critic: nn.Module, packed: Packed, sp: SPGroup = NO_SP) -> torch.Tensor:
-    """The critic's value of the state before each response token, ``[B, R]`` fp32, on every rank of
-    the group (``packed``: the same row on each)."""
-    sl = slice_for_rank(packed, sp)
-    return packing.unpack(sl.gather(local_values(critic, sl)), packed)

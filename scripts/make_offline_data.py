@@ -51,7 +51,17 @@ import pyarrow.parquet as pq
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ppo import data, data_files, model_loading, offline, rewards, rule_scoring, runner, sharding, ulysses
+from ppo import (
+    data,
+    data_files,
+    model_loading,
+    offline,
+    packed_forward,
+    rewards,
+    rule_scoring,
+    runner,
+    sharding,
+)
 from ppo.config import FSDPConfig, ModelConfig
 from ppo.distributed import (
     DistInfo,
@@ -401,7 +411,7 @@ def sampler_logprobs(
 ) -> list[list[float]]:
     """The sampling policy's log-prob of every response token, ``log softmax(logits / temperature)``, on
     the tokens ``ppo.offline`` will train on (the text re-encoded, then EOS): one list per response, in
-    ``kept``'s order. The scoring forward the trainer itself runs (``ulysses.packed_logprobs``), so a
+    ``kept``'s order. The scoring forward the trainer itself runs (``packed_forward.logprobs``), so a
     policy identical to the sampler gives ratios of exactly 1. Every rank must call it (the forwards of a
     sharded model are collectives; a rank out of groups forwards a dummy sequence)."""
     prompts = [torch.tensor(r.input_ids, dtype=torch.long) for r, texts in kept for _ in texts]
@@ -422,7 +432,7 @@ def sampler_logprobs(
             mask = torch.arange(width)[None, :] < torch.tensor([len(r) for r in seqs])[:, None]
             heads = [prompts[i] if i is not None else torch.tensor(DUMMY_SEQUENCE) for i in rows]
             packed = pack(heads, ids, mask)
-            lp, _ = ulysses.packed_logprobs(policy, packed, temperature=temperature)
+            lp, _ = packed_forward.logprobs(policy, packed, temperature=temperature)
             for j, i in enumerate(group):
                 out[i] = lp[j, : len(responses[i])].tolist()
     sharding.release(policy)

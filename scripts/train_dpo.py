@@ -56,12 +56,12 @@ from ppo import (
     model_loading,
     model_setup,
     models,
+    packed_forward,
     run_folder,
     runner,
     sharding,
     stage_data,
     stage_loop,
-    ulysses,
 )
 from ppo.distributed import DistInfo, all_reduce_scalars, exit_process, rank_slice
 from ppo.optim import with_optimizer
@@ -300,7 +300,7 @@ def sequence_logps(
     model: nn.Module, seqs: list[Sequence], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed response log-probs ``[B]`` (fp32, with gradients if enabled) and response lengths ``[B]``
-    of ``B`` sequences, from one packed padding-free forward (``ulysses.packed_logprobs``)."""
+    of ``B`` sequences, from one packed padding-free forward (``packed_forward.logprobs``)."""
     lengths = [len(response) for _, response in seqs]
     responses = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
     for b, (_, response) in enumerate(seqs):
@@ -309,7 +309,7 @@ def sequence_logps(
     packed = pack(
         [torch.tensor(prompt, dtype=torch.long) for prompt, _ in seqs], responses.to(device), mask.to(device)
     )
-    logprobs, _ = ulysses.packed_logprobs(model, packed, temperature=1.0)  # [B, R], 0 at padding
+    logprobs, _ = packed_forward.logprobs(model, packed, temperature=1.0)  # [B, R], 0 at padding
     return logprobs.sum(-1), mask.sum(-1).to(device=device, dtype=torch.float32)
 
 

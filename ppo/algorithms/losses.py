@@ -191,7 +191,7 @@ def gspo_policy_loss(
     sequence-level aggregation is ``"seq-mean-token-mean"``). With the on-policy shortcut
     (``old_logprobs = logprobs.detach()``) ``s_i,t = 1`` and the gradient is vanilla's. The sequence
     mean needs the whole row: under sequence parallelism the trainer gathers each row's log-probs over
-    the group first (``ulysses.packed_logprobs``). Metrics as vanilla's (``pg_clipfrac_lower`` 0)."""
+    the group first (``packed_forward.logprobs``). Metrics as vanilla's (``pg_clipfrac_lower`` 0)."""
     mask = x.response_mask.bool()
     zero = torch.zeros((), dtype=x.advantages.dtype, device=x.advantages.device)
     seq_log_ratio = masked_mean(torch.where(mask, x.logprobs - x.old_logprobs, zero), mask, dim=-1)

@@ -127,10 +127,11 @@ class ActorConfig:
     """Log-prob/entropy kernel backend: auto picks Triton on CUDA and chunked PyTorch elsewhere."""
     use_fused_kernels: bool = False
     """Compute log-probs from the final hidden states and the LM head without building full logits."""
-    use_prefix_grouper: bool = False
-    """Shared-prefix layout (verl's key): every forward and update of a step (actor, reference, critic,
+    use_prefix_grouper: bool | Literal["auto"] = "auto"
+    """Shared prompts (verl's key): every forward and update of a step (actor, reference, critic,
     PRIME's PRM, teachers) holds each prompt once with its responses after it, each response attending
-    to the prompt and to itself only; the results equal the plain layout's (``ppo.packing``)."""
+    to the prompt and to itself only; the results equal the plain layout's. ``auto``: on wherever the
+    packed attention kernels run (``model.attn_implementation=auto``)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Optimizer and learning-rate schedule."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)

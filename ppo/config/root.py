@@ -18,12 +18,8 @@ from dataclasses import dataclass
 from ppo.config.errors import ConfigError, FieldError, check_world_size
 from ppo.config.shared import resolve_paths
 from ppo.config.startup_warnings import startup_warnings
-from ppo.config.tree import PPOTree
+from ppo.config.tree import SP_ATTENTION, PPOTree
 from ppo.config.world_size import world_size_errors
-
-SP_ATTENTION = ("auto", "ppo_varlen_sdpa", "ppo_varlen_flash")
-"""The ``model.attn_implementation`` values Ulysses sequence parallelism runs with: ``ppo.attention``'s
-packed kernels (``PACKED_ATTENTION``, ``VARLEN_FLASH``), the only ones that exchange heads across ranks."""
 
 
 @dataclass(kw_only=True)
@@ -380,7 +376,7 @@ def _check_sequence_parallel(cfg: PPOConfig) -> None:
             "model.attn_implementation",
             "actor.ulysses_sequence_parallel_size",
         )
-    if cfg.actor.use_prefix_grouper and cfg.model.attn_implementation not in SP_ATTENTION:
+    if cfg.actor.use_prefix_grouper is True and cfg.model.attn_implementation not in SP_ATTENTION:
         raise FieldError(
             f"model.attn_implementation={cfg.model.attn_implementation} cannot run with "
             "actor.use_prefix_grouper=true: only the packed kernels attend each response to its shared "

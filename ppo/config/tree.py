@@ -20,6 +20,11 @@ from ppo.config.sections import (
 )
 from ppo.config.shared import ModelConfig
 
+SP_ATTENTION = ("auto", "ppo_varlen_sdpa", "ppo_varlen_flash")
+"""The ``model.attn_implementation`` values that run ``ppo.attention``'s packed kernels
+(``PACKED_ATTENTION``, ``VARLEN_FLASH``): the only ones that exchange heads across ranks (Ulysses
+sequence parallelism) and attend a shared prompt's responses to it and to themselves."""
+
 
 @dataclass(kw_only=True)
 class PPOTree:
@@ -53,6 +58,14 @@ class PPOTree:
         no advantages are computed)."""
         d = self.distillation
         return not d.enabled or d.distillation_loss.use_task_rewards
+
+    @property
+    def share_prompts(self) -> bool:
+        """Every forward of the step packs each prompt once with its responses after it
+        (``actor.use_prefix_grouper``): ``auto`` wherever the model attends with the packed kernels
+        (``model.attn_implementation`` in ``SP_ATTENTION``), which give the same results either way."""
+        value = self.actor.use_prefix_grouper
+        return self.model.attn_implementation in SP_ATTENTION if value == "auto" else value
 
     @property
     def use_critic(self) -> bool:

@@ -84,7 +84,7 @@ def at_responses(x: torch.Tensor, rows: PaddedRows) -> torch.Tensor:
 def padded_logprobs(
     model: nn.Module, rows: PaddedRows, *, temperature: float, backend: str, compute_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropy) of the response tokens, ``[b, R]`` fp32 each: ``packed_logprobs`` on
+    """Log-probs (and entropy) of the response tokens, ``[b, R]`` fp32 each: ``packed_forward.logprobs`` on
     padded rows, with the same kernel."""
     logits = padded_forward(model, rows)
     b, width, vocab = logits.shape
@@ -100,7 +100,7 @@ def padded_logprobs(
 
 
 def padded_values(critic: nn.Module, rows: PaddedRows) -> torch.Tensor:
-    """The critic's values before each response token, ``[b, R]`` fp32: ``packed_values`` on padded rows."""
+    """The critic's values before each response token, ``[b, R]`` fp32: ``packed_forward.values`` on padded rows."""
     return at_responses(padded_forward(critic, rows)[..., 0].float(), rows)
 
 

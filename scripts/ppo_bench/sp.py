@@ -1,8 +1,8 @@
 """Benchmark the memory Ulysses sequence parallelism saves on one long sequence.
 
 One sequence of ``--seq-len`` tokens (16384 by default: random tokens after a ``--prompt-len`` prompt,
-the same on every rank) goes through the trainer's packed forwards (``ppo.ulysses.packed_logprobs`` /
-``packed_values``) phase by phase: ``actor`` (log-probs and entropy, a PPO-like loss, backward),
+the same on every rank) goes through the trainer's packed forwards (``ppo.packed_forward.logprobs`` /
+``values``) phase by phase: ``actor`` (log-probs and entropy, a PPO-like loss, backward),
 ``critic`` (values, squared error, backward) and ``ref`` (log-probs without gradients). Each phase runs
 once with groups of 1 (every rank the whole sequence) and once with groups of ``--sp N`` (each rank
 ``1/N`` of its tokens). The models load with the trainer's attention for sequence parallelism
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ppo import ulysses
+from ppo import packed_forward, ulysses
 from ppo.attention import resolve_attn_implementation
 from ppo.distributed import (
     DistInfo,
@@ -88,12 +88,12 @@ def sp_phase(
 ) -> torch.Tensor:
     """One phase on the packed sequence; returns its detached ``[1, R]`` output."""
     if phase == "critic":
-        values = ulysses.packed_values(nets["critic"], packed, sp)
+        values = packed_forward.values(nets["critic"], packed, sp)
         ((values - 1.0).square().mean()).backward()
         return values.detach()
     grad = phase == "actor"
     with torch.set_grad_enabled(grad):
-        logprobs, entropy = ulysses.packed_logprobs(
+        logprobs, entropy = packed_forward.logprobs(
             nets[phase], packed, sp, temperature=TEMPERATURE, compute_entropy=grad, fused=fused
         )
     if grad:

@@ -192,7 +192,7 @@ def test_two_teachers_score_their_own_rows_on_two_ranks(
 def _worker(assets: Path, teacher: Path, out: Path) -> None:
     """Both ranks build their batch, score it with two sharded teachers (``forward_teachers``), and compare
     each row with a forward of its own teacher loaded whole in this process."""
-    from ppo import distillation, model_setup, ulysses
+    from ppo import distillation, model_setup, packed_forward, ulysses
     from ppo.batch import Batch, Rollout, group_index
     from ppo.config_loader import load_config
     from ppo.data import PromptRecord
@@ -257,10 +257,10 @@ def _worker(assets: Path, teacher: Path, out: Path) -> None:
                 model = whole[record.data_source]
                 with torch.no_grad():
                     if mode == "k3":
-                        expected, _ = ulysses.packed_logprobs(model, packed, temperature=1.0)
+                        expected, _ = packed_forward.logprobs(model, packed, temperature=1.0)
                         got = batch.teacher_logprobs[i : i + 1]
                     else:
-                        expected, ids = ulysses.packed_topk(model, packed, k=4)
+                        expected, ids = packed_forward.topk(model, packed, k=4)
                         got = batch.teacher_topk_logprobs[i : i + 1]
                         worst = max(worst, float((ids != batch.teacher_topk_ids[i : i + 1]).any()))
                 worst = max(worst, max_diff(got, expected))

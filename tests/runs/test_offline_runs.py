@@ -341,7 +341,7 @@ def sampled_groups(tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory) 
 def test_writer_stores_the_trainers_log_probs(sampled_groups: Path, tiny_assets: Path) -> None:
     """Each response's ``logprobs`` are the log-probs the trainer computes for the same tokens with the
     same policy (so the importance ratio of the sampler against itself is exactly 1)."""
-    from ppo import ulysses
+    from ppo import packed_forward
     from ppo.packing import pack
 
     tokenizer = model_loading.load_tokenizer(str(tiny_assets / "base"))
@@ -355,7 +355,7 @@ def test_writer_stores_the_trainers_log_probs(sampled_groups: Path, tiny_assets:
     )
     model = model_loading.load_causal_lm(str(tiny_assets / "base"))
     with torch.no_grad():
-        lp, _ = ulysses.packed_logprobs(
+        lp, _ = packed_forward.logprobs(
             model, pack(rollout.prompts, rollout.responses, rollout.attention_mask), temperature=1.0
         )
     stored = offline.dataset_logprobs(groups, len(rollout.prompts), 12, "cpu")

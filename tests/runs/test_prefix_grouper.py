@@ -1,4 +1,5 @@
-"""Runs with ``actor.use_prefix_grouper=true`` train what the same runs train without it: GRPO over 5
+"""Runs with ``actor.use_prefix_grouper=true`` (the default ``auto`` on these models) train what the
+same runs train with ``false``: GRPO over 5
 steps (sampled responses, shuffled mini-batches, several micro-batches), GAE with its critic on 2 FSDP
 ranks, LoRA, and Ulysses sequence parallelism on 2 ranks; and verl's spelling of the key turns it on."""
 
@@ -20,6 +21,7 @@ EXACT = [
     "actor.optim.eps=1e-3",
     "critic.optim.eps=1e-3",
 ]
+PLAIN = "actor.use_prefix_grouper=false"
 COMPARED = ("actor/pg_loss", "actor/entropy", "critic/score/mean", "response_length/mean")
 
 
@@ -51,7 +53,7 @@ def test_grpo_five_steps_equal_the_plain_layout(tiny_assets: Path, tmp_path: Pat
         "actor.ppo_max_token_len_per_gpu=48",
     ]
     plain, shared = tmp_path / "plain", tmp_path / "shared"
-    assert run(base_args(tiny_assets, plain, steps=5) + common) == 0
+    assert run(base_args(tiny_assets, plain, steps=5) + common + [PLAIN]) == 0
     assert run(base_args(tiny_assets, shared, steps=5) + common + ["actor.use_prefix_grouper=true"]) == 0
     assert_same_training(plain, shared, (*COMPARED, "actor/kl_loss", "actor/ppo_kl"))
 
@@ -78,7 +80,7 @@ def test_gae_on_two_ranks_and_sequence_parallel_equal_one_plain_rank(
     ):
         one, two = tmp_path / f"{name}_one", tmp_path / f"{name}_two"
         one_args = common + (["actor.ppo_max_token_len_per_gpu=48"] if name == "sp" else [])
-        assert run(base_args(tiny_assets, one) + one_args) == 0
+        assert run(base_args(tiny_assets, one) + one_args + [PLAIN]) == 0
         proc = torchrun(
             ROOT / "train_ppo.py",
             *base_args(tiny_assets, two),
@@ -104,7 +106,7 @@ def test_lora_equals_the_plain_layout(tiny_assets: Path, tmp_path: Path) -> None
         "rollout.n=4",
     ]
     plain, shared = tmp_path / "plain", tmp_path / "shared"
-    assert run(base_args(tiny_assets, plain, steps=3) + common) == 0
+    assert run(base_args(tiny_assets, plain, steps=3) + common + [PLAIN]) == 0
     verl = "actor_rollout_ref.actor.use_prefix_grouper=true"
     assert run(base_args(tiny_assets, shared, steps=3) + common + [verl]) == 0
     assert_same_training(plain, shared, (*COMPARED, "actor/kl_loss"))

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers import LlamaForCausalLM
 
-from ppo import packing, ulysses
+from ppo import packed_forward, packing, ulysses
 from ppo.attention import PACKED_ATTENTION, ULYSSES, packed_kwargs, resolve_attn_implementation
 from ppo.packing import Packed
 from tests.helpers import (
@@ -77,7 +77,7 @@ def test_slice_for_rank_pads_and_keeps_positions_and_labels() -> None:
     # The attention sees the padded row's offsets: the padding is a sequence of its own.
     assert slices[0].context.attention_kwargs["ppo_packed_offsets"] == (0, 4, 13, 14)
     assert slices[0].context.local_tokens == 7
-    assert slices[0].offsets == [0, 4, 13]
+    assert slices[0].layout == [0, 4, 13]
 
 
 def unpack_local(
@@ -120,7 +120,7 @@ def test_sp_size_one_is_a_no_op() -> None:
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_config(attn_implementation=PACKED_ATTENTION))
     with torch.no_grad():
-        got, _ = ulysses.packed_logprobs(model, packed, ulysses.NO_SP, temperature=0.7)
+        got, _ = packed_forward.logprobs(model, packed, ulysses.NO_SP, temperature=0.7)
         # Each sequence alone through the plain model: the packed row without SP gives its log-probs.
         expected = torch.zeros_like(got)
         for b in range(len(packed.offsets) - 1):
@@ -160,7 +160,7 @@ def test_sp_forward_refuses_transformers_own_attention() -> None:
     model = LlamaForCausalLM(tiny_config(attn_implementation="sdpa"))
     sl = ulysses.slice_for_rank(make_packed(**ROW_A), fake_group(2, 0))
     with pytest.raises(ValueError, match="sequence parallelism needs ppo_varlen_sdpa"):
-        ulysses.local_logprobs(model, sl, temperature=1.0)
+        packed_forward.part_logprobs(model, sl, temperature=1.0)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -316,10 +316,10 @@ def _worker(root: Path, out: Path) -> None:
         with torch.no_grad():
             for fused in (False, True):
                 for row, packed in rows.items():
-                    lp_ref, ent_ref = ulysses.packed_logprobs(
+                    lp_ref, ent_ref = packed_forward.logprobs(
                         ref, packed, temperature=tau, compute_entropy=True
                     )
-                    lp, ent = ulysses.packed_logprobs(
+                    lp, ent = packed_forward.logprobs(
                         model, packed, sp, temperature=tau, compute_entropy=True, fused=fused
                     )
                     name = f"{'fused_' if fused else ''}logprobs_{row}"
@@ -341,7 +341,7 @@ def _worker(root: Path, out: Path) -> None:
             count = float(packed.attention_mask.sum())
             ref.zero_grad(set_to_none=True)
             model.zero_grad(set_to_none=True)
-            lp, ent = ulysses.packed_logprobs(ref, packed, temperature=tau, compute_entropy=True)
+            lp, ent = packed_forward.logprobs(ref, packed, temperature=tau, compute_entropy=True)
             ppo_like_loss(packed, lp, ent, count).backward()
             return count
 
@@ -352,7 +352,7 @@ def _worker(root: Path, out: Path) -> None:
         ):
             packed = rows[row]
             count = reference_backward(packed)
-            lp, ent = ulysses.packed_logprobs(
+            lp, ent = packed_forward.logprobs(
                 model, packed, sp, temperature=tau, compute_entropy=True, fused=fused
             )
             ppo_like_loss(packed, lp, ent, sp.size * count).backward()  # count summed over both ranks
@@ -362,7 +362,7 @@ def _worker(root: Path, out: Path) -> None:
         packed = rows["row_a"]
         count = reference_backward(packed)
         sl = ulysses.slice_for_rank(packed, sp)
-        lp_local, ent_local = ulysses.local_logprobs(model, sl, temperature=tau, compute_entropy=True)
+        lp_local, ent_local = packed_forward.part_logprobs(model, sl, temperature=tau, compute_entropy=True)
         lp, owned = unpack_local(sl, lp_local, packed)
         ent, _ = unpack_local(sl, ent_local, packed)
         local_packed = Packed(**{**vars(packed), "attention_mask": owned})
@@ -374,7 +374,7 @@ def _worker(root: Path, out: Path) -> None:
         enable_gradient_checkpointing(model)
         packed = rows["row_b"]
         count = reference_backward(packed)
-        lp, ent = ulysses.packed_logprobs(model, packed, sp, temperature=tau, compute_entropy=True)
+        lp, ent = packed_forward.logprobs(model, packed, sp, temperature=tau, compute_entropy=True)
         ppo_like_loss(packed, lp, ent, sp.size * count).backward()
         within("grads_checkpointed_row_b", grad_rel_diff(model, ref), GRAD_RTOL)
 
@@ -385,8 +385,8 @@ def _worker(root: Path, out: Path) -> None:
         critic = load_critic(path).train()
         critic.load_state_dict(critic_ref.state_dict())
         packed = rows["row_b"]
-        values_ref = ulysses.packed_values(critic_ref, packed)
-        values = ulysses.packed_values(critic, packed, sp)
+        values_ref = packed_forward.values(critic_ref, packed)
+        values = packed_forward.values(critic, packed, sp)
         within("values_row_b", max_diff(values, values_ref), 1e-5)
         returns = torch.linspace(0.0, 1.0, values.numel()).reshape(values.shape)
         count = float(packed.attention_mask.sum())
@@ -404,8 +404,8 @@ def _worker(root: Path, out: Path) -> None:
         mqa_ref = load_causal_lm(str(root / "mqa"))
         mqa = shard_model(load_causal_lm(str(root / "mqa")), mesh, FSDPConfig(), device="cpu")
         with torch.no_grad():
-            lp_ref, _ = ulysses.packed_logprobs(mqa_ref, rows["row_a"], temperature=1.0)
-            lp, _ = ulysses.packed_logprobs(mqa, rows["row_a"], sp, temperature=1.0)
+            lp_ref, _ = packed_forward.logprobs(mqa_ref, rows["row_a"], temperature=1.0)
+            lp, _ = packed_forward.logprobs(mqa, rows["row_a"], sp, temperature=1.0)
         within("kv_repeat_model_logprobs", max_diff(lp, lp_ref), 1e-5)
 
 

@@ -508,8 +508,8 @@ def test_lora_dropout_scores_in_eval_mode(tiny_assets: Path, tmp_path: Path, one
     assert torch.equal(forward_logprobs(cfg, actor, batch, mb, run_.sp), first)
     actor.train()
     with torch.no_grad():  # the same forward in training mode draws dropout masks: it differs
-        from ppo import ulysses
+        from ppo import packed_forward
         from ppo.packing import pack_rows
 
-        noisy, _ = ulysses.packed_logprobs(actor, pack_rows(batch, batch.rows()), temperature=1.0)
+        noisy, _ = packed_forward.logprobs(actor, pack_rows(batch, batch.rows()), temperature=1.0)
     assert (noisy - first).abs().max() > 1e-3

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaForCausalLM
 
-from ppo import ulysses
+from ppo import packed_forward
 from ppo.packing import (
     balanced_partition,
     min_micro_batches,
@@ -41,7 +41,7 @@ def test_packed_logprobs_equal_padded() -> None:
     responses = torch.randint(3, 50, (3, 6))
     mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0]], dtype=torch.bool)
     with torch.no_grad():
-        packed, _ = ulysses.packed_logprobs(
+        packed, _ = packed_forward.logprobs(
             model, pack(prompts, responses, mask), temperature=0.7, backend="torch"
         )
         # Reference: each sequence alone, padded on the right, full log_softmax.

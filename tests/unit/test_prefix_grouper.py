@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM, LlamaForTokenClassification
 
-from ppo import attention, ulysses
+from ppo import attention, packed_forward
 from ppo.config import ConfigError
 from ppo.packing import pack, plan_shared_micro_batches, prompt_groups, shared_tokens, unpack
 from tests.helpers import tiny_config
@@ -83,9 +83,9 @@ def test_logprobs_entropy_values_equal_plain(sizes: list[int], fused: bool) -> N
     saved = sum((len(g) - 1) * (prompts[g[0]].numel() - 1) for g in prompt_groups(prompts))
     assert shared.num_tokens == plain.num_tokens - saved
     with torch.no_grad():
-        a = ulysses.packed_logprobs(actor, plain, temperature=0.7, compute_entropy=True, fused=fused)
-        b = ulysses.packed_logprobs(actor, shared, temperature=0.7, compute_entropy=True, fused=fused)
-        va, vb = ulysses.packed_values(critic, plain), ulysses.packed_values(critic, shared)
+        a = packed_forward.logprobs(actor, plain, temperature=0.7, compute_entropy=True, fused=fused)
+        b = packed_forward.logprobs(actor, shared, temperature=0.7, compute_entropy=True, fused=fused)
+        va, vb = packed_forward.values(critic, plain), packed_forward.values(critic, shared)
     for x, y in zip((*a, va), (*b, vb), strict=True):
         torch.testing.assert_close(x, y, atol=2e-6, rtol=0)
     assert (a[0][mask] != 0).all() and (a[0][~mask] == 0).all()
@@ -100,8 +100,8 @@ def test_gradients_equal_plain() -> None:
     for share in (False, True):
         actor, critic = models()
         packed = pack(prompts, responses, mask, share_prompts=share)
-        logprobs, entropy = ulysses.packed_logprobs(actor, packed, temperature=1.0, compute_entropy=True)
-        values = ulysses.packed_values(critic, packed)
+        logprobs, entropy = packed_forward.logprobs(actor, packed, temperature=1.0, compute_entropy=True)
+        values = packed_forward.values(critic, packed)
         loss = ((logprobs + 0.1 * entropy + values) * weights * mask).sum()
         loss.backward()
         grads.append(
@@ -198,3 +198,19 @@ def test_plan_keeps_groups_together() -> None:
         [0, 2, 4],
         [1, 3, 5],
     ]
+
+
+def test_the_key_and_its_default() -> None:
+    """``auto`` shares prompts wherever the packed kernels run; verl's spelling sets it; an explicit
+    ``true`` with transformers' own attention is a one-line error naming both keys."""
+    from ppo.config_loader import load_config
+
+    assert load_config(None, []).share_prompts
+    assert not load_config(None, ["model.attn_implementation=sdpa"]).share_prompts
+    assert not load_config(None, ["actor_rollout_ref.actor.use_prefix_grouper=false"]).share_prompts
+    cfg = load_config(None, ["actor_rollout_ref.actor.use_prefix_grouper=true"])
+    assert cfg.actor.use_prefix_grouper is True and cfg.share_prompts
+    with pytest.raises(
+        ConfigError, match=r"model.attn_implementation=sdpa cannot run with actor.use_prefix_grouper"
+    ):
+        load_config(None, ["actor.use_prefix_grouper=true", "model.attn_implementation=sdpa"])
