@@ -92,23 +92,33 @@ class SharedPrefix:
     def num_tokens(self) -> int:
         return self.groups[-1][-1]
 
-    def suffix_index(self, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Group ``g``'s suffixes right-padded to the longest, ``L``: ``index [G, L]`` (row positions;
-        padding repeats the suffix's last token), ``valid [G, L]`` bool, and the lower-right causal mask
-        ``[L, P + L]`` over the group's ``P`` shared keys and then the suffix's own."""
-        if (key := ("suffix", g)) not in self._cache:
-            a, b, *ends = self.groups[g]
-            starts = [b, *ends[:-1]]
-            width = max(e - s for s, e in zip(starts, ends, strict=True))
-            j = torch.arange(width)
-            start = torch.tensor(starts)[:, None]
-            length = torch.tensor(ends)[:, None] - start
-            valid = j[None, :] < length
-            index = start + torch.minimum(j[None, :], length - 1)
-            keys = torch.arange(b - a + width)
-            mask = keys[None, :] <= j[:, None] + (b - a)
-            self._cache[key] = tuple(t.to(self.device) for t in (index, valid, mask))
-        return self._cache[key]
+    def sdpa_plan(self) -> tuple[list[tuple[int, int, int, torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """The calls of the sdpa path and how their outputs go back in row order: per group its shared
+        span, then per distinct suffix length ``l`` one call ``(a, b, l, index [G_l, l], mask [l, P + l])``
+        (``index``: the row positions of the ``G_l`` suffixes of that length; ``mask``: lower-right causal
+        over the ``P`` shared keys and then the suffix's own); a shared span is the call ``(a, b, 0, ...)``
+        with empty tensors. ``order [T]``: the row position of each output token in call order, inverted
+        (the permutation that puts the concatenated outputs back in row order)."""
+        if "sdpa" not in self._cache:
+            calls: list[tuple[int, int, int, torch.Tensor, torch.Tensor]] = []
+            positions = []
+            empty = torch.empty(0, dtype=torch.long)
+            for a, b, *ends in self.groups:
+                if b > a:
+                    calls.append((a, b, 0, empty, empty))
+                    positions.append(torch.arange(a, b))
+                lengths: dict[int, list[int]] = {}
+                for s, e in zip([b, *ends[:-1]], ends, strict=True):
+                    lengths.setdefault(e - s, []).append(s)
+                for length, starts in lengths.items():
+                    index = torch.tensor(starts)[:, None] + torch.arange(length)[None, :]
+                    keys = torch.arange(b - a + length)
+                    mask = keys[None, :] <= torch.arange(length)[:, None] + (b - a)
+                    calls.append((a, b, length, index.to(self.device), mask.to(self.device)))
+                    positions.append(index.flatten())
+            order = torch.argsort(torch.cat(positions)).to(self.device)
+            self._cache["sdpa"] = (calls, order)
+        return self._cache["sdpa"]
 
     def varlen(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
         """The row as one varlen call with separate query and key lengths: ``kv_index [T_k]`` (each
@@ -355,11 +365,12 @@ def _shared_prefix_sdpa(
     dropout: float,
     scaling: float | None,
 ) -> torch.Tensor:
-    """Two-part attention of a shared-prefix row with sdpa, ``[1, T, H, d]``: per group one causal call
-    over its shared tokens, and one call over its ``G`` suffixes right-padded to the longest ``L``, each
-    over ``[shared keys; its own keys]`` with the lower-right causal mask ``[L, P + L]`` (padding keys
-    come after every real query's position, so the mask hides them; padded queries are dropped). A group
-    without shared tokens and one suffix is a plain causal sequence."""
+    """Two-part attention of a shared-prefix row with sdpa, ``[1, T, H, d]`` (``SharedPrefix.sdpa_plan``):
+    per group one causal call over its shared tokens, and per distinct suffix length one call over the
+    suffixes of that length, each over ``[shared keys; its own keys]`` with the lower-right causal mask.
+    A suffix's call has the same shapes whichever of its group's other suffixes share the row, so its
+    result does not depend on them (tested bit for bit: a row alone and in pieces of its group), and
+    runs on any layout or token budget agree."""
     gqa = {"enable_gqa": True} if key.shape[1] != query.shape[1] else {}
 
     def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **extra: Any) -> torch.Tensor:
@@ -368,26 +379,18 @@ def _shared_prefix_sdpa(
         )
 
     q_all, k_all, v_all = query[0], key[0], value[0]  # [heads, T, d]
-    outputs = []  # [H, tokens, d] each, in row order
-    for g, (a, b, *ends) in enumerate(layout.groups):
-        if b > a:
+    calls, order = layout.sdpa_plan()
+    outputs = []  # [H, tokens, d] each, in call order
+    for a, b, length, index, mask in calls:
+        if not length:  # the shared tokens, causally among themselves
             outputs.append(sdpa(q_all[:, a:b], k_all[:, a:b], v_all[:, a:b], is_causal=True))
-        if b == a and len(ends) == 1:
-            outputs.append(
-                sdpa(q_all[:, b : ends[0]], k_all[:, b : ends[0]], v_all[:, b : ends[0]], is_causal=True)
-            )
             continue
-        index, valid, mask = layout.suffix_index(g)  # [G, L], [G, L], [L, P + L]
-        groups = index.shape[0]
-        q = q_all[:, index].transpose(0, 1)  # [G, H, L, d]
-        k = torch.cat(
-            [k_all[None, :, a:b].expand(groups, -1, -1, -1), k_all[:, index].transpose(0, 1)], dim=2
-        )
-        v = torch.cat(
-            [v_all[None, :, a:b].expand(groups, -1, -1, -1), v_all[:, index].transpose(0, 1)], dim=2
-        )
-        outputs.append(sdpa(q, k, v, attn_mask=mask).transpose(0, 1)[:, valid])
-    return torch.cat(outputs, dim=1).transpose(0, 1)[None].contiguous()
+        rows = index.shape[0]
+        q = q_all[:, index].transpose(0, 1)  # [G_l, H, l, d]
+        k = torch.cat([k_all[None, :, a:b].expand(rows, -1, -1, -1), k_all[:, index].transpose(0, 1)], dim=2)
+        v = torch.cat([v_all[None, :, a:b].expand(rows, -1, -1, -1), v_all[:, index].transpose(0, 1)], dim=2)
+        outputs.append(sdpa(q, k, v, attn_mask=mask).transpose(0, 1).flatten(1, 2))
+    return torch.cat(outputs, dim=1)[:, order].transpose(0, 1)[None].contiguous()
 
 
 def _shared_prefix_varlen(

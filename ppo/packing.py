@@ -114,12 +114,12 @@ def pack(
     Response token ``j`` of sequence ``i`` is predicted at packed position ``start_i + P_i - 1 + j``:
     logits there give its log-prob and the critic's value there is the value of the state before it.
     ``share_prompts``: identical prompts once (see the module docstring); response token ``j`` is then
-    predicted at its suffix's start ``+ j``. Without two identical prompts the row is the plain one.
+    predicted at its suffix's start ``+ j``. A prompt with one response has the plain sequence's tokens
+    and positions, and its attention is computed in the same two parts as a group's, so that a row's
+    results do not depend on which of its group's rows share its micro-batch.
     """
     if share_prompts:
-        groups = prompt_groups(prompts)
-        if any(len(g) > 1 for g in groups):
-            return _pack_shared(prompts, responses, response_mask, groups)
+        return _pack_shared(prompts, responses, response_mask, prompt_groups(prompts))
     device = responses.device
     mask = response_mask.bool()
     resp_lens = mask.sum(dim=-1).tolist()
@@ -167,13 +167,6 @@ def _pack_shared(
         prompt = prompts[group[0]].tolist()
         length = len(prompt)
         start = len(ids)
-        if len(group) == 1:  # a plain sequence
-            (i,) = group
-            first[i] = start + length - 1
-            ids += prompt + rows[i][: resp_lens[i]]
-            positions += range(length + resp_lens[i])
-            bounds.append((start, start, len(ids)))
-            continue
         ids += prompt[:-1]
         positions += range(length - 1)
         ends = []

@@ -130,8 +130,8 @@ class ActorConfig:
     use_prefix_grouper: bool | Literal["auto"] = "auto"
     """Shared prompts (verl's key): every forward and update of a step (actor, reference, critic,
     PRIME's PRM, teachers) holds each prompt once with its responses after it, each response attending
-    to the prompt and to itself only; the results equal the plain layout's. ``auto``: on wherever the
-    packed attention kernels run (``model.attn_implementation=auto``)."""
+    to the prompt and to itself only; the results equal the plain layout's. ``auto``: on with
+    ``rollout.n > 1`` wherever the packed attention kernels run (``model.attn_implementation=auto``)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Optimizer and learning-rate schedule."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)

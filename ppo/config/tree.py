@@ -62,10 +62,13 @@ class PPOTree:
     @property
     def share_prompts(self) -> bool:
         """Every forward of the step packs each prompt once with its responses after it
-        (``actor.use_prefix_grouper``): ``auto`` wherever the model attends with the packed kernels
-        (``model.attn_implementation`` in ``SP_ATTENTION``), which give the same results either way."""
+        (``actor.use_prefix_grouper``): ``auto`` where a prompt has several responses (``rollout.n > 1``)
+        and the model attends with the packed kernels (``model.attn_implementation`` in
+        ``SP_ATTENTION``), which give the same results either way."""
         value = self.actor.use_prefix_grouper
-        return self.model.attn_implementation in SP_ATTENTION if value == "auto" else value
+        if value == "auto":
+            return self.rollout.n > 1 and self.model.attn_implementation in SP_ATTENTION
+        return value
 
     @property
     def use_critic(self) -> bool:

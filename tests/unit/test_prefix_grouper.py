@@ -32,9 +32,11 @@ def test_shared_layout_by_hand() -> None:
     assert p.labels.tolist() == [-100, -100, 1, 2, -100, 10, -100, 3, 4, 9, -100]
     assert p.offsets == [0, 2, 5, 7, 11]
     assert unpack(torch.arange(11.0), p).tolist() == [[2.0, 3.0, 0.0], [7.0, 8.0, 9.0], [5.0, 0.0, 0.0]]
-    # Without two identical prompts the row is the plain one.
-    plain = pack(prompts[:2], responses[:2], mask[:2], share_prompts=True)
-    assert plain.shared is None and plain.input_ids.tolist() == [5, 6, 7, 1, 2, 8, 3, 4, 9]
+    # A prompt with one response: the plain sequence's tokens and positions, attention in two parts.
+    single = pack(prompts[:2], responses[:2], mask[:2], share_prompts=True)
+    assert single.input_ids.tolist() == [5, 6, 7, 1, 2, 8, 3, 4, 9]
+    assert single.position_ids.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3]
+    assert single.shared.groups == ((0, 2, 5), (5, 5, 9))
     assert prompt_groups(prompts) == [[0, 2], [1]]
     assert shared_tokens(3, [2, 1]) == 2 + 3 + 2 and shared_tokens(1, [3]) == 4
 
@@ -89,6 +91,22 @@ def test_logprobs_entropy_values_equal_plain(sizes: list[int], fused: bool) -> N
     for x, y in zip((*a, va), (*b, vb), strict=True):
         torch.testing.assert_close(x, y, atol=2e-6, rtol=0)
     assert (a[0][mask] != 0).all() and (a[0][~mask] == 0).all()
+
+
+def test_a_row_does_not_depend_on_its_micro_batch() -> None:
+    """A response's log-probs are the same bits alone, with some of its group, or with all of it, in any
+    order: runs agree on any number of ranks and any token budget."""
+    actor, _ = models()
+    prompts, responses, mask = random_groups(6, [4])  # a 9-token prompt; responses of 5, 1, 4, 5 tokens
+
+    def logprobs(rows: list[int]) -> torch.Tensor:
+        packed = pack([prompts[i] for i in rows], responses[rows], mask[rows], share_prompts=True)
+        with torch.no_grad():
+            return packed_forward.logprobs(actor, packed, temperature=1.0)[0]
+
+    alone = logprobs([0])[0]
+    for rows in ([0, 1], [2, 0, 3], [1, 2, 3, 0]):
+        assert torch.equal(logprobs(rows)[rows.index(0)], alone), rows
 
 
 def test_gradients_equal_plain() -> None:
@@ -206,6 +224,7 @@ def test_the_key_and_its_default() -> None:
     from ppo.config_loader import load_config
 
     assert load_config(None, []).share_prompts
+    assert not load_config(None, ["rollout.n=1"]).share_prompts
     assert not load_config(None, ["model.attn_implementation=sdpa"]).share_prompts
     assert not load_config(None, ["actor_rollout_ref.actor.use_prefix_grouper=false"]).share_prompts
     cfg = load_config(None, ["actor_rollout_ref.actor.use_prefix_grouper=true"])
