@@ -18,6 +18,13 @@ rows whose ``step`` said done, or that ran out of turns or of ``data.max_respons
 counts generated and observation tokens together, as in verl), drop out. Generation has no collectives,
 so ranks may take different numbers of turns and the phase still ends together.
 
+Each turn's prompt is the whole trajectory so far, but it is not prefilled again: the sampler keeps each
+row's KV cache from one turn's ``generate`` call to the next (``rollout.sample(keep_cache=True)``,
+``ppo.prefill.KeptCaches``), matched to the next turn's prompts by their tokens and cropped where the turn
+was cut (a stop string, the budget), so a turn prefills only the tokens its row gained: the turn's last
+generated token, the observation, the template's tokens. The rows go to ``generate_turn`` in the same
+relative order every turn (finished rows drop out), which that matching relies on.
+
 Tokens, not text: generated ids are kept exactly as generated (a turn is cut right after the token that
 completes its stop string, found by decoding prefixes), observation ids come from the tokenizer. The
 ``Rollout`` has two masks: ``attention_mask`` (the token exists: packing and forwards) and
@@ -129,7 +136,8 @@ def make_settings(config: MultiTurnConfig, tokenizer: Any, max_response_length: 
 
 TurnGenerator = Callable[[list[torch.Tensor], GenerationConfig], torch.Tensor]
 """``(prompts, config) -> [B, config.max_new_tokens]`` generated tokens (``rollout.decode`` in a
-``rollout.generating`` session)."""
+``rollout.generating`` session, which may keep the rows' KV caches between calls: prompts come in the same
+relative order every turn)."""
 
 
 def run_turns(

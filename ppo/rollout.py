@@ -6,6 +6,12 @@ at different lengths therefore never wait on each other. Prompts are left-padded
 micro-batch; responses come back right-padded ``[B, R]`` with ``R = max_new_tokens`` and a mask that is
 True up to and including the first EOS (any of the EOS ids).
 
+Each prompt is prefilled once per generation micro-batch (``ppo.prefill``): with ``rollout.n = G`` its G
+copies share one prefill whose KV cache is copied to their rows, and a multi-turn rollout keeps each
+row's cache from turn to turn, so a turn prefills only the tokens its row gained (the observation, the
+template's tokens). ``share_prefill=False`` / ``keep_cache=False`` prefill every row's whole prompt, as
+before; the compiled engine always does.
+
 The sampler is exactly the one PPO's log-probs assume: ``generation_config`` builds every setting
 explicitly from the rollout's own (temperature, top-p, top-k, lengths, EOS ids), and ``generate`` hides
 the checkpoint's ``generation_config.json`` while it runs, so a repetition penalty, n-gram block, min-p
@@ -27,11 +33,12 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, CompileConfig, GenerationConfig
 
-from ppo import lora, models, sharding, ulysses
+from ppo import lora, models, prefill, sharding, ulysses
 from ppo.batch import Batch, Rollout, group_index
 from ppo.config import RolloutConfig
 from ppo.data import PromptRecord
 from ppo.multi_turn import MultiTurn, run_turns
+from ppo.prefill import left_pad
 
 
 def generation_config(
@@ -84,6 +91,7 @@ def generate(
     micro_batch_size: int = 64,
     ignore_eos: bool = False,
     engine: torch.nn.Module | None = None,
+    share_prefill: bool = True,
 ) -> Rollout:
     """Sample one response per prompt (repeat prompts for ``n`` samples) in generation micro-batches.
 
@@ -95,10 +103,17 @@ def generate(
     (``generation_config(compile=True)``) its decoding step is compiled once and replayed (CUDA graphs),
     on micro-batches padded to fixed shapes (``micro_batch_size`` rows, prompts to a multiple of
     ``PROMPT_BUCKET``) so that it does not recompile from step to step.
+
+    ``share_prefill``: identical prompts of a micro-batch are prefilled once (``decode``).
     """
     with generating(model, engine) as decoder:
         responses = decode(
-            decoder, prompts, config, micro_batch_size=micro_batch_size, fixed_shapes=engine is not None
+            decoder,
+            prompts,
+            config,
+            micro_batch_size=micro_batch_size,
+            fixed_shapes=engine is not None,
+            share_prefill=share_prefill,
         )
     response_mask, truncated = attention_mask_from_eos(
         responses, list(config.eos_token_id), ignore_eos=ignore_eos
@@ -136,26 +151,56 @@ def decode(
     micro_batch_size: int,
     fixed_shapes: bool = False,
     tokenizer: Any = None,
+    share_prefill: bool = True,
+    kept: prefill.KeptCaches | None = None,
 ) -> torch.Tensor:
     """``[B, max_new_tokens]`` generated tokens of each prompt (right-padded with the pad id; a row may hold
     tokens after its end: ``attention_mask_from_eos`` or the caller cuts them), inside ``generating``.
     ``fixed_shapes``: pad micro-batches to ``micro_batch_size`` rows and prompts to ``PROMPT_BUCKET``
-    (the compiled engine). ``tokenizer``: for ``config.stop_strings``."""
+    (the compiled engine). ``tokenizer``: for ``config.stop_strings``.
+
+    ``share_prefill``: each distinct prompt of a micro-batch (by tokens) is prefilled once and its KV cache
+    copied to the rows that repeat it (``prefill.generate_with_cache``). Micro-batches are the same
+    consecutive slices as without it (so rows, padding and RNG draws are too); a group of identical
+    prompts that straddles two micro-batches is prefilled once in each (none does when
+    ``micro_batch_size`` is a multiple of ``rollout.n``). ``kept``: reuse the rows' caches that the
+    previous call with the same ``kept`` left (each prompt extending a kept row's input prefills only the
+    rest), and keep this call's for the next. Both need ``prefill.reusable(decoder)`` and no
+    ``fixed_shapes`` (the compiled engine's static cache); otherwise, and with neither, every row's whole
+    prompt is prefilled by plain ``generate`` as before.
+    """
     device = next(decoder.parameters()).device
     max_new_tokens = int(config.max_new_tokens)
+    reuse = (share_prefill or kept is not None) and not fixed_shapes and prefill.reusable(decoder)
+    if reuse and kept is not None:
+        kept.start_call()
     chunks = []
     for start in range(0, len(prompts), micro_batch_size):
         batch = prompts[start : start + micro_batch_size]
         rows = len(batch)
-        if fixed_shapes:  # one compiled graph for every step
-            batch = batch + [batch[-1]] * (micro_batch_size - rows)
-        bucket = PROMPT_BUCKET if fixed_shapes else 1
-        input_ids, attention_mask = left_pad(batch, config.pad_token_id, device, multiple_of=bucket)
-        extra = {"tokenizer": tokenizer} if tokenizer is not None else {}
-        out = decoder.generate(
-            input_ids=input_ids, attention_mask=attention_mask, generation_config=config, **extra
-        )
-        resp = out[:rows, input_ids.shape[1] :]
+        if reuse:
+            seqs = [p.tolist() for p in batch]
+            resp, cached = prefill.generate_with_cache(
+                decoder,
+                seqs,
+                config,
+                past=kept.match(seqs) if kept is not None else None,
+                share=share_prefill,
+                keep=kept is not None,
+                tokenizer=tokenizer,
+            )
+            if kept is not None:
+                kept.fresh += cached
+        else:
+            if fixed_shapes:  # one compiled graph for every step
+                batch = batch + [batch[-1]] * (micro_batch_size - rows)
+            bucket = PROMPT_BUCKET if fixed_shapes else 1
+            input_ids, attention_mask = left_pad(batch, config.pad_token_id, device, multiple_of=bucket)
+            extra = {"tokenizer": tokenizer} if tokenizer is not None else {}
+            out = decoder.generate(
+                input_ids=input_ids, attention_mask=attention_mask, generation_config=config, **extra
+            )
+            resp = out[:rows, input_ids.shape[1] :]
         chunks.append(
             torch.nn.functional.pad(resp, (0, max_new_tokens - resp.shape[1]), value=config.pad_token_id)
         )
@@ -208,20 +253,6 @@ def _checkpoint_generation_config_hidden(model: torch.nn.Module) -> Iterator[Non
         model.generation_config = saved
 
 
-def left_pad(
-    seqs: list[torch.Tensor], pad_token_id: int, device: torch.device, *, multiple_of: int = 1
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token tensors to ``[B, width]`` with the matching attention mask; ``width`` is the
-    longest rounded up to a multiple of ``multiple_of``."""
-    width = -(-max(s.numel() for s in seqs) // multiple_of) * multiple_of
-    ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long, device=device)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
-    for i, s in enumerate(seqs):
-        ids[i, width - s.numel() :] = s.to(device)
-        mask[i, width - s.numel() :] = 1
-    return ids, mask
-
-
 def attention_mask_from_eos(
     responses: torch.Tensor, eos_ids: list[int], *, ignore_eos: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,11 +299,21 @@ def sample(
     do_sample: bool,
     micro_batch_size: int | None = None,
     ignore_eos: bool | None = None,
+    share_prefill: bool | None = None,
+    keep_cache: bool | None = None,
 ) -> Rollout:
     """One response per record with the rollout settings (temperature, top-p/k, lengths, EOS ids); with
     ``sampler.multi_turn`` each response is a multi-turn trajectory (``ppo.multi_turn.run_turns``), decoded in
-    one ``generating`` session."""
+    one ``generating`` session.
+
+    ``share_prefill``: identical prompts of a micro-batch share one prefill (``decode``). ``keep_cache``
+    (multi-turn): each row's KV cache is kept from turn to turn, so a turn prefills only the tokens its row
+    gained since (``prefill.KeptCaches``; memory: every active row's cache at once); False re-prefills the
+    whole trajectory every turn. Both default to ``rollout.reuse_prompt_cache``. Neither applies to the
+    compiled engine (``rollout.compile``)."""
     r = sampler.settings
+    share_prefill = r.reuse_prompt_cache if share_prefill is None else share_prefill
+    keep_cache = r.reuse_prompt_cache if keep_cache is None else keep_cache
     ignore_eos = r.ignore_eos if ignore_eos is None else ignore_eos
     config = generation_config(
         max_new_tokens=sampler.max_response_length,
@@ -287,6 +328,7 @@ def sample(
     )
     if sampler.multi_turn is not None:
         settings = sampler.multi_turn
+        kept = prefill.KeptCaches() if keep_cache else None
         with generating(sampler.actor, sampler.engine) as decoder:
 
             def generate_turn(prompts: list[torch.Tensor], turn_config: GenerationConfig) -> torch.Tensor:
@@ -297,6 +339,8 @@ def sample(
                     micro_batch_size=micro_batch_size or r.micro_batch_size_per_gpu,
                     fixed_shapes=sampler.engine is not None,
                     tokenizer=settings.tokenizer if settings.stop else None,
+                    share_prefill=share_prefill,
+                    kept=kept,
                 )
 
             device = next(sampler.actor.parameters()).device
@@ -308,6 +352,7 @@ def sample(
         micro_batch_size=micro_batch_size or r.micro_batch_size_per_gpu,
         ignore_eos=ignore_eos,
         engine=sampler.engine,
+        share_prefill=share_prefill,
     )
 
 

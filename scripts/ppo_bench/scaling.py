@@ -28,9 +28,11 @@ Axes (``--axes``; fixed values: 8 prompts, ``rollout.n=1``, 32 response tokens, 
   each answered by ``FixedAnswer`` (scaling_turns.py) with ``OBSERVATION``. The turns are exact: the
   policy of this axis is rigged to always write the character ``FORCED_CHAR`` (``rig_forced_token``), and the
   stop string is ``TURN_TOKENS`` of them. Each turn is one ``generate`` call whose prompt is the whole
-  trajectory so far (``ppo.multi_turn.run_turns``), so its first forward prefills the prompt and every
-  earlier turn and observation again: ``turn_work`` counts the prefill tokens (quadratic in the turns) and
-  decoding steps (linear) by arithmetic, and ``profile_turns`` times them, in this process, on the trainer's
+  trajectory so far (``ppo.multi_turn.run_turns``); each row's KV cache is kept from turn to turn
+  (``rollout.reuse_prompt_cache``), so a turn prefills only the tokens its row gained (its observation),
+  and with the cache off it prefills the prompt and every earlier turn and observation again:
+  ``turn_work`` counts the prefill tokens (linear in the turns with the kept cache, quadratic without)
+  and decoding steps (linear) by arithmetic, and ``profile_turns`` times them, in this process, on the trainer's
   sampler under forward hooks (``ForwardClock``, CPU time; its counts must equal the arithmetic).
   ``turn_cost_model`` turns that into CPU seconds per prefill token, per decoding step and per ``generate``
   call (everything else), printed with each point's modelled seconds (``model_s``) and the exponents of the
@@ -70,10 +72,10 @@ Exponents: per series and phase group, ``time = c * work^k`` fitted by least squ
   attends to the cache instead of recomputing the prefix); ``gen_ms_per_token`` shows it directly.
   On ``batch`` and ``n`` generation's ``k < 1``: a decoding step costs about the same for 8 or 128 rows
   on a tiny model (per-step overhead, not arithmetic).
-- ``turns``: each turn re-reads the trajectory so far as a prompt (a prefill of the prefix), so
-  generation grows faster than the tokens when turns are many (``gen_s`` also holds the environment's
-  calls); the profile below the tables splits it into prefill, decoding and the rest, and
-  ``without_prefill_k ~ 1`` says the prefill is the whole excess.
+- ``turns``: with the kept cache a turn prefills only its new tokens, so generation grows with the
+  tokens (``gen_s`` also holds the environment's calls); with ``rollout.reuse_prompt_cache=false`` each
+  turn re-reads the trajectory so far, and generation grows faster; the profile below the tables splits
+  it into prefill, decoding and the rest, and ``without_prefill_k ~ 1`` says the prefill is the excess.
 - ``ranks/independent``: ``k ~ 0`` (and ``cpu_s`` as on one process) means the machine runs two busy
   processes as fast as one; ``ranks/weak`` above it is then the trainer's own 2-rank cost.
 - memory: ``mem_k`` (log-log) is small on CPU because of the constant baseline; ``mem_mib_per_ktok`` is

@@ -2,7 +2,9 @@
 work exact, that work by arithmetic (``turn_work``), its profile in this process on the trainer's sampler
 under forward hooks (``ForwardClock``, ``profile_turns``) and the cost model fitted to the profile
 (``turn_cost_model``). scaling.py's module docstring says what the axis measures and how to read it;
-multi_turn.py profiles a multi-turn preset's rollout call by call with the same clock.
+multi_turn.py profiles a multi-turn preset's rollout call by call with the same clock. The sampler keeps
+each row's KV cache from turn to turn (``ppo.prefill``), so a turn prefills only its new tokens;
+``profile_turns(keep_cache=False, share_prefill=False)`` profiles the re-prefilling path beside it.
 
 The axis's runs name ``FixedAnswer`` in this module as their ``rollout.multi_turn.env`` (``FIXED_ANSWER``),
 so every trainer process imports it: at the top it imports only torch and runs.py.
@@ -56,26 +58,47 @@ def rig_forced_token(model: torch.nn.Module, token_id: int) -> None:
     model.lm_head.weight[token_id, 0] = 4.0
 
 
-def turn_work(prompt_lens: list[int], turns: int) -> dict[str, int]:
-    """What generation does on the ``turns`` axis, by arithmetic: turn ``t`` (0-based) is one ``generate``
-    call on every row's prompt and its ``t`` earlier turns (``TURN_TOKENS`` generated + ``OBSERVATION``'s
-    tokens each), left-padded to the widest row; its first forward (the prefill) reads all of them and
-    writes the first token, then ``TURN_TOKENS - 1`` decoding forwards of one token per row follow.
+def turn_work(
+    prompt_lens: list[int], turns: int, *, keep_cache: bool = True, share_prefill: bool = True
+) -> dict[str, int]:
+    """What generation does on the ``turns`` axis, by arithmetic (the rows' prompts distinct): turn ``t``
+    (0-based) is one ``generate`` call on every row's prompt and its ``t`` earlier turns
+    (``TURN_TOKENS`` generated + ``OBSERVATION``'s tokens each), left-padded to the widest row.
 
-    Returns ``generate_calls``, ``prefill_tokens`` (rows x padded width, summed over turns: quadratic in
-    ``turns``), ``decode_steps`` (linear) and ``generated_tokens``."""
+    - The trainer's sampler (``ppo.prefill``; ``keep_cache``, ``share_prefill``): a prefill forward reads
+      each row's new tokens but the last, then ``generate`` makes ``TURN_TOKENS`` forwards of one token
+      per row (the first reads the last new token and writes the first generated one). Turn 0's new
+      tokens are the prompt: ``width - 1`` per row. With ``keep_cache`` each row's cache holds its
+      trajectory up to the turn's 7th generated token (the 8th is never fed back), so a later turn reads
+      that token and the observation: ``len(OBSERVATION)`` per row in the prefill forward, linear in
+      ``turns``; without it every turn re-reads the trajectory, ``width + t * 16 - 1``, quadratic.
+    - Neither (plain ``generate``): the prefill reads the whole padded prompt, ``width + t * 16`` per row,
+      and writes the first token; ``TURN_TOKENS - 1`` decoding forwards follow.
+
+    Returns ``generate_calls``, ``prefill_tokens`` (rows x prefill width, summed over turns),
+    ``decode_steps`` (one-token forwards) and ``generated_tokens``."""
     rows, width, per_turn = len(prompt_lens), max(prompt_lens), TURN_TOKENS + len(OBSERVATION)
+    plain = not keep_cache and not share_prefill
+
+    def prefill_width(t: int) -> int:
+        if plain:
+            return width + t * per_turn
+        if t == 0 or not keep_cache:
+            return width + t * per_turn - 1
+        return len(OBSERVATION)
+
     return {
         "generate_calls": turns,
-        "prefill_tokens": sum(rows * (width + t * per_turn) for t in range(turns)),
-        "decode_steps": turns * (TURN_TOKENS - 1),
+        "prefill_tokens": rows * sum(prefill_width(t) for t in range(turns)),
+        "decode_steps": turns * (TURN_TOKENS - 1 if plain else TURN_TOKENS),
         "generated_tokens": rows * turns * TURN_TOKENS,
     }
 
 
 class ForwardClock:
     """Forward hooks on a model that sort its forwards into prefills (more than one new token per row: the
-    first forward of a ``generate`` call) and decoding steps (one), with their CPU seconds and tokens."""
+    first forward of a plain ``generate`` call, or the rollout's own prefill forward before one,
+    ``ppo.prefill``) and decoding steps (one), with their CPU seconds and tokens."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.prefill_s = self.decode_s = 0.0
@@ -107,20 +130,48 @@ class ForwardClock:
             handle.remove()
 
 
+def turn_sampler(model: torch.nn.Module, tokenizer: Any, turns: int, num_rows: int) -> Any:
+    """The trainer's sampler (``ppo.rollout.Sampler``) of a ``turns``-turn point: ``FixedAnswer``, the stop
+    string of ``TURN_TOKENS`` ``FORCED_CHAR``, a response budget of exactly ``turns`` turns, all
+    ``num_rows`` rows in one generation micro-batch."""
+    from ppo import multi_turn, rollout
+    from ppo.config.sections import MultiTurnConfig, RolloutConfig
+
+    budget = turns * (TURN_TOKENS + len(OBSERVATION))
+    mt = MultiTurnConfig(
+        enable=True, env=FIXED_ANSWER, stop=[FORCED_CHAR * TURN_TOKENS], max_assistant_turns=turns
+    )
+    return rollout.Sampler(
+        actor=model,
+        engine=None,
+        settings=RolloutConfig(n=1, micro_batch_size_per_gpu=num_rows, compile=False, multi_turn=mt),
+        max_response_length=budget,
+        eos_ids=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        multi_turn=multi_turn.make_settings(mt, tokenizer, budget),
+    )
+
+
 def profile_turns(
-    paths: dict[str, Path], turns: list[int], *, threads: int, max_prompt_length: int
+    paths: dict[str, Path],
+    turns: list[int],
+    *,
+    threads: int,
+    max_prompt_length: int,
+    keep_cache: bool = True,
+    share_prefill: bool = True,
 ) -> list[dict]:
     """Where generation goes on the ``turns`` axis, in this process: the trainer's sampler
-    (``ppo.rollout.sample`` with the same multi-turn settings, model, prompts and one torch thread) runs
-    each point's rollout ``TURN_REPEATS`` times under a ``ForwardClock``; the run of median CPU time. Per
-    point: ``turn_work``'s counts (and the clock's, which must equal them), ``gen_cpu_s`` (the whole
-    rollout), ``prefill_s`` and ``decode_s`` (the model's forwards) and ``rest_s`` (the rest: ``generate``'s
-    per-step machinery, stop strings, the turn loop and the environment)."""
+    (``ppo.rollout.sample`` with the same multi-turn settings, model, prompts and one torch thread;
+    ``keep_cache`` and ``share_prefill`` passed to it) runs each point's rollout ``TURN_REPEATS`` times
+    under a ``ForwardClock``; the run of median CPU time. Per point: ``turn_work``'s counts (and the
+    clock's, which must equal them), ``gen_cpu_s`` (the whole rollout), ``prefill_s`` and ``decode_s``
+    (the model's forwards) and ``rest_s`` (the rest: ``generate``'s per-step machinery, stop strings, the
+    turn loop and the environment)."""
     from transformers import AutoTokenizer
 
-    from ppo import data, model_loading, multi_turn, rollout
+    from ppo import data, model_loading, rollout
     from ppo.attention import PACKED_ATTENTION
-    from ppo.config.sections import MultiTurnConfig, RolloutConfig
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -130,37 +181,21 @@ def profile_turns(
         paths["prompts"], tokenizer, max_prompt_length=max_prompt_length, require_ground_truth=False
     )
     records = records[:TURN_PROFILE_PROMPTS]
-    per_turn = TURN_TOKENS + len(OBSERVATION)
+    reuse = {"keep_cache": keep_cache, "share_prefill": share_prefill}
     out = []
     try:
         for t in turns:
-            mt = MultiTurnConfig(
-                enable=True,
-                env=FIXED_ANSWER,
-                stop=[FORCED_CHAR * TURN_TOKENS],
-                max_assistant_turns=t,
-            )
-            sampler = rollout.Sampler(
-                actor=model,
-                engine=None,
-                settings=RolloutConfig(
-                    n=1, micro_batch_size_per_gpu=len(records), compile=False, multi_turn=mt
-                ),
-                max_response_length=t * per_turn,
-                eos_ids=[tokenizer.eos_token_id],
-                pad_token_id=tokenizer.pad_token_id,
-                multi_turn=multi_turn.make_settings(mt, tokenizer, t * per_turn),
-            )
+            sampler = turn_sampler(model, tokenizer, t, len(records))
             samples = []
             for _ in range(TURN_REPEATS):
                 clock = ForwardClock(model)
                 start = time.process_time()
-                result = rollout.sample(sampler, records, do_sample=True)
+                result = rollout.sample(sampler, records, do_sample=True, **reuse)
                 total = time.process_time() - start
                 clock.remove()
                 generated = int(result.response_mask.sum())
                 samples.append((total, clock, generated))
-            work = turn_work([len(r.input_ids) for r in records], t)
+            work = turn_work([len(r.input_ids) for r in records], t, **reuse)
             total, clock, generated = sorted(samples, key=lambda x: x[0])[len(samples) // 2]  # the median run
             counted = {
                 "prefill_tokens": clock.prefill_tokens,

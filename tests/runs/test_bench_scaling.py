@@ -46,10 +46,11 @@ def test_quick_turns_axis_has_exact_turns(capsys: pytest.CaptureFixture[str]) ->
     )
     assert [(p["x"], p["response_tokens"]) for p in points] == [(1, 8.0), (2, 16.0)]
     # The profile's forwards were counted as the arithmetic says (profile_turns checks it, or raises):
-    # 8 rows, 7 decoding steps and 8 generated tokens a turn.
+    # 8 rows, 8 one-token forwards a turn (the first reads each row's last prompt token, the prompt's
+    # other tokens come from the kept cache) and 8 generated tokens.
     assert [(p["turns"], p["decode_steps"], p["generated_tokens"]) for p in profile] == [
-        (1, 7, 64),
-        (2, 14, 128),
+        (1, 8, 64),
+        (2, 16, 128),
     ]
     for p in profile:
         assert math.isclose(p["gen_cpu_s"], p["prefill_s"] + p["decode_s"] + p["rest_s"])

@@ -1,14 +1,16 @@
 """The pure parts of ppo_bench.scaling (the points of each axis, a row from a run's metrics, the table
-and JSON output), of its turns axis in ppo_bench.scaling_turns (the work by arithmetic, the cost model,
-the rigged policy), of ppo_bench.multi_turn's call clock, of the run harness in ppo_bench.runs that
-they drive (the exponent fit, the clocks of a run's steps) and ppo_bench.overhead_floor's table. The
-end-to-end runs are in tests/runs/test_scaling.py."""
+and JSON output), of its turns axis in ppo_bench.scaling_turns (the work by arithmetic and the trainer's
+sampler counted against it, the cost model, the rigged policy), of ppo_bench.multi_turn's call clock, of
+the run harness in ppo_bench.runs that they drive (the exponent fit, the clocks of a run's steps) and
+ppo_bench.overhead_floor's table. The end-to-end runs are in tests/runs/test_bench_scaling.py."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -152,22 +154,64 @@ def test_combine_averages_times_and_sums_work() -> None:
 
 def test_turn_work_by_arithmetic() -> None:
     # 3 rows, prompts of 10, 12, 9 tokens: each turn is left-padded to 12 + 16 t (8 generated + the
-    # 8-token observation per earlier turn). 3 turns: 3 x (12 + 28 + 44) = 252 prefill tokens; 7 decoding
-    # steps a turn (the prefill writes the first of 8 tokens); 3 rows x 3 turns x 8 tokens generated.
+    # 8-token observation per earlier turn); 3 rows x 3 turns x 8 tokens generated.
     assert len(scaling_turns.OBSERVATION) == scaling_turns.TURN_TOKENS == 8
-    assert scaling_turns.turn_work([10, 12, 9], 3) == {
+    work = functools.partial(scaling_turns.turn_work, [10, 12, 9], 3)
+    # Plain generate: 3 x (12 + 28 + 44) = 252 prefill tokens; 7 decoding steps a turn (the prefill writes
+    # the first of 8 tokens).
+    assert work(keep_cache=False, share_prefill=False) == {
         "generate_calls": 3,
         "prefill_tokens": 252,
         "decode_steps": 21,
         "generated_tokens": 72,
     }
+    # The sampler's prefill (all but each row's last token), re-reading the trajectory: 3 x (11 + 27 + 43)
+    # = 243; 8 one-token forwards a turn (the first reads the last prompt token).
+    assert work(keep_cache=False) == {
+        "generate_calls": 3,
+        "prefill_tokens": 243,
+        "decode_steps": 24,
+        "generated_tokens": 72,
+    }
+    # Kept caches (the default): turn 0 prefills 3 x 11; turns 1 and 2 only the 8 observation tokens a row
+    # (the last generated token, never fed back, is the one generate reads): 33 + 2 x 24 = 81.
+    assert work() == {"generate_calls": 3, "prefill_tokens": 81, "decode_steps": 24, "generated_tokens": 72}
+
+
+@pytest.mark.parametrize(("keep_cache", "share_prefill"), [(True, True), (False, True), (False, False)])
+def test_the_sampler_forwards_are_turn_work(tok: Any, keep_cache: bool, share_prefill: bool) -> None:
+    """The trainer's sampler on the axis's rigged policy and environment, 3 turns of 3 rows: its forwards,
+    sorted by a ``ForwardClock``, are exactly ``turn_work``'s (profile_turns checks this on every point)."""
+    from transformers import AutoModelForCausalLM
+
+    from ppo import rollout
+    from ppo.data import PromptRecord
+    from tests.helpers import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(vocab_size=len(tok), pad_token_id=0))
+    scaling_turns.rig_forced_token(model, tok.convert_tokens_to_ids(scaling_turns.FORCED_CHAR))
+    texts = ["1 + 2 = ?", "33 + 44 =", "5 + 6 + 7 = ?"]
+    records = [PromptRecord(input_ids=tok.encode(t, add_special_tokens=False), prompt_text=t, data_source="s",
+                            ground_truth="0", extra_info={}, index=i) for i, t in enumerate(texts)]  # fmt: skip
+    sampler = scaling_turns.turn_sampler(model, tok, 3, len(records))
+    clock = scaling_turns.ForwardClock(model)
+    result = rollout.sample(
+        sampler, records, do_sample=True, keep_cache=keep_cache, share_prefill=share_prefill
+    )
+    clock.remove()
+    work = scaling_turns.turn_work(
+        [len(r.input_ids) for r in records], 3, keep_cache=keep_cache, share_prefill=share_prefill
+    )
+    counted = (clock.prefill_tokens, clock.decode_steps, int(result.response_mask.sum()))
+    assert counted == (work["prefill_tokens"], work["decode_steps"], work["generated_tokens"])
 
 
 def turn_profile_points() -> list[dict]:
     # prefill 2 us per token, decoding 1 ms per step, 5 ms per call, exactly.
     points = []
     for turns in (1, 2, 4):
-        work = scaling_turns.turn_work([10] * 8, turns)
+        work = scaling_turns.turn_work([10] * 8, turns, keep_cache=False, share_prefill=False)
         prefill, decode, rest = 2e-6 * work["prefill_tokens"], 1e-3 * work["decode_steps"], 5e-3 * turns
         points.append({"turns": turns, **work, "gen_cpu_s": prefill + decode + rest, "prefill_s": prefill,
                        "decode_s": decode, "rest_s": rest})  # fmt: skip
@@ -321,6 +365,30 @@ def test_call_clock_sorts_each_generate_call() -> None:
     assert (clock.prefill_tokens, clock.decode_steps) == (2 * 5 + 3 * 7, 3 + 5)
     assert math.isclose(sum(c["prefill_s"] for c in clock.calls), clock.prefill_s)
     assert math.isclose(sum(c["decode_s"] for c in clock.calls), clock.decode_s)
+
+
+def test_call_clock_counts_the_rollout_prefill_with_its_generate_call() -> None:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from ppo import prefill
+    from ppo.rollout import generation_config
+
+    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    gen = generation_config(
+        max_new_tokens=4, do_sample=False, eos_token_ids=[2], pad_token_id=0, ignore_eos=True
+    )
+    clock = multi_turn.CallClock(model)
+    # Two distinct prompts (5 and 3 tokens) x 3 rows each: one prefill forward of the 2 distinct rows x 4
+    # tokens (all but the last), then 4 one-token forwards of the 6 rows; then one row of 2 tokens:
+    # 1 x 1 token (a one-token forward: counted as a decoding step of its call), then 4.
+    prefill.generate_with_cache(model, [[5, 6, 7, 8, 9]] * 3 + [[10, 11, 12]] * 3, gen)
+    prefill.generate_with_cache(model, [[13, 14]], gen)
+    clock.remove()
+    assert [(c["rows"], c["width"], c["decode_steps"]) for c in clock.calls] == [(2, 4, 4), (1, 0, 5)]
+    assert (clock.prefill_tokens, clock.decode_steps) == (2 * 4, 4 + 5)
 
 
 def test_floor_rows_gap() -> None:

@@ -40,6 +40,7 @@ from tests.helpers import (
     hf_weights,
     read_metrics,
     run,
+    tiny_config,
     torchrun,
     wait_until,
     waiting_env,
@@ -200,6 +201,64 @@ def test_a_bad_environment_path_names_the_key(tmp_path: Path) -> None:
         load_environment(f"{path}:NoStep")
     with pytest.raises(Exception, match=r"rollout.multi_turn.env='.*:Calcs'.*has no attribute 'Calcs'"):
         load_environment(f"{path}:Calcs")
+
+
+class Uneven(Calc):
+    """Row ``i``'s trajectory takes ``1 + i % 3`` tool calls, the last one done; call ``k`` answers
+    ``" ok"`` ``1 + (i + k) % 3`` times (3 to 9 tokens), reward 0.5."""
+
+    def reset(self, row: dict) -> None:
+        self.index, self.calls = row["index"], 0
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        self.calls += 1
+        return " ok" * (1 + (self.index + self.calls) % 3), 0.5, self.calls >= 1 + self.index % 3
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize(("micro_batch_size", "do_sample"), [(8, False), (3, False), (3, True)])
+def test_kept_caches_give_the_tokens_of_re_prefilling(
+    tok: Any, micro_batch_size: int, do_sample: bool
+) -> None:
+    """A random tiny Llama, 8 rows (4 prompts, two of them the same, twice), turns that end at "a", "e" or "o"
+    (some after many tokens, while other rows that stopped early decode on: their caches hold tokens the
+    trajectories cut), an EOS or the budget, observations of 3 to 9 tokens: the rollout with each row's
+    cache kept from turn to turn (and shared prompts prefilled once) equals the one that re-prefills
+    every trajectory every turn, token for token; 3 rows a micro-batch regroups rows of different caches
+    every turn. Sampled with one seed, the draws are the same too. The weights are drawn 10x wider than
+    a checkpoint's (initializer range 0.2) so that a token's attention to its context decides it: with
+    the default range the greedy tokens barely depend on the cache (a cache not cropped at the stop
+    string went unnoticed)."""
+    torch.manual_seed(0)
+    config = tiny_config(vocab_size=len(tok), pad_token_id=PAD, initializer_range=0.2)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    texts = ["47 + 38", "12 + 5", "47 + 38", "9+9"] * 2
+    recs = [PromptRecord(input_ids=tok.encode(t, add_special_tokens=False), prompt_text=t, data_source="s",
+                         ground_truth="0", extra_info={}, index=i) for i, t in enumerate(texts)]  # fmt: skip
+    turns = settings(
+        tok, Uneven, stop=["a", "e", "o"], max_turns=4, max_tool_response_length=16, max_response_length=48
+    )
+    sampler = Sampler(actor=model, engine=None, settings=RolloutConfig(), eos_ids=[EOS], pad_token_id=PAD,
+                      max_response_length=48, multi_turn=turns)  # fmt: skip
+    prefilled: dict[bool, int] = {}
+    rollouts: dict[bool, Rollout] = {}
+    for keep in (True, False):
+        shapes: list[tuple[int, int]] = []
+        hook = model.register_forward_pre_hook(
+            lambda _m, _a, kwargs, seen=shapes: seen.append(tuple(kwargs["input_ids"].shape)),
+            with_kwargs=True,
+        )
+        torch.manual_seed(3)
+        rollouts[keep] = sample(sampler, recs, do_sample=do_sample, micro_batch_size=micro_batch_size,
+                                keep_cache=keep, share_prefill=keep)  # fmt: skip
+        hook.remove()
+        prefilled[keep] = sum(rows * width for rows, width in shapes if width > 1)
+    kept, again = rollouts[True], rollouts[False]
+    for name in ("responses", "attention_mask", "response_mask", "env_rewards", "truncated"):
+        assert torch.equal(getattr(kept, name), getattr(again, name)), name
+    if not do_sample:  # rows that end after 1, 2 and 3 turns
+        assert set(kept.turn_stats["turns"].tolist()) == {1.0, 2.0, 3.0}
+    assert prefilled[True] < prefilled[False]
 
 
 # ----------------------------------------------------------------------------------------------------
