@@ -14,9 +14,13 @@
 #             decoding step and greedy token equality
 #   ppo_0.5b  4 PPO steps of configs/qwen2_5_0_5b_gsm8k.yaml (GAE, 256 prompts x 512 response tokens)
 #   summary   the JSON line (also $OUT/summary.json)
-#   extra:    ppo_1.5b (the same on the 1.5B shape), ppo_lora_7b (3 GRPO steps of a 7B-shaped actor
-#             with rank-64 LoRA on all linear layers, bf16 base, gradient checkpointing) and
-#             ppo_full_7b (the same run without LoRA, where it fits)
+#   extra:    prefix (ppo_bench.prefix on the 0.5B shape: the prompt once per group,
+#             actor.use_prefix_grouper and rollout.reuse_prompt_cache, off against on, at its headline
+#             point, prompt 1024 x response 32 x G 8 with 8 groups, and at the CPU demo's shapes, prompt 16
+#             x response 28 x G 8, GAE; the step's time by phase, to $RUNS/prefix.jsonl), ppo_1.5b (the
+#             same as ppo_0.5b on the 1.5B shape), ppo_lora_7b (3 GRPO steps of a 7B-shaped actor with
+#             rank-64 LoRA on all linear layers, bf16 base, gradient checkpointing) and ppo_full_7b (the
+#             same run without LoRA, where it fits)
 #
 #   PYTHON=python3 PYTHONPATH=. bash scripts/gpu_check.sh        # the device machine (no install)
 #   GPU_CHECK_EXTRA=1 OUT=/tmp/gpu bash scripts/gpu_check.sh     # all stages
@@ -27,6 +31,8 @@
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
+# The benchmarks (python -m ppo_bench.*) live in scripts/ppo_bench: importable without an install.
+export PYTHONPATH="$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}"
 PYTHON=${PYTHON:-.venv/bin/python}
 OUT=${OUT:-outputs/gpu_check}
 RUNS=${RUNS:-/tmp/gpu_check_runs}
@@ -90,6 +96,14 @@ ppo() {  # ppo NAME SHAPE SECONDS CONFIG OVERRIDES...
 ppo ppo_0.5b 0.5b 240 configs/qwen2_5_0_5b_gsm8k.yaml trainer.total_training_steps=4
 
 if [ "$EXTRA" = 1 ]; then
+    # The prompt once per group: each point off and on in its own trainer process, the 0.5B preset's
+    # precision and micro-batch budget; no compiled rollout (each process would compile its own shapes).
+    [ -d "$RUNS/model_0.5b" ] || "$PYTHON" scripts/make_shaped_model.py --shape 0.5b \
+        --tokenizer "$RUNS/assets/tokenizer" --out "$RUNS/model_0.5b" --device cuda --dtype bfloat16
+    stage prefix 150 bash -c "'$PYTHON' -m ppo_bench.prefix --model-path '$RUNS/model_0.5b' --nproc 1 \
+        --parts headline,demo --repeats 1 --prompts-per-rank 8 --config configs/qwen2_5_0_5b_gsm8k.yaml \
+        --max-tokens 16384 --set rollout.compile=false --json > '$RUNS/prefix.jsonl'"
+    cat "$RUNS/prefix.jsonl" 2>/dev/null
     ppo ppo_1.5b 1.5b 300 configs/qwen2_5_0_5b_gsm8k.yaml trainer.total_training_steps=4
     SEVEN_B=(trainer.total_training_steps=3 data.train_batch_size=64 actor.ppo_mini_batch_size=64
              data.max_response_length=512 rollout.micro_batch_size_per_gpu=320 trainer.n_gpus_per_node=1

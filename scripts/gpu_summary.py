@@ -10,6 +10,10 @@ so the line is always printed and always has the same keys:
   generate and of the compiled rollout, their ratio, and the compiled path's greedy token match.
 - ``ppo_<name>``: from ``ppo_<name>/metrics.jsonl``, the median over every step but the first (which
   compiles and warms up) of the step's time, its phases, MFU both ways, throughput and peak memory.
+- ``prefix``: from ``prefix.jsonl`` (ppo_bench.prefix --json: the prompt once per group, off and on), per
+  point and mode (``grpo_p1024_r32_g8/on``) the seconds of the rollout, scoring, updates and step and their
+  speedups against off (``PREFIX_KEYS``), and ``checks``: each target's line -> true, false or null (not
+  measured).
 
     python scripts/gpu_summary.py outputs/gpu_check
 """
@@ -38,6 +42,8 @@ PPO_KEYS = {
     "response_length": "response_length/mean",
 }
 """Summary key -> metrics.jsonl key of a PPO run."""
+PREFIX_KEYS = ("gen_s", "score_s", "update_s", "step_s", "gen_x", "score_x", "update_x", "step_x")
+"""The figures of each ppo_bench.prefix row kept in the summary."""
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -95,6 +101,20 @@ def ppo_run(folder: Path) -> dict[str, float | int | None]:
     return summary
 
 
+def prefix(out: Path) -> dict[str, Any]:
+    """``{"<estimator>_p<P>_r<R>_g<G>[_t<turns>]/<mode>": {PREFIX_KEYS}, "checks": {line: verdict}}``;
+    empty where the stage did not run."""
+    found: dict[str, Any] = {}
+    for row in _jsonl(out / "prefix.jsonl"):
+        if row.get("kind") == "point":
+            turns = f"_t{row['turns']}" if row["turns"] else ""
+            name = f"{row['estimator']}_p{row['prompt_len']}_r{row['response_len']}_g{row['n']}{turns}"
+            found[f"{name}/{row['mode']}"] = {key: row.get(key) for key in PREFIX_KEYS}
+        elif row.get("kind") == "check":
+            found.setdefault("checks", {})[row["check"]] = row["pass"]
+    return found
+
+
 def summarize(out: Path) -> dict[str, Any]:
     device = (out / "device.txt").read_text().strip() if (out / "device.txt").is_file() else None
     summary: dict[str, Any] = {
@@ -102,6 +122,7 @@ def summarize(out: Path) -> dict[str, Any]:
         "kernel_tests": kernel_tests(out),
         "kernels": kernels(out),
         "rollout": rollout(out),
+        "prefix": prefix(out),
     }
     for folder in sorted(out.glob("ppo_*")):
         if folder.is_dir():
