@@ -298,7 +298,8 @@ def overrides(
         f"critic.ppo_max_token_len_per_gpu={args.max_tokens}",
         "actor.optim.lr=1e-6",
         "critic.optim.lr=1e-6",
-        f"algorithm.adv_estimator={point.estimator}",
+        # GRPO needs groups: its G = 1 points run REINFORCE++ (the same phases: no critic, a KL loss).
+        f"algorithm.adv_estimator={'reinforce_plus_plus' if point.estimator == 'grpo' and point.n == 1 else point.estimator}",
         f"actor.use_kl_loss={str(kl and point.estimator != 'gae').lower()}",
         f"algorithm.use_kl_in_reward={str(kl and point.estimator == 'gae').lower()}",
         f"actor.use_prefix_grouper={str(grouper).lower()}",
