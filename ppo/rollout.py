@@ -163,7 +163,8 @@ def decode(
     copied to the rows that repeat it (``prefill.generate_with_cache``). Micro-batches are the same
     consecutive slices as without it (so rows, padding and RNG draws are too); a group of identical
     prompts that straddles two micro-batches is prefilled once in each (none does when
-    ``micro_batch_size`` is a multiple of ``rollout.n``). ``kept``: reuse the rows' caches that the
+    ``micro_batch_size`` is a multiple of ``rollout.n``); a micro-batch without a repeated prompt (and
+    without ``kept``) decodes with plain ``generate``. ``kept``: reuse the rows' caches that the
     previous call with the same ``kept`` left (each prompt extending a kept row's input prefills only the
     rest), and keep this call's for the next. Both need ``prefill.reusable(decoder)`` and no
     ``fixed_shapes`` (the compiled engine's static cache); otherwise, and with neither, every row's whole
@@ -178,8 +179,9 @@ def decode(
     for start in range(0, len(prompts), micro_batch_size):
         batch = prompts[start : start + micro_batch_size]
         rows = len(batch)
-        if reuse:
-            seqs = [p.tolist() for p in batch]
+        seqs = [p.tolist() for p in batch] if reuse else []
+        # Without a kept cache and without a repeated prompt there is nothing to reuse: plain generate.
+        if reuse and (kept is not None or len({tuple(q) for q in seqs}) < rows):
             resp, cached = prefill.generate_with_cache(
                 decoder,
                 seqs,

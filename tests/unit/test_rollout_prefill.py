@@ -51,8 +51,9 @@ def config(do_sample: bool, new_tokens: int = 10) -> GenerationConfig:
         # One micro-batch: the 3 distinct prompts, left-padded to the widest (12), all but the last token.
         (13, [(3, 11)]),
         # Rows 0-5 (prompt 0 x 4, prompt 1 x 2), 6-11 (prompt 1 x 2, prompt 2 x 4), 12 (prompt 0): the group
-        # of prompt 1 straddles two micro-batches and is prefilled in each.
-        (6, [(2, 11), (2, 11), (1, 6)]),
+        # of prompt 1 straddles two micro-batches and is prefilled in each; row 12 alone repeats nothing
+        # and is decoded by plain generate (its whole 7-token prompt prefilled in one forward).
+        (6, [(2, 11), (2, 11), (1, 7)]),
     ],
 )
 def test_shared_prefill_gives_the_tokens_of_plain_generate(
