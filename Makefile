@@ -142,6 +142,14 @@ compare-offline: install
 	$(PY) -m ppo_bench.compare_offline --sft $(A)/sft --train-file $(A)/offline/train.parquet \
 		--val-file $(A)/data/val.parquet --nproc $(NPROC) --overwrite $(COMPARE_ARGS)
 
+# Shared prompts and the kept rollout cache, on and off side by side by phase (scripts/ppo_bench/prefix.py:
+# 2 ranks, the tiny shape, prompts 16-1,024, responses 32/256, G 1-16, the demo's shapes, multi-turn;
+# about 28 minutes on 2 cores): the table in outputs/prefix/table.txt, the figure beside it.
+.PHONY: bench-prefix
+bench-prefix: install
+	@mkdir -p outputs/prefix
+	$(PY) -m ppo_bench.prefix --figure outputs/prefix/speedups.png | tee outputs/prefix/table.txt
+
 # The whole suite, the parity tests against the released verl included (parity-env: a few seconds, once).
 # Its two rooms run at once, a pytest process each (most tests keep one core busy, so on 2 cores the
 # suite takes the longer room's time, not the sum); tests/runs' output follows tests/unit's, whole.
