@@ -344,6 +344,23 @@ def varlen_flash_attention(
         cu_seqlens = torch.tensor(offsets, dtype=torch.int32, device=query.device)
     longest = kwargs.get("max_length_q") or max(b - a for a, b in itertools.pairwise(offsets))
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, d]
+    out = _causal_varlen(q, k, v, cu_seqlens, cu_seqlens, longest, longest, scaling)
+    return out[None], None  # [1, T, H, d]
+
+
+def _causal_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    longest_q: int,
+    longest_k: int,
+    scaling: float | None,
+) -> torch.Tensor:
+    """torch's causal varlen FlashAttention on ``[T, heads, d]`` tensors (bottom-right aligned where a
+    sequence has more keys than queries); where this torch has no grouped-query support (2.10, 2.11)
+    the key/value heads are repeated."""
     gqa = {}
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in inspect.signature(_varlen_attn()).parameters:
@@ -351,10 +368,9 @@ def varlen_flash_attention(
         else:
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    out = _varlen_attn()(
-        q, k, v, cu_seqlens, cu_seqlens, longest, longest, scale=scaling, window_size=(-1, 0), **gqa
+    return _varlen_attn()(
+        q, k, v, cu_q, cu_k, longest_q, longest_k, scale=scaling, window_size=(-1, 0), **gqa
     )
-    return out[None], None  # [1, T, H, d]
 
 
 def _shared_prefix_sdpa(
@@ -404,15 +420,7 @@ def _shared_prefix_varlen(
     q = query[0].transpose(0, 1)  # [T, heads, d]
     k = key[0].transpose(0, 1).index_select(0, kv_index)
     v = value[0].transpose(0, 1).index_select(0, kv_index)
-    gqa = {}
-    if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in inspect.signature(_varlen_attn()).parameters:
-            gqa = {"enable_gqa": True}
-        else:
-            repeat = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    out = _varlen_attn()(q, k, v, cu_q, cu_k, longest_q, longest_k, scale=scaling, window_size=(-1, 0), **gqa)
-    return out[None]
+    return _causal_varlen(q, k, v, cu_q, cu_k, longest_q, longest_k, scaling)[None]
 
 
 def _check_shared_prefix_call(
