@@ -8,7 +8,7 @@ rows ``[g*n, (g+1)*n)`` are the ``n`` responses to prompt ``g`` (``group_index``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -136,6 +136,9 @@ class Batch:
     share_prompts: bool = False
     """Pack each prompt once with its responses after it in every forward of the step
     (``actor.use_prefix_grouper``; ``ppo.packing.pack``, ``micro_batches``)."""
+    pack_cache: object | None = field(default=None, repr=False, compare=False)
+    """``ppo.packing.PackCache``: the step's packing of these rows, built and read by ``packing.pack_rows``
+    and ``micro_batches`` (never set by hand); it goes with the batch."""
 
     @property
     def attention_mask(self) -> torch.Tensor:

@@ -252,10 +252,26 @@ def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
 def evaluating(model: nn.Module) -> Iterator[nn.Module]:
     """``model`` in eval mode inside (dropout off, e.g. LoRA's adapter dropout), its mode restored after:
     the no-gradient passes (generation, scoring old and reference log-probs, values) see the
-    deterministic policy, so two scorings of the same tokens agree exactly."""
+    deterministic policy, so two scorings of the same tokens agree exactly.
+
+    A model already in eval everywhere (the frozen reference, a reward model, a teacher) is left as it is:
+    switching walks every submodule twice. A training model is switched by ``nn.Module.train`` (the
+    submodules' own ``train`` still run, e.g. peft's DoRA layers'), without transformers'
+    ``PreTrainedModel.train`` on top, which re-kernelizes the model (Hugging Face ``kernels``, on by
+    default where the package is installed) at every change of mode: a switch and back took 0.9-1.2 ms
+    with it and 0.2 ms without on the benchmark's tiny Llama (``docs/cpu_step_profile.md``), and on a GPU
+    it would swap inference-only kernels in for the scoring forwards, so that old log-probs came from
+    other kernels than the update's. The training-mode kernels run forwards without gradients as well."""
+    if not any(m.training for m in model.modules()):
+        try:
+            yield model
+        finally:
+            if any(m.training for m in model.modules()):  # the body switched it: back to eval
+                model.train(False)
+        return
     was_training = model.training
-    model.eval()
+    nn.Module.train(model, False)
     try:
         yield model
     finally:
-        model.train(was_training)
+        nn.Module.train(model, was_training)

@@ -64,8 +64,18 @@ def mini_batches(num_seqs: int, num_mini: int, shuffle: bool, sp: ulysses.SPGrou
 
 def global_counts(mask: torch.Tensor) -> dict[str, float]:
     """Valid tokens and non-empty sequences of a mini-batch summed over ranks (exact normalization)."""
-    tokens, seqs = all_reduce_scalars([float(mask.sum()), float((mask.sum(-1) > 0).sum())], "sum")
-    return {"num_tokens": max(tokens, 1.0), "num_seqs": max(seqs, 1.0)}
+    return global_counts_of([mask])[0]
+
+
+def global_counts_of(masks: list[torch.Tensor]) -> list[dict[str, float]]:
+    """``global_counts`` of each of several mini-batches (an epoch's, before its first), with one host sync
+    and one collective for all of them."""
+    local = torch.stack([torch.stack([m.sum(), (m.sum(-1) > 0).sum()]) for m in masks]).tolist()
+    sums = all_reduce_scalars([float(x) for pair in local for x in pair], "sum")
+    return [
+        {"num_tokens": max(tokens, 1.0), "num_seqs": max(seqs, 1.0)}
+        for tokens, seqs in zip(sums[0::2], sums[1::2], strict=True)
+    ]
 
 
 def optimize(
@@ -99,9 +109,10 @@ def optimize(
     updates = skipped = 0
     early_stopped = False
     for _ in range(role.ppo_epochs):
-        for idx in mini_batches(len(batch.records), num_mini, shuffle, sp):
-            idx = idx.to(batch.attention_mask.device)
-            counts = global_counts(response_mask[idx])  # the generated tokens: what is trained
+        device = batch.attention_mask.device
+        epoch = [idx.to(device) for idx in mini_batches(len(batch.records), num_mini, shuffle, sp)]
+        # The generated tokens (what is trained) of every mini-batch of the epoch, counted in one collective.
+        for idx, counts in zip(epoch, global_counts_of([response_mask[idx] for idx in epoch]), strict=True):
             if before_mini_batch is not None:
                 before_mini_batch(idx, updates)
             contributions: dict[str, torch.Tensor] = {}
@@ -110,11 +121,13 @@ def optimize(
                 loss.backward()
                 for key, value in parts.items():
                     contributions[key] = combine_parts(contributions.get(key), value.detach(), key)
+            by_kind: dict[str, dict[str, torch.Tensor]] = {}
+            for key, value in contributions.items():
+                by_kind.setdefault(metric_kind(key), {})[key] = value
             reduced = {}
             for op in ("sum", "min", "max"):  # a collective each, only for the kinds there are
-                part = {k: v for k, v in contributions.items() if metric_kind(k) == op}
-                if part:
-                    reduced |= all_reduce_tensors(part, op)
+                if op in by_kind:
+                    reduced |= all_reduce_tensors(by_kind[op], op)
             grad_norm, was_skipped = optimizer_step(trained.model, trained.optimizer, role.grad_clip)
             grad_norms.append(grad_norm)
             updates += 1

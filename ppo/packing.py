@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ppo.attention import SharedPrefix
-from ppo.batch import Batch
+from ppo.batch import Batch, Rollout
 from ppo.config import ActorConfig, CriticConfig
 from ppo.distributed import all_reduce_scalar
 
@@ -145,9 +145,14 @@ def pack(
 
 def prompt_groups(prompts: Sequence[torch.Tensor]) -> list[list[int]]:
     """Indices of identical prompts (by their tokens), grouped in the order of first appearance."""
+    return _groups_of([tuple(p.tolist()) for p in prompts])
+
+
+def _groups_of(keys: Sequence[tuple[int, ...]]) -> list[list[int]]:
+    """``prompt_groups`` of prompts given by their tokens as tuples."""
     groups: dict[tuple[int, ...], list[int]] = {}
-    for i, p in enumerate(prompts):
-        groups.setdefault(tuple(p.tolist()), []).append(i)
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
     return list(groups.values())
 
 
@@ -364,7 +369,8 @@ def micro_batches(
 ) -> list[torch.Tensor]:
     """Micro-batches (index tensors into the batch) of the sequences ``idx``, agreed across ranks: the
     role's token budget with dynamic batch size, else ``micro_batch_size`` (default the role's); with
-    ``batch.share_prompts`` by ``plan_shared_micro_batches``."""
+    ``batch.share_prompts`` by ``plan_shared_micro_batches``. The lengths come from the step's
+    ``PackCache`` (read to the host once per step)."""
     plan = {
         "use_dynamic_bsz": role.use_dynamic_bsz,
         # A sequence-parallel group splits each micro-batch over its ranks: its budget is theirs together.
@@ -372,23 +378,130 @@ def micro_batches(
         "micro_batch_size": micro_batch_size or role.ppo_micro_batch_size_per_gpu,
     }
     rows = idx.tolist()
+    cache = pack_cache(batch)
     if batch.share_prompts:
-        prompts = [batch.rollout.prompts[i] for i in rows]
-        response_lens = batch.attention_mask[idx].sum(-1).tolist()
         groups = plan_shared_micro_batches(
-            [p.numel() for p in prompts], [int(n) for n in response_lens], prompt_groups(prompts), **plan
+            [cache.prompt_lens[i] for i in rows],
+            [cache.response_lens[i] for i in rows],
+            _groups_of(cache.prompt_keys(rows)),
+            **plan,
         )
     else:
-        lens = batch.seq_lens
-        groups = plan_micro_batches([lens[i] for i in rows], **plan)
+        groups = plan_micro_batches([cache.lengths[i] for i in rows], **plan)
     return [idx[torch.tensor(g, dtype=torch.long, device=idx.device)] for g in groups]
 
 
 def pack_rows(batch: Batch, sel: torch.Tensor) -> Packed:
-    """The rows ``sel`` of ``batch`` packed, each prompt once with ``batch.share_prompts``."""
-    return pack(
-        [batch.rollout.prompts[i] for i in sel.tolist()],
-        batch.rollout.responses[sel],
-        batch.attention_mask[sel],
-        share_prompts=batch.share_prompts,
-    )
+    """The rows ``sel`` of ``batch`` packed, each prompt once with ``batch.share_prompts``: built once per
+    step for a selection (``PackCache``; the same ``Packed`` again for the same rows in the same order),
+    equal to ``pack`` of those rows."""
+    rows = sel.tolist()
+    cache = pack_cache(batch)
+    key = (batch.share_prompts, tuple(rows))
+    packed = cache.packed.get(key)
+    if packed is not None:
+        return packed
+    if not rows:  # nothing to pack: pack's error
+        return pack(
+            [], batch.rollout.responses[sel], batch.attention_mask[sel], share_prompts=batch.share_prompts
+        )
+    if batch.share_prompts:
+        packed = _pack_shared(
+            [batch.rollout.prompts[i] for i in rows],
+            batch.rollout.responses[sel],
+            batch.attention_mask[sel],
+            _groups_of(cache.prompt_keys(rows)),
+        )
+    else:
+        packed = cache.gather(sel, rows)
+    cache.packed[key] = packed
+    return packed
+
+
+@dataclass(kw_only=True)
+class PackCache:
+    """A step batch's packing, kept on the batch for the step (``Batch.pack_cache``; ``pack_cache``).
+
+    The scoring forwards (old and reference log-probs, values, teachers) pack the same micro-batches one
+    after another, and every update packs rows packed before in another order. Per row, the lengths and
+    the prompt's tokens are read to the host once; the batch's rows are packed plainly once (``rows``,
+    on first use), and a selection's plain row is gathered from it on the device (``gather``: no token
+    lists on the host, an index and the offsets copied to the device); each selection's ``Packed`` is
+    kept (``packed``, keyed by ``batch.share_prompts`` and the rows in order), so a repeated selection
+    costs a dictionary look-up. What it holds (about 32 bytes per packed token and selection: the token
+    ids, positions, labels and response index) goes with the batch at the step's end.
+    """
+
+    rollout: Rollout
+    """The rollout the cache was built from: a batch given another one gets a new cache."""
+    prompt_lens: list[int]
+    """[B] prompt tokens of each row."""
+    response_lens: list[int]
+    """[B] valid response tokens of each row (``batch.attention_mask``)."""
+    lengths: list[int]
+    """[B] packed length of each row (prompt + valid response tokens; ``Batch.seq_lens``)."""
+    packed: dict[tuple[bool, tuple[int, ...]], Packed] = field(default_factory=dict)
+    """Each selection's packed row, by ``(share_prompts, rows)``."""
+    rows: Packed | None = None
+    """Every row of the batch plainly packed, in order (built by the first ``gather``)."""
+    tokens: torch.Tensor | None = None
+    """[3, T] ``rows``' input ids, position ids and labels, gathered in one indexing."""
+    keys: list[tuple[int, ...]] | None = None
+    """Each row's prompt tokens as a tuple (built by the first ``prompt_keys``)."""
+
+    @classmethod
+    def build(cls, batch: Batch) -> PackCache:
+        """The cache of ``batch``'s rollout, with its rows' lengths (one read of the mask to the host)."""
+        rollout = batch.rollout
+        prompt_lens = [p.numel() for p in rollout.prompts]
+        response_lens = [int(n) for n in batch.attention_mask.sum(-1).tolist()]
+        return cls(
+            rollout=rollout,
+            prompt_lens=prompt_lens,
+            response_lens=response_lens,
+            lengths=[p + n for p, n in zip(prompt_lens, response_lens, strict=True)],
+        )
+
+    def prompt_keys(self, rows: list[int]) -> list[tuple[int, ...]]:
+        """The prompt tokens of ``rows`` as tuples (``prompt_groups``' keys), read once per step."""
+        if self.keys is None:
+            self.keys = [tuple(p.tolist()) for p in self.rollout.prompts]
+        return [self.keys[i] for i in rows]
+
+    def gather(self, sel: torch.Tensor, rows: list[int]) -> Packed:
+        """The rows ``sel`` (``rows`` on the host, not empty) plainly packed, from every row packed once:
+        ``pack`` of those rows, value for value."""
+        if self.rows is None:
+            r = self.rollout
+            self.rows = pack(r.prompts, r.responses, r.attention_mask)
+            self.tokens = torch.stack([self.rows.input_ids, self.rows.position_ids, self.rows.labels])
+        full = self.rows
+        lengths = np.array([self.lengths[i] for i in rows], dtype=np.int64)
+        starts = np.array([full.offsets[i] for i in rows], dtype=np.int64)
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        # Token t of the selection is token t - offsets[i] + starts[i] of the full row, for its row i.
+        source = np.arange(offsets[-1]) + np.repeat(starts - offsets[:-1], lengths)
+        device = full.input_ids.device
+        input_ids, position_ids, labels = self.tokens[:, torch.from_numpy(source).to(device)]
+        shift = torch.from_numpy(offsets[:-1] - starts).to(device)
+        mask = full.attention_mask[sel]
+        response_index = full.response_index[sel] + shift[:, None]
+        return Packed(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            cu_seqlens=torch.from_numpy(offsets.astype(np.int32)).to(device),
+            offsets=offsets.tolist(),
+            labels=labels,
+            response_index=torch.where(mask, response_index, torch.zeros_like(response_index)),
+            attention_mask=mask,
+        )
+
+
+def pack_cache(batch: Batch) -> PackCache:
+    """The step's ``PackCache`` of ``batch``, built on first use (and again if the batch's rollout was
+    replaced)."""
+    cache = batch.pack_cache
+    if not isinstance(cache, PackCache) or cache.rollout is not batch.rollout:
+        cache = batch.pack_cache = PackCache.build(batch)
+    return cache

@@ -24,6 +24,12 @@ phase, each trainer call followed at once by its bare one, for ``--floor-reps`` 
 counted; ``trainer_s`` is then the median of those calls. Runs minutes apart can differ by more than the
 gap (the machine's speed drifts); calls a fraction of a second apart cannot.
 
+``--profile N`` (with ``--interleave``) also runs the trainer's calls under ``cProfile`` and prints the ``N``
+functions of the project (``ppo/``, ``ppo_kernels/``, ``train_ppo.py``) with the most time per step, what
+they call included (``ProfileRow``): where the trainer's time above the floor goes, function by function.
+The profiler slows Python-heavy functions more than the arithmetic, and the table's trainer column with
+them: take the gaps from a run without it.
+
 Columns (a row per phase, then their ``sum``): ``phase``, ``trainer_s`` (the trainer's median wall
 seconds), ``floor_s`` (the bare calls' median wall seconds), ``gap_s`` and ``gap_pct`` (the trainer's time
 above the floor, in % of the trainer's): where the rest of the step goes. The floor's padded batch holds a
@@ -34,12 +40,15 @@ One process, one torch thread (``--threads``).
 Run:
     .venv/bin/python -m ppo_bench.overhead_floor                              # runs, then bare calls
     .venv/bin/python -m ppo_bench.overhead_floor --interleave --floor-reps 20  # phase by phase
+    .venv/bin/python -m ppo_bench.overhead_floor --interleave --floor-reps 20 --profile 30  # and by function
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
+import pstats
 import statistics
 import tempfile
 import time
@@ -74,6 +83,19 @@ class FloorRow:
     gap_s: float | None
     gap_pct: float | None
     """``(trainer_s - floor_s) / trainer_s``, in %."""
+
+
+@dataclasses.dataclass
+class ProfileRow:
+    """One of the project's functions in the trainer's step, under ``cProfile`` (``--profile``)."""
+
+    function: str
+    """``path:line(name)``, the path from the repository's root."""
+    calls_per_step: float
+    cumulative_ms: float
+    """Milliseconds per step in the function and what it calls (wall clock, under the profiler)."""
+    own_ms: float
+    """Milliseconds per step in the function's own lines."""
 
 
 def floor_calls(args: argparse.Namespace, paths: dict[str, Path]) -> dict[str, Any]:
@@ -249,12 +271,12 @@ def trainer_calls(
 
 
 def interleaved_times(
-    args: argparse.Namespace, paths: dict[str, Path], out_dir: Path
+    args: argparse.Namespace, paths: dict[str, Path], out_dir: Path, profiler: cProfile.Profile | None = None
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """``--interleave``: the wall seconds of each phase, the trainer's function (``trainer_calls``) and
     its bare calls (``floor_calls``) one right after the other, phase by phase in step order, for
     ``--floor-reps`` steps after one not counted: whatever the machine's speed does, it does to both
-    within a fraction of a second."""
+    within a fraction of a second. ``profiler``: enabled around the trainer's counted calls."""
     from ppo.distributed import destroy_distributed
 
     ours, _ = trainer_calls(args, paths, out_dir)
@@ -264,13 +286,40 @@ def interleaved_times(
         for rep in range(args.floor_reps + 1):
             for phase in OUR_PHASES:
                 for calls, out in zip((ours, bare), times, strict=True):
+                    profiled = profiler is not None and rep > 0 and calls is ours
                     start = time.perf_counter()
+                    if profiled:
+                        profiler.enable()
                     calls[phase]()
+                    if profiled:
+                        profiler.disable()
                     if rep:
                         out.setdefault(phase, []).append(time.perf_counter() - start)
         return times
     finally:
         destroy_distributed()
+
+
+def profile_rows(profiler: cProfile.Profile, steps: int, top: int) -> list[ProfileRow]:
+    """The ``top`` functions of the project's code (``ppo/``, ``ppo_kernels/``, ``train_ppo.py``) by time
+    per step with what they call, from ``profiler`` over ``steps`` steps."""
+    import ppo
+
+    root = Path(ppo.__file__).resolve().parents[1]  # where the project's packages are
+    ours = (root / "ppo", root / "ppo_kernels", root / "train_ppo.py")
+    rows = []
+    for (path, line, name), (_, calls, own, cumulative, _) in pstats.Stats(profiler).stats.items():
+        file = Path(path).resolve()
+        if any(file == d or d in file.parents for d in ours):
+            rows.append(
+                ProfileRow(
+                    function=f"{file.relative_to(root)}:{line}({name})",
+                    calls_per_step=calls / steps,
+                    cumulative_ms=1e3 * cumulative / steps,
+                    own_ms=1e3 * own / steps,
+                )
+            )
+    return sorted(rows, key=lambda r: -r.cumulative_ms)[:top]
 
 
 def floor_rows(trainer: dict[str, float | None], floor: dict[str, float]) -> list[FloorRow]:
@@ -317,15 +366,17 @@ def run_floor(args: argparse.Namespace) -> list[FloorRow]:
     return floor_rows(trainer, {p: statistics.median(t) for p, t in floor.items()})
 
 
-def run_interleaved(args: argparse.Namespace) -> list[FloorRow]:
+def run_interleaved(args: argparse.Namespace) -> tuple[list[FloorRow], list[ProfileRow]]:
     """``--interleave``: the floor table of ``interleaved_times`` (medians), the trainer's column from its
-    own step functions instead of a run's ``timing_s``."""
+    own step functions instead of a run's ``timing_s``; with ``--profile``, the profile's rows."""
     one_process()
+    profiler = cProfile.Profile() if args.profile else None
     with tempfile.TemporaryDirectory(prefix="overhead_floor_") as tmp:
         paths = write_assets(Path(tmp), args)
-        ours, bare = interleaved_times(args, paths, Path(tmp) / "ours")
+        ours, bare = interleaved_times(args, paths, Path(tmp) / "ours", profiler)
     trainer: dict[str, float | None] = {p: statistics.median(ours[p]) for p in OUR_PHASES}
-    return floor_rows(trainer, {p: statistics.median(t) for p, t in bare.items()})
+    rows = floor_rows(trainer, {p: statistics.median(t) for p, t in bare.items()})
+    return rows, profile_rows(profiler, args.floor_reps, args.profile) if profiler is not None else []
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -339,24 +390,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="the trainer's step functions and the bare calls alternating phase by phase, instead of runs",
     )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --interleave: the N functions of the project with the most time per step (cProfile)",
+    )
     add_common_args(parser)
     args = parser.parse_args(argv)
     check_step_args(parser, args)
     if args.floor_reps < 1:
         parser.error("need --floor-reps >= 1")
+    if args.profile and not args.interleave:
+        parser.error("--profile needs --interleave")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     set_threads(args.threads)
-    rows = run_interleaved(args) if args.interleave else run_floor(args)
+    rows, profile = run_interleaved(args) if args.interleave else (run_floor(args), [])
     if not args.json:
         if args.interleave:
             print("our phases at their floor, interleaved phase by phase (wall seconds, medians):")
         else:
             print("our phases at their floor (bare calls, same shapes; wall seconds):")
     print_rows(rows, args.json)
+    if profile:
+        if not args.json:
+            print("the trainer's functions under cProfile (milliseconds per step):")
+        print_rows(profile, args.json)
     return 0
 
 
