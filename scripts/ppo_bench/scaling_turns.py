@@ -65,27 +65,25 @@ def turn_work(
     (0-based) is one ``generate`` call on every row's prompt and its ``t`` earlier turns
     (``TURN_TOKENS`` generated + ``OBSERVATION``'s tokens each), left-padded to the widest row.
 
-    - The trainer's sampler (``ppo.prefill``; ``keep_cache``, ``share_prefill``): a prefill forward reads
-      each row's new tokens but the last, then ``generate`` makes ``TURN_TOKENS`` forwards of one token
-      per row (the first reads the last new token and writes the first generated one). Turn 0's new
-      tokens are the prompt: ``width - 1`` per row. With ``keep_cache`` each row's cache holds its
-      trajectory up to the turn's 7th generated token (the 8th is never fed back), so a later turn reads
-      that token and the observation: ``len(OBSERVATION)`` per row in the prefill forward, linear in
-      ``turns``; without it every turn re-reads the trajectory, ``width + t * 16 - 1``, quadratic.
-    - Neither (plain ``generate``): the prefill reads the whole padded prompt, ``width + t * 16`` per row,
-      and writes the first token; ``TURN_TOKENS - 1`` decoding forwards follow.
+    - With ``keep_cache`` (the trainer's sampler, ``ppo.prefill``): a prefill forward reads each row's
+      new tokens but the last, then ``generate`` makes ``TURN_TOKENS`` forwards of one token per row (the
+      first reads the last new token and writes the first generated one). Turn 0's new tokens are the
+      prompt: ``width - 1`` per row. Each row's cache holds its trajectory up to the turn's 7th generated
+      token (the 8th is never fed back), so a later turn reads that token and the observation:
+      ``len(OBSERVATION)`` per row in the prefill forward, linear in ``turns``.
+    - Without it (plain ``generate``: the rows' distinct prompts give ``share_prefill`` nothing to
+      share): the prefill reads the whole padded prompt, ``width + t * 16`` per row, quadratic, and
+      writes the first token; ``TURN_TOKENS - 1`` decoding forwards follow.
 
     Returns ``generate_calls``, ``prefill_tokens`` (rows x prefill width, summed over turns),
     ``decode_steps`` (one-token forwards) and ``generated_tokens``."""
     rows, width, per_turn = len(prompt_lens), max(prompt_lens), TURN_TOKENS + len(OBSERVATION)
-    plain = not keep_cache and not share_prefill
+    plain = not keep_cache
 
     def prefill_width(t: int) -> int:
         if plain:
             return width + t * per_turn
-        if t == 0 or not keep_cache:
-            return width + t * per_turn - 1
-        return len(OBSERVATION)
+        return width - 1 if t == 0 else len(OBSERVATION)
 
     return {
         "generate_calls": turns,

@@ -165,14 +165,9 @@ def test_turn_work_by_arithmetic() -> None:
         "decode_steps": 21,
         "generated_tokens": 72,
     }
-    # The sampler's prefill (all but each row's last token), re-reading the trajectory: 3 x (11 + 27 + 43)
-    # = 243; 8 one-token forwards a turn (the first reads the last prompt token).
-    assert work(keep_cache=False) == {
-        "generate_calls": 3,
-        "prefill_tokens": 243,
-        "decode_steps": 24,
-        "generated_tokens": 72,
-    }
+    # Without the kept cache the rows' distinct prompts share nothing: plain generate, whatever
+    # share_prefill says (a micro-batch without a repeated prompt decodes plainly).
+    assert work(keep_cache=False) == work(keep_cache=False, share_prefill=False)
     # Kept caches (the default): turn 0 prefills 3 x 11; turns 1 and 2 only the 8 observation tokens a row
     # (the last generated token, never fed back, is the one generate reads): 33 + 2 x 24 = 81.
     assert work() == {"generate_calls": 3, "prefill_tokens": 81, "decode_steps": 24, "generated_tokens": 72}
