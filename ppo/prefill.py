@@ -37,9 +37,10 @@ probability boundary (tested token for token on tiny models).
 
 Where it applies (``reusable``): a transformers decoder whose cache is a ``DynamicCache`` of plain
 full-attention layers (``DynamicLayer``: Llama, Qwen2/2.5/3, Mistral without a sliding window) and
-whose forward takes ``cache`` and ``logits_to_keep``. Sliding-window, hybrid or linear-attention caches,
-and the compiled engine's static cache (``rollout.compile``: fixed shapes, one compiled graph), decode
-as before: ``ppo.rollout.decode`` calls plain ``generate``.
+whose forward takes ``cache`` (``past_key_values`` in earlier releases) and ``logits_to_keep``.
+Sliding-window, hybrid or linear-attention caches, and the compiled engine's static cache
+(``rollout.compile``: fixed shapes, one compiled graph), decode as before: ``ppo.rollout.decode`` calls
+plain ``generate``.
 
 Memory. Shared prefill needs none beyond the micro-batch's cache. Kept caches hold every active row's
 keys and values between calls (a plain rollout holds one micro-batch's at a time): ``rows x tokens x
@@ -60,16 +61,23 @@ from transformers.cache_utils import DynamicLayer
 
 def reusable(decoder: torch.nn.Module) -> bool:
     """Whether ``generate_with_cache`` can run on ``decoder``: a transformers model with ``generate``,
-    a forward taking ``cache`` and ``logits_to_keep``, and a ``DynamicCache`` of ``DynamicLayer`` layers
+    a forward taking a cache (``_cache_keyword``) and ``logits_to_keep``, and a ``DynamicCache`` of ``DynamicLayer`` layers
     (plain full attention, keys and values ``[B, H_kv, T, D]`` per layer)."""
     config = getattr(decoder, "config", None)
     if config is None or not callable(getattr(decoder, "generate", None)):
         return False
     params = inspect.signature(decoder.forward).parameters
-    if "cache" not in params or "logits_to_keep" not in params:
+    if _cache_keyword(decoder) is None or "logits_to_keep" not in params:
         return False
     layers = DynamicCache(config=config.get_text_config(decoder=True)).layers
     return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
+def _cache_keyword(decoder: torch.nn.Module) -> str | None:
+    """The keyword the decoder's forward (and so its ``generate``) takes a KV cache by: ``cache``
+    (transformers 5.25), ``past_key_values`` (earlier releases), or None."""
+    params = inspect.signature(decoder.forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in params), None)
 
 
 def left_pad(
@@ -209,7 +217,7 @@ def generate_with_cache(
             input_ids=block_ids[rep_index, : n - 1],
             attention_mask=rep_mask,
             position_ids=positions,
-            cache=cache,
+            **{_cache_keyword(decoder): cache},
             use_cache=True,
             logits_to_keep=1,
         )
@@ -220,7 +228,11 @@ def generate_with_cache(
     )
     extra = {"tokenizer": tokenizer} if tokenizer is not None else {}
     out = decoder.generate(
-        input_ids=input_ids, attention_mask=mask, cache=cache, generation_config=config, **extra
+        input_ids=input_ids,
+        attention_mask=mask,
+        generation_config=config,
+        **{_cache_keyword(decoder): cache},
+        **extra,
     )
     generated = out[:, c + n :]
     if not keep:
