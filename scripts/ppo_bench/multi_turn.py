@@ -52,7 +52,7 @@ class CallClock(ForwardClock):
         prefill_s, decode_s = self.prefill_s, self.decode_s
         super()._post(module, args, kwargs, out)
         rows, new = self._shape
-        cache = kwargs.get("cache")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers 5.25, earlier
         if not self.calls or cache is None or self._cache is None or self._cache() is not cache:
             self.calls.append(
                 {"rows": rows, "width": 0, "prefill_s": 0.0, "decode_steps": 0, "decode_s": 0.0}
