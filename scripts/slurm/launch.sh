@@ -37,6 +37,7 @@ log() {
 # back in the queue with the same id; Slurm then stops this run, and the next one resumes from the
 # latest complete checkpoint because trainer.resume_mode=auto. Steps since that checkpoint are redone.
 on_usr1() {
+    TRAPPED=1
     local restarts=${SLURM_RESTART_COUNT:-0}
     if ((restarts >= MAX_REQUEUES)); then
         log "USR1: time limit near, but the job was already requeued $restarts times (MAX_REQUEUES); not requeueing"
@@ -171,6 +172,7 @@ launch() {
     log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $nnodes node(s) x $gpus GPU(s), rendezvous $head:$port"
     log "${cmd[*]}"
 
+    TRAPPED=0
     if ((RESUMABLE)); then
         MAX_REQUEUES=${MAX_REQUEUES:-20}
         trap on_usr1 USR1
@@ -182,8 +184,10 @@ launch() {
     while true; do
         rc=0
         wait "$pid" || rc=$?
-        # A trapped signal ends `wait` with 128+n while srun still runs: go back to waiting for it.
-        if ((rc > 128)) && kill -0 "$pid" 2>/dev/null; then
+        # A trapped signal ends `wait` with 128+n, whether srun still runs or ended meanwhile (the
+        # requeue stops the step): wait again, which returns srun's own status once it has ended.
+        if ((rc > 128 && TRAPPED)); then
+            TRAPPED=0
             continue
         fi
         break

@@ -36,7 +36,8 @@ exit "${FAKE_SRUN_RC:-0}"
 FAKE_SCONTROL = """#!/usr/bin/env bash
 printf '%s\\n' "$@" >> "$FAKE_LOG/scontrol"; echo --- >> "$FAKE_LOG/scontrol"
 if [[ $1 == show && $2 == hostnames ]]; then printf '%s\\n' $FAKE_HOSTS; fi
-if [[ $1 == requeue ]]; then touch "$FAKE_LOG/requeued"; fi
+# A real requeue takes a moment, in which Slurm may already have ended the step.
+if [[ $1 == requeue ]]; then touch "$FAKE_LOG/requeued"; sleep "${FAKE_SCONTROL_SLEEP:-0}"; fi
 """
 FAKE_PYTHON = """#!/usr/bin/env bash
 printf '%s\\n' "$@" >> "$FAKE_LOG/python"; echo --- >> "$FAKE_LOG/python"
@@ -261,8 +262,12 @@ def test_srun_failure_is_the_exit_code(fakes: Path) -> None:
 
 
 def test_usr1_requeues_the_job(fakes: Path) -> None:
-    """Slurm's USR1 before the time limit makes the batch shell run `scontrol requeue <job id>`."""
-    env = slurm_env(fakes, 2, FAKE_SRUN_WAIT="400", SLURM_RESTART_COUNT="1")
+    """Slurm's USR1 before the time limit makes the batch shell run `scontrol requeue <job id>`.
+
+    The fake requeue outlasts the step (srun ends while the trap still runs), and the shell still exits
+    with the step's status, not with the 128 + 10 of the interrupted `wait`.
+    """
+    env = slurm_env(fakes, 2, FAKE_SRUN_WAIT="400", SLURM_RESTART_COUNT="1", FAKE_SCONTROL_SLEEP="0.5")
     proc = subprocess.Popen(
         ["bash", str(SLURM / "ppo.sbatch"), PPO_CONFIG],
         env=env,
