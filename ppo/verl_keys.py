@@ -416,9 +416,6 @@ VERL_KEYS: dict[str, VerlKey] = {
     "data.sampler.class_name": ignored("used only with data.sampler.class_path"),
     "data.datagen.path": refused("dynamic data generation is not available here"),
     "data.datagen.name": ignored("used only with data.datagen.path"),
-    "data.apply_chat_template_kwargs": refused(
-        "the chat template is applied with its defaults here", (None, {})
-    ),
     # ---------------------------------------------------------------- trainer (see _combine)
     "trainer.default_local_dir": renamed_to("trainer.output_dir"),
     "trainer.balance_batch": ignored(
@@ -538,5 +535,5 @@ VERL_LENGTHS = {
 }
 """verl's engine lengths, which it derives from the data's; here the data's alone."""
 
-VERL_MAPPINGS = frozenset({"custom_reward_function.reward_kwargs"})
+VERL_MAPPINGS = frozenset({"custom_reward_function.reward_kwargs", "critic.model.override_config"})
 """verl's renamed keys whose value is a mapping, set key by key (``+custom_reward_function.reward_kwargs.a=1``)."""

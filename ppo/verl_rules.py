@@ -184,6 +184,15 @@ def qat_keys(p: str) -> dict[str, VerlKey]:
     }
 
 
+def override_config_key(p: str) -> dict[str, VerlKey]:
+    """verl's ``<p>.override_config``: ours for the actor (``model``) and the critic, refused for others."""
+    if p == "model":
+        return {}  # the same key here
+    if p == "critic.model":
+        return {f"{p}.override_config": renamed_to("critic.override_config")}
+    return {f"{p}.override_config": refused("this model's config is used as saved", (None, {}))}
+
+
 def model_keys(p: str, lora: str | None) -> dict[str, VerlKey]:
     """The model keys verl has for the actor (``actor_rollout_ref.model``), the critic and the reward
     model (``<role>.model``), in ``p``; ``lora``: the section their LoRA keys go to."""
@@ -192,7 +201,7 @@ def model_keys(p: str, lora: str | None) -> dict[str, VerlKey]:
         f"{p}.external_lib": refused(
             "no module is imported for the model here (model.trust_remote_code=true runs a checkpoint's own code)"
         ),
-        f"{p}.override_config": refused("the model's config is used as saved", (None, {})),
+        **override_config_key(p),
         f"{p}.enable_activation_offload": refused(
             "activation offload is not available here; model.enable_gradient_checkpointing=true saves activations",
             (False, None),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from ppo.choices import LOSS_AGG_MODES, POLICY_LOSS_MODES
 from ppo.config.errors import FieldError, _require, check_kl_kind
@@ -176,6 +176,9 @@ class ActorConfig:
 class CriticConfig:
     model_path: str | None = None
     """Where the critic starts; default: the actor's weights (``model.path``) with a fresh value head."""
+    override_config: dict[str, Any] = field(default_factory=dict)
+    """Fields of the critic's Hugging Face model config set before its weights load (verl's
+    ``critic.model.override_config``); the actor's ``model.override_config`` does not apply to it."""
     ppo_mini_batch_size: int | None = None
     """Prompts per critic optimizer step; default: ``actor.ppo_mini_batch_size`` (filled in when the
     config is built)."""

@@ -72,8 +72,11 @@ class PPOConfig(PPOTree):
 def _expand_user_code_paths(cfg: PPOConfig) -> None:
     """``~`` in the file of ``reward.custom_function`` and ``rollout.multi_turn.env``
     (``~/rewards.py:fn``), as in the run's other paths."""
-    if cfg.reward.custom_function and cfg.reward.custom_function.startswith("~"):
-        cfg.reward.custom_function = os.path.expanduser(cfg.reward.custom_function)
+    fn = cfg.reward.custom_function
+    if isinstance(fn, list):
+        cfg.reward.custom_function = [os.path.expanduser(f) for f in fn]
+    elif fn:
+        cfg.reward.custom_function = os.path.expanduser(fn)
     turns = cfg.rollout.multi_turn
     if turns.env and turns.env.startswith("~"):
         turns.env = os.path.expanduser(turns.env)

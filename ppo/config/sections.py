@@ -42,6 +42,10 @@ class DataConfig:
     apply_chat_template: bool = True
     """Render chat-message prompts with the tokenizer's chat template (string prompts are used as
     they are)."""
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the tokenizer's ``apply_chat_template`` for training and validation prompts
+    (verl's key), e.g. ``enable_thinking: false`` for Qwen3; a keyword the template does not use is
+    warned about by name."""
     filter_accuracy: bool = False
     """PRIME's accuracy filter (verl recipe's key): each step samples ``gen_batch_size`` prompts and
     trains on ``train_batch_size`` of them, first those whose group accuracy (the share of the
@@ -242,11 +246,16 @@ class RewardConfig:
     offline data's ``scores`` column."""
     model_path: str | None = None
     """Reward model folder for ``style=model`` (or ``ranking_by=model``)."""
-    custom_function: str | None = None
-    """A user's scorer ``module.path:function`` or ``file.py:function`` (``:function`` may be left out: it
+    custom_function: str | list[str] | None = None
+    """A user's scorer (or a list of them, TRL's ``reward_funcs``, whose scores are summed with
+    ``weights``): ``module.path:function`` or ``file.py:function`` (``:function`` may be left out: it
     is then ``compute_score``, as verl's), called by keyword as verl calls it,
     ``fn(data_source=, solution_str=, ground_truth=, extra_info=, **reward_kwargs)``, returning a number
-    or a dict with a ``"score"`` number (its other number-valued keys are logged as ``reward/extra/<key>``)."""
+    or a dict with a ``"score"`` number (its other number-valued keys are logged as ``reward/extra/<key>``).
+    A function whose parameters include ``completions`` is TRL's kind: called once per batch with
+    ``prompts``, ``completions``, ``completion_ids``, ``trainer_state`` and the data's other columns."""
+    weights: list[float] | None = None
+    """Weight of each ``custom_function`` in the score (TRL's ``reward_weights``); default 1 each."""
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of ``custom_function`` (verl's ``custom_reward_function.reward_kwargs``)."""
     format_score: float = 0.0
@@ -282,7 +291,28 @@ class RewardConfig:
     prime: PrimeConfig = field(default_factory=PrimeConfig)
     """PRIME's implicit process reward model (``algorithm.adv_estimator=prime``)."""
 
+    def functions(self) -> list[str]:
+        """``custom_function`` as a list (empty when unset)."""
+        if self.custom_function is None:
+            return []
+        return [self.custom_function] if isinstance(self.custom_function, str) else list(self.custom_function)
+
     def __post_init__(self) -> None:
+        functions = [self.custom_function] if isinstance(self.custom_function, str) else self.custom_function
+        if functions is not None and not functions:
+            raise FieldError(
+                "custom_function is an empty list: name a function or leave the key out", "custom_function"
+            )
+        if self.weights is not None:
+            if functions is None:
+                raise FieldError(
+                    "weights is set but custom_function is not: it weighs custom functions", "weights"
+                )
+            if len(self.weights) != len(functions):
+                raise FieldError(
+                    f"weights has {len(self.weights)} values for {len(functions)} custom_function(s): give one each",
+                    "weights",
+                )
         _require(self, "> 0", "micro_batch_size_per_gpu", "timeout_s", "total_timeout_s")
         _require(self, ">= 0", "pool_workers")
 

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from ppo.config.errors import FieldError, _require
 
-LOGGER_SINKS = ("console", "jsonl", "tensorboard", "wandb")
+LOGGER_SINKS = ("console", "jsonl", "tensorboard", "wandb", "mlflow", "swanlab", "trackio", "clearml", "file")
 """Metric sinks ``trainer.logger`` may name."""
 
 
@@ -54,7 +54,8 @@ class RunTrainerConfig:
     checkpoint becomes ``latest`` once every rank's shards are on disk (checked each step). At most one
     save is in flight; costs a host copy of the state."""
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
-    """Metric sinks: console, jsonl, tensorboard, wandb. ``metrics.jsonl`` is written whatever the list
+    """Metric sinks: console, jsonl, tensorboard, wandb, mlflow, swanlab, trackio, clearml, file (verl's
+    names; each tracker is an optional extra). ``metrics.jsonl`` is written whatever the list
     says, and TensorBoard events unless ``tensorboard`` is false, so a verl list (``[console,wandb]``)
     adds wandb and still leaves the run's metrics on disk."""
     tensorboard: bool = True
@@ -96,6 +97,11 @@ class ModelConfig:
     """Recompute activations in the backward to save memory."""
     trust_remote_code: bool = False
     """Passed to ``from_pretrained`` for models with custom code."""
+    override_config: dict[str, Any] = field(default_factory=dict)
+    """Fields of the Hugging Face model config set before the weights load (verl's
+    ``actor_rollout_ref.model.override_config``), e.g. ``max_position_embeddings``, ``rope_scaling``,
+    ``attention_dropout``; applies to the actor and the reference. A field the config does not have is
+    an error naming it."""
 
 
 @dataclass(kw_only=True)

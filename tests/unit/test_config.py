@@ -129,15 +129,18 @@ def test_wrong_type_names_key_value_and_type(override: str, expected: str) -> No
         ("algorithm.kl_penalty=kl3", "algorithm.kl_penalty='kl3' is not a KL estimator"),
         ("actor.kl_loss_type=low_var_kl+", None),
         ("rollout.temperature=0", "rollout.temperature must be > 0"),
-        ("trainer.logger=[console,mlflow]", "trainer.logger has unknown sinks"),
+        ("trainer.logger=[console,neptune]", "trainer.logger has unknown sinks"),
+        ("reward.weights=[1.0]", "reward.weights is set but custom_function is not"),
+        ("reward.custom_function=[a.py:f,b.py:g] reward.weights=[1.0]", "reward.weights has 1 values for 2"),
+        ("reward.custom_function=[]", "reward.custom_function is an empty list"),
     ],
 )
 def test_value_checks(override: str, expected: str | None) -> None:
     if expected is None:
-        load_config(None, [override])
+        load_config(None, override.split())
         return
     with pytest.raises(ConfigError, match=expected):
-        load_config(None, [override])
+        load_config(None, override.split())
 
 
 def test_group_estimators_need_several_samples() -> None:
@@ -656,6 +659,7 @@ UNRANGED = {
     (ActorConfig, "entropy_coeff"),
     (RewardConfig, "format_score"),
     (RewardConfig, "error_score"),
+    (RewardConfig, "weights"),
     (PolicyLossConfig, "clip_cov_lb"),
     (PolicyLossConfig, "clip_cov_ub"),
     (AlgorithmConfig, "reward_dpo_coef"),
