@@ -29,7 +29,13 @@ DISTILLATION_LOSS_MODES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "
 the reverse-KL estimators of the sampled token (:func:`distillation_token_losses`, the ``KL_KINDS``
 without ``+``) and the forward KL over the teacher's top-k tokens (:func:`forward_kl_topk`)."""
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
 """Names of the loss aggregation modes of :func:`agg_loss`."""
 
 POLICY_LOSS_MODES = ("vanilla", "gspo", "clip_cov", "kl_cov", "sppo")

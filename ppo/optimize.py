@@ -179,6 +179,7 @@ def actor_loss(
     a = cfg.actor
     reuse_forward = cfg.one_update_per_rollout
     scale = sum_norm_scale(cfg, a.loss_scale_factor)
+    replicas = token_sum_replicas(a.loss_agg_mode, sp)
     response_mask = batch.response_mask if response_mask is None else response_mask
     loss_of = algorithms.POLICY_LOSSES[a.policy_loss.loss_mode]
     settings = algorithms.PolicyLossSettings(
@@ -195,7 +196,7 @@ def actor_loss(
         return None if t is None else t[sel]
 
     def loss_fn(sel: torch.Tensor, counts: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        counts = {**counts, "loss_scale_factor": scale}
+        counts = {**counts, "loss_scale_factor": scale, **replicas}
         mask = response_mask[sel]
         packed = pack_rows(batch, sel)
         topk_lp = topk_ids = None
@@ -289,9 +290,10 @@ def critic_loss(cfg: PPOConfig, critic: torch.nn.Module, batch: Batch, sp: ulyss
     """The critic's share of a mini-batch's clipped value loss on the rows ``sel`` of ``batch``."""
     c = cfg.critic
     scale = sum_norm_scale(cfg, None)
+    replicas = token_sum_replicas(c.loss_agg_mode, sp)
 
     def loss_fn(sel: torch.Tensor, counts: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        counts = {**counts, "loss_scale_factor": scale}
+        counts = {**counts, "loss_scale_factor": scale, **replicas}
         mask = batch.response_mask[sel]
         values = packed_forward.values(critic, pack_rows(batch, sel), sp)
         vf_loss, vf_metrics = algorithms.value_loss(
@@ -313,6 +315,13 @@ def sum_norm_scale(cfg: PPOConfig, loss_scale_factor: int | None) -> float:
     more: the ranks of a group each hold the group's whole rows, so the global ``num_seqs`` counts every
     row ``sp`` times and each rank's loss is already ``1/sp`` of the row's."""
     return float(loss_scale_factor or cfg.data.max_response_length)
+
+
+def token_sum_replicas(loss_agg_mode: str, sp: ulysses.SPGroup) -> dict[str, int]:
+    """``{"num_replicas": sp.size}`` under ``loss_agg_mode=token-sum`` (else nothing): the ranks of a
+    sequence-parallel group each compute the loss on the group's whole rows, so each takes ``1/sp`` of
+    their token sum (the other modes get that from counts that hold every row ``sp`` times)."""
+    return {"num_replicas": sp.size} if loss_agg_mode == "token-sum" else {}
 
 
 def cov_selection(

@@ -37,12 +37,19 @@ def agg_loss(
     num_seqs: int | float | torch.Tensor | None = None,
     *,
     loss_scale_factor: int | float | None = None,
+    num_replicas: int = 1,
 ) -> torch.Tensor:
     """Aggregate a per-token loss into a scalar, as verl's ``agg_loss``.
 
     With ``m`` the mask and ``S_b = Σ_t loss[b, t] · m[b, t]`` the token sum of row b:
 
     - ``"token-mean"``: ``Σ_b S_b / num_tokens``; ``num_tokens`` defaults to ``Σ m``;
+    - ``"token-sum"``: ``Σ_b S_b / num_replicas``, no count used: summed over the micro-batches and
+      ranks, the mini-batch's sum over every valid token (verl 0.9.1's ``masked_sum · dp_size``,
+      whose gradient averaged over the data-parallel ranks is that sum; here ranks sum gradients).
+      ``num_replicas``: the ranks that compute this loss on the same rows (a sequence-parallel
+      group), each taking its share, as the global counts of the other modes (which count such rows
+      that many times) make them do;
     - ``"seq-mean-token-sum"``: ``Σ_b S_b / num_seqs``;
     - ``"seq-mean-token-mean"``: ``Σ_b (S_b / max(Σ_t m[b, t], 1)) / num_seqs``;
     - ``"seq-mean-token-sum-norm"`` (Dr. GRPO's constant normalizer, Liu et al. arXiv:2503.20783):
@@ -68,6 +75,8 @@ def agg_loss(
     token_sums = torch.where(mask, loss_mat, zero).sum(dim=-1)  # S_b, [B]
     if mode == "token-mean":
         return token_sums.sum() / _denominator(num_tokens, mask.sum())
+    if mode == "token-sum":
+        return token_sums.sum() / num_replicas
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {mode!r}; valid modes: {', '.join(LOSS_AGG_MODES)}")
     tokens_per_seq = mask.sum(dim=-1)

@@ -399,6 +399,8 @@ AGG_MASK = [[1, 1, 1], [1, 1, 0], [0, 0, 0]]  # row sums 6 and 9; row 2 fully ma
 AGG_EXPECTED = {
     # (1 + 2 + 3 + 4 + 5) / 5 tokens = 3
     "token-mean": 3.0,
+    # 1 + 2 + 3 + 4 + 5 = 15, no count (verl 0.9.1's masked sum, at dp_size 1)
+    "token-sum": 15.0,
     # (6 + 9) / 2 sequences (the fully masked row is not counted) = 7.5
     "seq-mean-token-sum": 7.5,
     # (6/3 + 9/2) / 2 = (2 + 4.5) / 2 = 3.25
@@ -429,6 +431,9 @@ def test_agg_loss_explicit_counts_and_errors() -> None:
     close(agg_loss(loss_mat, mask, "seq-mean-token-mean", num_seqs=4), 1.625)
     close(agg_loss(loss_mat, mask, "seq-mean-token-sum-norm", loss_scale_factor=5), 1.5)
     close(agg_loss(loss_mat, mask, "seq-mean-token-sum-norm", num_seqs=5, loss_scale_factor=5), 0.6)
+    # token-sum takes no count; 2 replicas (a sequence-parallel pair on the same rows) take 15 / 2 each
+    close(agg_loss(loss_mat, mask, "token-sum", num_tokens=10, num_seqs=5, loss_scale_factor=5), 15.0)
+    close(agg_loss(loss_mat, mask, "token-sum", num_replicas=2), 7.5)
     with pytest.raises(ValueError, match="token-mean"):
         agg_loss(loss_mat, mask, "sum")
 
@@ -498,6 +503,8 @@ def test_micro_batch_accumulation_is_exact(mode: str) -> None:
     torch.testing.assert_close(total, full_loss.detach(), rtol=1e-12, atol=1e-12)
     for key in ("logprobs", "values"):
         torch.testing.assert_close(micro[key].grad, full[key].grad, rtol=1e-12, atol=1e-12)
+    if mode == "token-sum":  # no count to normalize by: each micro-batch's own sum is already exact
+        return
     # the check can fail: per-micro-batch normalization (no global counts) gives a different loss
     naive = sum(combined_loss(batch, rows, mode).item() for rows in (slice(0, 2), slice(2, 3), slice(3, 5)))
     assert abs(naive - full_loss.item()) > 1e-3
