@@ -1,0 +1,104 @@
+"""Tests of ``data.apply_chat_template_kwargs`` (verl's key): the keywords reach the chat template of the
+prompts (``ppo.data.load_prompts``), a keyword the template does not read is one warning naming it, and a
+keyword the loader sets itself is an error.
+
+The tokenizer is the tiny character-level one of ``scripts/make_tiny_assets.py`` with a template that
+reads ``enable_thinking`` as Qwen3's does: ``enable_thinking=false`` writes an empty think block after the
+generation prompt; absent or true, the model is left to think.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ppo.config import ConfigError
+from ppo.data import check_chat_template_kwargs, load_prompts, unused_chat_template_kwargs
+from tests.helpers import load_script, write_parquet
+
+THINKING_TEMPLATE = load_script("make_tiny_assets").CHAT_TEMPLATE + (
+    "{% if add_generation_prompt and enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+)
+
+PLAIN = "<s><|user|>23 + 48<|assistant|>"
+NO_THINK = PLAIN + "<think>\n\n</think>\n\n"
+
+
+@pytest.fixture
+def thinking_tok(tok: Any) -> Any:
+    """The tiny tokenizer with a chat template that reads ``enable_thinking``."""
+    t = copy.deepcopy(tok)
+    t.chat_template = THINKING_TEMPLATE
+    return t
+
+
+@pytest.fixture
+def prompts(tmp_path: Path) -> Path:
+    row = {
+        "prompt": [{"role": "user", "content": "23 + 48"}],
+        "data_source": "synthetic/arith",
+        "reward_model": {"style": "rule", "ground_truth": "71"},
+    }
+    return write_parquet(tmp_path / "p.parquet", [row])
+
+
+@pytest.mark.parametrize(
+    "kwargs,text",
+    [(None, PLAIN), ({"enable_thinking": True}, PLAIN), ({"enable_thinking": False}, NO_THINK)],
+)
+def test_keywords_reach_the_template(
+    prompts: Path, thinking_tok: Any, kwargs: dict[str, Any] | None, text: str
+) -> None:
+    (rec,) = load_prompts(prompts, thinking_tok, max_prompt_length=64, chat_template_kwargs=kwargs)
+    assert rec.prompt_text == text
+    # The rendered text tokenized without special tokens: BOS once (the template's), one id per character.
+    assert rec.input_ids == thinking_tok(text, add_special_tokens=False)["input_ids"]
+    assert len(rec.input_ids) == 3 + len("23 + 48") + (
+        len("<think>\n\n</think>\n\n") if text == NO_THINK else 0
+    )
+
+
+def test_unused_keyword_is_one_warning_naming_it(thinking_tok: Any, caplog: pytest.LogCaptureFixture) -> None:
+    kwargs = {"enable_thinking": False, "enable_thinkng": False, "reasoning_effort": "low"}
+    with caplog.at_level(logging.WARNING, logger="ppo"):
+        check_chat_template_kwargs(thinking_tok, kwargs)
+    assert [r.getMessage() for r in caplog.records] == [
+        "data.apply_chat_template_kwargs.enable_thinkng (did you mean enable_thinking?), "
+        "data.apply_chat_template_kwargs.reasoning_effort: the tokenizer's chat template does not read them, "
+        "so they change nothing; it reads add_generation_prompt, bos_token, enable_thinking, eos_token, messages"
+    ]
+
+
+def test_keyword_at_its_default_value_counts_as_used(thinking_tok: Any, tok: Any) -> None:
+    # enable_thinking=true renders exactly as without it, yet the template reads it: not unused.
+    assert unused_chat_template_kwargs(thinking_tok, {"enable_thinking": True}) == []
+    # apply_chat_template's own arguments are not template variables, and are used.
+    assert unused_chat_template_kwargs(thinking_tok, {"continue_final_message": False}) == []
+    # The plain template reads no enable_thinking.
+    assert unused_chat_template_kwargs(tok, {"enable_thinking": False}) == ["enable_thinking"]
+
+
+def test_no_template_rendering_warns(thinking_tok: Any, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="ppo"):
+        check_chat_template_kwargs(thinking_tok, {"enable_thinking": False}, apply_chat_template=False)
+    assert [r.getMessage() for r in caplog.records] == [
+        "data.apply_chat_template_kwargs is set but data.apply_chat_template=false: enable_thinking changes nothing"
+    ]
+
+
+def test_a_keyword_the_loader_sets_is_an_error(prompts: Path, thinking_tok: Any) -> None:
+    message = (
+        "data.apply_chat_template_kwargs: tokenize is set by the trainer (chat messages in, text out, with "
+        "the generation prompt): remove it"
+    )
+    with pytest.raises(ConfigError) as err:
+        check_chat_template_kwargs(thinking_tok, {"tokenize": True})
+    assert str(err.value) == message
+    with pytest.raises(ConfigError) as err:
+        load_prompts(prompts, thinking_tok, max_prompt_length=64, chat_template_kwargs={"tokenize": True})
+    assert str(err.value) == message
