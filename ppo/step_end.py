@@ -9,6 +9,7 @@ the stop signal the loop asks at its phase boundaries, and the time cap.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -40,8 +41,12 @@ class StopRequest:
     The loop asks ``requested()`` at its phase boundaries (all ranks agree: one all-reduce): after the
     rollout, between the scoring forwards, between validation chunks and at the end of the step; it
     saves the last complete step before it exits, within the seconds torchrun and Slurm grant between
-    SIGTERM and SIGKILL (30 s by default). A second Ctrl-C stops at once (``runner.main`` exits quietly
-    with 130; the last checkpoint is intact: saves are atomic).
+    SIGTERM and SIGKILL (30 s by default), and the rank exits 0. A second Ctrl-C stops at once
+    (``runner.main`` exits quietly with 130; the last checkpoint is intact: saves are atomic).
+
+    Under torchrun one Ctrl-C reaches a rank twice: from the terminal (the whole foreground process
+    group) and from torchrun, which forwards the SIGINT it got to its workers at once. A SIGINT within
+    ``duplicate_s`` of the first is that copy, not a second Ctrl-C (``torchrun_duplicate_s``).
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -49,19 +54,31 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.name: str | None = None
+        self.duplicate_s = torchrun_duplicate_s()
+        """Seconds after the first stop signal in which a SIGINT is taken as its copy."""
+        self.first_at = 0.0
         if threading.current_thread() is threading.main_thread():
             for signum in self.SIGNALS:
                 signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, _frame: object) -> None:
-        if signum == signal.SIGINT and self.name is not None:
-            raise KeyboardInterrupt
+        if self.name is not None:
+            if signum == signal.SIGINT and time.monotonic() - self.first_at >= self.duplicate_s:
+                raise KeyboardInterrupt
+            return  # a copy of the first (torchrun's forward), or another stop signal: already stopping
+        self.first_at = time.monotonic()
         self.name = signal.Signals(signum).name
         logger.warning("%s received: stopping at the next phase boundary, after a checkpoint", self.name)
 
     def requested(self) -> bool:
         """Whether any rank received a stop signal (collective)."""
         return all_reduce_scalar(float(self.name is not None), "max") > 0
+
+
+def torchrun_duplicate_s() -> float:
+    """2 s under torchrun (``TORCHELASTIC_RUN_ID`` set), whose forward of the terminal's SIGINT follows
+    it within milliseconds; 0 otherwise, where each Ctrl-C arrives once."""
+    return 2.0 if "TORCHELASTIC_RUN_ID" in os.environ else 0.0
 
 
 def out_of_time(start: float, max_time_s: float) -> bool:

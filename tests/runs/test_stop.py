@@ -356,6 +356,37 @@ def test_sighup_is_a_stop_signal(tiny_assets: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_one_ctrl_c_under_torchrun_saves_and_stops(tiny_assets: Path, tmp_path: Path) -> None:
+    """Under torchrun one Ctrl-C reaches the rank twice: from the terminal, then forwarded by torchrun.
+    The copy is not a second Ctrl-C: the rank still saves step 1 at the next boundary (it used to exit
+    at once with 130, "interrupted")."""
+    out = tmp_path / "run"
+    fn, log = tmp_path / "slow_scoring.py", tmp_path / "calls.txt"
+    fn.write_text(SLOW_SCORING)
+    args = base_args(tiny_assets, out, steps=4) + [
+        "trainer.val_before_train=false",
+        "algorithm.adv_estimator=grpo",
+        "trainer.save_freq=1",
+        f"reward.custom_function={fn}:slow_ninth",
+        f"reward.reward_kwargs={{log: {log}, slow_s: 6}}",
+    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [*cmd, str(ROOT / "train_ppo.py"), *args], stderr=subprocess.PIPE, text=True, env=env
+    )
+    wait_until(proc, lambda: log.is_file() and len(log.read_text().splitlines()) >= 9, timeout=400)
+    (worker,) = map(int, Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split())
+    os.kill(worker, signal.SIGINT)  # the terminal's copy (it signals the whole process group)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)  # torchrun's: it forwards the SIGINT to its worker
+    _, stderr = proc.communicate(timeout=300)
+    assert "stopping: saved step 1 (SIGINT)" in stderr, excerpt(stderr)
+    assert "interrupted" not in stderr
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000001"
+
+
+@pytest.mark.slow
 def test_a_second_ctrl_c_exits_at_once_quietly(tiny_assets: Path, tmp_path: Path) -> None:
     """The second Ctrl-C ends the run inside the slow scoring call (30 s), which never returns."""
     out = tmp_path / "run"
