@@ -347,6 +347,11 @@ MUST_MATCH = (
 the fingerprints, their content), whether adapters and a critic train, and every input of the data
 order. A difference stops the run, listing every one."""
 
+MUST_MATCH_TREES = ("model.override_config", "critic.override_config")
+"""Mappings a resumed run must share with its checkpoint field by field: the Hugging Face config fields
+the models were built with (a field added, removed or changed stops the run, as a changed model path
+does). An empty mapping and one a checkpoint never recorded are the same."""
+
 APPLIED_ON_RESUME = {
     "actor.optim.lr": "the actor's learning rate",
     "critic.optim.lr": "the critic's learning rate",
@@ -385,6 +390,7 @@ def compare_runs(ckpt_dir: Path, cfg: PPOConfig | StageConfig, identity: dict[st
     now = flatten(to_dict(cfg))
     differ = [key for key in MUST_MATCH if key in now and key in saved and saved[key] != now[key]]
     problems = [f"{key}: {saved[key]!r} -> {now[key]!r}" for key in differ]
+    problems += tree_differences(saved, now, MUST_MATCH_TREES)
     problems += [  # same path, other content (a path that changed is reported above)
         f"{key}: its content changed since the checkpoint (fingerprint {saved_identity[key]} -> {value})"
         for key, value in identity.items()
@@ -413,6 +419,22 @@ def compare_runs(ckpt_dir: Path, cfg: PPOConfig | StageConfig, identity: dict[st
             f" ({what}, applied to the restored state)" if what else "",
         )
     return changed
+
+
+def tree_differences(saved: dict[str, Any], now: dict[str, Any], trees: tuple[str, ...]) -> list[str]:
+    """``"key: old -> new"`` for each flattened key under one of ``trees`` that differs between ``saved``
+    and ``now``; a key only one of them has shows ``(unset)`` on the other side."""
+    prefixes = tuple(f"{tree}." for tree in trees)
+    keys = sorted(k for k in saved.keys() | now.keys() if k.startswith(prefixes))
+    return [
+        f"{key}: {_shown(saved, key)} -> {_shown(now, key)}"
+        for key in keys
+        if (key in saved) != (key in now) or saved.get(key) != now.get(key)
+    ]
+
+
+def _shown(flat: dict[str, Any], key: str) -> str:
+    return repr(flat[key]) if key in flat else "(unset)"
 
 
 def apply_changes(

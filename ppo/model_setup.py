@@ -20,13 +20,22 @@ A model a run does not use is None. Every rank calls every function here (the sh
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any, get_args, get_type_hints
 
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ppo import attention, lora, model_loading, models, rewards, sharding, ulysses
-from ppo.config import FSDPConfig, LoRAConfig, ModelConfig, PPOConfig, PreferenceRefConfig, RefConfig
+from ppo.config import (
+    ConfigError,
+    FSDPConfig,
+    LoRAConfig,
+    ModelConfig,
+    PPOConfig,
+    PreferenceRefConfig,
+    RefConfig,
+)
 from ppo.distributed import DistInfo, main_rank_logs, make_mesh
 
 logger = logging.getLogger("ppo")
@@ -88,7 +97,8 @@ def reference(cfg: PPOConfig, info: DistInfo, policy: nn.Module, sp: ulysses.SPG
 def critic(cfg: PPOConfig, info: DistInfo, sp: ulysses.SPGroup) -> nn.Module | None:
     """The critic where the estimator uses one (``use_critic``: GAE), else None: ``critic.model_path`` (default
     ``model.path``) with a token-level value head (``model_loading.load_critic``) that trains whole under
-    ``critic.lora``, sharded by ``critic.fsdp``."""
+    ``critic.lora``, sharded by ``critic.fsdp``, its config set by ``critic.override_config`` (never the
+    actor's ``model.override_config``)."""
     if not cfg.use_critic:
         return None
     return build_model(
@@ -104,6 +114,8 @@ def critic(cfg: PPOConfig, info: DistInfo, sp: ulysses.SPGroup) -> nn.Module | N
         lora_cfg=cfg.critic.lora,
         lora_key="critic.lora",
         trainable_head="score",
+        override_config=cfg.critic.override_config,
+        override_key="critic.override_config",
     )
 
 
@@ -120,6 +132,7 @@ def reward_model(cfg: PPOConfig, info: DistInfo) -> nn.Module | None:
         path=cfg.reward.model_path,
         path_key="reward.model_path",
         trainable=False,
+        override_config={},
     )
 
 
@@ -134,8 +147,8 @@ def sppo_old_policy(cfg: PPOConfig, info: DistInfo, sp: ulysses.SPGroup) -> nn.M
 
 def prm(cfg: PPOConfig, info: DistInfo) -> nn.Module | None:
     """PRIME's implicit PRM (``algorithm.adv_estimator=prime``): a trainable copy of the reference model
-    (``ref.model_path``, else ``model.path``), so that its log-ratio to the reference starts at 0, sharded
-    by ``reward.prime.fsdp``; with the actor's LoRA adapters when the actor has them. None for other
+    (``ref.model_path``, else ``model.path`` with ``model.override_config``), so that its log-ratio to the
+    reference starts at 0, sharded by ``reward.prime.fsdp``; with the actor's LoRA adapters when the actor has them. None for other
     estimators."""
     if cfg.algorithm.adv_estimator != "prime":
         return None
@@ -149,6 +162,7 @@ def prm(cfg: PPOConfig, info: DistInfo) -> nn.Module | None:
         lora_cfg=cfg.actor.lora,
         lora_key="actor.lora",
         shared_prefix=cfg.share_prompts,
+        override_config={} if cfg.ref.model_path else cfg.model.override_config,
     )
 
 
@@ -172,6 +186,7 @@ def teachers(cfg: PPOConfig, info: DistInfo, sp: ulysses.SPGroup) -> dict[str, n
             trainable=False,
             sequence_parallel=sp.size,
             shared_prefix=cfg.share_prompts,
+            override_config={},
         )
         if d.distillation_loss.use_topk:
             models.check_fused_lm_head(model)
@@ -196,8 +211,8 @@ def frozen_reference(
 ) -> nn.Module:
     """The frozen reference of ``policy`` (PPO's actor, DPO's policy): ``policy`` itself under LoRA
     without ``ref.model_path`` (every reference forward then runs in ``lora.adapters_disabled``: no second
-    copy is loaded), else ``ref.model_path`` (default ``model.path``) loaded, sharded by ``ref.fsdp`` and
-    frozen."""
+    copy is loaded), else ``ref.model_path`` (default ``model.path``, with ``model.override_config`` as
+    the policy has it) loaded, sharded by ``ref.fsdp`` and frozen."""
     if lora.uses_lora(lora_cfg) and ref.model_path is None:
         return policy
     return build_model(
@@ -210,6 +225,7 @@ def frozen_reference(
         trainable=False,
         sequence_parallel=sequence_parallel,
         shared_prefix=shared_prefix,
+        override_config={} if ref.model_path else model_cfg.override_config,
     )
 
 
@@ -228,6 +244,8 @@ def build_model(
     lora_cfg: LoRAConfig | None = None,
     lora_key: str = "",
     trainable_head: str | None = None,
+    override_config: Mapping[str, Any] | None = None,
+    override_key: str = "model.override_config",
 ) -> nn.Module:
     """Load a model on the CPU with ``load`` (a ``model_loading.load_*``), then shard it onto the device.
 
@@ -238,9 +256,17 @@ def build_model(
     that trains is put in training mode (dropout is off from loading; transformers recomputes
     checkpointed layers only in training mode) with gradient checkpointing as configured; a frozen one
     gets ``requires_grad=False`` and eval mode.
+
+    ``override_config`` (named ``override_key`` in errors) sets fields of the model's Hugging Face config
+    before its weights load (``model_loading.parse_override_config``; its ``attn_implementation``, if
+    any, is the attention kernel: ``attention_choice``). Default: ``model_cfg.override_config`` where the
+    model is ``model_cfg.path`` (no ``path`` given), none where it is another model.
     """
+    if override_config is None:
+        override_config = model_cfg.override_config if path is None else {}
+    override = model_loading.parse_override_config(override_config, override_key)
     attn = attention.resolve_attn_implementation(
-        model_cfg.attn_implementation,
+        attention_choice(model_cfg.attn_implementation, override),
         info.device,
         sequence_parallel=sequence_parallel > 1,
         shared_prefix=shared_prefix,
@@ -256,6 +282,8 @@ def build_model(
             trust_remote_code=model_cfg.trust_remote_code,
             device="cpu",
             config_key=path_key,
+            override_config=override.fields,
+            override_key=override.key,
         )
         model = lora.apply_lora(
             model,
@@ -285,3 +313,77 @@ def build_model(
         return model.to(info.device)
     logger.info("start-up: sharding %s over %d ranks (FSDP2) onto %s", path, info.world_size, info.device)
     return sharding.shard_model(model, make_mesh(info, fsdp.fsdp_size), fsdp, device=info.device)
+
+
+# ----------------------------------------------------------------------------------------------------
+# override_config, checked before any model loads
+# ----------------------------------------------------------------------------------------------------
+
+
+def attention_choice(configured: str, override: model_loading.ConfigOverride) -> str:
+    """The attention kernel of one model: ``model.attn_implementation``, or verl's
+    ``override_config.attn_implementation`` where that is given (then ``model.attn_implementation`` must be
+    ``auto`` or the same name; a name the trainer does not run is a ConfigError listing those it does)."""
+    name = override.attn_implementation
+    if name is None:
+        return configured
+    choices = get_args(get_type_hints(ModelConfig)["attn_implementation"])
+    if name not in choices:
+        raise ConfigError(
+            f"{override.key}.attn_implementation={name}: not an attention kernel of this trainer; use one of "
+            f"{', '.join(choices)}"
+        )
+    if configured not in ("auto", name):
+        raise ConfigError(
+            f"{override.key}.attn_implementation={name} and model.attn_implementation={configured} disagree: "
+            f"set one of them"
+        )
+    return name
+
+
+def check_override_configs(cfg: PPOConfig) -> None:
+    """Check ``model.override_config`` and ``critic.override_config`` against the configs of the models
+    they set (``config.json`` only: no weights are read), so that a misspelt field stops the run before
+    any model loads; a ``critic.override_config`` of a run without a critic is logged as unused. The
+    reference, SPPO's old policy and PRIME's PRM load ``model.path`` with the actor's override, so the
+    actor's check covers them."""
+    if cfg.critic.override_config and not cfg.use_critic:
+        logger.warning(
+            "critic.override_config is set but this run has no critic (algorithm.adv_estimator=%s): unused",
+            cfg.algorithm.adv_estimator,
+        )
+    if cfg.model.override_config:
+        _check_override(
+            cfg.model, cfg.model.path, "model.path", cfg.model.override_config, "model.override_config"
+        )
+    if cfg.use_critic and cfg.critic.override_config:
+        _check_override(
+            cfg.model,
+            cfg.critic.model_path or cfg.model.path,
+            "critic.model_path" if cfg.critic.model_path else "model.path",
+            cfg.critic.override_config,
+            "critic.override_config",
+            **model_loading.CRITIC_CONFIG,
+        )
+
+
+def _check_override(
+    model_cfg: ModelConfig,
+    path: str,
+    path_key: str,
+    override_config: Mapping[str, Any],
+    key: str,
+    **loader_fields: Any,
+) -> None:
+    """Raise the ConfigError that loading ``path`` with ``override_config`` would raise (``loader_fields``:
+    the fields the loader sets itself, which the override may set again)."""
+    override = model_loading.parse_override_config(override_config, key)
+    attention_choice(model_cfg.attn_implementation, override)
+    model_loading.read_config(
+        lora.base_model_path(path, config_key=path_key),
+        config_key=path_key,
+        trust_remote_code=model_cfg.trust_remote_code,
+        override_config=override.fields,
+        override_key=override.key,
+        **loader_fields,
+    )
