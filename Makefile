@@ -121,7 +121,7 @@ check-assets: install
 	else $(MAKE) assets; fi
 
 demo: check-assets
-	$(DEMO_PPO) trainer.overwrite=true
+	$(DEMO_PPO) trainer.resume_mode=disable trainer.overwrite=true
 	$(PY) scripts/plot_run.py outputs/demo_cpu
 
 demo-resume: check-assets

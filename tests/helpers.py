@@ -108,6 +108,27 @@ def arith_row(a: int, b: int, **extra: Any) -> dict[str, Any]:
     }
 
 
+DEMO_INPUTS = {
+    "PPOConfig": ("sft", ["data/train.parquet"], ["data/val.parquet"]),
+    "SFTConfig": ("base", ["data/sft_train.parquet"], ["data/sft_val.parquet"]),
+    "RewardModelConfig": ("sft", ["data/pref_train.parquet"], ["data/pref_val.parquet"]),
+    "DPOConfig": ("sft", ["offline/train.parquet"], []),
+}
+"""Each schema's demo inputs under the assets folder, as its preset names them (``configs/demo_cpu.yaml``,
+``sft_demo.yaml``, ``rm_demo.yaml``, ``dpo_demo.yaml``): the model, the training files, the validation
+files."""
+
+
+def demo_inputs(cls: type | None = None, assets: Path | str = "assets") -> list[str]:
+    """Overrides naming the demo's model and data files for ``cls`` (default ``PPOConfig``), whose defaults
+    name none: ``model.path``, ``data.train_files`` and ``data.val_files`` (none for DPO) under ``assets``
+    (``make assets``' folder, relative to the repository's root). A config check that never reads them names
+    them all the same, as a run must."""
+    model, train, val = DEMO_INPUTS[cls.__name__ if cls is not None else "PPOConfig"]
+    out = [f"model.path={assets}/{model}", f"data.train_files=[{','.join(f'{assets}/{f}' for f in train)}]"]
+    return out + ([f"data.val_files=[{','.join(f'{assets}/{f}' for f in val)}]"] if val else [])
+
+
 # ----------------------------------------------------------------------------------------------------
 # PPO runs on the tiny assets
 # ----------------------------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """The configuration schema of the PPO trainer and its stages.
 
 One tree of ``@dataclass(kw_only=True)`` sections whose section and key names follow verl, so that a
-user of verl finds ``actor.ppo_mini_batch_size`` where they expect it; the defaults are a runnable tiny
-CPU setup. ``ppo.config_loader`` builds a config from the defaults, a YAML preset and command-line
+user of verl finds ``actor.ppo_mini_batch_size`` where they expect it; the defaults are sized for a tiny
+CPU run and name no model and no data: ``model.path`` and ``data.train_files`` are required (``validate``
+says so, one line naming the key, before any model loads), and without ``data.val_files`` a run does not
+validate. ``ppo.config_loader`` builds a config from the defaults, a YAML preset and command-line
 overrides::
 
     cfg = load_config("configs/demo_cpu.yaml", ["actor.optim.lr=1e-5", "rollout.n=4"])

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 
 from ppo.config.errors import ConfigError, FieldError, check_world_size
-from ppo.config.shared import resolve_paths
+from ppo.config.shared import check_inputs_set, resolve_paths, unset_inputs
 from ppo.config.startup_warnings import startup_warnings
 from ppo.config.tree import SP_ATTENTION, PPOTree
 from ppo.config.world_size import world_size_errors
@@ -50,14 +50,29 @@ class PPOConfig(PPOTree):
         function's keys without a function, a data file listed twice."""
         return startup_warnings(self)
 
+    def unset_inputs(self) -> list[str]:
+        """One message per input the run cannot start without that is not set (``model.path``,
+        ``data.train_files``): the defaults name none, so a bare ``PPOConfig()`` (the defaults' view,
+        ``--print-config``) is a config, and ``validate`` refuses to run it."""
+        return unset_inputs(
+            self.model,
+            self.data,
+            {
+                "model.path": "the policy's save_pretrained folder or hub id",
+                "data.train_files": "the Parquet files of training prompts",
+            },
+        )
+
     def validate(self, world_size: int) -> None:
-        """Check every batch divisibility that ``world_size`` ranks need; say which numbers to change.
+        """Check that the run's inputs are set (``unset_inputs``), then every batch divisibility that
+        ``world_size`` ranks need; say which numbers to change.
 
         Each rank takes ``train_batch_size / world_size`` prompts and samples ``n`` responses for each;
         each mini-batch holds ``ppo_mini_batch_size * n``
         sequences split evenly over ranks, and (without dynamic batch size) each rank's share splits into
         micro-batches of ``ppo_micro_batch_size_per_gpu``.
         """
+        check_inputs_set(self.unset_inputs())
         check_world_size(world_size)
         errors = world_size_errors(self, world_size)
         if errors:

@@ -16,11 +16,13 @@ from ppo.config.shared import FSDPConfig, OptimConfig, RunTrainerConfig
 
 @dataclass(kw_only=True)
 class DataConfig:
-    train_files: list[str] = field(default_factory=lambda: ["assets/data/train.parquet"])
+    train_files: list[str] = field(default_factory=list)
     """Parquet files of prompts in verl's layout (``prompt``, ``data_source``, ``reward_model``,
-    ``extra_info``)."""
-    val_files: list[str] = field(default_factory=lambda: ["assets/data/val.parquet"])
-    """Parquet files for validation (greedy generation, scored by the rule reward)."""
+    ``extra_info``). Required: a run without them stops before any model loads."""
+    val_files: list[str] = field(default_factory=list)
+    """Parquet files for validation (greedy generation, scored by the rule reward). Unset: the run does
+    not validate (``trainer.test_freq`` and ``trainer.val_before_train`` do nothing) and says so once at
+    start-up."""
     prompt_key: str = "prompt"
     """Column holding the prompt: a list of chat messages or a string."""
     max_prompt_length: int = 64
@@ -56,8 +58,6 @@ class DataConfig:
     """Highest group accuracy the accuracy filter prefers (``filter_accuracy``)."""
 
     def __post_init__(self) -> None:
-        if not self.train_files:
-            raise FieldError("train_files is empty: give at least one Parquet file", "train_files")
         _require(
             self,
             "> 0",

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ppo.config.errors import FieldError, _require
+from ppo.config.errors import ConfigError, FieldError, _require
 
 LOGGER_SINKS = ("console", "jsonl", "tensorboard", "wandb", "mlflow", "swanlab", "trackio", "clearml", "file")
 """Metric sinks ``trainer.logger`` may name."""
@@ -78,9 +78,9 @@ class RunTrainerConfig:
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    path: str = "assets/sft"
+    path: str | None = None
     """Local folder or hub id of the policy (actor and reference start from it), loaded with
-    ``from_pretrained``."""
+    ``from_pretrained``. Required: a run without it stops before any model loads."""
     tokenizer_path: str | None = None
     """Tokenizer folder or hub id; default: ``path``."""
     attn_implementation: Literal[
@@ -173,3 +173,18 @@ def resolve_paths(trainer: RunTrainerConfig, data: Any) -> None:
     trainer.output_dir = os.path.expanduser(trainer.output_dir)
     if getattr(trainer, "save_path", None):
         trainer.save_path = os.path.expanduser(trainer.save_path)
+
+
+def unset_inputs(model: ModelConfig, data: Any, what: dict[str, str]) -> list[str]:
+    """One message per input a run cannot start without that is not set: ``model.path`` and
+    ``data.train_files``, whose defaults name nothing (a run trains on the model and files it names,
+    never on a demo's). ``what``: for each of the two keys, what to give, as the message says it."""
+    unset = {"model.path": not model.path, "data.train_files": not getattr(data, "train_files", None)}
+    return [f"{key} is not set: give {what[key]}" for key, missing in unset.items() if missing]
+
+
+def check_inputs_set(unset: list[str]) -> None:
+    """ConfigError on one line naming every key of ``unset`` (``unset_inputs``), before the run's other
+    checks: where a run starts (``validate``), before any model loads."""
+    if unset:
+        raise ConfigError("; ".join(unset))

@@ -12,19 +12,29 @@ from typing import Literal
 from ppo.choices import PREFERENCE_LOSSES
 from ppo.config.errors import ConfigError, FieldError, _require, check_world_size
 from ppo.config.roles import LoRAConfig
-from ppo.config.shared import FSDPConfig, ModelConfig, OptimConfig, RunTrainerConfig, resolve_paths
-from ppo.config.startup_warnings import repeated_file_warnings
+from ppo.config.shared import (
+    FSDPConfig,
+    ModelConfig,
+    OptimConfig,
+    RunTrainerConfig,
+    check_inputs_set,
+    resolve_paths,
+    unset_inputs,
+)
+from ppo.config.startup_warnings import no_validation_warnings, repeated_file_warnings
 
 
 @dataclass(kw_only=True)
 class BatchDataConfig:
     """The ``data`` keys SFT, the reward model and DPO share: files, batch size, micro-batches."""
 
-    train_files: list[str] = field(default_factory=lambda: ["assets/data/sft_train.parquet"])
+    train_files: list[str] = field(default_factory=list)
     """Parquet files: ``prompt`` + ``answer`` (or ``messages``) for SFT; ``prompt``, ``chosen``,
-    ``rejected`` for the reward model; pairs or ranked groups for DPO."""
-    val_files: list[str] = field(default_factory=lambda: ["assets/data/sft_val.parquet"])
-    """Held-out files in the same layout (validation loss, reward-model accuracy, DPO's pair metrics)."""
+    ``rejected`` for the reward model; pairs or ranked groups for DPO. Required: a run without them stops
+    before any model loads."""
+    val_files: list[str] = field(default_factory=list)
+    """Held-out files in the same layout (validation loss, reward-model accuracy, DPO's pair metrics).
+    Unset: the run does not validate, and says so once at start-up."""
     eval_prompt_files: list[str] = field(default_factory=list)
     """SFT and DPO: prompt files in verl's layout whose greedy answers are scored by the rule reward at
     the end (``sft_val_accuracy``, ``dpo_val_accuracy``)."""
@@ -42,8 +52,6 @@ class BatchDataConfig:
     """Shuffle the training examples each epoch."""
 
     def __post_init__(self) -> None:
-        if not self.train_files:
-            raise FieldError("train_files is empty: give at least one Parquet file", "train_files")
         _require(self, "> 0", "train_batch_size", "max_token_len_per_gpu", "micro_batch_size_per_gpu")
 
 
@@ -105,7 +113,7 @@ class StageRunConfig:
     """What every stage has: a model to train with its optimizer and sharding, batches of examples, a
     trainer section. Each stage sets its own defaults and adds its sections after these."""
 
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(path="assets/base"))
+    model: ModelConfig = field(default_factory=ModelConfig)
     """The model to train: fine-tuned by SFT; where the reward model starts (a causal LM gets a fresh
     score head); the policy of DPO."""
     data: BatchDataConfig = field(default_factory=BatchDataConfig)
@@ -120,10 +128,16 @@ class StageRunConfig:
     def __post_init__(self) -> None:
         resolve_paths(self.trainer, self.data)
 
+    def unset_inputs(self) -> list[str]:
+        """One message per input the run cannot start without that is not set (``model.path``,
+        ``data.train_files``): the defaults name none; ``validate_stage`` refuses to run without them."""
+        return unset_inputs(self.model, self.data, STAGE_INPUTS[type(self).__name__])
+
     def warnings(self) -> list[str]:
         """One message per group of keys that are set but do nothing in this run, which still trains
-        (logged once at start-up): a data file listed twice."""
-        return repeated_file_warnings(self.data)
+        (logged once at start-up): no validation files (the run does not validate), a data file listed
+        twice."""
+        return no_validation_warnings(self.data, self.trainer) + repeated_file_warnings(self.data)
 
 
 @dataclass(kw_only=True)
@@ -150,11 +164,7 @@ class RMLossConfig:
 class RewardModelConfig(StageRunConfig):
     """A sequence-scoring reward model trained on preference pairs (Bradley-Terry)."""
 
-    data: StageDataConfig = field(
-        default_factory=lambda: StageDataConfig(
-            train_files=["assets/data/pref_train.parquet"], val_files=["assets/data/pref_val.parquet"]
-        )
-    )
+    data: StageDataConfig = field(default_factory=StageDataConfig)
     """Preference files (``prompt``, ``chosen``, ``rejected``), lengths, batch sizes."""
     trainer: StageTrainerConfig = field(default_factory=lambda: StageTrainerConfig(output_dir="outputs/rm"))
     """Run length, logging, output (default folder ``outputs/rm``)."""
@@ -166,11 +176,12 @@ class RewardModelConfig(StageRunConfig):
 class PreferenceDataConfig(BatchDataConfig):
     """DPO's data: preference pairs, or the ranked groups the offline PPO path reads, expanded to pairs."""
 
-    train_files: list[str] = field(default_factory=lambda: ["assets/offline/train.parquet"])
+    train_files: list[str] = field(default_factory=list)
     """Parquet files of ``prompt``, ``chosen``, ``rejected`` (preference pairs) or of ranked groups
-    (``responses`` with ``ranks`` or ``scores``, as ``rollout.source=dataset`` reads them)."""
+    (``responses`` with ``ranks`` or ``scores``, as ``rollout.source=dataset`` reads them). Required."""
     val_files: list[str] = field(default_factory=list)
-    """Held-out files in the same layout: the loss, reward margins and accuracies on them."""
+    """Held-out files in the same layout: the loss, reward margins and accuracies on them (unset: the
+    run does not validate, and says so once at start-up)."""
     pairs: Literal["best_vs_rest", "best_vs_worst"] = "best_vs_rest"
     """How a ranked group becomes pairs: the best response against each strictly worse one, or against
     the worst only. Groups whose responses all tie give no pair (skipped and counted)."""
@@ -220,7 +231,7 @@ class DPOConfig(StageRunConfig):
     """DPO-family preference optimization on pairs (or ranked groups) without sampling."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
-    """The policy to train (default: the demo's SFT model)."""
+    """The policy to train."""
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
     """Pairs or ranked groups, lengths, batch sizes (``train_batch_size`` counts pairs)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
@@ -253,10 +264,28 @@ class DPOConfig(StageRunConfig):
 StageConfig = SFTConfig | RewardModelConfig | DPOConfig
 """The config of a stage run (``ppo.stage_loop``)."""
 
+STAGE_INPUTS = {
+    "SFTConfig": {
+        "model.path": "the save_pretrained folder or hub id of the model to fine-tune",
+        "data.train_files": "the Parquet files of prompt/answer pairs (or messages)",
+    },
+    "RewardModelConfig": {
+        "model.path": "the save_pretrained folder or hub id the reward model starts from",
+        "data.train_files": "the Parquet files of preference pairs (prompt, chosen, rejected)",
+    },
+    "DPOConfig": {
+        "model.path": "the policy's save_pretrained folder or hub id",
+        "data.train_files": "the Parquet files of preference pairs or ranked groups",
+    },
+}
+"""What the message of each stage's unset ``model.path`` or ``data.train_files`` asks for
+(``StageRunConfig.unset_inputs``)."""
+
 
 def validate_stage(cfg: StageConfig, world_size: int) -> None:
-    """The batch divisibility and token budget an SFT, reward-model or DPO run needs on ``world_size``
-    ranks."""
+    """That the run's inputs are set (``unset_inputs``), then the batch divisibility and token budget an
+    SFT, reward-model or DPO run needs on ``world_size`` ranks."""
+    check_inputs_set(cfg.unset_inputs())
     check_world_size(world_size)
     d = cfg.data
     errors = []

@@ -24,6 +24,7 @@ def startup_warnings(cfg: PPOTree) -> list[str]:
         *_reward_function_warnings(cfg),
         *_reward_cap_warnings(cfg),
         *_distillation_warnings(cfg),
+        *no_validation_warnings(cfg.data, cfg.trainer),
         *repeated_file_warnings(cfg.data),
     ]
 
@@ -237,6 +238,23 @@ def _distillation_warnings(cfg: PPOTree) -> list[str]:
                 "do not train the student (they are logged as critic/score/*, and validation uses them)"
             )
     return out
+
+
+def no_validation_warnings(data: object, trainer: object) -> list[str]:
+    """No ``data.val_files``: the run does not validate, and the trainer keys set on that act through
+    validation (the validation interval, PPO's validation before training, its logged generations and
+    its roll-back on a falling score) do nothing."""
+    if getattr(data, "val_files", None):
+        return []
+    keys = ("test_freq", "val_before_train", "log_val_generations", "rollback_val_drop")
+    values = {key: getattr(trainer, key) for key in keys if hasattr(trainer, key)}
+    on = [
+        f"trainer.{key}={str(value).lower() if isinstance(value, bool) else value}"
+        for key, value in values.items()
+        if value > 0  # True > 0: val_before_train on
+    ]
+    idle = f": {', '.join(on)} {'does' if len(on) == 1 else 'do'} nothing" if on else ""
+    return [f"data.val_files is not set, so this run does not validate{idle}"]
 
 
 def repeated_file_warnings(data: object) -> list[str]:

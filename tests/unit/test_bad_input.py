@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from ppo import model_loading, ulysses
-from ppo.config import ConfigError, PPOConfig
+from ppo.config import ConfigError, DPOConfig, PPOConfig, RewardModelConfig, SFTConfig
 from ppo.config_loader import load_config, to_yaml
 from ppo.data_files import DataError
 from ppo.offline import load_offline_groups
@@ -32,6 +32,7 @@ from tests.helpers import (
     ROOT,
     arith_row,
     base_args,
+    demo_inputs,
     excerpt,
     load_script,
     run,
@@ -60,6 +61,111 @@ def model_copy(tiny_assets: Path, dest: Path, *, skip: tuple[str, ...] = ()) -> 
     """A copy of the tiny base model's folder without the files in ``skip``."""
     shutil.copytree(tiny_assets / "base", dest, ignore=lambda _dir, names: [n for n in names if n in skip])
     return dest
+
+
+# ----------------------------------------------------------------------------------------------------
+# Inputs not set: the defaults name no model and no data
+# ----------------------------------------------------------------------------------------------------
+
+UNSET = {
+    (PPOConfig, "model.path"): "model.path is not set: give the policy's save_pretrained folder or hub id",
+    (
+        PPOConfig,
+        "data.train_files",
+    ): "data.train_files is not set: give the Parquet files of training prompts",
+    (SFTConfig, "model.path"): (
+        "model.path is not set: give the save_pretrained folder or hub id of the model to fine-tune"
+    ),
+    (SFTConfig, "data.train_files"): (
+        "data.train_files is not set: give the Parquet files of prompt/answer pairs (or messages)"
+    ),
+    (RewardModelConfig, "data.train_files"): (
+        "data.train_files is not set: give the Parquet files of preference pairs (prompt, chosen, rejected)"
+    ),
+    (DPOConfig, "model.path"): "model.path is not set: give the policy's save_pretrained folder or hub id",
+}
+"""The one line a run gets without each required key, per entry point."""
+
+
+@pytest.mark.parametrize(("cls", "key"), list(UNSET), ids=[f"{c.__name__}:{k}" for c, k in UNSET])
+def test_a_run_without_its_model_or_training_files(
+    cls: type, key: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The demo's other inputs named (they need not exist: the run stops before it looks at them).
+    args = [a for a in demo_inputs(cls) if not a.startswith(f"{key}=")] + [
+        f"trainer.output_dir={tmp_path / 'out'}"
+    ]
+    main = run if cls is PPOConfig else load_script(ENTRY_SCRIPTS[cls]).main
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if " ERROR " in line or line.startswith("config error")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert errors[0].endswith(f" ERROR {UNSET[cls, key]}"), errors[0]
+    assert not (tmp_path / "out").exists()  # stopped before the run folder, before any model loads
+
+
+ENTRY_SCRIPTS = {SFTConfig: "train_sft", RewardModelConfig: "train_reward_model", DPOConfig: "train_dpo"}
+
+
+def test_neither_model_nor_training_files_is_one_line_naming_both() -> None:
+    with pytest.raises(ConfigError) as e:
+        PPOConfig().validate(1)
+    assert str(e.value) == (
+        "model.path is not set: give the policy's save_pretrained folder or hub id; "
+        "data.train_files is not set: give the Parquet files of training prompts"
+    )
+    # An empty list is no files: the same line, from a file or the command line.
+    with pytest.raises(
+        ConfigError, match=r"^data.train_files is not set: give the Parquet files of training"
+    ):
+        load_config(None, ["model.path=m", "data.train_files=[]"]).validate(1)
+
+
+def test_the_defaults_name_no_file() -> None:
+    # A bare config is a config (--print-config shows it, verl's keys are read against it): it names no
+    # model and no data, so a run trains on what its command names and nothing else.
+    for cls in (PPOConfig, SFTConfig, RewardModelConfig, DPOConfig):
+        cfg = cls()
+        assert (cfg.model.path, cfg.data.train_files, cfg.data.val_files) == (None, [], []), cls
+        assert "assets" not in to_yaml(cfg), cls
+    assert PPOConfig().distillation.teacher_models == {} and PPOConfig().reward.model_path is None
+
+
+def test_no_validation_files_is_said_once_with_the_keys_it_idles() -> None:
+    def warnings(*overrides: str, cls: type = PPOConfig) -> list[str]:
+        inputs = [a for a in demo_inputs(cls) if not a.startswith("data.val_files=")]
+        return [w for w in load_config(None, [*inputs, *overrides], cls).warnings() if "val_files" in w]
+
+    assert warnings() == [
+        "data.val_files is not set, so this run does not validate: trainer.val_before_train=true does nothing"
+    ]
+    assert warnings(
+        "trainer.test_freq=5", "trainer.rollback_val_drop=0.2", "trainer.log_val_generations=4"
+    ) == [
+        "data.val_files is not set, so this run does not validate: trainer.test_freq=5, "
+        "trainer.val_before_train=true, trainer.log_val_generations=4, trainer.rollback_val_drop=0.2 do nothing"
+    ]
+    assert warnings("trainer.val_before_train=false") == [
+        "data.val_files is not set, so this run does not validate"
+    ]
+    assert warnings(cls=SFTConfig) == [
+        "data.val_files is not set, so this run does not validate: trainer.test_freq=50 does nothing"
+    ]
+    assert warnings("data.val_files=[v.parquet]") == []
+
+
+def test_a_run_without_validation_files_trains_and_never_validates(
+    tiny_assets: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    args = [a for a in base_args(tiny_assets, tmp_path, steps=2) if not a.startswith("data.val_files=")]
+    assert run([*args, "trainer.test_freq=1"]) == 0  # would validate before step 1 and after each step
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and not [k for r in rows for k in r if k.startswith("val/")]
+    said = [r.getMessage() for r in caplog.records if "data.val_files" in r.getMessage()]
+    assert said == [
+        "data.val_files is not set, so this run does not validate: trainer.test_freq=1, "
+        "trainer.val_before_train=true do nothing"
+    ]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -97,7 +203,7 @@ def test_reward_model_path_that_is_never_loaded(
 
 def test_kl_controller_keys_that_do_nothing_warn() -> None:
     def warnings(*overrides: str) -> list[str]:
-        return load_config(None, list(overrides)).warnings()
+        return load_config(None, [*demo_inputs(), *overrides]).warnings()
 
     # Without a KL penalty in the reward the whole controller is unused.
     (msg,) = warnings("algorithm.kl_ctrl.kl_coef=0.05")

@@ -44,7 +44,7 @@ from ppo.config import (
 )
 from ppo.config_keys import all_keys
 from ppo.config_loader import load_config, to_dict, to_yaml
-from tests.helpers import load_script
+from tests.helpers import demo_inputs, load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -149,45 +149,50 @@ def test_group_estimators_need_several_samples() -> None:
     assert not load_config(None, ["algorithm.adv_estimator=grpo"]).use_critic
 
 
+def demo(*overrides: str) -> PPOConfig:
+    """The defaults with the demo's model and data named (a run needs them) and ``overrides``."""
+    return load_config(None, [*demo_inputs(), *overrides])
+
+
 def test_validate_world_size_names_what_to_change() -> None:
-    cfg = load_config(None, ["data.train_batch_size=30", "actor.ppo_mini_batch_size=15"])
+    cfg = demo("data.train_batch_size=30", "actor.ppo_mini_batch_size=15")
     cfg.validate(1)
     cfg.validate(2)
     with pytest.raises(ConfigError) as e:
         cfg.validate(4)  # 30 prompts do not split over 4 ranks
     assert "data.train_batch_size=30" in str(e.value) and "multiple of 4" in str(e.value)
 
-    cfg = load_config(None, ["data.train_batch_size=32", "actor.ppo_mini_batch_size=12"])
+    cfg = demo("data.train_batch_size=32", "actor.ppo_mini_batch_size=12")
     with pytest.raises(
         ConfigError, match=r"actor.ppo_mini_batch_size=12 must divide data.train_batch_size=32"
     ):
         cfg.validate(2)
 
     # 16 prompts x 4 samples / 2 ranks = 32 sequences per rank; micro-batches of 5 do not fit.
-    cfg = load_config(None, ["actor.use_dynamic_bsz=false", "actor.ppo_micro_batch_size_per_gpu=5"])
+    cfg = demo("actor.use_dynamic_bsz=false", "actor.ppo_micro_batch_size_per_gpu=5")
     with pytest.raises(ConfigError, match=r"32 sequences per rank .* actor.ppo_micro_batch_size_per_gpu=5"):
         cfg.validate(2)
-    load_config(None, ["actor.use_dynamic_bsz=false", "actor.ppo_micro_batch_size_per_gpu=8"]).validate(2)
+    demo("actor.use_dynamic_bsz=false", "actor.ppo_micro_batch_size_per_gpu=8").validate(2)
 
-    cfg = load_config(None, ["actor.ppo_max_token_len_per_gpu=50"])  # below 64 + 32
+    cfg = demo("actor.ppo_max_token_len_per_gpu=50")  # below 64 + 32
     with pytest.raises(ConfigError, match="actor.ppo_max_token_len_per_gpu=50 is below the longest"):
         cfg.validate(1)
 
     with pytest.raises(ConfigError, match="actor.fsdp.fsdp_size=3 must divide the world size 4"):
-        load_config(None, ["actor.fsdp.fsdp_size=3"]).validate(4)
+        demo("actor.fsdp.fsdp_size=3").validate(4)
 
 
 def test_nnodes_and_gpus_per_node_hold_the_run_to_its_size() -> None:
     # verl's keys: a preset sized for 1 x 8 ranks refuses a launch of 4 ranks; unset, any size runs.
-    sized = load_config(None, ["trainer.nnodes=1", "trainer.n_gpus_per_node=8"])
+    sized = demo("trainer.nnodes=1", "trainer.n_gpus_per_node=8")
     assert sized.trainer.planned_world_size == 8
     sized.validate(8)
     with pytest.raises(
         ConfigError, match=r"trainer.nnodes=1 x trainer.n_gpus_per_node=8 = 8 ranks, but 4 run"
     ):
         sized.validate(4)
-    assert load_config(None, []).trainer.planned_world_size is None
-    load_config(None, []).validate(4)
+    assert demo().trainer.planned_world_size is None
+    demo().validate(4)
     assert load_config(None, ["trainer.nnodes=2"]).trainer.planned_world_size == 2
 
 
@@ -236,12 +241,19 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_print_config_cli(tmp_path: Path) -> None:
     path = write_yaml(tmp_path, "rollout:\n  n: 2\n")
-    out = run_cli("--config", str(path), "actor.clip_ratio=0.25", "--print-config", "--allow-missing-paths")
+    out = run_cli(
+        "--config",
+        str(path),
+        *demo_inputs(),
+        "actor.clip_ratio=0.25",
+        "--print-config",
+        "--allow-missing-paths",
+    )
     assert out.returncode == 0, out.stderr
     resolved = yaml.safe_load(out.stdout)
     assert resolved["rollout"]["n"] == 2 and resolved["actor"]["clip_ratio"] == 0.25
 
-    out = run_cli("--print-config", "--world-size", "3")
+    out = run_cli("--print-config", "--world-size", "3", *demo_inputs())
     assert out.returncode != 0 and "multiple of 3" in out.stderr
 
     out = run_cli("--print-config", "rollout.nn=2")
@@ -470,9 +482,9 @@ def test_world_size_below_one_is_a_config_error(world_size: str) -> None:
     ):
         parse_cli(["--print-config", "--world-size", world_size])
     with pytest.raises(ConfigError, match="world size must be >= 1"):
-        PPOConfig().validate(int(world_size))
+        demo().validate(int(world_size))
     with pytest.raises(ConfigError, match="world size must be >= 1"):
-        validate_stage(SFTConfig(), int(world_size))
+        validate_stage(load_config(None, demo_inputs(SFTConfig), SFTConfig), int(world_size))
 
 
 # One out-of-range value for every range-checked field: (class, override, full key in the message).
@@ -512,7 +524,6 @@ RANGE_CASES = [
     (PPOConfig, "data.val_batch_size=0", "data.val_batch_size"),
     (PPOConfig, "data.max_val_samples=0", "data.max_val_samples"),
     (PPOConfig, "data.max_val_samples=-2", "data.max_val_samples"),
-    (PPOConfig, "data.train_files=[]", "data.train_files"),
     (PPOConfig, "actor.ppo_mini_batch_size=0", "actor.ppo_mini_batch_size"),
     (PPOConfig, "actor.ppo_micro_batch_size_per_gpu=0", "actor.ppo_micro_batch_size_per_gpu"),
     (PPOConfig, "actor.ppo_max_token_len_per_gpu=0", "actor.ppo_max_token_len_per_gpu"),
@@ -571,7 +582,6 @@ RANGE_CASES = [
     (SFTConfig, "data.train_batch_size=0", "data.train_batch_size"),
     (SFTConfig, "data.max_token_len_per_gpu=0", "data.max_token_len_per_gpu"),
     (SFTConfig, "data.micro_batch_size_per_gpu=0", "data.micro_batch_size_per_gpu"),
-    (SFTConfig, "data.train_files=[]", "data.train_files"),
     (SFTConfig, "trainer.dist_timeout_s=0", "trainer.dist_timeout_s"),
     (SFTConfig, "trainer.seed=-1", "trainer.seed"),
     (SFTConfig, "trainer.total_epochs=0", "trainer.total_epochs"),
@@ -824,7 +834,7 @@ def test_new_keys_and_their_defaults() -> None:
         t = cls().trainer
         assert (t.save_freq, t.resume_mode, t.max_ckpt_to_keep, t.overwrite) == (-1, "auto", 2, False)
     with pytest.raises(ConfigError, match="reward.fsdp.fsdp_size=3 must divide the world size 4"):
-        load_config(None, ["reward.fsdp.fsdp_size=3"]).validate(4)
+        demo("reward.fsdp.fsdp_size=3").validate(4)
 
 
 def test_allowed_names_come_from_algorithms() -> None:
@@ -905,9 +915,9 @@ def test_sft_optim_override_keeps_the_cosine_schedule() -> None:
     # building optim from OptimConfig's class defaults gave lr_scheduler="constant".
     cfg = load_config(None, ["optim.lr=1e-3"], SFTConfig)
     assert (cfg.optim.lr, cfg.optim.lr_scheduler) == (1e-3, "cosine")
-    assert load_config(None, ["model.dtype=bfloat16"], SFTConfig).model.path == "assets/base"
-    rm = load_config(None, ["data.max_length=64"], RewardModelConfig)
-    assert rm.data.train_files == ["assets/data/pref_train.parquet"]
+    assert load_config(None, ["model.dtype=bfloat16"], SFTConfig).optim.lr_scheduler == "cosine"
+    rm = load_config(None, ["data.max_length=64", "data.train_files=[pref.parquet]"], RewardModelConfig)
+    assert rm.data.train_files == ["pref.parquet"] and rm.data.max_length == 64
     assert (
         rm.trainer.output_dir == load_config(None, ["trainer.seed=3"], RewardModelConfig).trainer.output_dir
     )
@@ -930,8 +940,8 @@ PRINT_CASES = [
         "data.max_length=64",
         ("data", "max_length"),
         64,
-        ("data", "train_files"),
-        ["assets/data/pref_train.parquet"],
+        ("data", "val_files"),
+        ["assets/data/pref_val.parquet"],
     ),
 ]
 
@@ -950,8 +960,8 @@ def test_print_config_keeps_siblings(
     sibling_value: Any,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    # The defaults name the demo's assets, which a fresh clone lacks: only the keys are checked here.
-    assert entry_main(cls)(["--print-config", "--allow-missing-paths", override]) == 0
+    # The demo's assets, which a fresh clone lacks: only the keys are checked here.
+    assert entry_main(cls)(["--print-config", "--allow-missing-paths", *demo_inputs(cls), override]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
 
     def get(keys: tuple[str, ...]) -> Any:
@@ -982,7 +992,7 @@ from ppo.config import DPOConfig, PPOConfig
 cfg = ppo.config_loader.load_config("configs/demo_cpu.yaml", ["rollout.n=4"])
 cfg.validate(world_size=2)
 ppo.config_loader.to_yaml(cfg), cfg.warnings()
-ppo.config.validate_stage(ppo.config_loader.load_config(None, [], DPOConfig), 2)
+ppo.config.validate_stage(ppo.config_loader.load_config("configs/dpo_demo.yaml", [], DPOConfig), 2)
 print(" ".join(m for m in ("torch", "transformers", "ppo_kernels", "numpy") if m in sys.modules))
 """
 
@@ -1024,7 +1034,7 @@ def test_dumped_config_keeps_its_layout(cls: type, sections: list[str], tmp_path
     # the schema (the stages' shared sections first), read back to the same config and the same text.
     text = to_yaml(load_config(None, [], cls))
     assert list(yaml.safe_load(text)) == sections
-    assert text.startswith("model:\n  path: assets/")
+    assert text.startswith("model:\n  path: null\n")  # the defaults name no model: a run names its own
     path = tmp_path / "config.yaml"
     path.write_text(text)
     assert to_yaml(load_config(path, [], cls)) == text
