@@ -14,8 +14,9 @@ holds), in the log and as a ``warn/<name>`` metric equal to 1 on that step:
   reward function never matches: a wrong ground-truth column, an answer format the model does not
   write); with all scores equal every advantage is 0 and nothing is learned.
 
-``run_summary`` is the run's last console lines: steps done, wall time, the final validation score and
-where the last checkpoint and the exported model are.
+``run_summary`` is the run's last console lines: steps done, wall time, the final validation score (or,
+when none ran at the end, the last one and its step) and where the last checkpoint and the exported
+model are.
 """
 
 from __future__ import annotations
@@ -151,10 +152,13 @@ def run_summary(
     checkpoint: Path | None,
     hf_dir: Path | None,
     stopped: str | None = None,
+    val_step: int | None = None,
 ) -> list[str]:
     """The end-of-run lines (rank 0 logs them): steps done of planned (and this process's share), wall
     time, why it stopped early if it did, the last validation score (``val/score``, or the validation
-    metrics a stage logs) and where the last checkpoint and the exported model are."""
+    metrics a stage logs: ``metrics``, logged at step ``val_step``; None: at the end), said to be from an
+    earlier step when no validation ran at the end, and where the last checkpoint and the exported model
+    are."""
     state = f"stopped early ({stopped})" if stopped else "done"
     lines = [
         f"run {state}: step {steps_done} of {total_steps} ({steps_this_run} in this process, "
@@ -163,8 +167,13 @@ def run_summary(
     val = {k: v for k, v in sorted(metrics.items()) if k == "val/score" or k.startswith(("val/", "rm/val"))}
     if "val/score" in val:
         val = {"val/score": val["val/score"]}
-    if val:
-        lines.append("final validation: " + " ".join(f"{k}={v:.4g}" for k, v in list(val.items())[:4]))
+    scores = " ".join(f"{k}={v:.4g}" for k, v in list(val.items())[:4])
+    if val and (val_step is None or val_step == steps_done):
+        lines.append(f"final validation: {scores}")
+    elif val:
+        lines.append(
+            f"final validation: none ran at step {steps_done}; the last, at step {val_step}: {scores}"
+        )
     lines.append(f"last checkpoint: {checkpoint if checkpoint is not None else 'none written'}")
     if hf_dir is not None:
         lines.append(f"exported model (save_pretrained): {hf_dir}")
@@ -196,10 +205,11 @@ def log_run_summary(
         return
     rows = _metric_rows(out_dir / "metrics.jsonl")
     last_val: dict[str, float] = {}
+    val_step = None
     for row in rows:
         val = {k: v for k, v in row.items() if k.startswith("val/") and isinstance(v, (int, float))}
         if val:
-            last_val = val
+            last_val, val_step = val, row.get("step")
     latest = checkpoints_dir(out_dir) / "latest"
     checkpoint = latest.parent / latest.read_text().strip() if latest.is_file() else None
     lines = run_summary(
@@ -211,6 +221,7 @@ def log_run_summary(
         checkpoint=checkpoint,
         hf_dir=hf_dir if hf_dir is not None and hf_dir.is_dir() else None,
         stopped=stopped,
+        val_step=val_step,
     )
     for line in lines:
         logger.info("%s", line)

@@ -4,13 +4,15 @@ warning for rewards that are all 0, and the end-of-run summary (``monitor.run_su
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from ppo.config import PPOConfig
 from ppo.metrics import CONSOLE_KEYS, CONSOLE_LEGEND, MetricsLogger, console_line
-from ppo.monitor import ZERO_REWARD_STEPS, HealthMonitor, run_summary
+from ppo.monitor import ZERO_REWARD_STEPS, HealthMonitor, log_run_summary, run_summary
 from tests.helpers import ROOT
 
 
@@ -105,6 +107,27 @@ def test_run_summary_lines(tmp_path: Path) -> None:
         "run stopped early (SIGTERM): step 3 of 40 (3 in this process, 9s)",
         "last checkpoint: none written",
     ]
+
+
+def test_final_validation_names_an_earlier_step(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A run that validated at step 0 and at step 2 but not at its last step (3): the summary says no
+    validation ran at the end and gives the last one with its step (it showed it as the final one)."""
+    rows = [
+        '{"step": 0, "val/score": 0.5}',
+        '{"step": 1, "critic/score/mean": 0.25}',
+        '{"step": 2, "critic/score/mean": 0.5, "val/score": 0.625}',
+        '{"step": 3, "critic/score/mean": 0.75}',
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    logger = SimpleNamespace(is_main=True, total_steps=3, first_step=0, start=time.perf_counter())
+    with caplog.at_level(logging.INFO, logger="ppo"):
+        log_run_summary(tmp_path, logger, steps_done=3, stopped=None, hf_dir=None)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[1] == "final validation: none ran at step 3; the last, at step 2: val/score=0.625"
+    # validated at the end: the final one
+    common = {"total_steps": 3, "steps_this_run": 3, "wall_s": 1, "checkpoint": None, "hf_dir": None}
+    end = run_summary(steps_done=3, metrics={"val/score": 0.75}, val_step=3, **common)
+    assert end[1] == "final validation: val/score=0.75"
 
 
 def test_critic_load_report_is_held_only_for_the_expected_head() -> None:
