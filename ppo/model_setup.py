@@ -271,6 +271,7 @@ def build_model(
         sequence_parallel=sequence_parallel > 1,
         shared_prefix=shared_prefix,
     )
+    check_attention_dropout(attn, override)
     path = path or model_cfg.path
     lora_cfg = lora_cfg or LoRAConfig()  # rank 0: no adapters (a saved adapter folder is still merged)
     logger.info("start-up: loading %s=%s (%s)", path_key, path, "trained" if trainable else "frozen")
@@ -339,6 +340,24 @@ def attention_choice(configured: str, override: model_loading.ConfigOverride) ->
             f"set one of them"
         )
     return name
+
+
+ATTENTION_DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop")
+"""Config fields of the dropout on attention probabilities (Llama, Qwen, Mistral; GPT-2)."""
+
+
+def check_attention_dropout(attn: str, override: model_loading.ConfigOverride) -> None:
+    """ConfigError where ``override_config`` turns attention dropout on for a kernel that has none
+    (``ppo_varlen_flash``, ``auto``'s choice on CUDA without flash-attn): it would fail in the first
+    training forward. Raised before the weights load."""
+    if attn != attention.VARLEN_FLASH:
+        return
+    for name, value in override.fields.items():
+        if name in ATTENTION_DROPOUT_FIELDS and isinstance(value, (int, float)) and value > 0:
+            raise ConfigError(
+                f"{override.key}.{name}={value}: the attention kernel {attn} has no dropout; set "
+                f"model.attn_implementation=ppo_varlen_sdpa (or flash_attention_2, sdpa), or leave the dropout off"
+            )
 
 
 def check_override_configs(cfg: PPOConfig) -> None:

@@ -13,6 +13,7 @@ result with an unsharded copy of the same model on the same global batch::
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import traceback
 import warnings
@@ -22,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from tokenizers import Tokenizer, models, pre_tokenizers
 from torch import nn
 from transformers import (
@@ -62,12 +64,15 @@ from tests.helpers import (
     VOCAB,
     Checks,
     assert_check,
+    base_args,
     full_tensor,
     grad_rel_diff,
     max_diff,
     read_results,
     rel_diff,
+    run,
     tiny_config,
+    train,
     worker_results,
 )
 
@@ -160,6 +165,70 @@ def test_dropout_is_disabled(tmp_path: Path) -> None:
     save_tiny(tmp_path, attention_dropout=0.3)
     assert load_causal_lm(str(tmp_path)).config.attention_dropout == 0.0
     assert load_critic(str(tmp_path)).config.classifier_dropout == 0.0
+
+
+def test_override_config_sets_fields_before_the_weights_load(tmp_path: Path) -> None:
+    """verl's DAPO override (``max_position_embeddings``) on a Qwen2 folder the test saved: the loaded
+    model's config has it, and the weights are the saved ones."""
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(tiny_config(Qwen2Config)).save_pretrained(tmp_path)
+    model = load_causal_lm(str(tmp_path), override_config={"max_position_embeddings": 32768})
+    assert model.config.max_position_embeddings == 32768
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert saved.config.max_position_embeddings == 128
+    for (name, a), (_, b) in zip(model.named_parameters(), saved.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.slow
+def test_verls_override_config_key_on_the_trainers_command_line(
+    tiny_assets: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """verl's DAPO line (``+actor_rollout_ref.model.override_config.max_position_embeddings``) on
+    ``train_ppo``: the exported model carries the field; a misspelt field stops the run with one line."""
+    key = "+actor_rollout_ref.model.override_config"
+    bad = base_args(tiny_assets, tmp_path / "bad", steps=1) + [f"{key}.max_position_embedingz=512"]
+    assert run(bad) == 2
+    assert (
+        f"model.override_config.max_position_embedingz: the model config (LlamaConfig at {tiny_assets / 'base'}) "
+        "has no such field; did you mean model.override_config.max_position_embeddings?"
+    ) in caplog.text
+    out = tmp_path / "good"
+    train(
+        tiny_assets,
+        out,
+        f"{key}.max_position_embeddings=512",
+        "trainer.val_before_train=false",
+        "trainer.save_hf_on_end=true",
+        steps=1,
+    )
+    assert json.loads((tiny_assets / "base" / "config.json").read_text())["max_position_embeddings"] == 256
+    assert json.loads((out / "hf" / "config.json").read_text())["max_position_embeddings"] == 512
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert resolved["model"]["override_config"] == {"max_position_embeddings": 512}
+
+
+def test_dropout_set_by_override_config_takes_effect(tmp_path: Path) -> None:
+    """Loading turns dropout off unless ``override_config`` sets it, which verl's actor would train with:
+    training-mode forwards then drop attention probabilities (another seed, other logits); eval-mode ones
+    equal those of a plain load. A critic's head dropout is set the same way."""
+    save_tiny(tmp_path, attention_dropout=0.3)
+    (ids,) = random_sequences([12], seed=3)
+    pos = torch.arange(12)
+    plain = load_causal_lm(str(tmp_path)).train()
+    dropped = load_causal_lm(str(tmp_path), override_config={"attention_dropout": 0.5}).train()
+    assert (plain.config.attention_dropout, dropped.config.attention_dropout) == (0.0, 0.5)
+
+    def logits(model: nn.Module, seed: int) -> torch.Tensor:
+        torch.manual_seed(seed)
+        return causal_lm_logits(model, ids, pos).detach()
+
+    assert torch.equal(logits(plain, 1), logits(plain, 2))  # no dropout: the seed changes nothing
+    assert torch.equal(logits(dropped, 1), logits(dropped, 1))
+    assert max_diff(logits(dropped, 1), logits(dropped, 2)) > 1e-2
+    assert torch.equal(logits(dropped.eval(), 1), logits(plain.eval(), 2))
+    critic = load_critic(str(tmp_path), override_config={"classifier_dropout": 0.2})
+    assert critic.config.classifier_dropout == 0.2 and critic.dropout.p == 0.2
 
 
 @pytest.mark.parametrize("loader,key", [(load_causal_lm, "model.path"), (load_critic, "critic.model_path")])

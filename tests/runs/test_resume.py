@@ -516,6 +516,26 @@ def test_resume_refuses_another_model_or_estimator(
     assert [r["step"] for r in read_metrics(out)] == [1]  # nothing ran
 
 
+def test_resume_refuses_a_changed_override_config(
+    tiny_assets: Path, checkpointed: Path, tmp_path: Path, caplog: Any
+) -> None:
+    """The Hugging Face config fields the models were built with must stay as they were, field by field
+    (one added to a checkpoint that had none, here), as a model path must."""
+    out = resume_into(checkpointed, tmp_path)
+    args = base_args(tiny_assets, out, steps=2) + RESUMABLE
+    changed = [
+        "model.override_config.max_position_embeddings=512",
+        "critic.override_config.attention_dropout=0.1",
+    ]
+    assert run(args + changed) == 2
+    assert (
+        "the run differs from it in what must stay the same to continue it: "
+        "critic.override_config.attention_dropout: (unset) -> 0.1; "
+        "model.override_config.max_position_embeddings: (unset) -> 512. Restore those settings"
+    ) in caplog.text
+    assert [r["step"] for r in read_metrics(out)] == [1]  # nothing ran
+
+
 @pytest.mark.slow
 def test_resume_refuses_a_replaced_model_folder(tiny_assets: Path, tmp_path: Path, caplog: Any) -> None:
     """Same model.path, other weights (a base folder replaced under a LoRA run, say): refused."""

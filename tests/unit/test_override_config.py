@@ -21,7 +21,7 @@ from ppo.config import ConfigError
 from ppo.config_loader import load_config, to_dict
 from ppo.model_loading import ConfigOverride, apply_override_config, merge_fields, parse_override_config
 from ppo.model_loading import load_config as load_model_config
-from ppo.model_setup import attention_choice, check_override_configs
+from ppo.model_setup import attention_choice, check_attention_dropout, check_override_configs
 from tests.helpers import tiny_config
 
 
@@ -240,3 +240,15 @@ def test_resume_compares_overrides_field_by_field() -> None:
     old = {k: v for k, v in saved.items() if not k.startswith("model.override_config")}
     empty = flatten(to_dict(run_config()))
     assert tree_differences(old, empty, ("model.override_config",)) == []
+
+
+def test_attention_dropout_needs_a_kernel_with_dropout() -> None:
+    dropout = ConfigOverride(fields={"attention_dropout": 0.1}, key="model.override_config")
+    check_attention_dropout("ppo_varlen_sdpa", dropout)  # sdpa per sequence passes dropout_p on
+    check_attention_dropout("ppo_varlen_flash", ConfigOverride(fields={"attention_dropout": 0.0}, key="k"))
+    with pytest.raises(ConfigError) as err:
+        check_attention_dropout("ppo_varlen_flash", dropout)
+    assert str(err.value) == (
+        "model.override_config.attention_dropout=0.1: the attention kernel ppo_varlen_flash has no dropout; set "
+        "model.attn_implementation=ppo_varlen_sdpa (or flash_attention_2, sdpa), or leave the dropout off"
+    )
