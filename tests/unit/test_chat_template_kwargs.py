@@ -10,7 +10,9 @@ generation prompt; absent or true, the model is left to think.
 from __future__ import annotations
 
 import copy
+import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ import pytest
 
 from ppo.config import ConfigError
 from ppo.data import check_chat_template_kwargs, load_prompts, unused_chat_template_kwargs
-from tests.helpers import load_script, write_parquet
+from tests.helpers import load_script, train, write_parquet
 
 THINKING_TEMPLATE = load_script("make_tiny_assets").CHAT_TEMPLATE + (
     "{% if add_generation_prompt and enable_thinking is defined and enable_thinking is false %}"
@@ -102,3 +104,39 @@ def test_a_keyword_the_loader_sets_is_an_error(prompts: Path, thinking_tok: Any)
     with pytest.raises(ConfigError) as err:
         load_prompts(prompts, thinking_tok, max_prompt_length=64, chat_template_kwargs={"tokenize": True})
     assert str(err.value) == message
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True, reason="until ppo/build.py passes data.apply_chat_template_kwargs to the loaders"
+)
+def test_a_run_renders_its_prompts_with_the_keywords(
+    tiny_assets: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """verl's line on ``train_ppo``: the two validation prompts logged at step 0 (loaded as the training
+    ones are) end with the empty think block, and the keyword the template does not read is warned about
+    once."""
+    tokenizer = tmp_path / "tokenizer"
+    shutil.copytree(tiny_assets / "tokenizer", tokenizer)
+    config = json.loads((tokenizer / "tokenizer_config.json").read_text())
+    (tokenizer / "tokenizer_config.json").write_text(
+        json.dumps({**config, "chat_template": THINKING_TEMPLATE})
+    )
+    (tokenizer / "chat_template.jinja").unlink(missing_ok=True)
+    out = tmp_path / "run"
+    train(
+        tiny_assets,
+        out,
+        f"model.tokenizer_path={tokenizer}",
+        "+data.apply_chat_template_kwargs.enable_thinking=False",
+        "+data.apply_chat_template_kwargs.reasoning_effort=low",
+        "trainer.log_val_generations=2",
+        steps=1,
+    )
+    prompts = [json.loads(line)["prompt"] for line in (out / "generations.jsonl").read_text().splitlines()]
+    assert len(prompts) == 2 and all(p.endswith("<|assistant|><think>\n\n</think>\n\n") for p in prompts)
+    unused = [m for m in caplog.messages if "does not read" in m]
+    assert unused == [
+        "data.apply_chat_template_kwargs.reasoning_effort: the tokenizer's chat template does not read it, so it "
+        "changes nothing; it reads add_generation_prompt, bos_token, enable_thinking, eos_token, messages"
+    ]
