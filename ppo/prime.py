@@ -56,7 +56,7 @@ def collect_accuracy_filtered(
     acc = (raw >= 1.0).float()
     passed = algorithms.accuracy_filter(acc, n, d.accuracy_lower_bound, d.accuracy_upper_bound).tolist()
     # Passing groups first, each kind in the loader's order; the step trains on one batch's share.
-    kept = sorted(range(len(items)), key=lambda g: (not passed[g], g))[: len(shares[0])]
+    kept = algorithms.kept_groups(passed, len(shares[0]))
     rows = torch.cat([torch.arange(g * n, (g + 1) * n) for g in kept]).to(raw.device)
     device = batch.attention_mask.device
     rollout = concat_rollouts([rollout_rows(batch.rollout, slice(g * n, (g + 1) * n), device) for g in kept])
@@ -120,36 +120,48 @@ def update_prm(cfg: PPOConfig, prm: Trained, batch: Batch, sp: ulysses.SPGroup) 
     prompts (in order), micro-batched as the actor, then the token rewards ``batch.prm_rewards``
     (``algorithms.prime_token_rewards``) from a forward of the updated PRM (``update=before``) or from
     the training forwards (``update=after``), divided by the batch's largest absolute return over all
-    ranks with ``prime_norm=batch_norm``. Needs ``batch.scores`` and ``batch.ref_logprobs``."""
+    ranks with ``prime_norm=batch_norm``. Needs ``batch.scores`` and ``batch.ref_logprobs``.
+
+    Metrics, by the recipe's names: ``rm/lr`` (the rate this step's updates used),
+    ``reward_model/dpo_loss``, ``reward_model/grad_norm``, ``reward_model/reward`` and ``raw_reward`` (of
+    the rewards used), ``reward_model/dpo_acc_before`` and ``dpo_acc_abs_before`` (of the training
+    forwards, before each mini-batch's update), and with ``update=before`` ``reward_model/dpo_acc`` and
+    ``dpo_acc_abs`` (of the updated PRM)."""
     p = cfg.reward.prime
     role = dataclasses.replace(cfg.actor, ppo_epochs=1, grad_clip=p.grad_clip)
     lr = prm.optimizer.param_groups[0]["lr"]  # the rate this step's updates use
     mask = batch.response_mask
-    prm_logprobs = torch.zeros_like(mask, dtype=torch.float32) if p.update == "after" else None
+    acc = prime_labels(batch.scores)
+    trained_logprobs = torch.zeros_like(mask, dtype=torch.float32)
     out = optimize(
         role,
         "reward_model",
         prm,
         batch,
-        prm_loss(cfg, prm.model, batch, sp, prm_logprobs=prm_logprobs),
+        prm_loss(cfg, prm.model, batch, sp, prm_logprobs=trained_logprobs),
         num_mini=cfg.data.train_batch_size // p.mini_batch_size,
         shuffle=False,
         sp=sp,
     )
     prm.scheduler.step()
-    out["reward_model/lr"] = lr
-    if prm_logprobs is None:
+    out["rm/lr"] = lr
+    before = algorithms.prime_token_rewards(trained_logprobs, batch.ref_logprobs, mask, p.beta_train).sum(-1)
+    out["reward_model/dpo_acc_before"] = algorithms.dpo_accuracy(before, acc, batch.group_ids).item()
+    out["reward_model/dpo_acc_abs_before"] = algorithms.dpo_abs_accuracy(before, acc).item()
+    prm_logprobs = trained_logprobs
+    if p.update == "before":
         mb = cfg.actor.ppo_micro_batch_size_per_gpu
         prm_logprobs = forwards.forward_logprobs(cfg, prm.model, batch, mb, sp)
     token_rewards = algorithms.prime_token_rewards(prm_logprobs, batch.ref_logprobs, mask, p.beta_train)
+    if p.update == "before":
+        seq_rewards = token_rewards.sum(-1)
+        out["reward_model/dpo_acc"] = algorithms.dpo_accuracy(seq_rewards, acc, batch.group_ids).item()
+        out["reward_model/dpo_acc_abs"] = algorithms.dpo_abs_accuracy(seq_rewards, acc).item()
     if p.prime_norm == "batch_norm":
         largest = all_reduce_scalar(float(algorithms.prime_max_abs_return(token_rewards)), "max")
         token_rewards = algorithms.prime_norm(token_rewards, largest)
     batch.prm_rewards = token_rewards
-    acc, seq_rewards = prime_labels(batch.scores), token_rewards.sum(-1)
-    out["reward_model/reward"] = seq_rewards.mean().item()
+    out["reward_model/reward"] = token_rewards.sum(-1).mean().item()
     log_ratios = torch.where(mask, prm_logprobs - batch.ref_logprobs, torch.zeros_like(prm_logprobs))
     out["reward_model/raw_reward"] = log_ratios.sum(-1).mean().item()
-    out["reward_model/dpo_acc"] = algorithms.dpo_accuracy(seq_rewards, acc, batch.group_ids).item()
-    out["reward_model/dpo_acc_abs"] = algorithms.dpo_abs_accuracy(seq_rewards, acc).item()
     return out

@@ -433,6 +433,14 @@ VERL_KEYS: dict[str, VerlKey] = {
     "trainer.use_legacy_worker_impl": ignored("verl's worker implementations; there are no workers here"),
     "trainer.npu_profile.*": ignored(PROFILER),
     # ---------------------------------------------------------------- the rest of verl
+    # verl's steps count from 1, as ours; the torch profiler records them (its trace in trainer.output_dir/profile).
+    "global_profiler.steps": renamed_to("trainer.profile_steps", harmless=(None,)),
+    "global_profiler.tool": ignored(
+        "the steps of global_profiler.steps are recorded with the torch profiler here", ("torch", None)
+    ),
+    "global_profiler.save_path": ignored(
+        "the profiler's trace is written to trainer.output_dir/profile here", ("outputs/profile", None)
+    ),
     "global_profiler.*": ignored(PROFILER),
     "hydra.*": ignored(HYDRA),
     "defaults": ignored(HYDRA),

@@ -101,7 +101,9 @@ def from_verl(leaves: list[Leaf], cls: type, errors: list[str], notes: list[str]
     verl_spelled = False
     our_keys = set(all_keys(cls))
     ignored: dict[str, list[str]] = {}  # reason -> the keys it covers, for one warning each
-    for leaf in _combine(_last_given(leaves, notes), errors, notes):
+    given = _last_given(leaves, notes)
+    context = {key: _value(given, cls, key) for key in ("rollout.n", "algorithm.adv_estimator", "model.path")}
+    for leaf in _combine(given, errors, notes, context):
         key = leaf.key
         rule = _verl_key(key)
         if (
@@ -195,12 +197,15 @@ def verl_defaults(cfg: PPOConfig, leaves: list[Leaf]) -> str | None:
     )
 
 
-def _combine(leaves: list[Leaf], errors: list[str], notes: list[str]) -> list[Leaf]:
+def _combine(leaves: list[Leaf], errors: list[str], notes: list[str], context: dict[str, Any]) -> list[Leaf]:
     """verl's keys whose meaning here takes two of them, as ours: ``custom_reward_function.path`` and
     ``.name`` make ``reward.custom_function=path:name``; ``trainer.resume_mode=resume_path`` with
     ``trainer.resume_from_path=P`` makes ``trainer.resume_mode=P``; ``max_actor_ckpt_to_keep`` and
     ``max_critic_ckpt_to_keep`` make ``trainer.max_ckpt_to_keep``; ``optimizer_offload=true`` (or
-    ``grad_offload``) is what ``param_offload=true`` does here, so it is accepted beside it."""
+    ``grad_offload``) is what ``param_offload=true`` does here, so it is accepted beside it; the PRIME
+    recipe's reward-model keys read with ``rollout.n`` and ``algorithm.adv_estimator`` (``_prime``).
+    ``context``: the values the run takes for ``rollout.n``, ``algorithm.adv_estimator`` and
+    ``model.path`` (given, else our defaults)."""
     last = {leaf.key: leaf for leaf in leaves}  # a later value of a key wins, as for every key
     taken = {
         "custom_reward_function.path",
@@ -221,6 +226,27 @@ def _combine(leaves: list[Leaf], errors: list[str], notes: list[str]) -> list[Le
         position = {id(leaf): i for i, leaf in enumerate(leaves)}
         function_at = max((p for p in (path, name) if p is not None), key=lambda p: position[id(p)])
     dropped = _without_turns(last, errors)
+    dropped += _prime(last, errors, context)
+    mini = last.get("reward.mini_batch_size")
+    if mini is not None and mini.value is not None:
+        dropped.append(mini)
+        n = context["rollout.n"]
+        if isinstance(mini.value, int) and isinstance(n, int) and n > 0 and mini.value % n == 0:
+            leaves = [
+                *leaves,
+                Leaf(
+                    mini.given,
+                    ("reward", "prime", "mini_batch_size"),
+                    prm_mini_batch(mini.value, n),
+                    mini.source,
+                ),
+            ]
+        else:
+            errors.append(
+                f"{mini.given}={show.repr(mini.value)} (from {mini.source}): the PRIME recipe's PRM mini-batch "
+                f"counts responses, and reward.prime.mini_batch_size here counts prompts: give a multiple of "
+                f"rollout.n={n}"
+            )
     out = []
     for leaf in leaves:
         key = leaf.key
@@ -305,6 +331,36 @@ def _without_turns(last: dict[str, Leaf], errors: list[str]) -> list[Leaf]:
         given = ", ".join(f"{leaf.given}={show.repr(leaf.value)} (from {leaf.source})" for leaf in turns)
         errors.append(f"{given}: {TOOLS}")
     return turns
+
+
+def prm_mini_batch(responses: int, n: int) -> int:
+    """The PRIME recipe's ``reward_model.mini_batch_size`` (responses per PRM optimizer step, over all
+    ranks) as ``reward.prime.mini_batch_size`` (prompts): ``responses / n``, ``n = rollout.n``."""
+    return responses // n
+
+
+def _prime(last: dict[str, Leaf], errors: list[str], context: dict[str, Any]) -> list[Leaf]:
+    """The PRIME recipe's ``reward_model.enable=True`` and ``reward_model.model.path=P`` with
+    ``algorithm.adv_estimator=prime``: there they turn on the implicit PRM and name its starting weights,
+    not an outcome reward model. Here the PRM always runs with ``prime`` and starts from the reference
+    model (``ref.model_path``, else ``model.path``): ``enable`` is dropped, and so is the path when it is
+    the reference's; another path is refused, with what to write. Returns the leaves dropped."""
+    if context["algorithm.adv_estimator"] != "prime":
+        return []
+    dropped = [last[k] for k in ("reward.enable", "reward.model.enable") if k in last]
+    path = last.get("reward.model.path")
+    if path is None or path.value is None:
+        return dropped
+    ref = next((last[k] for k in ("ref.model_path", "ref.model.path") if k in last), None)
+    start = ref.value if ref is not None and ref.value is not None else context["model.path"]
+    if path.value != start:
+        errors.append(
+            f"{path.given}={show.repr(path.value)} (from {path.source}): in verl's PRIME recipe the PRM's "
+            f"starting weights; here the PRM starts from the reference model's ({start!r}, ref.model_path, "
+            f"else model.path): set ref.model_path={path.value} to start the PRM (and the reference) there, "
+            "or leave the key out"
+        )
+    return [*dropped, path]
 
 
 def _rollout_is(level: Leaf, threshold: Leaf | None, errors: list[str]) -> list[Leaf]:

@@ -148,6 +148,13 @@ def accuracy_filter(acc: torch.Tensor, group_size: int, lower: float, upper: flo
     return (group_acc >= lower) & (group_acc <= upper)
 
 
+def kept_groups(passed: list[bool], num_kept: int) -> list[int]:
+    """The recipe's downsampling after the accuracy filter: the indices of the first ``num_kept`` groups
+    once the passing ones are moved to the front, each kind in its own order (``passed [G]``, from
+    :func:`accuracy_filter`; the recipe's stable sort of the filter mask, descending)."""
+    return sorted(range(len(passed)), key=lambda g: (not passed[g], g))[:num_kept]
+
+
 def prime_estimator(x: AdvantageInputs, s: AdvantageSettings) -> Estimate:
     """``prime``: :func:`compute_prime_advantages`, RLOO over the implicit PRM's token rewards
     (``x.prm_rewards``) and over the outcome (the summed token rewards), whitened."""

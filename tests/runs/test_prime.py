@@ -35,12 +35,15 @@ PRIME = [
 PRM_METRICS = (
     "reward_model/dpo_loss",
     "reward_model/grad_norm",
-    "reward_model/lr",
+    "rm/lr",
     "reward_model/reward",
     "reward_model/raw_reward",
+    "reward_model/dpo_acc_before",
+    "reward_model/dpo_acc_abs_before",
     "reward_model/dpo_acc",
     "reward_model/dpo_acc_abs",
 )
+"""The recipe's names; ``dpo_acc`` and ``dpo_acc_abs`` (of the updated PRM) with ``update=before`` only."""
 
 
 def prm_weights(ckpt: Path, tmp: Path) -> dict[str, torch.Tensor]:
@@ -66,7 +69,7 @@ def test_prime_trains_the_prm_and_logs_it(tiny_assets: Path, tmp_path: Path) -> 
     for key in PRM_METRICS:
         assert all(key in r for r in rows), key
     assert rows[0]["reward_model/num_updates"] == 2.0  # train_batch_size 4 / mini-batch 2
-    assert rows[0]["reward_model/lr"] == 1e-3
+    assert rows[0]["rm/lr"] == 1e-3
     prm = prm_weights(out / "checkpoints" / "step_00000002", tmp_path)
     base = load_file(tiny_assets / "base" / "model.safetensors")
     assert prm, "the checkpoint holds no PRM"
@@ -156,22 +159,59 @@ def test_two_ranks_train_what_one_rank_trains(tiny_assets: Path, groups_file: Pa
     assert read_metrics(one)[-1]["reward_model/dpo_loss"] > 0
 
 
+FILTER_SCORES = """
+import json
+
+SCORES = [
+    [1, 0, 0, 0],  # 0.25: on the lower bound, passes
+    [0, 0, 0, 0],
+    [1, 1, 1, 0],  # 0.75: on the upper bound, passes
+    [1, 1, 1, 1],
+    [0, 0, 0, 0],
+    [1, 0, 0, 0],  # passes
+    [0, 0, 0, 0],
+    [1, 1, 1, 0],  # passes
+]
+
+
+def by_position(data_source, solution_str, ground_truth, extra_info=None, *, log):
+    if not solution_str:  # the start-up check's empty response
+        return 0.0
+    with open(log, "a+") as f:
+        f.seek(0)
+        k = len(f.read().splitlines())
+        f.write("call\\n")
+    return float(SCORES[k // 4][k % 4])
+"""
+"""A reward function that scores the k-th response it is called with (8 groups of 4, in the batch's
+order) by ``SCORES``: 4 groups on the bounds [0.25, 0.75], 4 outside them."""
+
+
 def test_the_accuracy_filter_keeps_a_batch(tiny_assets: Path, tmp_path: Path) -> None:
-    rows = train(
+    """8 prompts sampled, 4 trained on: the 4 groups on the bounds pass (the bounds are inclusive) and
+    are the ones kept (passing groups first)."""
+    fn = tmp_path / "by_position.py"
+    fn.write_text(FILTER_SCORES)
+    metrics = train(
         tiny_assets,
         tmp_path / "run",
         *PRIME,
+        f"reward.custom_function={fn}:by_position",
+        f"reward.reward_kwargs={{log: {tmp_path / 'calls.txt'}}}",
+        "rollout.n=4",
         "data.filter_accuracy=true",
         "data.gen_batch_size=8",
-        "data.accuracy_lower_bound=0.0",
-        "data.accuracy_upper_bound=1.0",
-        f"reward.custom_function={REWARD_FNS}:digit_score",
+        "data.accuracy_lower_bound=0.25",
+        "data.accuracy_upper_bound=0.75",
         steps=1,
     )
-    # Bounds [0, 1] pass every group: the keep rate is 1 and the step trains on 4 of the 8 prompts.
-    assert rows[0]["prime/filter_keep_rate"] == 1.0
-    assert 0.0 <= rows[0]["prime/acc"] <= 1.0
-    assert rows[0]["reward_model/num_updates"] == 2.0
+    # 4 of the 8 groups pass; 12 of the 32 responses are right (before the filter).
+    assert metrics[0]["prime/filter_keep_rate"] == 0.5
+    assert metrics[0]["prime/acc"] == 12 / 32
+    # The step trains on the passing groups: mean score (0.25 + 0.75 + 0.25 + 0.75) / 4 = 0.5 (the
+    # failing ones, 0, 1, 0, 0, would give 0.25).
+    assert metrics[0]["critic/score/mean"] == 0.5
+    assert metrics[0]["reward_model/num_updates"] == 2.0  # 4 prompts in mini-batches of 2
 
 
 def test_prime_with_lora_trains_the_prms_adapters(tiny_assets: Path, tmp_path: Path) -> None:
@@ -187,5 +227,7 @@ def test_prime_with_lora_trains_the_prms_adapters(tiny_assets: Path, tmp_path: P
         steps=2,
     )
     assert rows[0]["reward_model/raw_reward"] == 0.0  # one mini-batch: step 1 scores with the untrained PRM
+    # update=after: the recipe's accuracies of the training forwards, no second PRM forward
+    assert "reward_model/dpo_acc_before" in rows[0] and "reward_model/dpo_acc" not in rows[0]
     assert rows[1]["reward_model/raw_reward"] != 0.0
     assert rows[1]["reward_model/grad_norm"] > 0

@@ -204,6 +204,17 @@ def test_accuracy_filter_by_hand() -> None:
     # Groups of 4: accuracies 0, 0.5, 1, 0.25; bounds [0.2, 0.8] keep the middle two.
     acc = torch.tensor([0, 0, 0, 0, 1, 0, 1, 0, 1, 1, 1, 1, 0, 0, 1, 0.0])
     assert algorithms.accuracy_filter(acc, 4, 0.2, 0.8).tolist() == [False, True, False, True]
+    # The bounds are inclusive (the recipe drops only acc > upper or acc < lower): with [0.25, 0.5] the
+    # groups at 0.5 and 0.25 sit on them and pass.
+    assert algorithms.accuracy_filter(acc, 4, 0.25, 0.5).tolist() == [False, True, False, True]
+
+
+def test_passing_groups_are_kept_first() -> None:
+    # Groups 1 and 3 pass: they come first, then the failing ones in their order, cut at num_kept.
+    passed = [False, True, False, True, False]
+    assert algorithms.kept_groups(passed, 3) == [1, 3, 0]
+    assert algorithms.kept_groups(passed, 5) == [1, 3, 0, 2, 4]
+    assert algorithms.kept_groups([False, False], 1) == [0]
 
 
 def test_prime_keys() -> None:
@@ -239,6 +250,7 @@ def test_the_recipes_keys_translate() -> None:
             "reward_model.prime_norm=none",
             "reward_model.prime_granularity=token",
             "reward_model.mini_batch_size=8",
+            "actor_rollout_ref.rollout.n=4",
             "data.oversample_factor=1",
         ],
     )
@@ -250,8 +262,48 @@ def test_the_recipes_keys_translate() -> None:
         5.0,
         "none",
     )
-    assert p.mini_batch_size == 8
+    assert p.mini_batch_size == 2  # the recipe's 8 responses are 8 / rollout.n 4 = 2 prompts here
     with pytest.raises(ConfigError, match="gen_batch_size"):
         load_config(None, ["data.oversample_factor=4"])
     with pytest.raises(ConfigError, match="every response token"):
         load_config(None, ["reward_model.prime_granularity=whole"])
+
+
+def test_the_recipes_script_takes_as_many_prm_steps() -> None:
+    """run_prime_qwen.sh: 64 prompts x 4 responses a step, reward_model.mini_batch_size=64 (responses, split
+    from the step's 256): 256 / 64 = 4 PRM optimizer steps a step. Here the mini-batch counts prompts:
+    64 / 4 = 16, and 64 prompts / 16 = 4 steps (it was 64 prompts: one step)."""
+    recipe = [
+        "algorithm.adv_estimator=prime",
+        "data.train_batch_size=64",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=64",
+        "actor_rollout_ref.rollout.n=4",
+        "reward_model.mini_batch_size=64",
+    ]
+    cfg = load_config(None, recipe)
+    assert cfg.reward.prime.mini_batch_size == 16
+    assert cfg.data.train_batch_size // cfg.reward.prime.mini_batch_size == 4
+    with pytest.raises(ConfigError, match=r"reward_model\.mini_batch_size=6 .*multiple of rollout\.n=4"):
+        load_config(None, [*recipe, "reward_model.mini_batch_size=6"])
+
+
+def test_the_recipes_reward_model_path_is_the_prms_start() -> None:
+    """With adv_estimator=prime, the recipe's reward_model.enable=True and reward_model.model.path=P turn
+    on the PRM and name its starting weights: not an outcome reward model (reward.style=model, which
+    they used to become). P is the PRM's start here when it is the reference's; another P is refused."""
+    recipe = [
+        "algorithm.adv_estimator=prime",
+        "actor_rollout_ref.model.path=/m/sft",
+        "reward_model.enable=True",
+    ]
+    cfg = load_config(None, [*recipe, "reward_model.model.path=/m/sft"])
+    assert (cfg.reward.style, cfg.reward.model_path) == ("rule", None)
+    cfg = load_config(
+        None, [*recipe, "actor_rollout_ref.ref.model.path=/m/ref", "reward_model.model.path=/m/ref"]
+    )
+    assert (cfg.reward.style, cfg.ref.model_path) == ("rule", "/m/ref")
+    with pytest.raises(ConfigError, match=r"reward_model\.model\.path='/m/prm' .*set ref\.model_path=/m/prm"):
+        load_config(None, [*recipe, "reward_model.model.path=/m/prm"])
+    # Without PRIME they name an outcome reward model, as in verl's PPO trainer.
+    cfg = load_config(None, ["reward_model.enable=True", "reward_model.model.path=/m/rm"])
+    assert (cfg.reward.style, cfg.reward.model_path) == ("model", "/m/rm")

@@ -321,6 +321,9 @@ def test_what_changes_nothing_is_accepted_with_one_warning_per_reason() -> None:
         (["trainer.default_local_dir=~/ckpt"], {"trainer.output_dir": f"{Path.home()}/ckpt"}),
         (["reward_model.enable=true", "reward_model.model.path=rm"], {"reward.style": "model"}),
         (["actor_rollout_ref.nccl_timeout=600"], {"trainer.dist_timeout_s": 600}),
+        # verl's docs profile chosen steps so; its steps count from 1, as ours.
+        (["global_profiler.steps=[1,5,10]"], {"trainer.profile_steps": [1, 5, 10]}),
+        (["global_profiler.tool=torch", "global_profiler.steps=[2]"], {"trainer.profile_steps": [2]}),
         (["+trainer.val_before_train=False"], {"trainer.val_before_train": False}),  # Hydra's +key
         # Offloading the optimizer state is what our param_offload does with the parameters.
         (
@@ -663,3 +666,17 @@ def test_prepare_gsm8k_refuses_to_write_into_its_input(
         prepare.main(["--local-dir", str(src), "--out", str(tmp_path / "o"), "--hdfs_dir", "hdfs://x"]) == 2
     )
     assert "nothing is copied to HDFS here" in capsys.readouterr().err
+
+
+def test_another_profiler_tool_records_the_steps_with_torchs() -> None:
+    notes: list[str] = []
+    cfg = load_config(
+        None,
+        ["global_profiler.tool=nsys", "global_profiler.steps=[3]", "global_profiler.save_path=/prof"],
+        notes=notes,
+    )
+    assert cfg.trainer.profile_steps == [3]
+    assert [n.split(" is ignored")[0] for n in notes if "profile" in n] == [
+        "global_profiler.tool='nsys' (from the command line)",
+        "global_profiler.save_path='/prof' (from the command line)",
+    ]
