@@ -244,6 +244,7 @@ class MetricsLogger:
         self.legend_shown = False
         if not is_main:
             return
+        check_trackers(sinks)  # before any file is written
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)
         if "jsonl" in self.sinks:
@@ -257,7 +258,6 @@ class MetricsLogger:
             # hidden (purged) so they are not drawn twice.
             purge = None if resume_step is None else resume_step + 1
             self.tb = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=purge)
-        check_trackers(sinks)
         for name in sorted(self.sinks & {*TRACKERS, "file"}):
             self.trackers[name] = start_tracker(name, project, run_name, config or {}, out, resume_step)
 
@@ -356,15 +356,9 @@ def make_metrics_logger(
 # ----------------------------------------------------------------------------------------------------
 
 
-TRACKERS = {
-    "wandb": "wandb",
-    "mlflow": "mlflow",
-    "swanlab": "swanlab",
-    "trackio": "trackio",
-    "clearml": "clearml",
-}
-"""The trackers ``trainer.logger`` may name and the module each imports; pyproject.toml's extra of the
-same name installs it."""
+TRACKERS = ("wandb", "mlflow", "swanlab", "trackio", "clearml")
+"""The trackers ``trainer.logger`` may name: each the name of the module it imports and of the extra in
+pyproject.toml that installs it."""
 
 
 def check_trackers(sinks: list[str]) -> None:
@@ -374,12 +368,12 @@ def check_trackers(sinks: list[str]) -> None:
         if name not in TRACKERS:
             continue
         try:
-            importlib.import_module(TRACKERS[name])
+            importlib.import_module(name)
         except ImportError as e:
-            missing = isinstance(e, ModuleNotFoundError) and e.name == TRACKERS[name]
+            missing = isinstance(e, ModuleNotFoundError) and e.name == name
             why = "is not installed" if missing else f"does not import ({' '.join(str(e).split())})"
             raise ConfigError(
-                f"trainer.logger names {name} but {TRACKERS[name]} {why}: pip install 'ppo-rlhf[{name}]'"
+                f"trainer.logger names {name} but {name} {why}: pip install 'ppo-rlhf[{name}]'"
             ) from None
 
 

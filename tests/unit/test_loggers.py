@@ -21,9 +21,10 @@ from typing import Any
 
 import pytest
 
-from ppo.config import ConfigError
+from ppo.config import ConfigError, SFTConfig
 from ppo.config_loader import load_config, to_dict
 from ppo.metrics import TRACKERS, MetricsLogger, check_trackers, make_metrics_logger, mlflow_key
+from tests.helpers import demo_inputs, load_script, run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -118,7 +119,7 @@ def need(module: str) -> None:
 def test_a_missing_tracker_names_its_extra(
     name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setitem(sys.modules, TRACKERS[name], None)  # `import <name>` now fails as if not installed
+    monkeypatch.setitem(sys.modules, name, None)  # `import <name>` now fails as if not installed
     message = f"trainer.logger names {name} but {name} is not installed: pip install 'ppo-rlhf[{name}]'"
     with pytest.raises(ConfigError) as err:
         check_trackers(["console", name])
@@ -126,14 +127,32 @@ def test_a_missing_tracker_names_its_extra(
     # The sinks themselves refuse it too, before writing anything.
     with pytest.raises(ConfigError, match="pip install"):
         MetricsLogger(tmp_path / "run", ["jsonl", name], is_main=True, total_steps=1)
-    assert (
-        not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run/metrics.jsonl").read_text()
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("entry", ["train_ppo", "train_sft"])
+def test_the_run_stops_before_anything_loads(
+    entry: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Through the entry points a user calls: one line naming the extra, exit code 2, no run folder (so no
+    # model loaded); the model and data it names need not exist, the run stops before it looks.
+    monkeypatch.setitem(sys.modules, "swanlab", None)
+    cls = None if entry == "train_ppo" else SFTConfig
+    args = [*demo_inputs(cls), "trainer.logger=[console,swanlab]", f"trainer.output_dir={tmp_path / 'out'}"]
+    main = run if entry == "train_ppo" else load_script(entry).main
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert errors[0].endswith(
+        " ERROR trainer.logger names swanlab but swanlab is not installed: pip install 'ppo-rlhf[swanlab]'"
     )
+    assert not (tmp_path / "out").exists()
 
 
 def test_only_trackers_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    for module in TRACKERS.values():
-        monkeypatch.setitem(sys.modules, module, None)
+    for name in TRACKERS:
+        monkeypatch.setitem(sys.modules, name, None)
     check_trackers(["console", "jsonl", "tensorboard", "file"])  # no package needed: no error
 
 
