@@ -30,13 +30,40 @@ PPO also takes verl's spellings: actor_rollout_ref.actor.optim.lr=1e-6 is actor.
 key that changes nothing here (rollout.gpu_memory_utilization) is named in a start-up warning."""
 
 
-def command_line(description: str) -> argparse.ArgumentParser:
+PPO_KEYS_HELP = """\
+main keys: model.path (the policy), data.train_files and data.val_files, data.train_batch_size (prompts a
+step), rollout.n (responses a prompt), algorithm.adv_estimator (gae, grpo, rloo, ...), actor.optim.lr,
+reward.custom_function (file.py:function), trainer.output_dir, trainer.total_training_steps."""
+
+CONFIG_REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+"""The generated reference of every config key (``scripts/config_reference.py``)."""
+
+
+def user_help(doc: str) -> str:
+    """What ``--help`` shows of an entry point's docstring: its summary and its example commands (the
+    paragraphs up to the indented examples, and those); what follows them is for readers of the code."""
+    paragraphs = doc.strip("\n").split("\n\n")
+    shown = paragraphs[:1]
+    for paragraph in paragraphs[1:]:
+        if not all(line.startswith("    ") for line in paragraph.splitlines()):
+            break
+        shown.append(paragraph)
+    return "\n\n".join(shown)
+
+
+def command_line(description: str, schema: type[Any] | None = None) -> argparse.ArgumentParser:
     """The parser of every entry point: ``--config X.yaml``, ``key.sub=value`` overrides,
-    ``--print-config`` and ``--world-size N``; ``description`` (the script's docstring, examples
-    included) is shown as written."""
+    ``--print-config`` and ``--world-size N``. ``--help`` shows the summary and example commands of
+    ``description`` (the script's docstring, ``user_help``), the options, the main keys of ``schema``'s
+    runs (PPO's) and where the reference of every key is."""
+    epilog = [OVERRIDES_HELP, *([PPO_KEYS_HELP] if schema is PPOConfig else [])]
+    epilog.append(
+        f"every key, its default and meaning: {CONFIG_REFERENCE}\n"
+        "(--print-config prints the resolved config of a command line)"
+    )
     parser = argparse.ArgumentParser(
-        description=description,
-        epilog=OVERRIDES_HELP,
+        description=user_help(description),
+        epilog="\n\n".join(epilog),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", default=None, help="YAML preset over the defaults")
@@ -72,7 +99,7 @@ def parse_cli(
     """The command line every entry point shares (``command_line``), loaded into ``cls`` (default
     ``PPOConfig``). ``args.notes`` lists the keys that were accepted but do nothing here, for the caller
     to log once."""
-    args = command_line(description).parse_args(argv)
+    args = command_line(description, cls or PPOConfig).parse_args(argv)
     if args.world_size is not None and args.world_size < 1:
         raise ConfigError(f"--world-size must be >= 1, got {args.world_size} (from {COMMAND_LINE})")
     args.notes = []
@@ -173,7 +200,9 @@ def answer_early(argv: list[str] | None, description: str, schema: type[Any]) ->
         if __name__ == "__main__":
             cli.answer_early(sys.argv[1:], __doc__, PPOConfig)
     """
-    args = command_line(description).parse_args(argv)  # --help, or a malformed command line, exits here
+    args = command_line(description, schema).parse_args(
+        argv
+    )  # --help, or a malformed command line, exits here
     try:
         cfg, args = parse_cli(argv, schema, description)
     except ConfigError as e:

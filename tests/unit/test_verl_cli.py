@@ -601,6 +601,11 @@ def test_help_answers_before_torch_loads_and_keeps_its_examples(script: str) -> 
     example = next(line for line in doc.splitlines() if line.startswith("    ") and line.strip())
     assert f"\n{example}\n" in out.stdout, "the docstring's examples keep their lines"
     assert "verl's spellings" in out.stdout
+    # a user's help: the summary and examples, not the docstring's notes on the code that follow them
+    internals = doc.split("\n\n")[2]  # summary, examples, then the notes
+    assert not internals.startswith("    ") and internals.splitlines()[0] not in out.stdout
+    assert f"every key, its default and meaning: {ROOT / 'docs' / 'configuration.md'}\n" in out.stdout
+    assert ("main keys: model.path" in out.stdout) == (script == "train_ppo.py")
 
 
 def test_error_file_holds_the_one_line_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
