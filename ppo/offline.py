@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from numbers import Real
 from pathlib import Path
@@ -95,6 +96,7 @@ def load_offline_groups(
     apply_chat_template: bool = True,
     require_ground_truth: bool = True,
     require_scores: bool = False,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[OfflineGroup]:
     """Load offline groups (or preference pairs as groups of two); see the module docstring.
 
@@ -116,6 +118,7 @@ def load_offline_groups(
             max_prompt_length=max_prompt_length,
             apply_chat_template=apply_chat_template,
             require_ground_truth=require_ground_truth,
+            chat_template_kwargs=chat_template_kwargs,
         )
     }
     eos_id = data.encode_response("", tokenizer)[-1]  # DataError when the tokenizer has no EOS
