@@ -218,6 +218,12 @@ def _combine(leaves: list[Leaf], errors: list[str], notes: list[str], context: d
     }
     path, name = last.get("custom_reward_function.path"), last.get("custom_reward_function.name")
     function_at = function = None
+    if path is not None and isinstance(path.value, (list, tuple)):
+        errors.append(
+            f"{path.given}={show.repr(path.value)} (from {path.source}): verl's path names one file; several "
+            "functions are reward.custom_function=[file.py:fn,...] here, with reward.weights (TRL's reward_funcs)"
+        )
+        path = None
     if path is not None and path.value is not None:
         spec = f"{os.path.expanduser(str(path.value))}:"
         spec += name.value if name is not None and name.value is not None else "compute_score"

@@ -356,6 +356,10 @@ def test_verl_settings_resolve_to_ours(verl: list[str], ours: dict[str, object])
         (["~trainer.logger"], "Hydra's ~key deletes a key"),
         (["actor_rollout_ref.foo=1"], "unknown config key 'actor_rollout_ref.foo' (from the command line)"),
         (["rollout.top_k=-1"], "rollout.top_k must be >= 0"),  # verl's -1 only in verl's spelling
+        (
+            ["custom_reward_function.path=[a.py,b.py]"],
+            "verl's path names one file; several functions are reward.custom_function=[file.py:fn,...]",
+        ),
     ],
 )
 def test_verl_settings_that_cannot_be_taken(verl: list[str], fragment: str) -> None:
