@@ -28,7 +28,7 @@ from ppo.data_files import DataError
 from ppo.input_paths import teacher_problems
 from ppo.metrics import combine_parts, extreme_part, metric_kind
 from ppo.run_folder import fingerprint, input_fingerprints
-from tests.helpers import REWARD_FNS, VERL_SIDE
+from tests.helpers import REWARD_FNS, VERL_SIDE, demo_inputs
 
 ON = "distillation.enabled=true"
 TEACHER = "distillation.teacher_models.teacher_model.model_path=/models/teacher"
@@ -97,6 +97,7 @@ def test_a_verl_command_line_loads_and_names_what_it_ignores() -> None:
     cfg = load_config(
         None,
         [
+            *demo_inputs(),
             "distillation.enabled=True",
             "distillation.teacher_models.teacher_model.model_path=Qwen/Qwen2.5-7B-Instruct",
             "distillation.teacher_models.teacher_model.inference.name=vllm",
@@ -137,6 +138,7 @@ def test_verls_two_teacher_form_with_plus_keys() -> None:
     cfg = load_config(
         None,
         [
+            *demo_inputs(),
             ON,
             "distillation.teacher_models.teacher_model.key=openai/gsm8k",
             "distillation.teacher_models.teacher_model.model_path=Qwen/Qwen3-4B",
@@ -648,7 +650,9 @@ P = "distillation.distillation_loss"
     ],
 )
 def test_startup_warnings(overrides: list[str], expected: list[str]) -> None:
-    assert load_config(None, ["algorithm.adv_estimator=grpo", *overrides]).warnings() == expected
+    assert (
+        load_config(None, [*demo_inputs(), "algorithm.adv_estimator=grpo", *overrides]).warnings() == expected
+    )
 
 
 # ----------------------------------------------------------------------------------------------------

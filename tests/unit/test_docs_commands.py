@@ -21,7 +21,9 @@ command:
 - for ``train_ppo.py`` and the stage scripts (also through ``sbatch``), ``--print-config`` passes on
   the command's arguments, in process (it answers before torch loads), validated for the world size
   the command launches (1 for ``python``, ``--nproc_per_node`` × ``--nnodes`` for ``torchrun``, the
-  Slurm job's nodes × GPUs per node for ``sbatch``), or for its own ``--world-size``.
+  Slurm job's nodes × GPUs per node for ``sbatch``), or for its own ``--world-size``; and it names
+  its validation files (``data.val_files``, on the line or in its preset), or its section of the page says
+  it has none (the defaults name no data: such a run does not validate).
 """
 
 from __future__ import annotations
@@ -200,6 +202,28 @@ def print_config(entry: str, args: list[str], world_size: int | None) -> str | N
     return None if code == 0 else err.getvalue().strip()
 
 
+NO_VALIDATION = re.compile(r"no validation files|no `?data\.val_files`?|data\.val_files=\[\]", re.IGNORECASE)
+"""How a page says that a command has no validation files."""
+
+
+def validation_problem(c: Command, entry: str, args: list[str]) -> str | None:
+    """Why the command of ``entry`` (its config valid) leaves its validation files unsaid: it names none,
+    on the line or in its preset, and its section of the page does not say it has none."""
+    cfg, _ = cli.parse_cli(
+        [a for a in args if a != "--print-config"], getattr(ppo.config, ENTRY_POINTS[entry])
+    )
+    if cfg.data.val_files or any(a.startswith("data.val_files=") for a in args):  # named, or [] said
+        return None
+    lines = (ROOT / c.page).read_text().splitlines()
+    start = max(
+        (i for i in range(c.line) if lines[i].startswith("#") and not lines[i].startswith("# ")), default=0
+    )
+    end = next((i for i in range(c.line, len(lines)) if lines[i].startswith("## ")), len(lines))
+    if NO_VALIDATION.search("\n".join(lines[start:end])):
+        return None
+    return "it names no data.val_files: name them, or say in its section that it has none"
+
+
 def check_script(c: Command, script: str, args: list[str], world_size: int | None) -> list[str]:
     path = (c.cwd / script).resolve()
     if not path.exists():
@@ -214,6 +238,8 @@ def check_script(c: Command, script: str, args: list[str], world_size: int | Non
         why = print_config(rel, args, world_size)
         if why:
             problems.append(f"--print-config fails: {why}")
+        elif unsaid := validation_problem(c, rel, args):
+            problems.append(unsaid)
     return problems
 
 
@@ -321,6 +347,17 @@ def test_a_bad_command_is_caught():
     assert bad("torchrun --nproc_per_node=2 -m ppo_bench.sp --no-such-flag")
     assert not bad("torchrun --nproc_per_node=2 -m ppo_bench.sp --sp 2 --seq-len 16384")
     assert not bad("python -m ppo_bench.kernels --shapes 4096x256x32000 --json")
+    # The defaults name no model and no data; validation files are named, or said to be none.
+    run = "python train_ppo.py model.path=/m data.train_files=[/t.parquet]"
+    assert bad("python train_ppo.py data.train_files=[/t.parquet]") == [
+        "--print-config fails: config error: model.path is not set: give the policy's save_pretrained folder "
+        "or hub id"
+    ]
+    assert check(Command("README.md", 1, shlex.split(run), ROOT)) == [
+        "it names no data.val_files: name them, or say in its section that it has none"
+    ]
+    assert not check(Command("README.md", 1, shlex.split(run + " data.val_files=[]"), ROOT))
+    assert not check(Command("README.md", 1, shlex.split(run + " data.val_files=[/v.parquet]"), ROOT))
 
 
 def anchors(path: Path) -> set[str]:

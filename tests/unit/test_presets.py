@@ -19,7 +19,7 @@ import yaml
 import train_ppo
 from ppo.config import DPOConfig, PPOConfig, RewardModelConfig, SFTConfig
 from ppo.config_loader import load_config
-from tests.helpers import load_script
+from tests.helpers import demo_inputs, load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -73,9 +73,19 @@ def test_preset_validates_at_its_world_size(
 ) -> None:
     cls, main = entry_for(path)
     world_size = stated_world_size(path)
-    # The presets name the files of the machines they run on (assets/ after `make assets`, a hub id).
+    # The presets name the files of the machines they run on (assets/ after `make assets`, a hub id);
+    # verl's base names none (a verl command line names them), so it is checked with the demo's.
+    inputs = demo_inputs() if path.name in BASES else []
     code = main(
-        ["--config", str(path), "--print-config", "--allow-missing-paths", "--world-size", str(world_size)]
+        [
+            "--config",
+            str(path),
+            *inputs,
+            "--print-config",
+            "--allow-missing-paths",
+            "--world-size",
+            str(world_size),
+        ]
     )
     out, err = capsys.readouterr()
     assert code == 0, f"{path.name} at world size {world_size}: {err}"
@@ -83,7 +93,33 @@ def test_preset_validates_at_its_world_size(
     assert isinstance(resolved, dict) and "trainer" in resolved
     # The printed YAML is the whole config: read back, it gives the same config.
     (tmp_path / "resolved.yaml").write_text(out)
-    assert load_config(tmp_path / "resolved.yaml", cls=cls) == load_config(path, cls=cls)
+    assert load_config(tmp_path / "resolved.yaml", cls=cls) == load_config(path, [*inputs], cls=cls)
+
+
+BASES = {"verl_base.yaml"}
+"""Presets a command line completes: they name no model or data."""
+NO_VALIDATION = {"dpo_demo.yaml"}
+"""Presets without ``data.val_files``: their header says so."""
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
+def test_preset_names_its_inputs_and_resumes(path: Path) -> None:
+    # The defaults name no model and no data: a preset names what it trains on, and its validation files
+    # (or its header says why it has none). Started again, it resumes (trainer.resume_mode=auto).
+    cls, _ = entry_for(path)
+    cfg = load_config(path, cls=cls)
+    if path.name in BASES:
+        assert cfg.unset_inputs() == [
+            "model.path is not set: give the policy's save_pretrained folder or hub id",
+            "data.train_files is not set: give the Parquet files of training prompts",
+        ]
+        assert "not set here" in path.read_text().split("\n\n")[0]
+        return
+    assert cfg.unset_inputs() == [] and cfg.model.path and cfg.data.train_files
+    assert bool(cfg.data.val_files) != (path.name in NO_VALIDATION), path.name
+    if path.name in NO_VALIDATION:
+        assert "No data.val_files" in path.read_text().split("\nmodel:")[0]
+    assert cfg.trainer.resume_mode == "auto", path.name
 
 
 @pytest.mark.parametrize("name", GPU_PRESETS)

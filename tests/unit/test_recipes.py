@@ -51,6 +51,7 @@ from tests.helpers import (
     ROOT,
     base_args,
     close,
+    demo_inputs,
     deterministic,
     excerpt,
     hf_weights,
@@ -553,6 +554,7 @@ def test_start_up_warnings_for_keys_that_do_nothing() -> None:
         load_config(
             None,
             [
+                *demo_inputs(),
                 "actor.policy_loss.loss_mode=gspo",
                 "actor.policy_loss.kl_cov_ratio=0.01",
                 "actor.loss_scale_factor=64",
@@ -567,7 +569,7 @@ def test_start_up_warnings_for_keys_that_do_nothing() -> None:
     assert "greedy answers to a prompt are identical" in warned
     # GSPO aggregates its loss with actor.loss_agg_mode, as verl 0.9.1 does: any mode is quiet.
     quiet = load_config(
-        None, ["actor.policy_loss.loss_mode=gspo", "actor.loss_agg_mode=token-mean"]
+        None, [*demo_inputs(), "actor.policy_loss.loss_mode=gspo", "actor.loss_agg_mode=token-mean"]
     ).warnings()
     assert not quiet
 

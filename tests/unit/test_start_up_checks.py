@@ -17,7 +17,7 @@ from ppo.config import ConfigError, DPOConfig, PPOConfig, SFTConfig
 from ppo.config_loader import load_config
 from ppo.data import load_prompts
 from ppo.input_paths import hub_problem
-from tests.helpers import REWARD_FNS, ROOT, arith_row, base_args, load_script, run, write_parquet
+from tests.helpers import REWARD_FNS, ROOT, arith_row, base_args, demo_inputs, load_script, run, write_parquet
 
 
 def one_error(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -57,7 +57,7 @@ def test_dynamic_sampling_with_greedy_rollouts_and_no_round_limit_is_refused() -
 
 def test_reward_function_keys_without_a_function_warn() -> None:
     def warnings(*overrides: str) -> list[str]:
-        return load_config(None, list(overrides)).warnings()
+        return load_config(None, [*demo_inputs(), *overrides]).warnings()
 
     (msg,) = warnings("reward.error_score=-1", "reward.reward_kwargs={scale: 2}")
     assert msg == (
@@ -78,7 +78,10 @@ def test_reward_function_keys_without_a_function_warn() -> None:
 
 @pytest.mark.parametrize("loss", ["dpo", "ipo", "simpo", "kto"])
 def test_preference_loss_keys_its_loss_does_not_use_warn(loss: str) -> None:
-    cfg = load_config(None, [f"loss.type={loss}", "loss.gamma=1.0", "loss.label_smoothing=0.1"], DPOConfig)
+    demo = [*demo_inputs(DPOConfig), "data.val_files=[assets/data/pref_val.parquet]"]  # validates
+    cfg = load_config(
+        None, [*demo, f"loss.type={loss}", "loss.gamma=1.0", "loss.label_smoothing=0.1"], DPOConfig
+    )
     expected = []
     if loss != "simpo":
         expected.append(f"loss.type={loss}: loss.gamma=1.0 is SimPO's target margin and is ignored")
@@ -87,7 +90,7 @@ def test_preference_loss_keys_its_loss_does_not_use_warn(loss: str) -> None:
             f"loss.type={loss}: loss.label_smoothing=0.1 smooths the DPO loss only (cDPO) and is ignored"
         )
     assert cfg.warnings() == expected
-    assert load_config(None, [f"loss.type={loss}"], DPOConfig).warnings() == []
+    assert load_config(None, [*demo, f"loss.type={loss}"], DPOConfig).warnings() == []
 
 
 def test_a_data_file_listed_twice_warns(tmp_path: Path) -> None:

@@ -8,10 +8,11 @@ import pytest
 from ppo import runner
 from ppo.config import ConfigError, PPOConfig
 from ppo.config_loader import load_config
+from tests.helpers import demo_inputs
 
 
 def config(*overrides: str) -> PPOConfig:
-    return load_config(None, list(overrides), PPOConfig)
+    return load_config(None, [*demo_inputs(), *overrides], PPOConfig)
 
 
 def test_world_size_error_lists_the_sizes_that_fit() -> None:
