@@ -33,6 +33,7 @@ from ppo.data_files import DataError
 from tests.helpers import (
     ROOT,
     arith_row,
+    demo_inputs,
     excerpt,
     load_script,
     max_diff,
@@ -247,9 +248,10 @@ def test_kto_with_one_pair_per_rank_is_refused() -> None:
         ConfigError,
         match=r"loss.type=kto needs 2 pairs per rank .*data.train_batch_size / world size = 2 / 2",
     ):
-        validate_stage(load_config(None, one, DPOConfig), 2)
-    validate_stage(load_config(None, one, DPOConfig), 1)  # 2 pairs on one rank
-    validate_stage(load_config(None, [*one[1:], "loss.type=dpo"], DPOConfig), 2)  # DPO needs no partner
+        validate_stage(load_config(None, [*demo_inputs(DPOConfig), *one], DPOConfig), 2)
+    validate_stage(load_config(None, [*demo_inputs(DPOConfig), *one], DPOConfig), 1)  # 2 pairs on one rank
+    plain = [*demo_inputs(DPOConfig), *one[1:], "loss.type=dpo"]
+    validate_stage(load_config(None, plain, DPOConfig), 2)  # DPO needs no partner
 
 
 # ----------------------------------------------------------------------------------------------------
