@@ -354,7 +354,7 @@ def _prime(last: dict[str, Leaf], errors: list[str], context: dict[str, Any]) ->
     if context["algorithm.adv_estimator"] != "prime":
         return []
     dropped = [last[k] for k in ("reward.enable", "reward.model.enable") if k in last]
-    path = last.get("reward.model.path")
+    path = last.get("reward.model.path") or last.get("reward.model.model_path")  # 0.9.1's spelling
     if path is None or path.value is None:
         return dropped
     ref = next((last[k] for k in ("ref.model_path", "ref.model.path") if k in last), None)

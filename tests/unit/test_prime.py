@@ -304,6 +304,8 @@ def test_the_recipes_reward_model_path_is_the_prms_start() -> None:
     assert (cfg.reward.style, cfg.ref.model_path) == ("rule", "/m/ref")
     with pytest.raises(ConfigError, match=r"reward_model\.model\.path='/m/prm' .*set ref\.model_path=/m/prm"):
         load_config(None, [*recipe, "reward_model.model.path=/m/prm"])
+    with pytest.raises(ConfigError, match=r"reward\.reward_model\.model_path='/m/prm' .*PRM's starting"):
+        load_config(None, [*recipe, "reward.reward_model.model_path=/m/prm"])
     # Without PRIME they name an outcome reward model, as in verl's PPO trainer.
     cfg = load_config(None, ["reward_model.enable=True", "reward_model.model.path=/m/rm"])
     assert (cfg.reward.style, cfg.reward.model_path) == ("model", "/m/rm")
