@@ -473,3 +473,26 @@ def test_verl_flops_formula_by_hand() -> None:
     assert (config.intermediate_size, config.vocab_size) == (4864, 151936)
     expected = 6 * 630_095_872 * 400 + 6 * 100_000 * 64 * 14 * 24
     assert verl_training_flops(config, 400.0, 100_000.0) == expected
+
+
+@pytest.mark.slow
+def test_token_sum_is_the_token_mean_times_the_tokens(tiny_assets: Path, tmp_path: Path) -> None:
+    """verl's loss_agg_mode=token-sum, in verl's spelling, through the trainer: with one update a step, step
+    1 (the same samples in both runs) logs the policy and value losses of token-mean times the step's
+    response tokens (8 responses x response_length/mean), the sum over every token of the mini-batch."""
+    common = ["algorithm.adv_estimator=gae", "actor.ppo_mini_batch_size=4", "trainer.val_before_train=false"]
+    rows = {}
+    for mode in ("token-mean", "token-sum"):
+        rows[mode] = train(
+            tiny_assets,
+            tmp_path / mode,
+            *common,
+            f"actor_rollout_ref.actor.loss_agg_mode={mode}",
+            f"critic.loss_agg_mode={mode}",
+            steps=1,
+        )[0]
+    mean, total = rows["token-mean"], rows["token-sum"]
+    tokens = 8 * mean["response_length/mean"]
+    assert total["response_length/mean"] == mean["response_length/mean"]
+    assert total["actor/pg_loss"] == pytest.approx(mean["actor/pg_loss"] * tokens, rel=1e-4)
+    assert total["critic/vf_loss"] == pytest.approx(mean["critic/vf_loss"] * tokens, rel=1e-4)
