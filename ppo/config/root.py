@@ -63,16 +63,18 @@ class PPOConfig(PPOTree):
             },
         )
 
-    def validate(self, world_size: int) -> None:
-        """Check that the run's inputs are set (``unset_inputs``), then every batch divisibility that
-        ``world_size`` ranks need; say which numbers to change.
+    def validate(self, world_size: int, *, inputs: bool = True) -> None:
+        """Check that the run's inputs are set (``unset_inputs``; ``inputs=False`` skips it for a config
+        whose models and prompts come from elsewhere, a benchmark's random weights and synthetic batch),
+        then every batch divisibility that ``world_size`` ranks need; say which numbers to change.
 
         Each rank takes ``train_batch_size / world_size`` prompts and samples ``n`` responses for each;
         each mini-batch holds ``ppo_mini_batch_size * n``
         sequences split evenly over ranks, and (without dynamic batch size) each rank's share splits into
         micro-batches of ``ppo_micro_batch_size_per_gpu``.
         """
-        check_inputs_set(self.unset_inputs())
+        if inputs:
+            check_inputs_set(self.unset_inputs())
         check_world_size(world_size)
         errors = world_size_errors(self, world_size)
         if errors:

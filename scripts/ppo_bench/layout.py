@@ -302,7 +302,7 @@ def path_config(args: argparse.Namespace, path: str, world_size: int) -> PPOConf
             f"{role}.optim.lr=1e-6",
         ]
     cfg = load_config(None, overrides)
-    cfg.validate(world_size)
+    cfg.validate(world_size, inputs=False)  # the models are --model-config's, the batch synthetic
     return cfg
 
 
