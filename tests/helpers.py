@@ -1,5 +1,6 @@
-"""What the test files share: the repository's paths; importing a script; Parquet files of rows; short
-PPO runs on the tiny assets and their metrics; launching a script on 2 gloo ranks and reading its
+"""What the test files share: the repository's paths; importing a script; Parquet files of rows; the
+overrides naming a demo's model and data (``demo_inputs``: the schema's defaults name none); short PPO
+runs on the tiny assets and their metrics; launching a script on 2 gloo ranks and reading its
 checks; comparing tensors (``close``, ``t64``, relative gradient errors); a tiny Llama config.
 
 Test files and the files that torchrun runs as workers import these as ``tests.helpers`` (the repository
