@@ -182,3 +182,15 @@ def test_preset_at_wrong_world_size_names_the_fix(
     assert f"does not fit world size {world_size}" in err
     for fragment in names:
         assert fragment in err, f"{fragment!r} not in: {err}"
+
+
+def test_make_demo_starts_the_resuming_preset_over() -> None:
+    # configs/demo_cpu.yaml resumes (trainer.resume_mode=auto): `make demo` reruns it from step 0 and
+    # `make demo-resume` continues it, each saying so on its command line.
+    makefile = (ROOT / "Makefile").read_text()
+    recipes = dict(re.findall(r"^(demo|demo-resume): check-assets\n\t\$\(DEMO_PPO\) (.*)$", makefile, re.M))
+    assert recipes == {
+        "demo": "trainer.resume_mode=disable trainer.overwrite=true",
+        "demo-resume": "trainer.resume_mode=auto",
+    }
+    assert "--config configs/demo_cpu.yaml" in makefile.split("\nDEMO_PPO := ", 1)[1].split("\n\n")[0]
