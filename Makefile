@@ -39,9 +39,11 @@ install: .venv/.installed
 	touch $@
 
 # The locks from pyproject.toml's ranges and the torch build of locks/{cpu,cuda}.in, newest releases first
-# (uv pip compile, with every file's hash). Commit them with the change that needs them; CI's newest lane
-# tells when a newer release inside the ranges has come out and passes.
-UV_COMPILE := .venv/bin/uv pip compile pyproject.toml --extra dev --generate-hashes --python-version 3.11 \
+# (uv pip compile, with every file's hash), with the dev extra and the trackers whose tests `make test`
+# runs (mlflow, swanlab, clearml: about 190 MB and 2 minutes of install). Commit them with the change that
+# needs them; CI's newest lane tells when a newer release inside the ranges has come out and passes.
+UV_COMPILE := .venv/bin/uv pip compile pyproject.toml --extra dev --extra mlflow --extra swanlab \
+	--extra clearml --generate-hashes --python-version 3.11 \
 	--python-platform x86_64-manylinux_2_28 --custom-compile-command 'make lock' --quiet
 lock: install
 	$(UV_COMPILE) locks/cpu.in --find-links $(TORCH_CPU_LINKS) -o locks/cpu.txt
