@@ -78,6 +78,9 @@ def offline_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[st
     """One run of ``WRITER`` with ``trainer.logger=[console,<every installed tracker>]`` (one process: torch
     imports once), in a folder that is its working folder and HOME; the folder and the resolved config."""
     folder = tmp_path_factory.mktemp("trackers")
+    # ClearML's reporter in threads, not in a process it forks: on a busy machine the fork (from a process
+    # that already runs threads) can leave Task.close waiting for it for ever.
+    (folder / "clearml.conf").write_text("sdk { development { report_use_subprocess: false } }\n")
     installed = [name for name in OFFLINE_TRACKERS if importlib.util.find_spec(name) is not None]
     overrides = [
         *OVERRIDES,
@@ -94,6 +97,7 @@ def offline_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[st
         "SWANLAB_LOG_DIR": str(folder / "swanlog"),
         "TRACKIO_DIR": str(folder / "trackio"),
         "CLEARML_CACHE_DIR": str(folder / "clearml"),
+        "CLEARML_CONFIG_FILE": str(folder / "clearml.conf"),
     }
     proc = subprocess.run(
         [sys.executable, "-c", WRITER, str(folder / "run"), json.dumps(overrides), json.dumps(STEPS)],
