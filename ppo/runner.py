@@ -61,6 +61,7 @@ from ppo.distributed import (
     seed_everything,
     setup_logging,
 )
+from ppo.metrics import check_trackers
 from ppo.step_end import TrainingError
 
 logger = logging.getLogger("ppo")
@@ -176,8 +177,10 @@ def _main(
 
 
 def validate_config(cfg: PPOConfig | StageConfig, world_size: int) -> None:
-    """The world-size checks of the config (batch divisibility, shard groups), after the launcher's."""
+    """The world-size checks of the config (batch divisibility, shard groups), after the launcher's, and
+    that every tracker of ``trainer.logger`` imports (before the run folder is made or a model loads)."""
     check_launcher(cfg, world_size, os.environ, script=os.path.basename(sys.argv[0]) or "train_ppo.py")
+    check_trackers(cfg.trainer.logger)
     if isinstance(cfg, PPOConfig):
         cfg.validate(world_size)
     else:
