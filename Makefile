@@ -40,8 +40,9 @@ install: .venv/.installed
 
 # The locks from pyproject.toml's ranges and the torch build of locks/{cpu,cuda}.in, newest releases first
 # (uv pip compile, with every file's hash), with the dev extra and the trackers whose tests `make test`
-# runs (mlflow, swanlab, clearml: about 190 MB and 2 minutes of install). Commit them with the change that
-# needs them; CI's newest lane tells when a newer release inside the ranges has come out and passes.
+# runs (mlflow, swanlab, clearml: about 185 MB and 2.5 minutes of pip install). Commit them with the
+# change that needs them; CI's newest lane tells when a newer release inside the ranges has come out and
+# passes.
 UV_COMPILE := .venv/bin/uv pip compile pyproject.toml --extra dev --extra mlflow --extra swanlab \
 	--extra clearml --generate-hashes --python-version 3.11 \
 	--python-platform x86_64-manylinux_2_28 --custom-compile-command 'make lock' --quiet
