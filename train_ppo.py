@@ -56,6 +56,7 @@ from ppo.metrics import Timer, batch_metrics, perf_metrics, profiled
 from ppo.optimize import actor_loss, cov_selection, critic_loss, optimize, rollout_rejection
 from ppo.periodic_validation import validate
 from ppo.rollout import gather_group, sample
+from ppo.rule_scoring import TrainerProgress
 from ppo.step_end import EndStep, StopRequest, TrainingError
 
 logger = logging.getLogger("ppo")
@@ -262,8 +263,10 @@ def score_responses(
     cfg: PPOConfig, run: Run, batch: Batch, stop: StopRequest
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """``[B]`` the reward's score of each response (``rewards.batch_scores``), before any shaping, and
-    the rule's metrics (``reward/extra/*``; with ``reward.pool_workers``, ``reward/{timeouts,errors}``).
-    Reward workers give up at once on this rank's stop signal; the step ends at the next boundary."""
+    the rule's metrics (``reward/extra/*``; a list of functions: ``reward/<name>/{mean,std}``; with
+    ``reward.pool_workers``, ``reward/{timeouts,errors}``). TRL-style functions see the steps done before
+    this one as ``trainer_state.global_step``. Reward workers give up at once on this rank's stop signal;
+    the step ends at the next boundary."""
     return rewards.batch_scores(
         batch,
         cfg.reward,
@@ -273,6 +276,7 @@ def score_responses(
         reward_model=run.reward_model,
         pool=run.reward_pool,
         stop=lambda: stop.name is not None,
+        trainer_state=TrainerProgress.after(run.state.step - 1, run.total_steps, run.loader.steps_per_epoch),
     )
 
 

@@ -77,7 +77,7 @@ class Run:
     """SPPO's old policy with ``actor.sppo_refresh_steps > 1``: a snapshot of the actor, loaded and
     sharded as the actor is, refreshed every that many steps and checkpointed; None otherwise."""
     reward_model: torch.nn.Module | None
-    scorer: rule_scoring.RuleScorer | None
+    scorer: rule_scoring.RuleScorer | rule_scoring.RewardFunctions | None
     """The rule reward in this process; None where ``reward_pool`` scores (``make_scorer``)."""
     reward_pool: RewardPool | None
     """The rule reward's worker processes (``reward.pool_workers > 0``); None scores in this process."""
@@ -99,7 +99,7 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
     tokenizer = model_setup.load_tokenizer(cfg.model)
     scorer = make_scorer(cfg)
     pool = make_reward_pool(cfg)
-    items, val_records = load_data(cfg, info, tokenizer, scorer, pool)
+    items, val_records = load_data(cfg, info, tokenizer)
     turns = (  # the environment class loads (or fails) before any model does
         multi_turn.make_settings(cfg.rollout.multi_turn, tokenizer, cfg.data.max_response_length)
         if cfg.rollout.multi_turn.enable
@@ -108,6 +108,7 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
     check_teachers(cfg, items)
     loader = data.make_loader(items, cfg, info)
     total_steps = data.total_steps(cfg, loader)
+    check_reward(cfg, items, val_records, scorer, pool, total_steps)
     sp = ulysses.make_sp_groups(cfg.actor.ulysses_sequence_parallel_size)
     # One call per model, None where the run has no use for it (in this order: loading may draw from the
     # seeded RNG, a fresh head or LoRA's initialisation).
@@ -198,16 +199,17 @@ def check_teachers(cfg: PPOConfig, items: list[Any]) -> None:
     distillation.check_routing(cfg, records)
 
 
-def make_scorer(cfg: PPOConfig) -> rule_scoring.RuleScorer | None:
-    """The rule scorer of this process (``reward.timeout_s`` holds here too) where this process scores
-    the rule reward; None with ``reward.pool_workers > 0``: the workers score, each imports
+def make_scorer(cfg: PPOConfig) -> rule_scoring.RuleScorer | rule_scoring.RewardFunctions | None:
+    """The rule scorer of this process (``reward.timeout_s`` holds here too; a list of functions, or a
+    TRL-style one, is a ``RewardFunctions`` weighed by ``reward.weights``) where this process scores the
+    rule reward; None with ``reward.pool_workers > 0``: the workers score, each imports
     ``reward.custom_function`` itself (a bad file fails their start-up in one line), and this process
     never imports it, so the user's code runs only where it scores."""
     r = cfg.reward
     if r.pool_workers > 0:
         return None
     return rule_scoring.make_rule_scorer(
-        r.custom_function, r.format_score, r.reward_kwargs, timeout_s=r.timeout_s
+        r.custom_function, r.format_score, r.reward_kwargs, timeout_s=r.timeout_s, weights=r.weights
     )
 
 
@@ -225,19 +227,15 @@ def make_reward_pool(cfg: PPOConfig) -> RewardPool | None:
         timeout_s=r.timeout_s,
         error_score=r.error_score,
         total_timeout_s=r.total_timeout_s,
+        weights=r.weights,
     )
 
 
 def load_data(
-    cfg: PPOConfig,
-    info: DistInfo,
-    tokenizer: Any,
-    scorer: rule_scoring.RuleScorer | None,
-    pool: RewardPool | None = None,
+    cfg: PPOConfig, info: DistInfo, tokenizer: Any
 ) -> tuple[list[data.PromptRecord] | list[offline.OfflineGroup], list[data.PromptRecord]]:
     """The training items (prompt records, or offline groups with ``rollout.offline_fraction``) and the
-    validation prompts; the rule scorer checked against the training prompts' sources (in ``pool``
-    where there is one; ``scorer`` is None then)."""
+    validation prompts."""
     load = dict(
         prompt_key=cfg.data.prompt_key,
         max_prompt_length=cfg.data.max_prompt_length,
@@ -255,7 +253,6 @@ def load_data(
                 require_scores=cfg.reward.style == "dataset",
                 **load,
             )
-            train_records = [g.record for g in items]
             alg = cfg.algorithm
             if alg.reads_data_logprobs and all(g.logprobs is None for g in items):
                 key = "rollout_is_threshold" if alg.rollout_is_threshold is not None else "rollout_rs"
@@ -265,7 +262,7 @@ def load_data(
                     f"writes it); set algorithm.{key}=null"
                 )
         else:
-            items = train_records = data.load_prompts(
+            items = data.load_prompts(
                 cfg.data.train_files, tokenizer, require_ground_truth=require_ground_truth, **load
             )
         val_records = (
@@ -275,14 +272,29 @@ def load_data(
         )
     if cfg.data.max_val_samples > 0:
         val_records = val_records[: cfg.data.max_val_samples]
-    if rewards.needs_rule_scores(cfg.reward, cfg.rollout.offline_fraction):
-        rewards.check_rule_coverage(scorer, train_records, cfg.reward.custom_function, pool)
-    if not rewards.uses_reward_model(cfg.reward):  # validation answers are scored by the rule
-        check_val_sources(val_records, cfg.reward.custom_function)
     return items, val_records
 
 
-def check_val_sources(records: list[data.PromptRecord], custom_function: str | None) -> None:
+def check_reward(
+    cfg: PPOConfig,
+    items: list[data.PromptRecord] | list[offline.OfflineGroup],
+    val_records: list[data.PromptRecord],
+    scorer: rule_scoring.RuleScorer | rule_scoring.RewardFunctions | None,
+    pool: RewardPool | None,
+    total_steps: int,
+) -> None:
+    """Before any model loads: the rule scorer covers the training prompts' sources and runs on the first
+    one (in ``pool`` where there is one; ``scorer`` is None then; a TRL-style function sees the first
+    step's ``trainer_state``), and covers the validation prompts' sources."""
+    if rewards.needs_rule_scores(cfg.reward, cfg.rollout.offline_fraction):
+        records = [getattr(item, "record", item) for item in items]  # an offline group's prompt
+        progress = rule_scoring.TrainerProgress(global_step=0, max_steps=total_steps, epoch=0.0)
+        rewards.check_rule_coverage(scorer, records, cfg.reward.custom_function, pool, progress)
+    if not rewards.uses_reward_model(cfg.reward):  # validation answers are scored by the rule
+        check_val_sources(val_records, cfg.reward.custom_function)
+
+
+def check_val_sources(records: list[data.PromptRecord], custom_function: str | list[str] | None) -> None:
     """Every validation prompt's ``data_source`` has a rule scorer (as the training prompts'): a source
     without one would be generated for and scored by nothing."""
     unknown = sorted(

@@ -166,7 +166,8 @@ def code_problem(spec: str, key: str) -> str | None:
 
 def input_problems(cfg: Any) -> list[str]:
     """One message per input of ``cfg`` (PPO's or a stage's config) that does not exist: the model folders
-    the run loads, the data files, the reward function's and the environment's file or module."""
+    the run loads, the data files, the reward functions' (each of a list) and the environment's file or
+    module."""
     problems = []
     for key, path in _model_paths(cfg):
         try:
@@ -184,7 +185,9 @@ def input_problems(cfg: Any) -> list[str]:
                 problems.append(f"data.{key}: {missing_file(Path(path))}")
     reward, rollout = getattr(cfg, "reward", None), getattr(cfg, "rollout", None)
     specs = []
-    if reward is not None and reward.custom_function:
+    if reward is not None and isinstance(reward.custom_function, list):  # reward.custom_function[i]
+        specs += [(f"reward.custom_function[{i}]", spec) for i, spec in enumerate(reward.custom_function)]
+    elif reward is not None and reward.custom_function:
         specs.append(("reward.custom_function", reward.custom_function))
     if rollout is not None and rollout.multi_turn.enable and rollout.multi_turn.env:
         specs.append(("rollout.multi_turn.env", rollout.multi_turn.env))

@@ -7,7 +7,8 @@ sampled answers per prompt measures exploration.
 
 metrics = validate(cfg, info, run)   # val/<data_source>/score, /accuracy, val/score, val/accuracy,
                                      # and with val_kwargs: val/mean@n, val/pass@k, val/best@k, val/maj@n;
-                                     # multi-turn: val/turns/mean, val/tool_calls/mean
+                                     # multi-turn: val/turns/mean, val/tool_calls/mean;
+                                     # reward.custom_function a list: val/reward/<name>/{mean,std}
 
 The headline ``val/score`` (what ``trainer.rollback_val_drop`` and the best score so far follow) is the
 greedy pass's, or, with ``rollout.val_kwargs.do_sample``, the mean over the ``n`` sampled answers, as
@@ -92,13 +93,14 @@ def _validate(cfg: PPOConfig, info: DistInfo, run: Run, stop: StopRequest | None
         if run.reward_model is not None
         else None
     )
-    rule = rule_scores(cfg, run, mine, texts, stop)
-    if rule is None:
+    scored = rule_scores(cfg, run, mine, rollout, texts, stop)
+    if scored is None:
         return {}
+    rule, function_metrics = scored
     if cfg.trainer.log_val_generations:
         shown = model_scores.tolist() if model_scores is not None else rule
         log_generations(run, info, mine, texts, shown, cfg.trainer.log_val_generations)
-    out = score_metrics(mine, model_scores, rule, answers_per_prompt=1)
+    out = score_metrics(mine, model_scores, rule, answers_per_prompt=1) | function_metrics
     if cfg.rollout.val_kwargs.do_sample:  # the headline is the sampled pass's: the greedy one is renamed
         out = {
             f"{key.rpartition('/')[0]}/greedy_{key.rpartition('/')[2]}": value
@@ -135,7 +137,8 @@ def score_metrics(
             s[0] += float(model_scores[i])
         elif rule[i] is not None:
             s[0] += rule[i]
-        s[1] += 1
+        if model_scores is not None or rule[i] is not None:  # a row the rule leaves out counts nowhere
+            s[1] += 1
         if rule[i] is not None:
             s[2] += float(rule[i] >= 1.0)
             s[3] += 1
@@ -202,9 +205,10 @@ def sampled_metrics(
     if rollout is None:
         return None
     texts = decode_responses(run.tokenizer, rollout)
-    rule = rule_scores(cfg, run, records, texts, stop)
-    if rule is None:
+    scored = rule_scores(cfg, run, records, rollout, texts, stop)
+    if scored is None:
         return None
+    rule, function_metrics = scored
     out: dict[str, float] = {}
     if v.do_sample:
         model_scores = (
@@ -214,7 +218,7 @@ def sampled_metrics(
             if run.reward_model is not None
             else None
         )
-        out.update(score_metrics(records, model_scores, rule, answers_per_prompt=v.n))
+        out.update(score_metrics(records, model_scores, rule, answers_per_prompt=v.n) | function_metrics)
     ks = k_values(v.n)
     best_ks = ks[1:]  # verl's best@k starts at k = 2
     draws = bootstrap_draws(v.n, best_ks)
@@ -280,33 +284,44 @@ def rule_scores(
     cfg: PPOConfig,
     run: Run,
     records: list[PromptRecord],
+    rollout: Rollout,
     texts: list[str],
     stop: StopRequest | None,
-) -> list[float | None] | None:
-    """The rule's score of each text, None where the source has no rule or the record no ground truth
-    (``rewards.rule_scores``, in ``run.reward_pool`` where there is one); a reward function that fails on
-    any rank stops every rank. None when a stop signal came: the pool's workers give up on it at once
-    (a hanging reward function would otherwise hold the stop for up to ``reward.timeout_s`` a call)."""
+) -> tuple[list[float | None], dict[str, float]] | None:
+    """The rule's score of each text (of the responses of ``rollout``), None where the source has no rule,
+    the record no ground truth, or every reward function returned None (TRL's "does not apply")
+    (``rewards.rule_results``, in ``run.reward_pool`` where there is one; TRL-style functions see the
+    steps done as ``trainer_state.global_step``); a reward function that fails on any rank stops every
+    rank. With ``reward.custom_function`` a list, also each function's ``val/reward/<name>/mean`` and
+    ``/std``. None when a stop signal came: the pool's workers give up on it at once (a hanging reward
+    function would otherwise hold the stop for up to ``reward.timeout_s`` a call)."""
     fn = cfg.reward.custom_function
     rows = [
         i
         for i, r in enumerate(records)
         if rule_scoring.has_rule(r.data_source, fn) and (r.ground_truth is not None or fn is not None)
     ]
-    scores, _ = rewards.rule_scores(
+    ids = rewards.response_ids(rollout)
+    scored, metrics = rewards.rule_results(
         run.scorer,
         [records[i] for i in rows],
         [texts[i] for i in rows],
         run.reward_pool,
         stop=None if stop is None else lambda: stop.name is not None,
+        completion_ids=[ids[i] for i in rows],
+        trainer_state=rule_scoring.TrainerProgress.after(
+            run.state.step, run.total_steps, run.loader.steps_per_epoch
+        ),
     )
     if stop is not None and stop.requested():
         logger.warning("validation stopped while scoring (%s)", stop.name)
         return None
     out: list[float | None] = [None] * len(records)
-    for i, score in zip(rows, scores.tolist(), strict=True):
-        out[i] = score
-    return out
+    for i, score in zip(rows, scored, strict=True):
+        out[i] = None if isinstance(score, rule_scoring.WeightedScore) and score.declined else score.value
+    names, _ = rewards.listed_functions(run.scorer, run.reward_pool)
+    keys = [f"reward/{name}/{stat}" for name in names for stat in ("mean", "std")]
+    return out, {f"val/{key}": metrics[key] for key in keys}
 
 
 def turn_metrics(rollout: Rollout) -> dict[str, float]:

@@ -19,8 +19,11 @@ past it, the calls still running are abandoned and the rows not scored yet count
 A worker is ``python -m ppo.reward_worker`` (see there): a fresh interpreter that imports only the
 standard library and ``ppo.rule_scoring``, never torch or the trainer's ``__main__``, so it is ready in a
 fraction of a second; it builds the scorer once from plain data (the function's spec, ``format_score``,
-``reward_kwargs``). A worker killed on a timeout is replaced without waiting: the new one joins when it
-reports ready, and the other workers go on scoring meanwhile. ``stop`` (checked every ``STOP_POLL_S``)
+``reward_kwargs``). With ``reward.custom_function`` a list, each function of each response is a call of
+its own (its own time limit, its failures named ``reward.custom_function[i]=...``), and a response's score
+is the ``weighted_score`` of its calls (``reward.weights``); a response with a failed call failed. TRL-style
+(batched) functions cannot run here: a worker refuses them at start-up. A worker killed on a timeout is
+replaced without waiting: the new one joins when it reports ready, and the other workers go on scoring meanwhile. ``stop`` (checked every ``STOP_POLL_S``)
 ends a call at once, its unscored rows abandoned (not failures): the trainer then stops at its next phase
 boundary. ``reward.pool_workers=0`` (the default) scores in the trainer's own process, where a failing
 function stops the run at once.
@@ -48,7 +51,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ppo.reward_worker import read_message, write_message
-from ppo.rule_scoring import RewardError, Score, scorer_name
+from ppo.rule_scoring import (
+    RewardError,
+    Score,
+    WeightedScore,
+    function_labels,
+    metric_names,
+    scorer_name,
+    weighted_score,
+)
 
 logger = logging.getLogger("ppo")
 
@@ -71,8 +82,8 @@ class _Worker:
     """``time.monotonic()`` when it was started (its start-up limit counts from there)."""
     ready: bool = False
     """Whether it has built its scorer and takes calls."""
-    row: int | None = None
-    """The row it is scoring, None when idle."""
+    job: tuple[int, int] | None = None
+    """The (row, function) it is scoring, None when idle."""
     since: float = 0.0
     """When that call was sent."""
 
@@ -81,8 +92,9 @@ class _Worker:
 class PoolScores:
     """What ``RewardPool.score`` returns for one call."""
 
-    scored: list[Score | None]
-    """The scorer's result per text; None where the call failed or was abandoned."""
+    scored: list[Score | WeightedScore | None]
+    """The scorer's result per text (with a list of functions, their ``weighted_score``); None where a
+    call failed or was abandoned."""
     timeouts: int = 0
     """Rows whose call ran past ``timeout_s``, or that ``total_timeout_s`` cut (``capped``)."""
     errors: int = 0
@@ -102,16 +114,25 @@ class RewardPool:
     def __init__(
         self,
         *,
-        custom_function: str | None,
+        custom_function: str | list[str] | None,
         format_score: float,
         reward_kwargs: dict[str, Any] | None,
         num_workers: int,
         timeout_s: float,
         error_score: float,
         total_timeout_s: float | None = None,
+        weights: list[float] | None = None,
     ) -> None:
         self.name = scorer_name(custom_function)
         """What failures are blamed on (``reward.custom_function='r.py:score'``)."""
+        self.labels = function_labels(custom_function) if custom_function else [self.name]
+        """Each function's own name in failures (``reward.custom_function[1]='b.py:g'`` in a list)."""
+        self.listed = isinstance(custom_function, list)
+        self.weights = weights if weights is not None else [1.0] * len(self.labels) if self.listed else None
+        """The functions' weights where their scores are combined (a list, or ``reward.weights``)."""
+        self.names: list[str] = []
+        """With a list: each function's metric name (``reward/<name>/mean``), from its ``__name__`` as the
+        first worker reports it (this process never imports the functions)."""
         self.timeout_s = timeout_s
         self.total_timeout_s = total_timeout_s
         self.error_score = error_score
@@ -160,22 +181,24 @@ class RewardPool:
         timeouts, errors and abandoned rows. ``stop`` (local: this rank's stop request) is checked every
         ``STOP_POLL_S``; when it turns true the call returns at once, its unscored rows abandoned."""
         cap = time.monotonic() + self.total_timeout_s if self.total_timeout_s is not None else math.inf
-        todo = deque(range(len(texts)))
-        results: dict[int, tuple[str, Any]] = {}
-        while todo or any(w.row is not None for w in self.workers):
+        # One call per (response, function): each function's call has its own time limit and blame.
+        todo = deque((row, fn) for row in range(len(texts)) for fn in range(len(self.labels)))
+        results: dict[tuple[int, int], tuple[str, Any]] = {}
+        while todo or any(w.job is not None for w in self.workers):
             for w in self.workers:
-                if w.ready and w.row is None and todo:
+                if w.ready and w.job is None and todo:
                     self._send(w, todo.popleft(), records, texts, todo)
             now = time.monotonic()
-            deadlines = [cap] + [w.since + self.timeout_s for w in self.workers if w.row is not None]
+            deadlines = [cap] + [w.since + self.timeout_s for w in self.workers if w.job is not None]
             wait_s = max(0.0, min(deadlines) - now)
             if stop is not None:
                 wait_s = min(wait_s, STOP_POLL_S)
             self._wait_and_receive(wait_s, results, stop)
             now = time.monotonic()
             for w in self.workers:
-                if w.row is not None and now - w.since >= self.timeout_s:
-                    results[w.row] = ("timeout", f"ran longer than reward.timeout_s={self.timeout_s}")
+                if w.job is not None and now - w.since >= self.timeout_s:
+                    who = f"{self.labels[w.job[1]]} " if self.listed else ""
+                    results[w.job] = ("timeout", f"{who}ran longer than reward.timeout_s={self.timeout_s}")
                     self._replace(w)
             if stop is not None and stop():
                 self._abandon(todo, results, "abandoned", "the run is stopping")
@@ -189,19 +212,24 @@ class RewardPool:
         return self._summary(records, results, len(texts))
 
     def _send(
-        self, w: _Worker, row: int, records: list[PromptRecord], texts: list[str], todo: deque[int]
+        self,
+        w: _Worker,
+        job: tuple[int, int],
+        records: list[PromptRecord],
+        texts: list[str],
+        todo: deque[tuple[int, int]],
     ) -> None:
-        r = records[row]
+        (row, fn), r = job, records[job[0]]
         try:
-            write_message(w.proc.stdin, (r.data_source, texts[row], r.ground_truth, r.extra_info))  # type: ignore[arg-type]
-        except OSError:  # it died while idle: the row goes to another worker
-            todo.appendleft(row)
+            write_message(w.proc.stdin, (fn, r.data_source, texts[row], r.ground_truth, r.extra_info))  # type: ignore[arg-type]
+        except OSError:  # it died while idle: the job goes to another worker
+            todo.appendleft(job)
             self._replace(w)
             return
-        w.row, w.since = row, time.monotonic()
+        w.job, w.since = job, time.monotonic()
 
     def _wait_and_receive(
-        self, wait_s: float, results: dict[int, tuple[str, Any]], stop: Callable[[], bool] | None
+        self, wait_s: float, results: dict[tuple[int, int], tuple[str, Any]], stop: Callable[[], bool] | None
     ) -> None:
         """Wait up to ``wait_s`` for any worker's message or exit and take it in; a worker that is not
         ready by its start-up limit, or fails to start, is a RewardError."""
@@ -220,7 +248,7 @@ class RewardPool:
                 )
 
     def _receive(
-        self, w: _Worker, results: dict[int, tuple[str, Any]], stop: Callable[[], bool] | None
+        self, w: _Worker, results: dict[tuple[int, int], tuple[str, Any]], stop: Callable[[], bool] | None
     ) -> None:
         try:
             message = read_message(w.proc.stdout)  # type: ignore[arg-type]
@@ -229,8 +257,9 @@ class RewardPool:
             if not w.ready and not stopping:
                 reason = self._exit_reason(w)
                 raise RewardError(f"a reward worker for {self.name} did not start: {reason}") from None
-            if w.row is not None:
-                results[w.row] = ("abandoned", "") if stopping else ("error", "the reward worker died")
+            if w.job is not None:
+                died = "the reward worker died" + (f" in {self.labels[w.job[1]]}" if self.listed else "")
+                results[w.job] = ("abandoned", "") if stopping else ("error", died)
             self._replace(w)
             return
         kind, value = message
@@ -238,9 +267,11 @@ class RewardPool:
             raise RewardError(f"a reward worker could not start: {value}")
         if kind == "ready":
             w.ready = True
-        elif w.row is not None:
-            results[w.row] = message
-            w.row = None
+            if self.listed and not self.names:
+                self.names = metric_names(value)
+        elif w.job is not None:
+            results[w.job] = message
+            w.job = None
 
     def _exit_reason(self, w: _Worker) -> str:
         try:
@@ -252,12 +283,16 @@ class RewardPool:
         return f"it exited with code {code} while importing the function (its output is above)"
 
     def _abandon(
-        self, todo: deque[int], results: dict[int, tuple[str, Any]], status: str, reason: str
+        self,
+        todo: deque[tuple[int, int]],
+        results: dict[tuple[int, int], tuple[str, Any]],
+        status: str,
+        reason: str,
     ) -> None:
         """Give up the rows not scored yet: the calls still running (their workers replaced) and ``todo``."""
         for w in self.workers:
-            if w.row is not None:
-                results[w.row] = (status, reason)
+            if w.job is not None:
+                results[w.job] = (status, reason)
                 self._replace(w)
         while todo:
             results[todo.popleft()] = (status, reason)
@@ -276,17 +311,25 @@ class RewardPool:
         self.dying = [p for p in self.dying if p.poll() is None]
 
     def _summary(
-        self, records: list[PromptRecord], results: dict[int, tuple[str, Any]], n: int
+        self, records: list[PromptRecord], results: dict[tuple[int, int], tuple[str, Any]], n: int
     ) -> PoolScores:
+        """Each row's result from its functions' calls (their ``weighted_score`` with several); a row
+        with a failed call failed, as the first failed call says (abandoned if any call was)."""
         out = PoolScores(scored=[])
         for row in range(n):
-            status, value = results[row]
-            out.scored.append(value if status == "ok" else None)  # NaN and inf pass: the trainer skips
+            calls = [results[(row, fn)] for fn in range(len(self.labels))]
+            failed = [call for call in calls if call[0] != "ok"]
+            if not failed:  # NaN and inf pass: the trainer skips the step
+                parts = [value for _, value in calls]
+                out.scored.append(
+                    weighted_score(parts, self.weights) if self.weights is not None else parts[0]
+                )
+                continue
+            out.scored.append(None)
+            status, value = next((call for call in failed if call[0] == "abandoned"), failed[0])
             if status == "capped":
                 out.capped += 1
                 status = "timeout"
-            if status == "ok":
-                continue
             if status == "abandoned":
                 out.abandoned += 1
                 continue
@@ -333,7 +376,7 @@ class RewardPool:
         """End every worker: idle ones get EOF and ``CLOSE_GRACE_S`` to exit, the rest are killed; never
         waits on a hung call."""
         for w in self.workers:
-            if w.row is not None or not w.ready:
+            if w.job is not None or not w.ready:
                 w.proc.kill()
             if w.proc.stdin is not None:
                 try:

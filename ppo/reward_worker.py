@@ -7,8 +7,10 @@ scores one response at a time. Messages both ways are length-prefixed pickles (`
 ``read_message``)::
 
     parent -> worker   {"sys_path", "custom_function", "format_score", "reward_kwargs", "parent_pid"},
-                       then (data_source, solution_str, ground_truth, extra_info) per call; None ends it
-    worker -> parent   ("ready", None) or ("failed", reason), then ("ok", Score) or ("error", reason)
+                       then (function, data_source, solution_str, ground_truth, extra_info) per call,
+                       ``function`` the index of one of a list's functions (0 for one); None ends it
+    worker -> parent   ("ready", the functions' __name__s) or ("failed", reason), then ("ok", Score) or
+                       ("error", reason)
 
 The protocol has the worker's stdout to itself: fd 1 is pointed at stderr before the user's code loads, so
 the function's prints land in the trainer's stderr. A worker ignores SIGINT (a Ctrl-C in the terminal
@@ -27,7 +29,7 @@ import threading
 import time
 from typing import Any, BinaryIO
 
-from ppo.rule_scoring import RewardError, make_rule_scorer, scorer_name
+from ppo.rule_scoring import RewardError, TRLScorer, load_functions, make_rule_scorer, scorer_name
 
 PARENT_POLL_S = 1.0
 """How often a worker checks that the process that started it is still there."""
@@ -79,7 +81,14 @@ def main() -> int:
     threading.Thread(target=_exit_with_parent, args=(setup["parent_pid"],), daemon=True).start()
     spec = setup["custom_function"]
     try:
-        scorer = make_rule_scorer(spec, setup["format_score"], setup["reward_kwargs"])
+        functions = (
+            load_functions(spec, setup["reward_kwargs"])
+            if spec is not None
+            else [make_rule_scorer(None, setup["format_score"])]
+        )
+        batched = [f for f in functions if isinstance(f, TRLScorer)]
+        if batched:
+            raise batched[0].not_per_response()
     except RewardError as e:  # names the function and what went wrong
         write_message(protocol, ("failed", str(e)))
         return 1
@@ -88,7 +97,7 @@ def main() -> int:
             protocol, ("failed", f"{scorer_name(spec)}: importing it raised {type(e).__name__}: {e}")
         )
         return 1
-    write_message(protocol, ("ready", None))
+    write_message(protocol, ("ready", [f.name for f in functions] if spec is not None else []))
     while True:
         try:
             job = read_message(requests)
@@ -96,8 +105,9 @@ def main() -> int:
             return 0
         if job is None:
             return 0
+        fn, *row = job
         try:
-            answer = ("ok", scorer(*job))
+            answer = ("ok", functions[fn](*row))
         except Exception as e:  # the user's function: any failure becomes a counted error score
             answer = ("error", str(e)[:300])
         except SystemExit as e:  # sys.exit() in the function, if the scorer let it through

@@ -31,11 +31,13 @@ from ppo.reward_pool import PoolScores, RewardPool
 from ppo.rule_scoring import (
     RULE_DATA_SOURCES,
     RewardError,
+    RewardFunctions,
     RuleScorer,
     Score,
-    TRLScorer,
-    check_scorer,
+    TrainerProgress,
+    WeightedScore,
     has_rule,
+    score_rows,
     warn_if_not_finite,
 )
 
@@ -193,14 +195,16 @@ def needs_ground_truth(reward: RewardConfig, offline_fraction: float) -> bool:
 
 
 def check_rule_coverage(
-    scorer: RuleScorer | None,
+    scorer: RuleScorer | RewardFunctions | None,
     records: list[PromptRecord],
-    custom_function: str | None,
+    custom_function: str | list[str] | None,
     pool: RewardPool | None = None,
+    trainer_state: TrainerProgress | None = None,
 ) -> None:
-    """Every training prompt's ``data_source`` has a rule scorer, and the scorer runs on the first one
-    (``check_scorer``; in ``pool`` where given, so a function that hangs is stopped after its time limit):
-    found now, not at the first step."""
+    """Every training prompt's ``data_source`` has a rule scorer, and the scorer runs on an empty response
+    to the first one (in ``pool`` where given, so a function that hangs is stopped after its time limit;
+    a TRL-style function gets ``trainer_state``): found now, not at the first step. A non-finite score
+    only warns (the trainer skips such steps)."""
     unknown = sorted({r.data_source for r in records if not has_rule(r.data_source, custom_function)})
     if unknown:
         raise RewardError(
@@ -209,16 +213,23 @@ def check_rule_coverage(
             f"file.py:function, or use a reward model (reward.style=model)"
         )
     first = records[0]
-    if isinstance(scorer, TRLScorer):
-        warn_if_not_finite(scorer.score_batch([first], [""])[0].value)
     if pool is None:
-        if not isinstance(scorer, TRLScorer):
-            check_scorer(scorer, first.data_source, first.ground_truth, first.extra_info)
-        return
-    out = pool.score([first], [""])
-    if out.first is not None:
-        raise RewardError(f"{pool.name} cannot score an empty response at start-up: {out.first}")
-    warn_if_not_finite(out.scored[0].value)
+        (score,) = _score_here(scorer, [first], [""], [[]], trainer_state)
+    else:
+        out = pool.score([first], [""])
+        if out.first is not None:
+            raise RewardError(f"{pool.name} cannot score an empty response at start-up: {out.first}")
+        score = out.scored[0]
+    if not _declined(score):
+        warn_if_not_finite(score.value)
+
+
+def response_ids(rollout: Rollout) -> list[list[int]]:
+    """Each response's token ids without padding, up to and including its EOS (TRL's
+    ``completion_ids``): the tokens ``decode_responses`` decodes (a multi-turn rollout's observations
+    too)."""
+    rows = zip(rollout.responses.tolist(), rollout.attention_mask.tolist(), strict=True)
+    return [[t for t, m in zip(tokens, mask, strict=True) if m] for tokens, mask in rows]
 
 
 def batch_scores(
@@ -226,14 +237,16 @@ def batch_scores(
     reward: RewardConfig,
     *,
     group_size: int,
-    scorer: RuleScorer | None,
+    scorer: RuleScorer | RewardFunctions | None,
     tokenizer: Any,
     reward_model: torch.nn.Module | None,
     pool: RewardPool | None = None,
     stop: Callable[[], bool] | None = None,
+    trainer_state: TrainerProgress | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Per-sequence scores ``[B]`` of a step's batch, on its device: the rule (in ``pool`` where given,
-    which ends its call early once ``stop()``, this rank's stop request, turns true) or
+    which ends its call early once ``stop()``, this rank's stop request, turns true; TRL-style functions
+    get ``trainer_state`` and the responses' token ids) or
     the reward model; with ``reward.style=ranking`` scores from each group's ranks (the data set's for
     offline groups, by the rule or the reward model for sampled ones); with ``reward.style=dataset`` the
     data set's scores. Also the rule's metrics (``rule_scores``; {} without the rule). A reward
@@ -251,7 +264,16 @@ def batch_scores(
         )
     else:
         texts = decode_responses(tokenizer, batch.rollout)
-        scores, metrics = rule_scores(scorer, batch.records, texts, pool, stop)
+        scores, metrics = rule_scores(
+            scorer,
+            batch.records,
+            texts,
+            pool,
+            stop,
+            completion_ids=response_ids(batch.rollout),
+            trainer_state=trainer_state,
+            group_ids=batch.group_ids,
+        )
     if reward.style == "ranking":
         scores = rank_scores(scores, batch.group_ids.cpu(), reward.rank_scores)
         if offline_rows is not None and bool(offline_rows.any()):
@@ -263,63 +285,181 @@ def batch_scores(
 
 
 def rule_scores(
-    scorer: RuleScorer | None,
+    scorer: RuleScorer | RewardFunctions | None,
     records: list[PromptRecord],
     texts: list[str],
     pool: RewardPool | None = None,
     stop: Callable[[], bool] | None = None,
+    *,
+    completion_ids: list[list[int]] | None = None,
+    trainer_state: TrainerProgress | None = None,
+    group_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """``[B]`` float32 (CPU) scores of the response texts against their records, and the call's metrics
-    over every rank (the same on each): ``reward/extra/<key>`` (the mean of a dict result's other number
-    keys, over the responses that had the key) and, with ``pool``, ``reward/timeouts`` and
-    ``reward/errors`` (counts of failed calls, scored ``pool.error_score``).
+    over every rank (``rule_results``). A response every function returned None for (TRL's "does not
+    apply") scores the mean of the other responses of its group (``group_ids [B]``; without them the
+    batch is one group), 0 where none of them scored: TRL leaves such a response out of its group's
+    baseline and gives it no advantage, and so does a group baseline here (its advantage is 0; the
+    group's mean is unchanged, its std counts it at the mean)."""
+    scored, metrics = rule_results(
+        scorer, records, texts, pool, stop, completion_ids=completion_ids, trainer_state=trainer_state
+    )
+    values = torch.tensor([s.value for s in scored], dtype=torch.float32)
+    declined = torch.tensor([_declined(s) for s in scored], dtype=torch.bool)
+    if bool(declined.any()):
+        groups = group_ids.cpu() if group_ids is not None else torch.zeros(len(scored), dtype=torch.long)
+        kept, num_groups = ~declined, int(groups.max()) + 1
+        sums = torch.zeros(num_groups).index_add_(0, groups[kept], values[kept])
+        counts = torch.bincount(groups[kept], minlength=num_groups)
+        means = torch.where(counts > 0, sums / counts.clamp(min=1), torch.zeros(num_groups))
+        values[declined] = means[groups[declined]]
+    return values, metrics
+
+
+@dataclasses.dataclass
+class _RankScoring:
+    """What one rank's scoring call tells the others (``rule_results`` gathers it)."""
+
+    sums: dict[str, tuple[float, float, int]]
+    """Metric key (``reward/extra/<key>``, ``reward/<name>``) -> sum, sum of squares and count of its values."""
+    call: PoolScores
+    """The call's counts (the scores themselves stay on the rank)."""
+    declined: int
+    """Responses every function returned None for."""
+    first_declined: str | None
+    """The first of them, ``prompt row N``."""
+    not_finite: str | None
+    """The first NaN or inf a function of a list returned, naming the function and the row."""
+
+
+def rule_results(
+    scorer: RuleScorer | RewardFunctions | None,
+    records: list[PromptRecord],
+    texts: list[str],
+    pool: RewardPool | None = None,
+    stop: Callable[[], bool] | None = None,
+    *,
+    completion_ids: list[list[int]] | None = None,
+    trainer_state: TrainerProgress | None = None,
+) -> tuple[list[Score | WeightedScore], dict[str, float]]:
+    """The rule's result for each response text against its record (a ``WeightedScore`` from several
+    functions or a TRL-style one, with each function's part; TRL-style functions get ``completion_ids``,
+    each response's token ids, and ``trainer_state``), and the call's metrics over every rank (the same on
+    each): ``reward/extra/<key>`` (the mean of a dict result's other number keys, over the responses that
+    had the key); for ``reward.custom_function`` as a list, ``reward/<name>/mean`` and ``/std`` of each
+    function's own scores (``<name>`` its ``__name__``, made unique; NaN where it scored none), over the
+    responses it scored (not those it returned None for, as TRL's ``rewards/<name>/mean``); with ``pool``,
+    ``reward/timeouts`` and ``reward/errors`` (counts of failed calls, scored ``pool.error_score``).
 
     In process, a reward function that fails on any rank stops every rank (``agree_on_failure``), naming
-    the prompt's row; in ``pool`` only a call that failed on every response of every rank stops the run.
-    Rows that ``reward.total_timeout_s`` cut count as timeouts (one warning a run names the key); rows
-    abandoned because ``stop()`` turned true (``RewardPool.score``) score ``pool.error_score`` and count as
-    nothing: the trainer stops at its next phase boundary without training on them.
+    the function and the prompt's row; in ``pool`` only a call that failed on every response of every
+    rank stops the run. Rows that ``reward.total_timeout_s`` cut count as timeouts (one warning a run
+    names the key); rows abandoned because ``stop()`` turned true (``RewardPool.score``) score
+    ``pool.error_score`` and count as nothing: the trainer stops at its next phase boundary without
+    training on them. A NaN from a function of a list is named in a warning (the step is then skipped);
+    responses that every function returned None for are warned about once a run.
     """
     if pool is None:
         scored = agree_on_failure(
-            lambda: (
-                scorer.score_batch(records, texts)
-                if isinstance(scorer, TRLScorer)
-                else [_score_row(scorer, r, t) for r, t in zip(records, texts, strict=True)]
-            ),
-            RewardError,
+            lambda: _score_here(scorer, records, texts, completion_ids, trainer_state), RewardError
         )
         out = PoolScores(scored=scored)  # nothing failed: a failure stopped the run above
     else:
         out = pool.score(records, texts, stop)
         scored = [Score(pool.error_score, {}) if s is None else s for s in out.scored]
-    extras: dict[str, list[float]] = {}
-    for s in scored:
+    names, labels = listed_functions(scorer, pool)
+    call = dataclasses.replace(out, scored=[None] * len(out.scored))
+    mine = _RankScoring(sums={}, call=call, declined=0, first_declined=None, not_finite=None)
+    values: dict[str, list[float]] = {f"reward/{name}": [] for name in names}
+    for record, s in zip(records, scored, strict=True):
         for k, v in s.extras.items():
-            extras.setdefault(k, []).append(v)
-    # This rank's extras (key -> (sum, count)) and its call's counts (the scores themselves stay here).
-    mine = (
-        {k: (sum(v), len(v)) for k, v in extras.items()},
-        dataclasses.replace(out, scored=[None] * len(out.scored)),
-    )
-    ranks: list[tuple[dict[str, tuple[float, int]], PoolScores]] = all_gather_object(mine)  # type: ignore[assignment]
+            values.setdefault(f"reward/extra/{k}", []).append(v)
+        if _declined(s):
+            mine.declined += 1
+            mine.first_declined = mine.first_declined or f"prompt row {record.index}"
+        if names and isinstance(s, WeightedScore):
+            for name, label, v in zip(names, labels, s.parts, strict=True):
+                if v is not None:
+                    values[f"reward/{name}"].append(v)
+                    if not math.isfinite(v) and mine.not_finite is None:
+                        mine.not_finite = f"{label} returned {v} for prompt row {record.index}"
+    mine.sums = {k: (sum(v), sum(x * x for x in v), len(v)) for k, v in values.items()}
+    ranks: list[_RankScoring] = all_gather_object(mine)  # type: ignore[assignment]
+    totals: dict[str, list[float]] = {}
+    for rank in ranks:
+        for k, part in rank.sums.items():
+            t = totals.setdefault(k, [0.0, 0.0, 0.0])
+            for i, x in enumerate(part):
+                t[i] += x
     metrics: dict[str, float] = {}
-    for k in sorted({k for rank_extras, _ in ranks for k in rank_extras}):
-        parts = [rank_extras[k] for rank_extras, _ in ranks if k in rank_extras]
-        metrics[f"reward/extra/{k}"] = sum(p[0] for p in parts) / sum(p[1] for p in parts)
+    for k, (total, squares, count) in sorted(totals.items()):
+        if k.startswith("reward/extra/"):
+            metrics[k] = total / count
+            continue
+        mean = total / count if count else math.nan  # TRL's nanmean and nanstd (Bessel's correction)
+        std = math.sqrt(max(squares - count * mean**2, 0.0) / (count - 1)) if count > 1 else math.nan
+        metrics[f"{k}/mean"], metrics[f"{k}/std"] = mean, std
+    _warn_about_parts(scorer, ranks)
     if pool is not None:
-        metrics.update(pool.report_call([call for _, call in ranks]))
-    return torch.tensor([s.value for s in scored], dtype=torch.float32), metrics
+        metrics.update(pool.report_call([rank.call for rank in ranks]))
+    return scored, metrics
 
 
-def _score_row(scorer: RuleScorer, record: PromptRecord, text: str) -> Score:
-    """``scorer`` on one response; its RewardError names the prompt's row (and the rank, on several)."""
+def _score_here(
+    scorer: RuleScorer | RewardFunctions | None,
+    records: list[PromptRecord],
+    texts: list[str],
+    completion_ids: list[list[int]] | None,
+    trainer_state: TrainerProgress | None,
+) -> list[Score | WeightedScore]:
+    """``scorer`` on the responses in this process; its RewardError names the prompt's row (where one
+    response failed) and, on several ranks, the rank."""
     try:
-        return scorer(record.data_source, text, record.ground_truth, record.extra_info)
+        if isinstance(scorer, RewardFunctions):
+            return scorer.score_batch(records, texts, completion_ids, trainer_state)
+        return score_rows(scorer, records, texts)
     except RewardError as e:
         dist = torch.distributed
-        rank = f"rank {dist.get_rank()}: " if dist.is_initialized() and dist.get_world_size() > 1 else ""
-        raise RewardError(f"{rank}{e}; prompt row {record.index}") from e
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            raise RewardError(f"rank {dist.get_rank()}: {e}") from e
+        raise
+
+
+def _declined(score: Score | WeightedScore) -> bool:
+    """Whether every function returned None for the response (TRL's "does not apply")."""
+    return isinstance(score, WeightedScore) and score.declined
+
+
+def listed_functions(
+    scorer: RuleScorer | RewardFunctions | None, pool: RewardPool | None
+) -> tuple[list[str], list[str]]:
+    """The metric names and the labels of the functions of ``reward.custom_function`` as a list (in
+    ``pool`` where there is one); empty for one function."""
+    source = pool if pool is not None else scorer
+    if isinstance(source, (RewardPool, RewardFunctions)) and source.names:
+        return source.names, source.labels
+    return [], []
+
+
+def _warn_about_parts(scorer: RuleScorer | RewardFunctions | None, ranks: list[_RankScoring]) -> None:
+    """Name the function of a list that returned a NaN or inf (each call: the step is skipped), and, once
+    a run, the responses that every function returned None for."""
+    not_finite = [(i, r.not_finite) for i, r in enumerate(ranks) if r.not_finite is not None]
+    if not_finite:
+        logger.warning("%s (rank %d): the response's score is not finite", not_finite[0][1], not_finite[0][0])
+    declined = sum(r.declined for r in ranks)
+    if declined and isinstance(scorer, RewardFunctions) and not scorer.declined_warned:
+        rank, row = next((i, r.first_declined) for i, r in enumerate(ranks) if r.first_declined is not None)
+        logger.warning(
+            "every reward function returned None for %d of %d responses (e.g. rank %d, %s), TRL's 'does not "
+            "apply': such a response scores its group's mean in training (advantage 0 under a group "
+            "baseline) and is left out of validation's scores (warned once)",
+            declined,
+            sum(len(r.call.scored) for r in ranks),
+            rank,
+            row,
+        )
+        scorer.declined_warned = True
 
 
 def overlong_penalty(

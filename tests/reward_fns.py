@@ -201,3 +201,46 @@ def nan_at_first(
         f.seek(0)
         calls = len(f.readlines())
     return math.nan if calls <= 8 else digit_score(data_source, solution_str, ground_truth)
+
+
+# ----------------------------------------------------------------------------------------------------
+# TRL-style functions (called once per batch with lists), and a verl-style one to mix with them
+# ----------------------------------------------------------------------------------------------------
+
+
+def char_count(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None
+) -> float:
+    """verl's kind: the response's length in characters (the tiny assets' tokenizer gives a character a
+    token, so this is its token count less the EOS and any special token)."""
+    return float(len(solution_str))
+
+
+def token_count(completion_ids: list[list[int]], **kwargs: object) -> list[float]:
+    """TRL's kind, in the shape of TRL's ``get_soft_overlong_punishment``: each response's number of tokens
+    (EOS included)."""
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def steps_done(completions: list, trainer_state: object, **kwargs: object) -> list[float]:
+    """TRL's kind: ``trainer_state.global_step`` for every response (the steps done before it)."""
+    return [float(trainer_state.global_step)] * len(completions)  # type: ignore[attr-defined]
+
+
+def epochs_done(completions: list, trainer_state: object, **kwargs: object) -> list[float]:
+    """TRL's kind: ``trainer_state.epoch`` plus 1000 x ``trainer_state.max_steps`` for every response."""
+    state = trainer_state
+    return [state.epoch + 1000.0 * state.max_steps] * len(completions)  # type: ignore[attr-defined]
+
+
+def odd_lengths_only(prompts: list, completions: list, **kwargs: object) -> list[float | None]:
+    """TRL's kind with its "does not apply": 1.0 for a response of odd length, None for an even one."""
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    return [1.0 if len(t) % 2 else None for t in texts]
+
+
+def returns_none(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None
+) -> float | None:
+    """verl's kind returning None, which only TRL's kind may (an error naming the function)."""
+    return None

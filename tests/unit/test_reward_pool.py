@@ -23,7 +23,7 @@ from ppo.data import PromptRecord
 from ppo.reward_pool import RewardPool
 from ppo.rewards import check_rule_coverage, rule_scores
 from ppo.rule_scoring import RewardError, Score, make_rule_scorer
-from tests.helpers import REWARD_FNS, ROOT
+from tests.helpers import REWARD_FNS, ROOT, demo_inputs
 
 TIMEOUT_S = 3.0
 
@@ -430,8 +430,11 @@ def test_total_timeout_is_checked_and_needs_workers() -> None:
     with pytest.raises(ConfigError) as e:
         load_config(None, ["reward.total_timeout_s=0"])
     assert str(e.value) == "reward.total_timeout_s must be > 0, got 0.0 (from the command line)"
-    assert load_config(None, ["reward.total_timeout_s=30"]).warnings() == [
+    assert load_config(None, [*demo_inputs(), "reward.total_timeout_s=30"]).warnings() == [
         "reward.total_timeout_s=30.0 caps the scoring in reward workers and is ignored with "
         "reward.pool_workers=0 (the trainer's process limits each call to reward.timeout_s)"
     ]
-    assert load_config(None, ["reward.total_timeout_s=30", "reward.pool_workers=2"]).warnings() == []
+    assert (
+        load_config(None, [*demo_inputs(), "reward.total_timeout_s=30", "reward.pool_workers=2"]).warnings()
+        == []
+    )

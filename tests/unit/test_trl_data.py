@@ -1,5 +1,6 @@
 """Prompt files and reward functions in TRL's shape: a top-level ground_truth column, other columns
-passed on, plain-string prompts with a chat template, a batched ``f(prompts, completions, **kwargs)``."""
+passed on, plain-string prompts with a chat template, a batched ``f(prompts, completions, **kwargs)``
+(TRL's own shipped functions and lists of functions: tests/unit/test_trl_rewards.py)."""
 
 from __future__ import annotations
 
@@ -86,7 +87,18 @@ def test_trl_function_is_detected() -> None:
     def verl(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
         return 0.0
 
+    def completions_only(completions: list, **kwargs: object) -> list[float]:  # trl.rewards.accuracy_reward's
+        return [0.0] * len(completions)
+
+    def ids_only(completion_ids: list, **kwargs: object) -> list[float]:  # get_soft_overlong_punishment's
+        return [0.0] * len(completion_ids)
+
+    def everything(**kwargs: object) -> float:  # verl's keywords, taken whole
+        return 0.0
+
     assert rule_scoring.is_trl_function(trl) and not rule_scoring.is_trl_function(verl)
+    assert rule_scoring.is_trl_function(completions_only) and rule_scoring.is_trl_function(ids_only)
+    assert not rule_scoring.is_trl_function(everything)
 
 
 def _record(prompt: object, truth: str, **extra: object) -> PromptRecord:
@@ -103,7 +115,8 @@ def _record(prompt: object, truth: str, **extra: object) -> PromptRecord:
 
 def test_trl_function_is_called_once_per_batch(tmp_path: Path) -> None:
     """One call with lists: prompts, completions (TRL's conversational form for chat prompts), the ground
-    truths and every column; reward.reward_kwargs join them."""
+    truths and every column; reward.reward_kwargs join them; completion_ids and trainer_state always
+    come, as TRL gives them (None where the caller has none)."""
     fn_file = tmp_path / "trl_reward.py"
     fn_file.write_text(
         "CALLS = []\n"
@@ -127,7 +140,7 @@ def test_trl_function_is_called_once_per_batch(tmp_path: Path) -> None:
         [[{"role": "assistant", "content": " 2"}], "8"],
         ["2", "7"],
         ["two", "seven"],
-        ["data_source", "extra_info"],
+        ["completion_ids", "data_source", "extra_info", "trainer_state"],
     )
 
 
@@ -139,13 +152,23 @@ def test_trl_function_without_kwargs_gets_what_it_names(tmp_path: Path) -> None:
     assert scores.tolist() == [3.0, 2.0]
 
 
-def test_trl_function_returning_none_is_one_clear_error(tmp_path: Path) -> None:
-    fn_file = tmp_path / "trl_none.py"
-    fn_file.write_text("def none(prompts, completions, **kw):\n    return [None for _ in completions]\n")
-    scorer = rule_scoring.make_rule_scorer(f"{fn_file}:none", 0.0)
-    with pytest.raises(
-        rule_scoring.RewardError, match=r"returned \[None, None\] for 2 completions; expected a list of 2"
-    ):
+def test_trl_function_returning_what_is_not_a_score_is_one_clear_error(tmp_path: Path) -> None:
+    fn_file = tmp_path / "trl_bad.py"
+    fn_file.write_text(
+        "def text(prompts, completions, **kw):\n    return ['high' for _ in completions]\n"
+        "def short(prompts, completions, **kw):\n    return [1.0]\n"
+    )
+    label = f"reward.custom_function='{fn_file}:text'"
+    scorer = rule_scoring.make_rule_scorer(f"{fn_file}:text", 0.0)
+    with pytest.raises(rule_scoring.RewardError) as e:
         rewards.rule_scores(scorer, [_record("a", "1")] * 2, ["x", "y"])
+    assert str(e.value) == (
+        f"{label} returned ['high', 'high'] for 2 completions; expected a list of 2 numbers (or None where "
+        "the function does not apply)"
+    )
+    with pytest.raises(rule_scoring.RewardError, match=r"returned \[1.0\] for 2 completions"):
+        rewards.rule_scores(
+            rule_scoring.make_rule_scorer(f"{fn_file}:short", 0.0), [_record("a", "1")] * 2, ["x", "y"]
+        )
     with pytest.raises(rule_scoring.RewardError, match="set reward.pool_workers=0"):
         scorer("trl", "x", "1", {})
