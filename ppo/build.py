@@ -97,6 +97,10 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
     check_machine(cfg, info.device)
     out_dir = runner.prepare_run(cfg, info)
     tokenizer = model_setup.load_tokenizer(cfg.model)
+    model_setup.check_override_configs(cfg)  # config.json only: a misspelt field fails before any model loads
+    data.check_chat_template_kwargs(
+        tokenizer, cfg.data.apply_chat_template_kwargs, apply_chat_template=cfg.data.apply_chat_template
+    )
     scorer = make_scorer(cfg)
     pool = make_reward_pool(cfg)
     items, val_records = load_data(cfg, info, tokenizer)
@@ -240,6 +244,7 @@ def load_data(
         prompt_key=cfg.data.prompt_key,
         max_prompt_length=cfg.data.max_prompt_length,
         apply_chat_template=cfg.data.apply_chat_template,
+        chat_template_kwargs=cfg.data.apply_chat_template_kwargs,
     )
     require_ground_truth = rewards.needs_ground_truth(cfg.reward, cfg.rollout.offline_fraction)
     with main_rank_logs(info):

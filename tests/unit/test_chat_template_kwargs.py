@@ -107,9 +107,6 @@ def test_a_keyword_the_loader_sets_is_an_error(prompts: Path, thinking_tok: Any)
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True, reason="until ppo/build.py passes data.apply_chat_template_kwargs to the loaders"
-)
 def test_a_run_renders_its_prompts_with_the_keywords(
     tiny_assets: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
