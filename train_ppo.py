@@ -311,14 +311,13 @@ def update(cfg: PPOConfig, run: Run, batch: Batch, timer: Timer) -> dict[str, fl
 def update_critic(cfg: PPOConfig, run: Run, batch: Batch) -> dict[str, float]:
     """Clipped value regression on the returns (``optimize`` with ``critic_loss``)."""
     c, critic = cfg.critic, run.critic
-    lr = critic.optimizer.param_groups[0]["lr"]  # the rate this step's updates use
     loss_fn = critic_loss(cfg, critic.model, batch, run.sp)
     num_mini = cfg.data.train_batch_size // c.ppo_mini_batch_size
     out = optimize(
         c, "critic", critic, batch, loss_fn, num_mini=num_mini, shuffle=cfg.actor.shuffle, sp=run.sp
     )
     critic.scheduler.step()
-    out["critic/lr"] = lr
+    out["critic/lr"] = critic.optimizer.param_groups[0]["lr"]  # verl's: the rate after the scheduler step
     return out
 
 
@@ -328,7 +327,6 @@ def update_actor(cfg: PPOConfig, run: Run, batch: Batch) -> dict[str, float]:
     ``actor.early_stop_kl``. Clip-Cov and KL-Cov pick their tokens once per mini-batch
     (``cov_selection``), before its micro-batches run."""
     a, actor = cfg.actor, run.actor
-    lr = actor.optimizer.param_groups[0]["lr"]  # the rate this step's updates use
     cov_mask, hook = None, None
     if a.policy_loss.loss_mode in ("clip_cov", "kl_cov"):
         cov_mask = torch.zeros_like(batch.attention_mask)
@@ -350,7 +348,7 @@ def update_actor(cfg: PPOConfig, run: Run, batch: Batch) -> dict[str, float]:
     )
     out.update(rejection_metrics)
     actor.scheduler.step()
-    out["actor/lr"] = lr
+    out["actor/lr"] = actor.optimizer.param_groups[0]["lr"]  # verl's: the rate after the scheduler step
     out.setdefault("actor/early_stopped", 0.0)
     if a.use_kl_loss:
         out["actor/kl_coef"] = a.kl_loss_coef
