@@ -4,8 +4,8 @@
 the fallbacks (``critic.ppo_epochs`` from the actor's, ...) once, then runs the cross-section rules below,
 grouped by topic, each a function of the whole config that raises a :class:`FieldError` naming every
 key involved; ``warnings`` lists keys that are set but do nothing (``ppo.config.startup_warnings``);
-``validate`` checks what the world size decides (batch divisibility, shard groups:
-``ppo.config.world_size``). Nothing here looks at the machine: what it can run (CUDA, a forced kernel
+``validate`` checks that the run's model and training files are set (``unset_inputs``: the defaults
+name none), then what the world size decides (batch divisibility, shard groups: ``ppo.config.world_size``). Nothing here looks at the machine: what it can run (CUDA, a forced kernel
 backend) is checked where the run starts (``ppo.build``).
 """
 
@@ -47,7 +47,8 @@ class PPOConfig(PPOTree):
         (the caller logs them once at start-up): the KL controller's keys without a KL penalty in the
         reward, the adaptive controller's keys with a fixed one, greedy rollouts compared within their
         group, recipe keys their recipe does not use, a critic warm-up without a critic, the reward
-        function's keys without a function, a data file listed twice."""
+        function's keys without a function, no validation files (the run does not validate), a data file
+        listed twice."""
         return startup_warnings(self)
 
     def unset_inputs(self) -> list[str]:

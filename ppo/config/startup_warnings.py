@@ -1,6 +1,6 @@
 """The start-up warnings of a PPO run (``PPOConfig.warnings``): keys that are set but do nothing in a run
-that still trains, one message per group of keys, which the caller logs once. ``repeated_file_warnings``
-(a data file listed twice) serves the stages too.
+that still trains, one message per group of keys, which the caller logs once. ``no_validation_warnings``
+(no validation files) and ``repeated_file_warnings`` (a data file listed twice) serve the stages too.
 """
 
 from __future__ import annotations
