@@ -133,7 +133,7 @@ def print_config(cfg: Any, args: argparse.Namespace) -> int:
     except ConfigError as e:
         return config_error(e)
     print(to_yaml(cfg), end="")
-    problems = input_problems(cfg)
+    problems = inputs_problems(cfg)
     problems += environment_problems(cfg, problems)
     missing_is_error = not args.allow_missing_paths
     if _is_main():
@@ -149,6 +149,13 @@ def print_config(cfg: Any, args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
     return 2 if problems and missing_is_error else 0
+
+
+def inputs_problems(cfg: Any) -> list[str]:
+    """One message per input the run cannot start without: the unset ones (``model.path``,
+    ``data.train_files``: their defaults name nothing), else those it names that do not exist
+    (``input_paths.input_problems``: looked up only once every input is named)."""
+    return cfg.unset_inputs() or input_problems(cfg)
 
 
 def environment_problems(cfg: Any, problems: list[str]) -> list[str]:
@@ -211,7 +218,7 @@ def answer_early(argv: list[str] | None, description: str, schema: type[Any]) ->
         return  # the run reports it (and records it for torchrun)
     if args.print_config:
         sys.exit(print_config(cfg, args))
-    problems = input_problems(cfg)  # a missing model, data file or reward module: seconds, not a minute
+    problems = inputs_problems(cfg)  # an unset or missing model, data file or reward module: seconds
     if problems:
         message = " | ".join(problems)
         if _is_main():

@@ -196,8 +196,9 @@ def input_problems(cfg: Any) -> list[str]:
 
 
 def _model_paths(cfg: Any) -> list[tuple[str, str]]:
-    """``(key, path)`` of every model folder the run loads."""
-    paths = [("model.path", cfg.model.path)]
+    """``(key, path)`` of every model folder the run loads (an unset ``model.path`` is the config's own
+    error: ``ppo.config.shared.unset_inputs``)."""
+    paths = [("model.path", cfg.model.path)] if cfg.model.path else []
     if cfg.model.tokenizer_path:
         paths.append(("model.tokenizer_path", cfg.model.tokenizer_path))
     ref, critic, reward = (getattr(cfg, name, None) for name in ("ref", "critic", "reward"))

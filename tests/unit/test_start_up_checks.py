@@ -283,10 +283,6 @@ def answer_early(schema: str, *args: str, cwd: Path) -> tuple[str, str]:
     return out.stdout.strip(), out.stderr.strip()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="input_paths.input_problems looks an unset model.path up as a folder (None: TypeError)",
-)
 def test_unset_inputs_end_the_run_before_torch_loads(tmp_path: Path) -> None:
     # The defaults name no model and no data: a command without them stops at once, naming both keys.
     stdout, stderr = answer_early("PPOConfig", cwd=tmp_path)
@@ -344,7 +340,7 @@ def test_missing_inputs_end_the_run_before_torch_loads(tiny_assets: Path, tmp_pa
         "(is it on PYTHONPATH?)"
     )
     # The stages too; and every input present, the run goes on (answer_early returns).
-    stdout, stderr = answer_early("SFTConfig", "model.path=./sft", cwd=tmp_path)
+    stdout, stderr = answer_early("SFTConfig", "model.path=./sft", f"data.train_files={data}", cwd=tmp_path)
     assert stdout == "2 False" and stderr.startswith("error: model.path='./sft': no such folder")
     stdout, stderr = answer_early("PPOConfig", *ok, cwd=tmp_path)
     assert (stdout, stderr) == ("", "")
