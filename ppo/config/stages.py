@@ -282,10 +282,12 @@ STAGE_INPUTS = {
 (``StageRunConfig.unset_inputs``)."""
 
 
-def validate_stage(cfg: StageConfig, world_size: int) -> None:
-    """That the run's inputs are set (``unset_inputs``), then the batch divisibility and token budget an
-    SFT, reward-model or DPO run needs on ``world_size`` ranks."""
-    check_inputs_set(cfg.unset_inputs())
+def validate_stage(cfg: StageConfig, world_size: int, *, inputs: bool = True) -> None:
+    """That the run's inputs are set (``unset_inputs``; ``inputs=False`` skips it, as
+    ``PPOConfig.validate``), then the batch divisibility and token budget an SFT, reward-model or DPO run
+    needs on ``world_size`` ranks."""
+    if inputs:
+        check_inputs_set(cfg.unset_inputs())
     check_world_size(world_size)
     d = cfg.data
     errors = []
