@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from ppo import model_loading, ulysses
-from ppo.config import ConfigError, DPOConfig, PPOConfig, RewardModelConfig, SFTConfig
+from ppo.config import ConfigError, DPOConfig, PPOConfig, RewardModelConfig, SFTConfig, validate_stage
 from ppo.config_loader import load_config, to_yaml
 from ppo.data_files import DataError
 from ppo.offline import load_offline_groups
@@ -114,6 +114,13 @@ def test_neither_model_nor_training_files_is_one_line_naming_both() -> None:
         "model.path is not set: give the policy's save_pretrained folder or hub id; "
         "data.train_files is not set: give the Parquet files of training prompts"
     )
+    # inputs=False: the world-size checks alone (a benchmark's config of random weights and a synthetic batch).
+    PPOConfig().validate(1, inputs=False)
+    validate_stage(SFTConfig(), 1, inputs=False)
+    with pytest.raises(
+        ConfigError, match=r"^model.path is not set: give the save_pretrained folder or hub id of"
+    ):
+        validate_stage(SFTConfig(), 1)
     # An empty list is no files: the same line, from a file or the command line.
     with pytest.raises(
         ConfigError, match=r"^data.train_files is not set: give the Parquet files of training"
