@@ -112,7 +112,7 @@ class ActorConfig:
     """KL estimator of the loss: kl|k1, abs, mse|k2, low_var_kl|k3, each optionally with a ``+``."""
     loss_agg_mode: Literal[LOSS_AGG_MODES] = "token-mean"
     """How token losses become one number: ``token-mean`` (over the mini-batch's valid tokens),
-    ``seq-mean-token-sum``, ``seq-mean-token-mean`` (over its sequences), ``seq-mean-token-sum-norm``
+    ``token-sum`` (the sum over them, verl 0.9.1's), ``seq-mean-token-sum``, ``seq-mean-token-mean`` (over its sequences), ``seq-mean-token-sum-norm``
     (Dr. GRPO: the sum of every sequence's token sum divided by ``loss_scale_factor``)."""
     loss_scale_factor: int | None = None
     """The constant divisor of ``loss_agg_mode=seq-mean-token-sum-norm`` (verl's key; Dr. GRPO's

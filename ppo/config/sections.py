@@ -199,7 +199,7 @@ class OverlongBufferConfig:
     """The buffer: a response longer than ``data.max_response_length - len`` tokens (EOS included) is
     penalized, linearly more up to ``-penalty_factor`` at ``data.max_response_length``."""
     penalty_factor: float = 1.0
-    """The penalty at the maximum length (verl's yaml default is 0.0; its DAPO recipes use 1.0)."""
+    """The penalty at the maximum length (verl 0.9.1 has no default: its DAPO scripts give it, 1.0)."""
 
     def __post_init__(self) -> None:
         _require(self, ">= 0", "len", "penalty_factor")
@@ -224,7 +224,8 @@ class PrimeConfig:
     loss_type: Literal["ce"] = "ce"
     """The PRM's loss: ``ce``, binary cross-entropy of the implicit outcome reward against the label."""
     mini_batch_size: int | None = None
-    """Prompts per PRM optimizer step, over all ranks; default ``actor.ppo_mini_batch_size``."""
+    """Prompts per PRM optimizer step, over all ranks; default ``actor.ppo_mini_batch_size``. The verl
+    recipe's ``reward_model.mini_batch_size`` counts responses: it is translated to that / ``rollout.n``."""
     grad_clip: float = 10.0
     """Gradient-norm clip of the PRM's updates."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
@@ -252,8 +253,9 @@ class RewardConfig:
     is then ``compute_score``, as verl's), called by keyword as verl calls it,
     ``fn(data_source=, solution_str=, ground_truth=, extra_info=, **reward_kwargs)``, returning a number
     or a dict with a ``"score"`` number (its other number-valued keys are logged as ``reward/extra/<key>``).
-    A function whose parameters include ``completions`` is TRL's kind: called once per batch with
-    ``prompts``, ``completions``, ``completion_ids``, ``trainer_state`` and the data's other columns."""
+    A function with a parameter named ``prompts``, ``completions``, ``completion_ids`` or ``trainer_state``
+    is TRL's kind: called once per batch with those and the data's other columns, returning a list of
+    numbers (None where it does not apply)."""
     weights: list[float] | None = None
     """Weight of each ``custom_function`` in the score (TRL's ``reward_weights``); default 1 each."""
     reward_kwargs: dict[str, Any] = field(default_factory=dict)

@@ -19,7 +19,8 @@ class RunTrainerConfig:
     validates and logs."""
 
     project_name: str = "ppo"
-    """Groups runs (used by wandb)."""
+    """Groups runs: the trackers' project (wandb, swanlab, trackio, clearml; MLflow's experiment) and the
+    run folder's parent."""
     experiment_name: str = "run"
     """Name of this run."""
     output_dir: str | None = None
@@ -99,9 +100,12 @@ class ModelConfig:
     """Passed to ``from_pretrained`` for models with custom code."""
     override_config: dict[str, Any] = field(default_factory=dict)
     """Fields of the Hugging Face model config set before the weights load (verl's
-    ``actor_rollout_ref.model.override_config``), e.g. ``max_position_embeddings``, ``rope_scaling``,
-    ``attention_dropout``; applies to the actor and the reference. A field the config does not have is
-    an error naming it."""
+    ``actor_rollout_ref.model.override_config``), e.g. ``max_position_embeddings``, ``rope_parameters``
+    (or verl's ``rope_scaling``: a mapping is merged into the field's dict), ``attention_dropout``;
+    applies to the actor, and to the reference, SPPO's old policy and PRIME's PRM where they load
+    ``model.path``. Checked against config.json at start-up: a field the config does not have is an error
+    naming it. Its ``attn_implementation`` picks the attention kernel as ``model.attn_implementation``
+    does. Dropout is off at load unless set here. A resume with another value is refused."""
 
 
 @dataclass(kw_only=True)
