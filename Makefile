@@ -156,7 +156,7 @@ bench-prefix: install
 # The whole suite, the parity tests against the released verl included (parity-env: a few seconds, once).
 # Its two rooms run at once, a pytest process each (most tests keep one core busy, so on 2 cores the
 # suite takes the longer room's time, not the sum); tests/runs' output follows tests/unit's, whole.
-test: install parity-env
+test: install parity-env trl-env
 	@mkdir -p .pytest_cache; $(PY) -m pytest -q -o cache_dir=.pytest_cache/runs tests/runs > .pytest_cache/runs.log 2>&1 & runs=$$!; \
 	trap 'kill $$runs 2>/dev/null' INT TERM; \
 	$(PY) -m pytest -q -o cache_dir=.pytest_cache/unit tests/unit; unit=$$?; \
@@ -176,6 +176,19 @@ parity-env: .verl091/.installed
 	rm -rf .verl091
 	$(PY) -m pip install -q --no-deps --target .verl091 $(VERL_SIDE)
 	$(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])' > $@  # its compiled modules' Python
+
+# TRL's shipped reward functions (trl.rewards: think_format_reward, get_soft_overlong_punishment,
+# accuracy_reward with math-verify) go into .trl_side/ without TRL's dependencies (the project's cover what
+# trl.rewards imports); tests/*/test_trl_rewards.py import them as a user's reward file does, and skip
+# without the folder. A few seconds, once.
+TRL_SIDE := trl==1.12.0 math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
+.PHONY: trl-env
+trl-env: .trl_side/.installed
+
+.trl_side/.installed: Makefile | install
+	rm -rf .trl_side
+	$(PY) -m pip install -q --no-deps --target .trl_side $(TRL_SIDE)
+	touch $@
 
 parity: parity-env
 	$(PY) -m pytest -q tests/unit/test_parity_verl.py
@@ -204,4 +217,4 @@ format: install
 	.venv/bin/ruff check --fix .
 
 clean:
-	rm -rf .venv .verl091 assets outputs
+	rm -rf .venv .verl091 .trl_side assets outputs

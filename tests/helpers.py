@@ -69,6 +69,22 @@ def import_verl(*modules: str) -> list[Any] | None:
     return [importlib.import_module(name) for name in modules]
 
 
+TRL_SIDE = ROOT / ".trl_side"
+"""TRL and math-verify installed without their dependencies (``make trl-env``, which ``make test`` runs):
+TRL's shipped reward functions, which the TRL tests import as a user's reward file does; absent until
+built."""
+
+
+def trl_rewards() -> Any:
+    """``trl.rewards``, from the environment or else ``TRL_SIDE`` (appended to ``sys.path``, so the
+    project's own packages stay first); the calling test skips where neither has it."""
+    import pytest
+
+    if TRL_SIDE.is_dir() and str(TRL_SIDE) not in sys.path:
+        sys.path.append(str(TRL_SIDE))
+    return pytest.importorskip("trl.rewards", reason="TRL is not installed (`make trl-env` puts it beside)")
+
+
 REWARD_FNS = ROOT / "tests" / "reward_fns.py"
 """Reward functions the end-to-end runs load with ``reward.custom_function=FILE:NAME``."""
 

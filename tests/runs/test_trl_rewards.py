@@ -1,8 +1,8 @@
 """Training runs scored by a weighted list of reward functions (TRL's ``reward_funcs`` with
 ``reward_weights``): verl-style and TRL-style functions mixed, each one's mean logged as
 ``reward/<name>/mean`` per step and in validation, ``trainer_state`` following the steps; and TRL's own
-shipped functions, unchanged, where TRL is importable (tests/unit/test_trl_rewards.py says how to
-install it beside the project)."""
+shipped functions, unchanged, where TRL is importable (``make trl-env`` installs it beside the
+project)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REWARD_FNS, train
+from tests.helpers import REWARD_FNS, train, trl_rewards
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ def test_trls_soft_overlong_punishment_equals_the_dapo_buffer(tiny_assets: Path,
     file, score the first step's responses; the same responses (the same seed, nothing trained yet) get
     the same mean penalty from reward.overlong_buffer (len 4): TRL's function counts the same tokens
     (EOS included) as the trainer."""
-    pytest.importorskip("trl.rewards", reason="TRL is not installed (see tests/unit/test_trl_rewards.py)")
+    trl_rewards()
     path = tmp_path / "trl_rewards.py"
     path.write_text(
         "from trl.rewards import get_soft_overlong_punishment, think_format_reward\n"

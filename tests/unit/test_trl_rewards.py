@@ -2,11 +2,8 @@
 and ``reward_weights``): every argument TRL gives (``completion_ids``, ``trainer_state``), None ("does not
 apply"), the weighted sum and the ``reward/<name>/mean`` metrics, failures named by the function, lists in
 reward workers. The functions of tests/reward_fns.py run everywhere; TRL's own shipped ones
-(``trl.rewards``) where TRL is importable, which the project does not install::
-
-    pip install --no-deps --target /tmp/trlside trl==1.12.0 math-verify latex2sympy2_extended \
-        antlr4-python3-runtime==4.13.2
-    PYTHONPATH=/tmp/trlside .venv/bin/python -m pytest tests/unit/test_trl_rewards.py
+(``trl.rewards``) where TRL is importable: the project does not depend on TRL, and ``make trl-env`` (which
+``make test`` runs) installs it beside the project, in ``.trl_side/``.
 
 (end to end through ``train_ppo.py``: tests/runs/test_trl_rewards.py)."""
 
@@ -33,7 +30,7 @@ from ppo.rule_scoring import (
     make_rule_scorer,
     metric_names,
 )
-from tests.helpers import REWARD_FNS
+from tests.helpers import REWARD_FNS, trl_rewards
 
 CHAT = [{"role": "user", "content": "1 + 1"}]
 
@@ -274,7 +271,7 @@ def test_reward_workers_refuse_a_trl_function_at_start_up() -> None:
 
 def trl_file(tmp_path: Path, text: str = "") -> Path:
     """A user's reward file that takes TRL's functions from TRL (skips where TRL is not importable)."""
-    pytest.importorskip("trl.rewards", reason="TRL is not installed (see this file's docstring)")
+    trl_rewards()
     path = tmp_path / "trl_user_rewards.py"
     path.write_text(
         "from trl.rewards import accuracy_reward, get_soft_overlong_punishment, think_format_reward\n"
@@ -300,8 +297,8 @@ def test_trls_think_format_and_soft_overlong_rewards(tmp_path: Path) -> None:
 def test_trls_accuracy_reward_and_its_none(tmp_path: Path) -> None:
     """accuracy_reward (math_verify) gets the file's ``solution`` column; a solution it cannot parse is
     None: with the format reward beside it, that row scores the format reward alone."""
-    pytest.importorskip("math_verify", reason="math-verify is not installed (see this file's docstring)")
     path = trl_file(tmp_path)
+    pytest.importorskip("math_verify", reason="math-verify is not installed (`make trl-env` puts it beside)")
     scorer = make_rule_scorer(
         [f"{path}:accuracy_reward", f"{path}:think_format_reward"], 0.0, weights=[2.0, 1.0]
     )
