@@ -26,7 +26,13 @@ pytestmark = pytest.mark.skipif(
 if _verl is not None:
     verl, verl_corr = _verl
 
-AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+AGG_MODES = [
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+]
 SPLITS = [[8], [3, 5], [1, 2, 2, 3]]  # micro-batch sizes over 8 rows
 WIDTH = 7
 
