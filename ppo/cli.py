@@ -129,11 +129,7 @@ def print_config(cfg: Any, args: argparse.Namespace) -> int:
         if world_size is None and isinstance(cfg, PPOConfig):
             world_size = cfg.trainer.planned_world_size
         if world_size is not None:
-            # Unset and missing inputs are reported below, as errors or (--allow-missing-paths) warnings.
-            if isinstance(cfg, PPOConfig):
-                cfg.validate(world_size, inputs=False)
-            else:
-                validate_stage(cfg, world_size, inputs=False)
+            cfg.validate(world_size) if isinstance(cfg, PPOConfig) else validate_stage(cfg, world_size)
     except ConfigError as e:
         return config_error(e)
     print(to_yaml(cfg), end="")

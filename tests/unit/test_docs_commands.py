@@ -214,7 +214,8 @@ def validation_problem(c: Command, entry: str, args: list[str]) -> str | None:
     )
     if cfg.data.val_files or any(a.startswith("data.val_files=") for a in args):  # named, or [] said
         return None
-    lines = (ROOT / c.page).read_text().splitlines()
+    page = ROOT / c.page
+    lines = page.read_text().splitlines() if page.is_file() else []  # a test's made-up page: no section
     start = max(
         (i for i in range(c.line) if lines[i].startswith("#") and not lines[i].startswith("# ")), default=0
     )
