@@ -61,8 +61,8 @@ from ppo.distributed import (
     seed_everything,
     setup_logging,
 )
-from ppo.metrics import check_trackers
 from ppo.step_end import TrainingError
+from ppo.trackers import check_trackers
 
 logger = logging.getLogger("ppo")
 

@@ -1,4 +1,4 @@
-"""The trackers of ``trainer.logger`` (ppo/metrics.py): each writes the step's metrics and the resolved
+"""The trackers of ``trainer.logger`` (ppo/trackers.py): each writes the step's metrics and the resolved
 config where verl 0.9.1's tracking puts them, read back here with the tracker's own API or files; a
 tracker whose package is missing stops the run with one line naming its extra.
 
@@ -23,7 +23,8 @@ import pytest
 
 from ppo.config import ConfigError, SFTConfig
 from ppo.config_loader import load_config, to_dict
-from ppo.metrics import TRACKERS, MetricsLogger, check_trackers, make_metrics_logger, mlflow_key
+from ppo.metrics import MetricsLogger, make_metrics_logger
+from ppo.trackers import TRACKERS, check_trackers, mlflow_key
 from tests.helpers import demo_inputs, load_script, run
 
 ROOT = Path(__file__).resolve().parents[2]
