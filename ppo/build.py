@@ -20,6 +20,7 @@ import torch
 
 from ppo import (
     algorithms,
+    chat_template,
     checkpointer,
     data,
     data_files,
@@ -98,7 +99,7 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
     out_dir = runner.prepare_run(cfg, info)
     tokenizer = model_setup.load_tokenizer(cfg.model)
     model_setup.check_override_configs(cfg)  # config.json only: a misspelt field fails before any model loads
-    data.check_chat_template_kwargs(
+    chat_template.check_chat_template_kwargs(
         tokenizer, cfg.data.apply_chat_template_kwargs, apply_chat_template=cfg.data.apply_chat_template
     )
     scorer = make_scorer(cfg)

@@ -37,6 +37,7 @@ from ppo.config import (
     RefConfig,
 )
 from ppo.distributed import DistInfo, main_rank_logs, make_mesh
+from ppo.override_config import ConfigOverride, parse_override_config
 
 logger = logging.getLogger("ppo")
 
@@ -258,13 +259,13 @@ def build_model(
     gets ``requires_grad=False`` and eval mode.
 
     ``override_config`` (named ``override_key`` in errors) sets fields of the model's Hugging Face config
-    before its weights load (``model_loading.parse_override_config``; its ``attn_implementation``, if
+    before its weights load (``ppo.override_config.parse_override_config``; its ``attn_implementation``, if
     any, is the attention kernel: ``attention_choice``). Default: ``model_cfg.override_config`` where the
     model is ``model_cfg.path`` (no ``path`` given), none where it is another model.
     """
     if override_config is None:
         override_config = model_cfg.override_config if path is None else {}
-    override = model_loading.parse_override_config(override_config, override_key)
+    override = parse_override_config(override_config, override_key)
     attn = attention.resolve_attn_implementation(
         attention_choice(model_cfg.attn_implementation, override),
         info.device,
@@ -321,7 +322,7 @@ def build_model(
 # ----------------------------------------------------------------------------------------------------
 
 
-def attention_choice(configured: str, override: model_loading.ConfigOverride) -> str:
+def attention_choice(configured: str, override: ConfigOverride) -> str:
     """The attention kernel of one model: ``model.attn_implementation``, or verl's
     ``override_config.attn_implementation`` where that is given (then ``model.attn_implementation`` must be
     ``auto`` or the same name; a name the trainer does not run is a ConfigError listing those it does)."""
@@ -346,7 +347,7 @@ ATTENTION_DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop")
 """Config fields of the dropout on attention probabilities (Llama, Qwen, Mistral; GPT-2)."""
 
 
-def check_attention_dropout(attn: str, override: model_loading.ConfigOverride) -> None:
+def check_attention_dropout(attn: str, override: ConfigOverride) -> None:
     """ConfigError where ``override_config`` turns attention dropout on for a kernel that has none
     (``ppo_varlen_flash``, ``auto``'s choice on CUDA without flash-attn): it would fail in the first
     training forward. Raised before the weights load."""
@@ -396,7 +397,7 @@ def _check_override(
 ) -> None:
     """Raise the ConfigError that loading ``path`` with ``override_config`` would raise (``loader_fields``:
     the fields the loader sets itself, which the override may set again)."""
-    override = model_loading.parse_override_config(override_config, key)
+    override = parse_override_config(override_config, key)
     attention_choice(model_cfg.attn_implementation, override)
     model_loading.read_config(
         lora.base_model_path(path, config_key=path_key),

@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
+from ppo.chat_template import check_chat_template_kwargs, unused_chat_template_kwargs
 from ppo.config import ConfigError
-from ppo.data import check_chat_template_kwargs, load_prompts, unused_chat_template_kwargs
+from ppo.data import load_prompts
 from tests.helpers import load_script, train, write_parquet
 
 THINKING_TEMPLATE = load_script("make_tiny_assets").CHAT_TEMPLATE + (

@@ -19,9 +19,9 @@ from transformers import LlamaConfig
 from ppo.checkpointer import flatten, tree_differences
 from ppo.config import ConfigError
 from ppo.config_loader import load_config, to_dict
-from ppo.model_loading import ConfigOverride, apply_override_config, merge_fields, parse_override_config
 from ppo.model_loading import load_config as load_model_config
 from ppo.model_setup import attention_choice, check_attention_dropout, check_override_configs
+from ppo.override_config import ConfigOverride, apply_override_config, merge_fields, parse_override_config
 from tests.helpers import tiny_config
 
 
