@@ -113,7 +113,7 @@ def build(cfg: PPOConfig, info: DistInfo) -> Run:
     check_teachers(cfg, items)
     loader = data.make_loader(items, cfg, info)
     total_steps = data.total_steps(cfg, loader)
-    check_reward(cfg, items, val_records, scorer, pool, total_steps)
+    check_reward(cfg, items, val_records, scorer, pool, total_steps, loader.steps_per_epoch)
     sp = ulysses.make_sp_groups(cfg.actor.ulysses_sequence_parallel_size)
     # One call per model, None where the run has no use for it (in this order: loading may draw from the
     # seeded RNG, a fresh head or LoRA's initialisation).
@@ -288,13 +288,14 @@ def check_reward(
     scorer: rule_scoring.RuleScorer | rule_scoring.RewardFunctions | None,
     pool: RewardPool | None,
     total_steps: int,
+    steps_per_epoch: int,
 ) -> None:
     """Before any model loads: the rule scorer covers the training prompts' sources and runs on the first
     one (in ``pool`` where there is one; ``scorer`` is None then; a TRL-style function sees the first
     step's ``trainer_state``), and covers the validation prompts' sources."""
     if rewards.needs_rule_scores(cfg.reward, cfg.rollout.offline_fraction):
         records = [getattr(item, "record", item) for item in items]  # an offline group's prompt
-        progress = rule_scoring.TrainerProgress(global_step=0, max_steps=total_steps, epoch=0.0)
+        progress = rule_scoring.TrainerProgress.after(0, total_steps, steps_per_epoch)
         rewards.check_rule_coverage(scorer, records, cfg.reward.custom_function, pool, progress)
     if not rewards.uses_reward_model(cfg.reward):  # validation answers are scored by the rule
         check_val_sources(val_records, cfg.reward.custom_function)

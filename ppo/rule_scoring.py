@@ -485,11 +485,12 @@ def load_functions(
     """Each function of ``reward.custom_function``, loaded and wrapped for its kind: ``TRLScorer`` where
     ``is_trl_function``, else ``VerlScorer``; every one gets ``reward_kwargs``."""
     specs = [custom_function] if isinstance(custom_function, str) else custom_function
+    keys, labels = function_keys(custom_function), function_labels(custom_function)
     out: list[VerlScorer | TRLScorer] = []
-    for spec, key in zip(specs, function_keys(custom_function), strict=True):
+    for spec, key, label in zip(specs, keys, labels, strict=True):
         fn = load_reward_function(spec, key=key)
         kind = TRLScorer if is_trl_function(fn) else VerlScorer
-        out.append(kind(fn, f"{key}={spec!r}", dict(reward_kwargs or {}), timeout_s))
+        out.append(kind(fn, label, dict(reward_kwargs or {}), timeout_s))
     return out
 
 
