@@ -22,10 +22,20 @@ from ppo.algorithms.losses import PolicyLossInputs, PolicyLossSettings
 
 def softmean(x: torch.Tensor, beta: float, dim: int = -1) -> torch.Tensor:
     """``SoftMean_β(x) = (logsumexp(β x) - log n) / β`` along ``dim`` (``n`` its size): the arithmetic
-    mean at ``β = 0``, the maximum as ``β → ∞``, the minimum as ``β → -∞`` (verl's SPPO recipe)."""
+    mean at ``β = 0``, the maximum as ``β → ∞``, the minimum as ``β → -∞`` (verl's SPPO recipe). In
+    ``x``'s dtype.
+
+    Computed in float64 as ``m + log1p(mean(expm1(β (x - m)))) / β``, with ``m`` the element that
+    maximizes ``β x``: every ``expm1`` lies in ``(-1, 0]``, so nothing overflows, and at a small ``β``
+    the mean keeps its ``β (x - m)`` terms to full precision, where the recipe's ``logsumexp - log n``
+    cancels down to the rounding of ``log n`` and then divides that by ``β`` (in float32 its soft mean
+    of ``[0, 1, 2, 5]`` at ``β = 1e-8`` is -11.9, not 2)."""
     if beta == 0.0:
         return x.mean(dim=dim)
-    return (torch.logsumexp(x * beta, dim=dim) - math.log(x.shape[dim])) / beta
+    x64 = x.double()
+    m = x64.amax(dim=dim, keepdim=True) if beta > 0 else x64.amin(dim=dim, keepdim=True)
+    spread = torch.log1p(torch.expm1(beta * (x64 - m)).mean(dim=dim)) / beta
+    return (m.squeeze(dim) + spread).to(x.dtype)
 
 
 def win_rates(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -107,9 +117,10 @@ def global_softmean(
     x: torch.Tensor, beta: float, all_reduce: Reduce | None, all_reduce_max: Reduce | None
 ) -> float:
     """:func:`softmean` of ``x [B]`` over every rank's rows (``all_reduce`` sums over ranks,
-    ``all_reduce_max`` takes the maximum; None on one rank): ``m + log(Σ exp(beta (x - m)) / n) / beta``
-    with ``m`` the global maximum, in float64; the mean when ``beta`` is 0. The shift by the extreme
-    value keeps every ``exp()`` at most 1."""
+    ``all_reduce_max`` takes the maximum; None on one rank): ``m + log1p(Σ expm1(β (x - m)) / n) / β``
+    with ``m`` the global element that maximizes ``β x``, in float64; the mean when ``β`` is 0. Every
+    ``expm1`` lies in ``(-1, 0]`` (nothing overflows at a large ``β``), and at a small ``β`` nothing
+    cancels (see :func:`softmean`)."""
     total_of = all_reduce or (lambda t: t)
     max_of = all_reduce_max or (lambda t: t)
     x = x.double()
@@ -121,9 +132,10 @@ def global_softmean(
     if beta == 0.0:
         total, count = sums(float(x.sum()))
         return total / count
-    m = float(max_of(torch.tensor([float((x * beta).max())], dtype=torch.float64, device=x.device))[0]) / beta
-    total, count = sums(float(torch.exp(beta * (x - m)).sum()))
-    return m + (math.log(total) - math.log(count)) / beta
+    sign = 1.0 if beta > 0 else -1.0
+    m = sign * float(max_of(torch.tensor([float((sign * x).max())], dtype=torch.float64, device=x.device))[0])
+    total, count = sums(float(torch.expm1(beta * (x - m)).sum()))
+    return m + math.log1p(total / count) / beta
 
 
 def sppo_estimator(x: AdvantageInputs, s: AdvantageSettings) -> Estimate:

@@ -145,7 +145,8 @@ class ActorConfig:
     sppo_eta: float = 1.0
     """SPPO (``policy_loss.loss_mode=sppo``): the step size eta of the target ``eta * (P - 1/2)`` (or
     ``eta * (r - softmean(r))``) that each response's log-ratio to the old policy regresses onto, in
-    nats per response (verl recipe's key)."""
+    nats per response (verl recipe's ``actor_rollout_ref.actor.sppo_eta``; the recipe's
+    ``algorithm.sppo_eta`` is another number, the soft mean's beta: ``algorithm.sppo_beta`` here)."""
     sppo_refresh_steps: int = 1
     """SPPO: the old policy is the actor as it was at the start of every ``sppo_refresh_steps``-th
     step (a frozen snapshot, checkpointed with the run); 1: the policy before this step's update, as

@@ -101,11 +101,26 @@ def _recipe_warnings(cfg: PPOTree) -> list[str]:
         "algorithm.sppo_target": (alg.sppo_target, AlgorithmConfig().sppo_target),
         "algorithm.sppo_beta": (alg.sppo_beta, AlgorithmConfig().sppo_beta),
     }
+    # verl's SPPO recipe writes the soft mean's beta algorithm.sppo_eta (translated to sppo_beta), and
+    # its step size actor.sppo_eta: a warning about sppo_beta names both, so that whoever wrote the one
+    # finds the other.
+    beta_means = (
+        f"algorithm.sppo_beta (verl's SPPO recipe writes it algorithm.sppo_eta) is the beta of the soft-mean "
+        f"baseline of algorithm.sppo_target=softmean, not a step size; SPPO's step size eta is "
+        f"actor.sppo_eta={a.sppo_eta}"
+    )
     if mode != "sppo" and any(value != default for value, default in sppo_keys.values()):
         given = ", ".join(f"{k}={v}" for k, (v, d) in sppo_keys.items() if v != d)
-        out.append(f"actor.policy_loss.loss_mode={mode} does not use {given} (SPPO's keys)")
+        beta_set = alg.sppo_beta != AlgorithmConfig().sppo_beta
+        out.append(
+            f"actor.policy_loss.loss_mode={mode} does not use {given} (SPPO's keys)"
+            + (f"; {beta_means}" if beta_set else "")
+        )
     if mode == "sppo" and alg.sppo_target == "win_rate" and alg.sppo_beta != AlgorithmConfig().sppo_beta:
-        out.append(f"algorithm.sppo_target=win_rate does not use algorithm.sppo_beta={alg.sppo_beta}")
+        out.append(
+            f"algorithm.sppo_target=win_rate does not use algorithm.sppo_beta={alg.sppo_beta}: {beta_means}, "
+            f"which the win-rate target uses; verl's SPPO recipe trains on algorithm.sppo_target=softmean"
+        )
     if a.loss_scale_factor is not None and a.loss_agg_mode != "seq-mean-token-sum-norm":
         out.append(
             f"actor.loss_scale_factor={a.loss_scale_factor} divides only loss_agg_mode=seq-mean-token-sum-norm, "

@@ -131,6 +131,24 @@ def test_softmean_by_hand() -> None:
     assert softmean(x, 200.0).item() == pytest.approx(1.0, abs=0.004)  # towards the max: 1 - log 2 / 200
 
 
+def test_softmean_at_small_beta_by_hand() -> None:
+    """At a small beta the soft mean is its cumulant series, (1/β) log E[exp(β x)] = κ1 + β κ2 / 2 +
+    β² κ3 / 6 + ...; for x = [0, 1, 2, 5]: κ1 = 2, deviations -2, -1, 0, 3, κ2 = (4 + 1 + 0 + 9) / 4 = 3.5,
+    κ3 = (-8 - 1 + 0 + 27) / 4 = 4.5 (the β³ term is below float64's resolution at 2 for β <= 1e-6).
+    The recipe's logsumexp(β x) - log n cancels to the rounding of log 4 and divides it by β: in float32 at
+    β = 1e-8 it gave -11.92, and in float64 it was off by 4e-11 (β = 1e-6) and 7e-10 (β = 1e-8)."""
+    x = torch.tensor([0.0, 1.0, 2.0, 5.0], dtype=torch.float64)
+    for beta in (1e-6, 1e-8):
+        want = 2.0 + beta * 3.5 / 2 + beta**2 * 4.5 / 6  # 2.00000175000075, 2.0000000175
+        assert softmean(x, beta).item() == pytest.approx(want, rel=0, abs=1e-15)
+        assert global_softmean(x, beta, None, None) == pytest.approx(want, rel=0, abs=1e-15)
+        # float32 in, float32 out: the nearest float32 to the value (2.0000017 at 1e-6, 2.0 at 1e-8).
+        assert softmean(x.float(), beta).item() == torch.tensor(want, dtype=torch.float32).item()
+    # No overflow at a large beta: 5 + log((e^-5000 + e^-4000 + e^-3000 + 1) / 4) / 1000 = 5 - log(4) / 1000.
+    assert softmean(x.float(), 1e3).item() == pytest.approx(5 - math.log(4) / 1e3, abs=1e-6)
+    assert global_softmean(x.float(), 1e3, None, None) == pytest.approx(5 - math.log(4) / 1e3, abs=1e-12)
+
+
 def test_win_rates_by_hand() -> None:
     # Group 0 scores [1, 0, 0, 1]: a 1 beats both 0s and ties the other 1 -> (2 + 0.5) / 3 = 5/6;
     # a 0 ties the other 0 and loses twice -> 0.5 / 3 = 1/6. Group 1 [3, 3]: a tie -> 1/2 each.
