@@ -75,8 +75,16 @@ def collect_accuracy_filtered(
 
 def prime_labels(scores: torch.Tensor) -> torch.Tensor:
     """``[B]`` PRIME's outcome labels: each response's score clipped to ``[0, 1]`` (the rule's 0/1
-    verdict; a format score in between is a soft label)."""
+    verdict; a format score in between is a soft label). A reward model's unbounded scores are refused
+    at start-up; what is clipped here (an overlong penalty below 0, a custom function's 2 for right) is
+    counted by :func:`label_clip_rate`."""
     return scores.float().clamp(0.0, 1.0)
+
+
+def label_clip_rate(scores: torch.Tensor) -> float:
+    """The share of ``scores [B]`` outside ``[0, 1]``, which :func:`prime_labels` clips: logged each step as
+    ``prime/label_clip_rate``, so that a score the PRM cannot take as it is never changes silently."""
+    return float(((scores < 0) | (scores > 1)).float().mean()) if scores.numel() else 0.0
 
 
 def prm_loss(
@@ -122,8 +130,8 @@ def update_prm(cfg: PPOConfig, prm: Trained, batch: Batch, sp: ulysses.SPGroup) 
     the training forwards (``update=after``), divided by the batch's largest absolute return over all
     ranks with ``prime_norm=batch_norm``. Needs ``batch.scores`` and ``batch.ref_logprobs``.
 
-    Metrics, by the recipe's names: ``rm/lr`` (the rate this step's updates used),
-    ``reward_model/dpo_loss``, ``reward_model/grad_norm``, ``reward_model/reward`` and ``raw_reward`` (of
+    Metrics: ``prime/label_clip_rate`` (the share of scores clipped into the labels' ``[0, 1]``), and by
+    the recipe's names ``rm/lr`` (the rate this step's updates used), ``reward_model/dpo_loss``, ``reward_model/grad_norm``, ``reward_model/reward`` and ``raw_reward`` (of
     the rewards used), ``reward_model/dpo_acc_before`` and ``dpo_acc_abs_before`` (of the training
     forwards, before each mini-batch's update), and with ``update=before`` ``reward_model/dpo_acc`` and
     ``dpo_acc_abs`` (of the updated PRM)."""
@@ -145,6 +153,7 @@ def update_prm(cfg: PPOConfig, prm: Trained, batch: Batch, sp: ulysses.SPGroup) 
     )
     prm.scheduler.step()
     out["rm/lr"] = lr
+    out["prime/label_clip_rate"] = label_clip_rate(batch.scores)
     before = algorithms.prime_token_rewards(trained_logprobs, batch.ref_logprobs, mask, p.beta_train).sum(-1)
     out["reward_model/dpo_acc_before"] = algorithms.dpo_accuracy(before, acc, batch.group_ids).item()
     out["reward_model/dpo_acc_abs_before"] = algorithms.dpo_abs_accuracy(before, acc).item()

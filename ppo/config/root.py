@@ -409,9 +409,35 @@ def _check_sequence_parallel(cfg: PPOConfig) -> None:
 
 def _check_prime(cfg: PPOConfig) -> None:
     """PRIME makes its own token rewards (the implicit PRM's, and the outcome score's), on one
-    sequence-parallel layout; the accuracy filter draws whole batches and is the only filter."""
+    sequence-parallel layout, from outcome labels in [0, 1] (a verdict, not a reward model's unbounded
+    score), and with at least one of them weighed; the accuracy filter draws more prompts than a step
+    trains on and is the only filter."""
     alg, d = cfg.algorithm, cfg.data
+    if (alg.adv_estimator == "prime" or d.filter_accuracy) and cfg.reward.style == "model":
+        # verl's PRIME recipe scores the outcome with its rule verifier (PrimeRewardManager.verify, 0/1);
+        # a reward model's scalar head is unbounded, and clipping it to [0, 1] would train the PRM on
+        # something else than correctness.
+        if alg.adv_estimator == "prime":
+            key, value, use = "algorithm.adv_estimator", "prime", "the PRM's outcome label, clipped to [0, 1]"
+        else:
+            key, value, use = "data.filter_accuracy", "true", "right when it is >= 1"
+        raise FieldError(
+            f"{key}={value} reads each response's score as a 0/1 verdict ({use}; verl's PRIME recipe "
+            "scores with its rule verifier), but reward.style=model scores with a reward model, whose scores "
+            "are unbounded: score with the rule or a reward.custom_function returning 0/1, or rank with the "
+            "reward model (reward.style=ranking reward.ranking_by=model: scores in [0, 1])",
+            key,
+            "reward.style",
+        )
     if alg.adv_estimator == "prime":
+        if alg.reward_dpo_coef == 0 and alg.reward_gt_coef == 0:
+            raise FieldError(
+                "algorithm.reward_dpo_coef=0 and algorithm.reward_gt_coef=0 weigh PRIME's process and "
+                "outcome returns by 0, so every advantage is 0 and the actor does not train: set either "
+                "above 0 (verl's PRIME recipe: 5 and 5)",
+                "algorithm.reward_dpo_coef",
+                "algorithm.reward_gt_coef",
+            )
         if alg.use_kl_in_reward:
             raise FieldError(
                 "algorithm.adv_estimator=prime takes its token rewards from the implicit PRM and the outcome "
@@ -449,6 +475,16 @@ def _check_prime(cfg: PPOConfig) -> None:
                 f"batches (verl recipe's data.oversample_factor) and keeps one",
                 "data.gen_batch_size",
                 "data.train_batch_size",
+            )
+        if d.gen_batch_size == d.train_batch_size:
+            raise FieldError(
+                f"data.filter_accuracy=true samples data.gen_batch_size={d.gen_batch_size} prompts a step and "
+                f"keeps data.train_batch_size={d.train_batch_size} of them, so it keeps every group and "
+                f"filters nothing: set data.gen_batch_size to a larger multiple of data.train_batch_size "
+                f"(verl's PRIME recipe samples 4 times the batch, data.oversample_factor=4: "
+                f"data.gen_batch_size={4 * d.train_batch_size})",
+                "data.filter_accuracy",
+                "data.gen_batch_size",
             )
         if d.accuracy_lower_bound > d.accuracy_upper_bound:
             raise FieldError(

@@ -32,9 +32,10 @@ class DataConfig:
     train_batch_size: int = 32
     """Prompts per PPO step, over all ranks."""
     gen_batch_size: int | None = None
-    """Prompts per generation round of dynamic sampling (``algorithm.filter_groups``; verl's key),
-    over all ranks: a multiple of ``train_batch_size`` (each round draws ``gen_batch_size /
-    train_batch_size`` batches from the loader). Default: ``train_batch_size``."""
+    """Prompts per generation round of dynamic sampling (``algorithm.filter_groups``; verl's key), or
+    per step of PRIME's accuracy filter (``filter_accuracy``), over all ranks: a multiple of
+    ``train_batch_size`` (each round draws ``gen_batch_size / train_batch_size`` batches from the
+    loader), above it for the accuracy filter. Default: ``train_batch_size``."""
     val_batch_size: int = 256
     """Prompts per validation generation batch, over all ranks; the whole val set is scored."""
     max_val_samples: int = -1
@@ -51,7 +52,9 @@ class DataConfig:
     filter_accuracy: bool = False
     """PRIME's accuracy filter (verl recipe's key): each step samples ``gen_batch_size`` prompts and
     trains on ``train_batch_size`` of them, first those whose group accuracy (the share of the
-    ``rollout.n`` responses scoring >= 1) lies within ``[accuracy_lower_bound, accuracy_upper_bound]``."""
+    ``rollout.n`` responses scoring >= 1) lies within ``[accuracy_lower_bound, accuracy_upper_bound]``.
+    Needs ``gen_batch_size`` above ``train_batch_size`` (verl recipe's ``data.oversample_factor``
+    times it; its script's is 4): sampling only the batch would keep every group."""
     accuracy_lower_bound: float = 0.2
     """Lowest group accuracy the accuracy filter prefers (``filter_accuracy``)."""
     accuracy_upper_bound: float = 0.8
@@ -409,7 +412,8 @@ class AlgorithmConfig:
     reward_dpo_coef: float = 5.0
     """PRIME: weight of the implicit process rewards' RLOO returns (verl recipe's key)."""
     reward_gt_coef: float = 5.0
-    """PRIME: weight of the outcome score's RLOO return (verl recipe's key)."""
+    """PRIME: weight of the outcome score's RLOO return (verl recipe's key). Not 0 together with
+    ``reward_dpo_coef``: every advantage would be 0."""
     sppo_target: Literal["win_rate", "softmean"] = "win_rate"
     """SPPO's target per response (``actor.policy_loss.loss_mode=sppo``): ``win_rate``, the paper's
     ``actor.sppo_eta * (P - 1/2)`` with ``P`` the share of its group's other responses it beats by score
@@ -417,8 +421,9 @@ class AlgorithmConfig:
     recipe's ``actor.sppo_eta * (r - softmean_beta(r))`` with ``r`` the summed token rewards and the soft
     mean over the whole batch (all ranks)."""
     sppo_beta: float = 1.0
-    """SPPO with ``sppo_target=softmean``: the soft mean's beta (0: the mean; verl recipe's
-    ``algorithm.sppo_eta``)."""
+    """SPPO with ``sppo_target=softmean``: the soft mean's beta (0: the mean, large: towards the
+    maximum), not a step size (that is ``actor.sppo_eta``). verl's SPPO recipe writes it
+    ``algorithm.sppo_eta``, which is translated to this key."""
 
     @property
     def reads_data_logprobs(self) -> bool:

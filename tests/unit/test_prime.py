@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from ppo import algorithms
+from ppo import algorithms, prime
 from ppo.config import ConfigError
 from ppo.config_loader import load_config
 
@@ -309,3 +309,14 @@ def test_the_recipes_reward_model_path_is_the_prms_start() -> None:
     # Without PRIME they name an outcome reward model, as in verl's PPO trainer.
     cfg = load_config(None, ["reward_model.enable=True", "reward_model.model.path=/m/rm"])
     assert (cfg.reward.style, cfg.reward.model_path) == ("model", "/m/rm")
+
+
+def test_clipped_labels_are_counted() -> None:
+    """The PRM's labels are the scores clipped to [0, 1]; the share clipped is logged
+    (prime/label_clip_rate). Scores -0.3 (an overlong penalty on a wrong answer), 0, 0.5 (a format
+    score), 1, 2 (a custom function's "right"): labels 0, 0, 0.5, 1, 1, and 2 of 5 clipped = 0.4."""
+    scores = torch.tensor([-0.3, 0.0, 0.5, 1.0, 2.0])
+    torch.testing.assert_close(prime.prime_labels(scores), torch.tensor([0.0, 0.0, 0.5, 1.0, 1.0]))
+    assert prime.label_clip_rate(scores) == pytest.approx(0.4)
+    assert prime.label_clip_rate(torch.tensor([0.0, 1.0])) == 0.0
+    assert prime.label_clip_rate(torch.tensor([])) == 0.0
