@@ -35,9 +35,13 @@ trajectory with reward 0 and is counted (the stuck call is abandoned on a daemon
 A turn's ``step`` calls run concurrently, one thread each, under one deadline (stuck calls cost one
 ``step_timeout_s`` a turn, not one each), and the turn's timeouts are logged. ``reset`` runs inside the
 same boundary; a call that raises anything (``sys.exit`` included) or returns a non-finite reward is an
-error naming the class and the prompt's row. The class is instantiated once at start-up (``make_settings``,
-before any model loads), so an ``__init__`` that needs arguments fails there. An observation is cut to a
-number of characters that surely holds ``max_tool_response_length`` tokens before it is tokenized.
+error naming the class and the prompt's row. The instances are made the same way
+(``environments.make_environments``: one after another, in row order, each on a daemon thread within
+``step_timeout_s``): an ``__init__`` that raises or runs longer is an error naming the class and the row,
+as a ``reset`` that runs longer is. The class is also instantiated once at start-up (``make_settings``,
+before any model loads, under the same limit), so an ``__init__`` that needs arguments or blocks fails
+there. An observation is cut to a number of characters that surely holds ``max_tool_response_length``
+tokens before it is tokenized.
 """
 
 from __future__ import annotations
@@ -45,9 +49,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import queue
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from numbers import Real
@@ -59,7 +60,7 @@ from transformers import GenerationConfig
 from ppo.batch import Rollout
 from ppo.config import MultiTurnConfig
 from ppo.data import PromptRecord
-from ppo.environments import EnvError, check_environment
+from ppo.environments import EnvError, call_all, check_environment, make_environments
 
 logger = logging.getLogger("ppo")
 
@@ -117,10 +118,10 @@ class MultiTurn:
 
 def make_settings(config: MultiTurnConfig, tokenizer: Any, max_response_length: int) -> MultiTurn:
     """The turn loop's settings from ``rollout.multi_turn`` (the environment class loaded, checked and
-    instantiated once: a bad ``env`` fails here, at start-up, before any model loads;
-    ``environments.check_environment``). Without ``max_assistant_turns`` the budget bounds the turns
+    instantiated once within ``step_timeout_s``: a bad ``env`` fails here, at start-up, before any model
+    loads; ``environments.check_environment``). Without ``max_assistant_turns`` the budget bounds the turns
     (every turn generates at least one token)."""
-    env_class = check_environment(config.env)
+    env_class = check_environment(config.env, timeout_s=config.step_timeout_s)
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
     return MultiTurn(
         env_class=env_class,
@@ -151,12 +152,12 @@ def run_turns(
     (``R = max_response_length``) on ``device``, with both masks, the step rewards and ``turn_stats``."""
     tok = settings.tokenizer
     name = settings.env_class.__name__
-    envs = [settings.env_class() for _ in records]
+    envs = make_environments(settings.env_class, [r.index for r in records], settings.step_timeout_s)
     resets = [
         functools.partial(env.reset, record_row(record)) for env, record in zip(envs, records, strict=True)
     ]
     trajectories = []
-    for env, record, answer in zip(envs, records, _call_all(resets, settings.step_timeout_s), strict=True):
+    for env, record, answer in zip(envs, records, call_all(resets, settings.step_timeout_s), strict=True):
         status, extra = answer
         if status == "timeout":
             raise EnvError(
@@ -235,36 +236,12 @@ def _cut_turn(tokens: list[int], eos: set[int], stop: list[str], tokenizer: Any)
     return tokens, "budget"
 
 
-def _call_all(calls: list[Callable[[], Any]], timeout_s: float) -> list[tuple[str, Any]]:
-    """Run the user's ``calls`` concurrently, one daemon thread each (a stuck call runs on, abandoned, and
-    does not keep the process alive), under one deadline ``timeout_s`` from now: ``("ok", result)``,
-    ``("error", exception)`` (anything raised, ``SystemExit`` included) or ``("timeout", None)`` each."""
-    answers: list[queue.Queue] = [queue.Queue(maxsize=1) for _ in calls]
-
-    def run(fn: Callable[[], Any], answer: queue.Queue) -> None:
-        try:
-            answer.put(("ok", fn()))
-        except BaseException as e:  # handed to the caller, which names the class and the row
-            answer.put(("error", e))
-
-    for fn, answer in zip(calls, answers, strict=True):
-        threading.Thread(target=run, args=(fn, answer), daemon=True, name="multi_turn.env").start()
-    deadline = time.monotonic() + timeout_s
-    results = []
-    for answer in answers:
-        try:
-            results.append(answer.get(timeout=max(0.0, deadline - time.monotonic())))
-        except queue.Empty:
-            results.append(("timeout", None))
-    return results
-
-
 def _step_all(calling: list[tuple[Trajectory, str]], settings: MultiTurn) -> list[tuple[str, float, bool]]:
     """``env.step(action)`` of every trajectory of a turn, concurrently, within ``step_timeout_s`` of the
     turn: a late call ends its trajectory with reward 0 (counted, and logged for the turn); a call that
     raises (``sys.exit`` included), returns the wrong types or a non-finite reward is an error naming the
     class and the prompt's row."""
-    answers = _call_all(
+    answers = call_all(
         [functools.partial(t.env.step, action) for t, action in calling], settings.step_timeout_s
     )
     out: list[tuple[str, float, bool]] = []
