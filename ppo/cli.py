@@ -66,7 +66,7 @@ def command_line(description: str, schema: type[Any] | None = None) -> argparse.
         epilog="\n\n".join(epilog),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", default=None, help="YAML preset over the defaults")
+    parser.add_argument("--config", action="append", default=None, help="YAML preset over the defaults")
     parser.add_argument(
         "--config-path",
         default=None,
@@ -107,7 +107,15 @@ def parse_cli(
 
 
 def _config_file(args: argparse.Namespace) -> str | None:
-    """``--config``, or verl's ``--config-path DIR --config-name NAME`` (``DIR/NAME.yaml``)."""
+    """``--config``, or verl's ``--config-path DIR --config-name NAME`` (``DIR/NAME.yaml``); one preset a
+    run (``args.config`` becomes that file)."""
+    presets = args.config if isinstance(args.config, list) else [args.config] if args.config else []
+    if len(presets) > 1:
+        raise ConfigError(
+            f"--config is given {len(presets)} times ({', '.join(presets)}): a run takes one preset; give "
+            f"the keys of the others as key=value overrides (from {COMMAND_LINE})"
+        )
+    args.config = presets[0] if presets else None
     if args.config_name is None:
         if args.config_path is not None:
             raise ConfigError(f"--config-path={args.config_path} needs --config-name (from {COMMAND_LINE})")

@@ -32,6 +32,9 @@ class Leaf:
     value: Any
     source: str
     """The YAML file, or the command line."""
+    written: Any = None
+    """``value``'s scalars as their source text, in its shape (``ppo.yaml_text.parse``): what a key that
+    takes a string gets where YAML read a number or a word (``010``, ``off``); None where not known."""
 
     @property
     def key(self) -> str:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -39,6 +40,7 @@ from ppo.config import ConfigError, FieldError, PPOConfig
 from ppo.config_keys import COMMAND_LINE, Leaf, all_keys, closest_keys, show
 from ppo.verl_keys import VERL_PARENTS
 from ppo.verl_translation import from_verl, renamed, verl_defaults
+from ppo.yaml_text import YAMLProblem, parse, read_yaml, trailing_comment
 
 C = typing.TypeVar("C")
 
@@ -74,40 +76,89 @@ def load_config(
     errors: list[str] = []
     if path is not None:
         path = Path(path)
-        try:
-            loaded = _read_yaml(path)
-        except _Invalid as e:
-            raise ConfigError(str(e)) from None
+        loaded, written = read_yaml(path)
         if loaded is None:
             loaded = {}  # an empty file or only comments
         if not isinstance(loaded, dict):
             raise ConfigError(
                 f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}"
             )
-        leaves += _leaves(loaded, str(path), descend, verl)
+        file_leaves = _leaves(loaded, str(path), descend, verl, written=written)
+        errors += _set_twice(file_leaves, path)
+        leaves += file_leaves
     for item in overrides or []:
         try:
-            parts, value = _parse_override(item)
+            parts, value, written = _parse_override(item)
         except _Invalid as e:
             errors.append(str(e))
             continue
         for part in reversed(parts[1:]):
-            value = {part: value}
-        leaves += _leaves({parts[0]: value}, COMMAND_LINE, descend, verl, spelled=len(parts))
+            value, written = {part: value}, {part: written}
+        leaves += _leaves(
+            {parts[0]: value}, COMMAND_LINE, descend, verl, spelled=len(parts), written={parts[0]: written}
+        )
     notes = notes if notes is not None else []
     verl_spelled = False
     if verl:
         leaves, verl_spelled = from_verl(leaves, cls, errors, notes)
     tree: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    texts: dict[str, Any] = {}
     for leaf in leaves:
         _merge(tree, leaf.nested(), sources, leaf.label, "", cls, errors)
-    cfg = _build(cls, tree, sources, prefix="", errors=errors)
+        texts[leaf.key] = leaf.written
+    cfg = _build(cls, tree, _Origins(sources, texts), prefix="", errors=errors)
     if errors:
         raise ConfigError(_problems(errors))
     if verl_spelled and (note := verl_defaults(cfg, leaves)):
         notes.append(note)
     return cfg
+
+
+@dataclasses.dataclass
+class _Origins:
+    """Where each dotted key's value came from (the YAML file, the command line), and the text it was
+    written as (``Leaf.written``), for ``_build`` and ``_coerce``."""
+
+    sources: dict[str, str]
+    texts: dict[str, Any]
+
+    def source(self, dotted: str) -> str:
+        return _source(self.sources, dotted)
+
+    def text(self, dotted: str) -> Any:
+        """The written text of ``dotted`` (``a.b``, ``a.b[2]``, a mapping key's entry ``a.b.name``), or None
+        where it is not known (a value that verl's translation rewrote)."""
+        steps = re.findall(r"\[(\d+)\]|([^.\[\]]+)", dotted)  # (index, name) pairs
+        names = []
+        for index, name in steps:
+            if index:
+                break
+            names.append(name)
+        for k in range(len(names), 0, -1):
+            if (key := ".".join(names[:k])) not in self.texts:
+                continue
+            found = self.texts[key]
+            for index, name in steps[k:]:
+                if index and isinstance(found, list) and int(index) < len(found):
+                    found = found[int(index)]
+                elif name and isinstance(found, dict):
+                    found = found.get(name)
+                else:
+                    return None
+            return found
+        return None
+
+
+def _set_twice(leaves: list[Leaf], path: Path) -> list[str]:
+    """A key a YAML file sets twice, once dotted (``algorithm.adv_estimator: grpo``) and once nested."""
+    first: dict[str, str] = {}
+    out = []
+    for leaf in leaves:
+        if first.get(leaf.key) == leaf.given:  # a key given twice in one mapping is YAML's error already
+            out.append(f"{path}: {leaf.key} is set twice (once as a dotted key, once nested): keep one")
+        first.setdefault(leaf.key, leaf.given)
+    return out
 
 
 def _problems(errors: list[str]) -> str:
@@ -118,23 +169,49 @@ def _problems(errors: list[str]) -> str:
     return f"{len(errors)} problems:\n  - " + "\n  - ".join(errors)
 
 
-def _parse_override(item: str) -> tuple[list[str], Any]:
-    """``a.b.c=value`` -> (["a", "b", "c"], value parsed as YAML). Hydra's ``+key=`` and ``++key=``
-    (add or force a key, as verl's examples write some) mean the same as ``key=`` here."""
+PLACEHOLDER = re.compile(r"(?<!\$)\{[A-Za-z_][\w.-]*\}")
+"""An unfilled shell or f-string placeholder in a command-line value: ``{lr}``, ``outputs/{name}``."""
+
+
+def _parse_override(item: str) -> tuple[list[str], Any, Any]:
+    """``a.b.c=value`` -> (["a", "b", "c"], value parsed as YAML, its written text: ``yaml_text.parse``).
+    Hydra's ``+key=`` and ``++key=`` (add or force a key, as verl's examples write some) mean the same as
+    ``key=`` here. A ``#`` is part of the value (``outputs/run #2``), not a YAML comment; an empty value
+    (an unset shell variable), an unfilled ``{placeholder}`` and a preset file without ``--config`` are
+    errors."""
     key, sep, raw = item.partition("=")
     key = key.strip()
     if key.startswith("~"):
         raise _Invalid(f"{item!r} (from {COMMAND_LINE}): Hydra's ~key deletes a key; leave it out instead")
     key = key.removeprefix("++").removeprefix("+")
     parts = key.split(".")
+    if not sep and item.endswith((".yaml", ".yml")):
+        raise _Invalid(f"{item!r} (from {COMMAND_LINE}) looks like a preset file: give it as --config {item}")
     if not sep or not all(parts):
         raise _Invalid(f"command-line override {item!r} must look like section.key=value")
+    if not raw.strip():
+        raise _Invalid(
+            f"{key}= (from {COMMAND_LINE}) has no value (an unset shell variable?): give one, null for none, "
+            f"or {key}=\"''\" for an empty string"
+        )
+    if placeholder := PLACEHOLDER.search(raw):
+        raise _Invalid(
+            f"{key}={raw!r} (from {COMMAND_LINE}): {placeholder.group()} is an unfilled placeholder (a shell "
+            "or f-string variable that was not substituted): give the value"
+        )
     try:
-        value: Any = _parse_yaml(raw) if raw.strip() else ""
-    except _YAMLProblem as e:
+        value, written = parse(raw)
+    except YAMLProblem as e:
         col = f" at column {e.column}" if e.column else ""
         raise _Invalid(f"{key}={raw!r} (from {COMMAND_LINE}) is not valid YAML{col}: {e}") from None
-    return parts, value
+    if trailing_comment(raw):
+        if isinstance(value, (dict, list)):
+            raise _Invalid(
+                f"{key}={raw!r} (from {COMMAND_LINE}): ' #' starts a YAML comment, which would drop the rest; "
+                "quote the value"
+            )
+        value = written = raw.strip()  # on a command line a # is text: runs "#1" and "#2" keep two folders
+    return parts, value, written
 
 
 def _sections(cls: type) -> frozenset[str]:
@@ -155,122 +232,32 @@ def _leaves(
     verl: bool,
     given: tuple[Any, ...] = (),
     spelled: int = 0,
+    written: Any = None,
 ) -> list[Leaf]:
-    """The leaves of a mapping from ``source``. Only the keys in ``descend`` (sections, and with
-    ``verl`` the sections of verl's keys) and the first ``spelled`` levels (an override's dotted key)
-    are walked into; any other value, a leaf or an unknown key, is taken whole for ``_build`` to check,
-    so a self-referencing YAML anchor cannot recurse without end."""
+    """The leaves of a mapping from ``source``, each with its written text (``written`` mirrors ``tree``).
+    Only the keys in ``descend`` (sections, and with ``verl`` the sections of verl's keys) and the first
+    ``spelled`` levels (an override's dotted key) are walked into; any other value, a leaf or an unknown
+    key, is taken whole for ``_build`` to check, so a self-referencing YAML anchor cannot recurse without
+    end. A YAML file's dotted key (``algorithm.adv_estimator: grpo``) is the nested one it spells."""
     out = []
+    written = written if isinstance(written, dict) else {}
     for key, value in tree.items():
+        text = written.get(str(key))
+        spelled_here = spelled
+        if isinstance(key, str) and "." in key and source != COMMAND_LINE and all(key.split(".")):
+            *outer, key = key.split(".")
+            for part in reversed([*outer[1:], key]):
+                value, text = {part: value}, {part: text}
+            key = outer[0]
+            spelled_here = max(spelled, len(given) + len(outer) + 1)
         path = (*given, key)
         parts = renamed(path) if verl else path
         dotted = ".".join(map(str, parts))
-        if isinstance(value, dict) and (len(path) < spelled or dotted in descend):
-            out += _leaves(value, source, descend, verl, path, spelled)
+        if isinstance(value, dict) and (len(path) < spelled_here or dotted in descend):
+            out += _leaves(value, source, descend, verl, path, spelled_here, text)
         else:
-            out.append(Leaf(".".join(map(str, path)), parts, value, source))
+            out.append(Leaf(".".join(map(str, path)), parts, value, source, text))
     return out
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.safe_load`` that fails on a key given twice in one mapping (PyYAML keeps the last)."""
-
-    def construct_document(self, node: yaml.Node) -> Any:
-        self._document = node  # where construct_mapping looks up the dotted key of a duplicate
-        return super().construct_document(node)
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        first_line: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue  # `<<: *anchor` merges may be overridden by the mapping's own keys
-            key = self.construct_object(key_node, deep=True)
-            try:
-                line = first_line.get(key)
-            except TypeError:
-                continue  # an unhashable key: the base class reports it
-            if line is not None:
-                path = _node_path(self._document, node)
-                dotted = f"{path}.{key}" if path else str(key)
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {dotted!r} (first set on line {line})", key_node.start_mark
-                )
-            first_line[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep)
-
-
-def _node_path(root: yaml.Node, target: yaml.Node) -> str:
-    """The dotted key of the mapping ``target`` within the composed YAML document ``root``."""
-    stack: list[tuple[yaml.Node, str]] = [(root, "")]
-    seen: set[int] = set()
-    while stack:
-        node, path = stack.pop()
-        if node is target:
-            return path
-        if id(node) in seen:
-            continue  # an alias of a node already walked
-        seen.add(id(node))
-        if isinstance(node, yaml.MappingNode):
-            stack.extend((v, f"{path}.{k.value}" if path else str(k.value)) for k, v in node.value)
-        elif isinstance(node, yaml.SequenceNode):
-            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node.value))
-    return ""
-
-
-def _read_yaml(path: Path) -> Any:
-    """The YAML document in the file at ``path``; any problem with it is a one-line ConfigError."""
-    if path.is_dir():
-        raise _Invalid(f"config file {path} is a directory, not a YAML file")
-    if not path.is_file():
-        raise _Invalid(f"config file {path} does not exist")
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise _Invalid(f"config file {path} cannot be read: {e.strerror}") from None
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise _Invalid(
-            f"{path}, line {line}: not UTF-8 text (byte {raw[e.start]:#04x}); save the file as UTF-8"
-        ) from None
-    try:
-        return _parse_yaml(text)
-    except _YAMLProblem as e:
-        at = f", line {e.line}" + (f", column {e.column}" if e.column else "") if e.line else ""
-        raise _Invalid(f"{path}{at}: {e}") from None
-
-
-class _YAMLProblem(Exception):
-    """Why a text is not valid YAML, and where (1-based line and column, or None)."""
-
-    def __init__(self, problem: str, line: int | None = None, column: int | None = None) -> None:
-        super().__init__(problem)
-        self.line, self.column = line, column
-
-
-def _parse_yaml(text: str) -> Any:
-    """``text`` parsed by :class:`_UniqueKeyLoader`; any problem (syntax, tabs, a duplicate key, a
-    character YAML forbids, nesting deep enough to exhaust the stack) is a :class:`_YAMLProblem`."""
-    try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        problem = e.problem or e.context or "invalid YAML"
-        if "'\\t'" in problem:
-            problem += " (indent with spaces, not tabs)"
-        elif e.context and e.problem:
-            problem = f"{e.problem} ({e.context})"
-        raise _YAMLProblem(problem, *((mark.line + 1, mark.column + 1) if mark else ())) from None
-    except yaml.reader.ReaderError as e:
-        line = text.count("\n", 0, e.position) + 1
-        raise _YAMLProblem(f"character #x{e.character:04x} is not allowed in YAML", line) from None
-    except yaml.YAMLError as e:
-        raise _YAMLProblem(" ".join(str(e).split())) from None
-    except RecursionError:
-        raise _YAMLProblem("nested too deeply") from None
-    except (ValueError, OverflowError) as e:  # a scalar the constructor rejects (an int of 5000 digits)
-        raise _YAMLProblem(" ".join(str(e).split())) from None
 
 
 def _merge(
@@ -329,7 +316,7 @@ def _where(keys: list[str], sources: dict[str, str]) -> str:
 def _build(
     cls: type[C],
     tree: dict[str, Any],
-    sources: dict[str, str],
+    origins: _Origins,
     prefix: str,
     base: Any = None,
     root: type | None = None,
@@ -354,7 +341,7 @@ def _build(
             dotted = f"{prefix}{key}"
             close = closest_keys(dotted, all_keys(root))
             hint = f"; did you mean {' or '.join(close)}?" if close else ""
-            errors.append(f"unknown config key {dotted!r} (from {_source(sources, dotted)}){hint}")
+            errors.append(f"unknown config key {dotted!r} (from {origins.source(dotted)}){hint}")
     kwargs: dict[str, Any] = {}
     for key, value in tree.items():
         if key not in fields:
@@ -363,15 +350,15 @@ def _build(
         typ = hints[key]
         if dataclasses.is_dataclass(typ):  # _merge made sure that value is a dict
             inner = getattr(base, key) if base is not None else _field_default(fields[key])
-            kwargs[key] = _build(typ, value, sources, dotted + ".", inner, root, errors=errors)
+            kwargs[key] = _build(typ, value, origins, dotted + ".", inner, root, errors=errors)
         elif isinstance(value, dict) and typing.get_origin(typ) is not dict:
             errors.append(
                 f"{dotted} is not a section (it takes {_type_name(typ)}); got {show.repr(value)} "
-                f"(from {_source(sources, dotted)})"
+                f"(from {origins.source(dotted)})"
             )
         else:
             try:
-                kwargs[key] = _coerce(value, typ, dotted, sources)
+                kwargs[key] = _coerce(value, typ, dotted, origins)
             except _Invalid as e:
                 errors.append(str(e))
     if len(errors) > before:
@@ -380,7 +367,7 @@ def _build(
         return cls(**kwargs) if base is None else dataclasses.replace(base, **kwargs)
     except FieldError as e:
         keys = [f"{prefix}{k}" for k in e.keys]
-        errors.append(f"{prefix}{e} ({_where(keys, sources)})")
+        errors.append(f"{prefix}{e} ({_where(keys, origins.sources)})")
         return None
 
 
@@ -388,13 +375,13 @@ def _field_default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
-def _coerce(value: Any, typ: Any, dotted: str, sources: dict[str, str]) -> Any:
+def _coerce(value: Any, typ: Any, dotted: str, origins: _Origins) -> Any:
     """Convert ``value`` to ``typ`` (bool, int, float, str, Literal, Optional, list) or fail clearly.
     A float must be finite: NaN and ±inf are rejected for every float key."""
 
     def fail() -> typing.NoReturn:
         message = (
-            f"{dotted}={show.repr(value)} (from {_source(sources, dotted)}) is not a valid {_type_name(typ)}"
+            f"{dotted}={show.repr(value)} (from {origins.source(dotted)}) is not a valid {_type_name(typ)}"
         )
         if isinstance(value, bool) and "str" in _type_name(typ):  # YAML 1.1 reads off and no as false
             key, _, index = dotted.partition("[")
@@ -414,10 +401,10 @@ def _coerce(value: Any, typ: Any, dotted: str, sources: dict[str, str]) -> Any:
             return None
         rest = [a for a in args if a is not type(None)]
         if len(rest) == 1:  # an optional: the error of its one type says more (e.g. "not finite")
-            return _coerce(value, rest[0], dotted, sources)
+            return _coerce(value, rest[0], dotted, origins)
         for a in rest:
             try:
-                return _coerce(value, a, dotted, sources)
+                return _coerce(value, a, dotted, origins)
             except _Invalid:
                 pass
         fail()
@@ -425,7 +412,7 @@ def _coerce(value: Any, typ: Any, dotted: str, sources: dict[str, str]) -> Any:
         if value in args:
             return value
         raise _Invalid(
-            f"{dotted}={show.repr(value)} (from {_source(sources, dotted)}) must be one of "
+            f"{dotted}={show.repr(value)} (from {origins.source(dotted)}) must be one of "
             f"{', '.join(map(str, args))}"
         )
     if origin is dict:
@@ -433,13 +420,19 @@ def _coerce(value: Any, typ: Any, dotted: str, sources: dict[str, str]) -> Any:
             return {}
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             fail()
-        return {k: _coerce(v, args[1], f"{dotted}.{k}", sources) for k, v in value.items()}
+        return {k: _coerce(v, args[1], f"{dotted}.{k}", origins) for k, v in value.items()}
     if origin is list:
+        if args[0] is str and isinstance(value, str) and _comma_list(value):
+            raise _Invalid(
+                f"{dotted}={value!r} (from {origins.source(dotted)}) is one string, not a list: write "
+                f"[{value}] (Hydra reads a,b as a sweep, which is not run here); one name that holds a "
+                f"comma: \"{dotted}=['{value}']\""
+            )
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             value = [value]  # a single file or number where a list is expected
         if not isinstance(value, list):
             fail()
-        return [_coerce(v, args[0], f"{dotted}[{i}]", sources) for i, v in enumerate(value)]
+        return [_coerce(v, args[0], f"{dotted}[{i}]", origins) for i, v in enumerate(value)]
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -472,16 +465,25 @@ def _coerce(value: Any, typ: Any, dotted: str, sources: dict[str, str]) -> Any:
             fail()
         if not math.isfinite(number):
             raise _Invalid(
-                f"{dotted}={show.repr(value)} (from {_source(sources, dotted)}) must be a finite number"
+                f"{dotted}={show.repr(value)} (from {origins.source(dotted)}) must be a finite number"
             )
         return number
     if typ is str:
+        text = origins.text(dotted)
+        if isinstance(value, (bool, int, float)) and isinstance(text, str):
+            return text  # as typed: YAML 1.1 reads 010 as 8, 1.10 as 1.1 and off as false
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         fail()
     if typ is Any:
         return value
     fail()
+
+
+def _comma_list(value: str) -> bool:
+    """Whether ``value`` reads as Hydra's comma list ``a.parquet,b.parquet``: two or more words, no spaces."""
+    parts = value.split(",")
+    return len(parts) > 1 and all(part and not any(c.isspace() for c in part) for part in parts)
 
 
 def _type_name(typ: Any) -> str:
