@@ -10,6 +10,14 @@ with ``rollout.val_kwargs`` the share right, pass@n, verl's best@n and majority 
 answers;
 a panel is skipped when no run has any of its keys. With several runs each line is labelled with the
 run folder's name (and the key, where a panel has several).
+
+``--out`` names the image (its suffix picks the format: ``.png``, ``.svg``, ``.pdf``; no suffix gets
+``.png``); an existing folder gets ``curves.png`` inside it. The image is written whole or not at all, and
+the ``wrote`` line names the file written.
+
+A bad line of ``metrics.jsonl`` (cut short, not UTF-8, not a JSON object, no numeric ``step``) is skipped
+with one warning naming the file and line; the other lines are plotted. A metric whose value is not a
+number (text such as ``"n/a"``) is left out of its curve at those steps, with one note per key.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -45,24 +54,85 @@ SAMPLED = {
 """The panels of ``rollout.val_kwargs`` validation, for the largest ``n`` the runs logged."""
 
 
+JSON_KINDS = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "true/false"}
+"""What a JSON value that is not an object is, for the warning that skips its line."""
+
+
+def is_number(value: object) -> bool:
+    """A value a curve can plot: an int or float (JSON true/false are not metrics)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def read_rows(run_dir: Path) -> list[dict[str, float]]:
+    """The rows of ``run_dir/metrics.jsonl`` that can be plotted, each with a numeric ``step``.
+
+    A line that cannot be (cut short, not UTF-8, not a JSON object, no numeric ``step``) is skipped with one
+    warning naming the file and line; a value that is not a number is dropped with one note per key;
+    null (a NaN or infinite value, a skipped step's) becomes NaN, a gap in the curve.
+    """
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a run folder with the jsonl logger?")
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as e:
+        raise ValueError(f"{path} cannot be read: {e.strerror}") from e
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
+    noted: set[str] = set()  # keys with a value that is not a number, noted once each
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
             continue
+        problem, row = None, None
         try:
-            row = json.loads(line)
+            row = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:  # one bad byte costs its line, not the plot
+            problem = f"is not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
         except json.JSONDecodeError:  # the last line of a run killed while writing it
-            print(
-                f"warning: {path}, line {number} is not complete JSON (cut short?); skipped", file=sys.stderr
-            )
+            problem = "is not complete JSON (cut short?)"
+        if problem is None and not isinstance(row, dict):
+            problem = f"is {JSON_KINDS.get(type(row), 'null')}, not a JSON object of metrics"
+        elif problem is None and not is_number(row.get("step")):
+            problem = 'has no numeric "step"'
+        if problem is not None or not isinstance(row, dict):
+            print(f"warning: {path}, line {number} {problem}; skipped", file=sys.stderr)
             continue
-        # null is a NaN or infinite value (a skipped step's): a gap in the curve
-        rows.append({k: math.nan if v is None else v for k, v in row.items()})
+        kept = {}
+        for key, value in row.items():
+            if value is None:
+                kept[key] = math.nan
+            elif is_number(value):
+                kept[key] = value
+            elif key not in noted:
+                noted.add(key)
+                print(
+                    f"note: {path}, line {number}: {key!r} is {value!r:.40} (not a number); its values that "
+                    "are not numbers are not plotted",
+                    file=sys.stderr,
+                )
+        rows.append(kept)
     return rows
+
+
+def out_path(out: Path | None, first_run: Path) -> Path:
+    """The image file to write: ``--out`` as given, ``curves.png`` inside it when it is a folder, with
+    ``.png`` added when it has no suffix (matplotlib's default), ``RUN_DIR/curves.png`` without it.
+    ValueError for a missing folder or a format matplotlib cannot write (before any file is read)."""
+    if out is None:
+        return first_run / "curves.png"
+    if out.is_dir():
+        return out / "curves.png"
+    if not out.parent.is_dir():
+        raise ValueError(f"--out {out}: the folder {out.parent} does not exist; create it or choose another")
+    if not out.suffix:
+        return out.with_name(out.name + ".png")
+    formats = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    if out.suffix[1:].lower() not in formats:
+        raise ValueError(
+            f"--out {out}: matplotlib cannot write {out.suffix} images; use one of "
+            f"{', '.join('.' + f for f in sorted(formats))}"
+        )
+    return out
 
 
 def plot(runs: dict[str, list[dict[str, float]]], out: Path, title: str) -> int:
@@ -108,8 +178,14 @@ def plot(runs: dict[str, list[dict[str, float]]], out: Path, title: str) -> int:
         ax.axis("off")
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    # Written beside ``out`` and renamed: a full disk or a kill never leaves half an image.
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        fig.savefig(tmp, dpi=110, format=out.suffix[1:].lower() or "png")
+        tmp.replace(out)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return len(panels)
 
 
@@ -122,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         "--out",
         type=Path,
         default=None,
-        help="PNG path (default RUN_DIR/curves.png; required with several runs)",
+        help="image path, or a folder for curves.png (default RUN_DIR/curves.png; required with several "
+        "runs)",
     )
     parser.add_argument("--title", default=None, help="figure title (default: the run folder)")
     args = parser.parse_args(argv)
@@ -133,11 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     if len(set(names)) < len(names):
         names = [str(d) for d in args.run_dirs]  # same folder names: label them by path
     try:
+        out = out_path(args.out, args.run_dirs[0])
         runs = {name: read_rows(d) for name, d in zip(names, args.run_dirs, strict=True)}
-        out = args.out or args.run_dirs[0] / "curves.png"
         n = plot(runs, out, title=args.title or ", ".join(names))
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError) as e:  # no metrics.jsonl, a bad --out, no known metrics
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the image's folder is read-only or full
+        print(f"error: cannot write {out}: {e.strerror or e}", file=sys.stderr)
         return 2
     steps = max(len(rows) for rows in runs.values())
     print(f"wrote {out} ({n} panels, {len(runs)} run(s), up to {steps} rows)")
