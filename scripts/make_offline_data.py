@@ -29,7 +29,8 @@ and rank).
 model; rows with an empty or identical pair are skipped and counted. (``ppo.offline`` also reads a
 preference file directly.)
 
-Bad input (a missing model or data file, k < 2, ...) ends with one line and exit code 2.
+Bad input (a missing model or data file, k < 2, ...) ends with one line and exit code 2; an ``--out`` not
+named ``.parquet`` (the only format the trainer reads groups from) is refused before any work.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", type=Path, required=True, help="the Parquet file to write")
+    parser.add_argument("--out", type=Path, required=True, help="the Parquet file to write (.parquet)")
     parser.add_argument("--from-pairs", type=Path, help="convert this preference file (no model needed)")
     parser.add_argument("--model", help="policy folder (save_pretrained) to sample from")
     parser.add_argument(
@@ -166,8 +167,15 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def check_out(args: argparse.Namespace) -> None:
-    """``--out`` is none of the inputs (the prompt files, the preference file, a model folder), and an
-    existing one is replaced only with ``--overwrite``."""
+    """``--out`` is a ``.parquet`` file (the only format ``ppo.offline`` reads groups from), none of the
+    inputs (the prompt files, the preference file, a model folder), and an existing one is replaced only
+    with ``--overwrite``."""
+    if args.out.suffix.lower() != ".parquet":
+        raise UsageError(
+            f"--out {args.out}: the groups are written as Parquet, the only format the trainer reads "
+            "groups from (rollout.source=dataset, rollout.offline_fraction); name the file "
+            f"{args.out.with_suffix('.parquet').name}"
+        )
     out = args.out.resolve()
     inputs = {"--from-pairs": [args.from_pairs], "--data": args.data or [], "--model": [args.model],
               "--reward-model": [args.reward_model]}  # fmt: skip
