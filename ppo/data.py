@@ -29,7 +29,8 @@ How a prompt becomes tokens (one function, ``encode_prompt``, does it for every 
 Responses (``answer``, ``chosen``, ``rejected``) are tokenized with ``add_special_tokens=False`` and get
 the EOS token appended; they are tokenized apart from the prompt so the boundary is exact. Nothing is
 ever truncated: over-long rows are dropped, counted and logged. Bad input raises
-``ppo.data_files.DataError`` naming the file, the row and the column.
+``ppo.data_files.DataError`` naming the file, the row and the column; an RL prompt whose chat ends with an
+assistant message (an SFT conversation, its answer included) is bad input (``refuse_answered_prompts``).
 
 Usage::
 
@@ -242,6 +243,7 @@ def load_prompts(
         if apply_chat_template:
             warn_mixed_prompts(path, [row[prompt_key] for row in rows], prompt_key)
         warn_string_prompts(path, [row[prompt_key] for row in rows], prompt_key, tokenizer)
+        refuse_answered_prompts(path, [row[prompt_key] for row in rows], prompt_key)
         file_dropped = 0
         for i, row in enumerate(rows):
             text, ids = encode_prompt(
@@ -285,6 +287,29 @@ def load_prompts(
             f"data.max_prompt_length={max_prompt_length} tokens and were dropped; raise data.max_prompt_length"
         )
     return records
+
+
+def refuse_answered_prompts(path: Path, prompts: list[Any], column: str) -> None:
+    """DataError when a chat prompt's last message is the assistant's (an SFT conversation used as RL
+    prompts): the prompt would hold its own answer, rendered as a finished turn before the generation
+    prompt, and the policy would be trained to answer again after reading it. Earlier assistant turns of a
+    multi-turn chat are context and pass; only the last message decides. Names the first such row and how
+    many of the file's rows end so (verl 0.9.1 renders these rows as they are)."""
+    answered = [
+        i
+        for i, p in enumerate(prompts)
+        if isinstance(p, list) and p and isinstance(p[-1], dict) and p[-1].get("role") == "assistant"
+    ]
+    if not answered:
+        return
+    first = answered[0]
+    raise DataError(
+        f"{cell_ref(path, first, column)}: the chat ends with an assistant message (message "
+        f"{len(prompts[first]) - 1}), so as an RL prompt it holds its own answer ({len(answered)} of "
+        f"{len(prompts)} rows end so): drop each row's last assistant message to use the file as prompts "
+        "(earlier assistant turns may stay), or train on these conversations with the SFT stage "
+        "(scripts/train_sft.py)"
+    )
 
 
 def warn_mixed_prompts(path: Path, prompts: list[Any], column: str) -> None:

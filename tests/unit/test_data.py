@@ -98,6 +98,57 @@ def test_custom_prompt_key(tmp_path: Path, tok: Any) -> None:
     assert rec.prompt_text == "<s><|user|>5 + 5<|assistant|>"
 
 
+def conversation(*turns: str) -> list[dict[str, str]]:
+    """A chat whose messages alternate user, assistant, user, ... with the contents ``turns``."""
+    return [{"role": ("user", "assistant")[j % 2], "content": t} for j, t in enumerate(turns)]
+
+
+def test_sft_conversations_as_rl_prompts_are_refused(tmp_path: Path, tok: Any) -> None:
+    """A chat whose last message is the assistant's holds its answer: refused, naming the file, the first
+    such row, the key and what to do; earlier assistant turns (a multi-turn prompt) load."""
+    rows = [prompt_row(None, messages=m) for m in (
+        conversation("1 + 2", "3", "3 + 4"),      # ends with the user: a prompt
+        conversation("23 + 48", "#### 71"),       # an SFT example: its answer is the last message
+        conversation("1 + 2", "3", "3 + 4", "#### 7"),
+    )]  # fmt: skip
+    f = write_parquet(tmp_path / "sft.parquet", rows)
+    with pytest.raises(DataError) as e:
+        load_prompts(f, tok, prompt_key="messages", max_prompt_length=64)
+    assert str(e.value) == (
+        f"{f}: row 1, column 'messages': the chat ends with an assistant message (message 1), so as an RL "
+        "prompt it holds its own answer (2 of 3 rows end so): drop each row's last assistant message to use "
+        "the file as prompts (earlier assistant turns may stay), or train on these conversations with the "
+        "SFT stage (scripts/train_sft.py)"
+    )
+    # Without the template the answer would be in the joined text just the same.
+    with pytest.raises(DataError, match=r"row 1, column 'messages': the chat ends with an assistant message"):
+        load_prompts(f, tok, prompt_key="messages", max_prompt_length=64, apply_chat_template=False)
+    # The multi-turn prompt alone loads, its earlier assistant turn rendered as context.
+    (rec,) = load_prompts(write_parquet(tmp_path / "p.parquet", rows[:1]), tok, prompt_key="messages",
+                          max_prompt_length=64)  # fmt: skip
+    assert rec.prompt_text == "<s><|user|>1 + 2<|assistant|>3</s><|user|>3 + 4<|assistant|>"
+
+
+def test_sft_conversations_as_rl_prompts_stop_the_run_in_one_line(
+    tiny_assets: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from tests.helpers import base_args, run
+
+    rows = [prompt_row(None, messages=conversation(f"{i} + 1", f"#### {i + 1}")) for i in range(4)]
+    f = write_parquet(tmp_path / "sft.parquet", rows)
+    assert run([*base_args(tiny_assets, tmp_path / "out", steps=1), f"data.train_files={f}",
+                f"data.val_files={f}", "data.prompt_key=messages"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    problems = [line for line in err.splitlines() if "ERROR" in line or "rror:" in line]
+    assert "Traceback" not in err and len(problems) == 1, err
+    assert problems[0].endswith(
+        f"{f}: row 0, column 'messages': the chat ends with an assistant message (message 1), so as an RL "
+        "prompt it holds its own answer (4 of 4 rows end so): drop each row's last assistant message to use "
+        "the file as prompts (earlier assistant turns may stay), or train on these conversations with the "
+        "SFT stage (scripts/train_sft.py)"
+    ), problems[0]
+
+
 def test_over_long_prompts_dropped_and_counted(
     tmp_path: Path, tok: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
