@@ -181,7 +181,7 @@ def environment_problems(cfg: Any, problems: list[str]) -> list[str]:
     from ppo.user_code import UserCodeError
 
     try:
-        check_environment(multi_turn.env)
+        check_environment(multi_turn.env, timeout_s=multi_turn.step_timeout_s)
     except UserCodeError as e:
         return [str(e)]
     return []

@@ -470,6 +470,8 @@ def _coerce(value: Any, typ: Any, dotted: str, origins: _Origins) -> Any:
         return number
     if typ is str:
         text = origins.text(dotted)
+        if isinstance(value, bool) and dotted == "trainer.resume_mode":
+            fail()  # resume_mode=false means disable, not a checkpoint folder named "false"
         if isinstance(value, (bool, int, float)) and isinstance(text, str):
             return text  # as typed: YAML 1.1 reads 010 as 8, 1.10 as 1.1 and off as false
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):

@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ppo.config import MultiTurnConfig
 from ppo.user_code import UserCodeError, load_user_object
 
 TIMEOUT_KEY = "rollout.multi_turn.step_timeout_s"
@@ -43,7 +42,7 @@ def load_environment(spec: str) -> type:
     return cls
 
 
-def check_environment(spec: str, timeout_s: float = MultiTurnConfig.step_timeout_s) -> type:
+def check_environment(spec: str, timeout_s: float) -> type:
     """``load_environment``, and one instance made with no arguments within ``timeout_s``
     (``rollout.multi_turn.step_timeout_s``), as the turn loop makes one per trajectory: an ``__init__`` that
     raises, needs arguments or runs longer is an EnvError naming it (a stuck one is abandoned, never a

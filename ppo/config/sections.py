@@ -122,7 +122,9 @@ class MultiTurnConfig:
     max_tool_response_length: int = 256
     """Most tokens of one observation; longer ones are cut and counted."""
     step_timeout_s: float = 30.0
-    """A ``step`` call that runs longer ends its trajectory with reward 0 (counted)."""
+    """A ``step`` call that runs longer ends its trajectory with reward 0 (counted); the class's ``__init__``
+    (at start-up and per trajectory) and ``reset`` have the same limit, and one that runs longer is an
+    error naming the class and the row."""
 
     def __post_init__(self) -> None:
         _require(self, ">= 1", "max_assistant_turns", "max_tool_response_length")

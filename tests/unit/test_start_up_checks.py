@@ -129,19 +129,17 @@ def test_a_prompt_file_mixing_strings_and_chat_messages_warns(
 # ----------------------------------------------------------------------------------------------------
 
 
-def test_a_word_yaml_reads_as_a_boolean_says_how_to_quote_it() -> None:
-    msg = config_error("trainer.experiment_name=off")
-    assert msg == (
-        "trainer.experiment_name=False (from the command line) is not a valid str: YAML read the word as the "
-        "boolean false (off, no, false; on, yes, true); quote it: 'off' in a YAML file, "
-        "\"trainer.experiment_name='off'\" on the command line"
-    )
-    msg = config_error("rollout.multi_turn.stop=[NO, '</call>']")
-    assert msg.startswith("rollout.multi_turn.stop[0]=False (from the command line) is not a valid str")
-    assert "\"rollout.multi_turn.stop=['off', ...]\" on the command line" in msg
+def test_a_word_yaml_reads_as_a_boolean_is_the_word_where_a_string_is_expected() -> None:
+    # YAML 1.1 reads off and NO as false: a key that takes a string gets the word as typed.
+    assert load_config(None, ["trainer.experiment_name=off"]).trainer.experiment_name == "off"
+    cfg = load_config(None, ["rollout.multi_turn.stop=[NO, '</call>']"])
+    assert cfg.rollout.multi_turn.stop == ["NO", "</call>"]
     msg = config_error("trainer.resume_mode=false")
-    assert msg.endswith("; trainer.resume_mode takes auto, disable or a checkpoint folder")
-    # Quoted, the word is kept.
+    assert msg == (
+        "trainer.resume_mode=False (from the command line) is not a valid str: YAML read the word as the boolean "
+        "false (off, no, false; on, yes, true); quote it: 'off' in a YAML file, \"trainer.resume_mode='off'\" "
+        "on the command line; trainer.resume_mode takes auto, disable or a checkpoint folder"
+    )
     assert load_config(None, ["trainer.experiment_name='off'"]).trainer.experiment_name == "off"
     # A boolean for a number is no quoting matter.
     assert config_error("rollout.n=yes") == "rollout.n=True (from the command line) is not a valid int"
