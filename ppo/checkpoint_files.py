@@ -211,7 +211,7 @@ class PendingSave:
     trainer_json: str
     config_yaml: str
     rank: int
-    keep: int
+    keep: int | None
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer | None) -> None:
@@ -253,7 +253,7 @@ def save(
     config_yaml: str,
     rank: int,
     world_size: int,
-    keep: int,
+    keep: int | None,
     async_group: Any = None,
 ) -> Path | PendingSave:
     """Write checkpoint ``step`` (collective: every rank calls it) and point ``latest`` at it.
@@ -351,8 +351,10 @@ def _failures_named(out_dir: Path, step: int) -> Iterator[None]:
         ) from None
 
 
-def _prune(root: Path, keep: int) -> None:
-    if keep <= 0:
+def _prune(root: Path, keep: int | None) -> None:
+    """Delete all but the ``keep`` newest complete checkpoints (``trainer.max_ckpt_to_keep``; None or 0:
+    keep all)."""
+    if not keep:
         return
     done = sorted(
         p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp") and is_complete(p)

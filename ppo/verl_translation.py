@@ -201,7 +201,8 @@ def _combine(leaves: list[Leaf], errors: list[str], notes: list[str], context: d
     """verl's keys whose meaning here takes two of them, as ours: ``custom_reward_function.path`` and
     ``.name`` make ``reward.custom_function=path:name``; ``trainer.resume_mode=resume_path`` with
     ``trainer.resume_from_path=P`` makes ``trainer.resume_mode=P``; ``max_actor_ckpt_to_keep`` and
-    ``max_critic_ckpt_to_keep`` make ``trainer.max_ckpt_to_keep``; ``optimizer_offload=true`` (or
+    ``max_critic_ckpt_to_keep`` make ``trainer.max_ckpt_to_keep`` (verl's keep-all values, null, 0 or
+    negative, our null); ``optimizer_offload=true`` (or
     ``grad_offload``) is what ``param_offload=true`` does here, so it is accepted beside it; the PRIME
     recipe's reward-model keys read with ``rollout.n`` and ``algorithm.adv_estimator`` (``_prime``).
     ``context``: the values the run takes for ``rollout.n``, ``algorithm.adv_estimator`` and
@@ -302,17 +303,28 @@ def _combine(leaves: list[Leaf], errors: list[str], notes: list[str], context: d
             f"it is read only with trainer.resume_mode=resume_path"
         )
     keep = [
-        last[k] for k in ("trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep") if k in last
+        dataclasses.replace(last[k], value=_verl_keep(last[k].value))
+        for k in ("trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep")
+        if k in last
     ]
-    keep = [leaf for leaf in keep if leaf.value is not None]
     if len({repr(leaf.value) for leaf in keep}) > 1:
+        shown = ["null" if leaf.value is None else show.repr(leaf.value) for leaf in keep]  # as verl reads it
         errors.append(
-            "trainer.max_actor_ckpt_to_keep and trainer.max_critic_ckpt_to_keep differ "
-            f"({keep[0].value} and {keep[1].value}): one checkpoint holds both here; set trainer.max_ckpt_to_keep"
+            f"trainer.max_actor_ckpt_to_keep and trainer.max_critic_ckpt_to_keep differ ({shown[0]} and "
+            f"{shown[1]}): one checkpoint holds both here; set trainer.max_ckpt_to_keep (null keeps all)"
         )
     elif keep:
         out.append(Leaf(keep[0].given, ("trainer", "max_ckpt_to_keep"), keep[0].value, keep[0].source))
     return out
+
+
+def _verl_keep(value: Any) -> Any:
+    """verl's ``max_actor_ckpt_to_keep`` as our ``trainer.max_ckpt_to_keep``: verl 0.9.1 prunes only for a
+    positive int (``checkpoint_manager.register_checkpoint``); null (its default), 0 or a negative number
+    keeps every checkpoint, which is our null. Other values pass as given, for the schema to check."""
+    if value is None or (type(value) is int and value <= 0):
+        return None
+    return value
 
 
 def _without_turns(last: dict[str, Leaf], errors: list[str]) -> list[Leaf]:

@@ -47,8 +47,10 @@ class RunTrainerConfig:
     """Validate every this many steps (0 or -1 disables periodic validation)."""
     resume_mode: str = "auto"
     """``auto`` (latest checkpoint in ``output_dir``), ``disable``, or a checkpoint path."""
-    max_ckpt_to_keep: int = 2
-    """Keep this many newest checkpoints (0 keeps all)."""
+    max_ckpt_to_keep: int | None = 2
+    """Keep this many newest checkpoints, deleting older ones as each new one is saved; null (or 0) keeps
+    all. verl's ``trainer.max_actor_ckpt_to_keep`` / ``max_critic_ckpt_to_keep`` are taken here, with
+    their values as verl reads them: null (verl's default), 0 or a negative number keeps all."""
     async_save: bool = False
     """Write checkpoints in the background (torch.distributed.checkpoint's async save): the weights and
     optimizer states are copied to host memory, training goes on while a thread writes them, and the
@@ -73,7 +75,12 @@ class RunTrainerConfig:
                 "resume_mode",
             )
         _require(self, "> 0", "dist_timeout_s", "total_epochs", "total_training_steps")
-        _require(self, ">= 0", "seed", "max_ckpt_to_keep")
+        _require(self, ">= 0", "seed")
+        if self.max_ckpt_to_keep is not None and self.max_ckpt_to_keep < 0:
+            raise FieldError(
+                f"max_ckpt_to_keep must be >= 0, got {self.max_ckpt_to_keep}: null or 0 keeps every checkpoint",
+                "max_ckpt_to_keep",
+            )
         _require(self, ">= -1", "save_freq", "test_freq")
 
 

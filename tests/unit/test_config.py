@@ -826,6 +826,35 @@ def test_empty_resume_mode_is_an_error(cls: type, value: str) -> None:
     assert load_config(None, ["trainer.resume_mode=/ckpt/step_5"], root).trainer.resume_mode == "/ckpt/step_5"
 
 
+@pytest.mark.parametrize(
+    ("given", "keep"),
+    [
+        ([], 2),  # ours: the two newest
+        (["trainer.max_ckpt_to_keep=null"], None),
+        (["trainer.max_actor_ckpt_to_keep=3"], 3),
+        # verl 0.9.1 prunes only for a positive int (checkpoint_manager.register_checkpoint): null (its
+        # default), 0 and negative numbers keep every checkpoint, which is our null.
+        (["trainer.max_actor_ckpt_to_keep=null"], None),
+        (["trainer.max_actor_ckpt_to_keep=0", "trainer.max_critic_ckpt_to_keep=null"], None),
+        (["trainer.max_actor_ckpt_to_keep=-1", "trainer.max_critic_ckpt_to_keep=-1"], None),
+    ],
+)
+def test_verl_keep_all_checkpoints_is_null(given: list[str], keep: int | None) -> None:
+    assert load_config(None, given).trainer.max_ckpt_to_keep == keep
+
+
+def test_checkpoints_kept_refuses_a_negative_and_two_verl_counts() -> None:
+    assert load_error(overrides=["trainer.max_ckpt_to_keep=-1"]) == (
+        "trainer.max_ckpt_to_keep must be >= 0, got -1: null or 0 keeps every checkpoint (from the command line)"
+    )
+    assert load_error(
+        overrides=["trainer.max_actor_ckpt_to_keep=null", "trainer.max_critic_ckpt_to_keep=3"]
+    ) == (
+        "trainer.max_actor_ckpt_to_keep and trainer.max_critic_ckpt_to_keep differ (null and 3): one "
+        "checkpoint holds both here; set trainer.max_ckpt_to_keep (null keeps all)"
+    )
+
+
 def test_new_keys_and_their_defaults() -> None:
     cfg = load_config(None, ["reward.fsdp.param_offload=true", "trainer.overwrite=true"])
     assert cfg.reward.fsdp.param_offload and not cfg.ref.fsdp.param_offload
