@@ -15,6 +15,14 @@ replaced. Checked by rank 0 before any model loads (``runner.prepare_run``):
   even with ``overwrite``.
 - **Kinds and permissions**: a path the run writes as a folder that exists as a file (or the reverse) is
   an error; the run folder must accept a new file (a probe file is created and removed).
+- **No run inside another**: ``trainer.output_dir`` (and a stage's ``save_path``) that is or lies inside a
+  checkpoint (``.../checkpoints/step_N``), or lies below another run's folder, is refused: the new run
+  would rewrite that checkpoint's ``config.yaml`` or mix its files with the other run's, which could then
+  no longer resume.
+- **The preset stays**: a ``--config`` file inside ``trainer.output_dir`` (or a stage's ``save_path``) is
+  refused (``refuse_writing_preset``), since the run writes its resolved ``config.yaml`` there and prunes
+  or deletes what it holds; the one exception is the run folder's own ``config.yaml`` when this run would
+  write it unchanged (a rerun that resumes by its saved config).
 
     out_dir = claim(cfg)                      # rank 0; CheckpointError with one line otherwise
 """
@@ -184,6 +192,7 @@ def claim(cfg: PPOConfig | StageConfig) -> Path:
     """Lock the run folder and check every path the run writes (see the module docstring); rank 0 only,
     before any model loads. Returns the run folder."""
     out_dir = Path(cfg.trainer.output_dir)
+    _refuse_nesting(cfg)
     _refuse_writing_inputs(cfg)
     for path, kind in run_paths(cfg).items():
         if kind == "dir" and path.exists() and not path.is_dir():
@@ -225,6 +234,93 @@ def _refuse_writing_inputs(cfg: PPOConfig | StageConfig) -> None:
             raise CheckpointError(
                 f"{clash}={value} would write over {in_key}={path}, which the run reads: choose another "
                 f"{clash} (no program of this project writes over its own inputs, overwrite or not)"
+            )
+
+
+def is_checkpoint(folder: Path) -> bool:
+    """Whether ``folder`` is a checkpoint (complete, being written, or damaged): a ``step_N`` folder of a
+    ``checkpoints/`` folder, or one holding a checkpoint's ``COMPLETE`` marker or ``trainer.json``."""
+    named = folder.parent.name == "checkpoints" and folder.name.startswith("step_")
+    return named or (folder / checkpoint_files.COMPLETE).is_file() or (folder / "trainer.json").is_file()
+
+
+def holds_run(folder: Path) -> bool:
+    """Whether ``folder`` is a run's folder: locked by a run (a lock of ours: other tools name their locks
+    ``.lock`` too), or holding the ``config.yaml`` a run writes first with its metrics or checkpoints (a
+    ``checkpoints/`` folder alone is verl's root of many runs)."""
+    lock = _read_lock(folder / LOCK_FILE) if (folder / LOCK_FILE).is_file() else None
+    if lock is not None and {"host", "pid", "command"} <= lock.keys():
+        return True
+    ckpts = checkpoint_files.checkpoints_dir(folder)
+    trained = (
+        (folder / "metrics.jsonl").is_file() or (ckpts / "latest").is_file() or any(ckpts.glob("step_*"))
+    )
+    return (folder / "config.yaml").is_file() and trained
+
+
+def _refuse_nesting(cfg: PPOConfig | StageConfig) -> None:
+    """CheckpointError when ``trainer.output_dir`` is or lies inside a checkpoint or lies below another
+    run's folder, or a stage's ``save_path`` is or lies inside a checkpoint or another run's folder (its
+    own run folder aside): a run there would rewrite the checkpoint's ``config.yaml`` or mix its files
+    with the other run's, which could then no longer resume. Checked before anything is created."""
+    out = Path(cfg.trainer.output_dir).resolve()
+    targets = {"trainer.output_dir": (Path(cfg.trainer.output_dir), out)}
+    if not isinstance(cfg, PPOConfig):
+        targets["trainer.save_path"] = (stage_save_path(cfg), stage_save_path(cfg).resolve())
+    for key, (given, path) in targets.items():
+        for folder in [path, *path.parents]:
+            if key == "trainer.save_path" and folder == out:
+                break  # the run's own folder; above it is checked as trainer.output_dir's
+            where = "is" if folder == path else "lies inside"
+            if is_checkpoint(folder):
+                run = folder.parent.parent if folder.parent.name == "checkpoints" else None
+                of_run = f" of the run in {run}" if run else ""
+                resume = f"to continue that run, set trainer.output_dir={run}; " if run else ""
+                raise CheckpointError(
+                    f"{key}={given} {where} the checkpoint {folder}{of_run}: a run there would rewrite that "
+                    f"checkpoint's files (its config.yaml) and it could no longer be resumed; choose a folder "
+                    f"outside {run or folder} ({resume}to start from that checkpoint, set "
+                    f"trainer.resume_mode={folder} with a new trainer.output_dir)"
+                )
+            if (folder != path or key == "trainer.save_path") and holds_run(folder):
+                raise CheckpointError(
+                    f"{key}={given} {where} the folder of another run, {folder}: a run there would mix its "
+                    f"files with that run's, which could then no longer be resumed; choose a folder outside "
+                    f"{folder} (to continue that run, set trainer.output_dir={folder})"
+                )
+
+
+def refuse_writing_preset(cfg: PPOConfig | StageConfig, preset: str | None, resolved: str) -> None:
+    """CheckpointError when the ``--config`` file ``preset`` lies inside ``trainer.output_dir`` or a
+    stage's ``save_path``: the run writes its resolved config there as ``config.yaml`` (a hand-written
+    preset of that name, comments and all, would be gone) and prunes or deletes the folder's files. The
+    run folder's own ``config.yaml`` passes when its text is ``resolved``, the config this run writes:
+    resuming a run by its saved config, unchanged, loses nothing. Before anything is created."""
+    if preset is None:
+        return
+    path, out = Path(preset).resolve(), Path(cfg.trainer.output_dir).resolve()
+    if path == out / "config.yaml":
+        if path.is_file() and path.read_text() == resolved:
+            return
+        if holds_run(out):
+            raise CheckpointError(
+                f"--config {preset} is the config the run in trainer.output_dir={cfg.trainer.output_dir} saved, "
+                f"and this command changes it (an override, or a key this version added): the run would "
+                f"replace it; copy it out of that folder and pass the copy as --config"
+            )
+        raise CheckpointError(
+            f"--config {preset} is the config.yaml of trainer.output_dir={cfg.trainer.output_dir}, which the "
+            f"run replaces with its resolved config: move the preset out of that folder or choose another "
+            f"trainer.output_dir"
+        )
+    folders = {"trainer.output_dir": (cfg.trainer.output_dir, out)}
+    if not isinstance(cfg, PPOConfig):
+        folders["trainer.save_path"] = (str(stage_save_path(cfg)), stage_save_path(cfg).resolve())
+    for key, (given, folder) in folders.items():
+        if folder in path.parents:
+            raise CheckpointError(
+                f"--config {preset} lies inside {key}={given}, whose files the run writes, prunes or (with "
+                f"trainer.overwrite) deletes: move the preset out of that folder or choose another {key}"
             )
 
 

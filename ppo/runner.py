@@ -39,7 +39,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 
 from ppo import data_files, input_paths, run_folder, user_code
 from ppo.checkpoint_files import CheckpointError
-from ppo.cli import REPORT_DELAY_S, config_error, parse_cli, print_config
+from ppo.cli import REPORT_DELAY_S, _config_file, config_error, parse_cli, print_config
 from ppo.config import (
     ConfigError,
     DPOConfig,
@@ -147,6 +147,7 @@ def _main(
     quiet_other_ranks(info)
     try:
         validate_config(cfg, info.world_size)
+        keep_preset(cfg, _config_file(args), info)
         if info.is_main:
             for warning in [*args.notes, *cfg.warnings()]:
                 logger.warning("%s", warning)
@@ -258,6 +259,21 @@ def prepare_run(cfg: PPOConfig | StageConfig, info: DistInfo) -> Path:
         raise CheckpointError(error)
     seed_everything(cfg.trainer.seed)  # the same on every rank while models are built
     return Path(cfg.trainer.output_dir)
+
+
+def keep_preset(cfg: PPOConfig | StageConfig, preset: str | None, info: DistInfo) -> None:
+    """Refuse a ``--config`` file that the run would write over or delete (``run_folder.refuse_writing_preset``:
+    one inside ``trainer.output_dir``), before anything is written. Checked on rank 0, raised on every
+    rank."""
+    error = None
+    if info.is_main:
+        try:
+            run_folder.refuse_writing_preset(cfg, preset, to_yaml(cfg))
+        except (CheckpointError, OSError) as e:
+            error = one_line(e)
+    error = broadcast_object(error)
+    if error is not None:
+        raise CheckpointError(error)
 
 
 def merge_metrics(path: Path, updates: dict[str, Any]) -> dict[str, Any]:
