@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,7 +96,8 @@ class Checkpointer:
     out_dir: Path
     info: DistInfo
     config_yaml: str
-    keep: int
+    keep: int | None
+    """``trainer.max_ckpt_to_keep``: the newest checkpoints kept (None: all)."""
     seed: int
     """``trainer.seed``: new sampling streams derive from it when resuming on another world size."""
     models: dict[str, torch.nn.Module | None]
@@ -153,6 +155,9 @@ class Checkpointer:
         ``keep`` maps a stateful name to fields of it that keep their current values.
         """
         self.wait()  # a rollback to the checkpoint still being written
+        config = ckpt_dir / "config.yaml"  # read after the load (apply_changes): named before it starts
+        if not config.is_file():
+            raise CheckpointError(f"{config} is missing: the checkpoint is damaged")
         extra = load(
             ckpt_dir,
             models=self.models,
@@ -388,9 +393,12 @@ def compare_runs(ckpt_dir: Path, cfg: PPOConfig | StageConfig, identity: dict[st
     except (OSError, ValueError, AttributeError, yaml.YAMLError):
         return {}  # a damaged checkpoint: restoring it names the file (and auto falls back past it)
     now = flatten(to_dict(cfg))
-    differ = [key for key in MUST_MATCH if key in now and key in saved and saved[key] != now[key]]
+    differ = [
+        key for key in MUST_MATCH if key in now and key in saved and not same(key, saved[key], now[key])
+    ]
     problems = [f"{key}: {saved[key]!r} -> {now[key]!r}" for key in differ]
     problems += tree_differences(saved, now, MUST_MATCH_TREES)
+    problems += snapshot_difference(saved, now)
     problems += [  # same path, other content (a path that changed is reported above)
         f"{key}: its content changed since the checkpoint (fingerprint {saved_identity[key]} -> {value})"
         for key, value in identity.items()
@@ -407,7 +415,7 @@ def compare_runs(ckpt_dir: Path, cfg: PPOConfig | StageConfig, identity: dict[st
     changed = {
         key: (saved[key], value)
         for key, value in now.items()
-        if key in saved and saved[key] != value and key != "trainer.resume_mode"
+        if key in saved and not same(key, saved[key], value) and key != "trainer.resume_mode"
     }
     for key, (old, new) in changed.items():
         what = APPLIED_ON_RESUME.get(key)
@@ -419,6 +427,55 @@ def compare_runs(ckpt_dir: Path, cfg: PPOConfig | StageConfig, identity: dict[st
             f" ({what}, applied to the restored state)" if what else "",
         )
     return changed
+
+
+PATH_KEYS = ("model.path", "ref.model_path", "critic.model_path", "data.train_files")
+"""Keys of ``MUST_MATCH`` that name files: the same file spelled relative or absolute (or through a link)
+is the same."""
+
+
+def same(key: str, saved: Any, now: Any) -> bool:
+    """Whether a key's value in the checkpoint's config and in this run's is the same: equal, or for a
+    path of ``PATH_KEYS`` (each path of a list) the same existing file or folder here, however spelled
+    (``data/x.parquet`` and ``/home/me/data/x.parquet``). A hub id stays compared by name."""
+    if saved == now:
+        return True
+    if key not in PATH_KEYS:
+        return False
+    olds, news = (saved, now) if isinstance(saved, list) and isinstance(now, list) else ([saved], [now])
+    return len(olds) == len(news) and all(_same_file(a, b) for a, b in zip(olds, news, strict=True))
+
+
+def _same_file(a: Any, b: Any) -> bool:
+    """Whether two paths name the same existing file or folder here (or are the same text)."""
+    if a == b:
+        return True
+    if not isinstance(a, str) or not isinstance(b, str) or not a or not b:
+        return False
+    pa, pb = Path(os.path.expanduser(a)), Path(os.path.expanduser(b))
+    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+
+
+def snapshot_difference(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """``"actor.sppo_refresh_steps: 1 -> 4 (...)"`` when the checkpoint and this run differ in whether they
+    keep SPPO's old-policy snapshot, which a checkpoint holds only when ``actor.policy_loss.loss_mode=sppo``
+    and ``actor.sppo_refresh_steps > 1``: without this, the load would fail on the snapshot's weights, as
+    if the model's shapes had changed."""
+    keys = ("actor.policy_loss.loss_mode", "actor.sppo_refresh_steps")
+    if not all(key in saved and key in now for key in keys):
+        return []
+
+    def keeps(flat: dict[str, Any]) -> bool:
+        return flat[keys[0]] == "sppo" and isinstance(flat[keys[1]], int) and flat[keys[1]] > 1
+
+    if keeps(saved) == keeps(now):
+        return []
+    has = "holds SPPO's old-policy snapshot" if keeps(saved) else "holds no SPPO old-policy snapshot"
+    changed = [f"{key}: {saved[key]!r} -> {now[key]!r}" for key in keys if saved[key] != now[key]]
+    return [
+        f"{'; '.join(changed)} (the checkpoint {has}, which is saved only with actor.policy_loss.loss_mode=sppo "
+        f"and actor.sppo_refresh_steps > 1)"
+    ]
 
 
 def tree_differences(saved: dict[str, Any], now: dict[str, Any], trees: tuple[str, ...]) -> list[str]:

@@ -304,7 +304,9 @@ def test_checkpoint_metadata_with_paths_of_any_python_loads() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("damage", ["truncated_shard", "missing_shard", "trainer_json", "rank_file"])
+@pytest.mark.parametrize(
+    "damage", ["truncated_shard", "missing_shard", "trainer_json", "rank_file", "config_yaml"]
+)
 def test_damaged_checkpoint_names_the_file(
     tiny_assets: Path, saved: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
 ) -> None:
@@ -320,22 +322,33 @@ def test_damaged_checkpoint_names_the_file(
     elif damage == "trainer_json":
         (ckpt / "trainer.json").write_text('{"trainer": ')
         expected = f"{ckpt / 'trainer.json'} is missing or unreadable"
-    else:
+    elif damage == "rank_file":
         (ckpt / "rank_00000.pt").write_bytes(b"PK\x03\x04 not really a zip")
         expected = f"{ckpt / 'rank_00000.pt'} is unreadable"
+    else:  # it was "No such file or directory", after the models had loaded
+        (ckpt / "config.yaml").unlink()
+        expected = f"{ckpt / 'config.yaml'} is missing: the checkpoint is damaged"
     errors = resume_errors(tiny_assets, out, ckpt, caplog)
     assert len(errors) == 1 and expected in errors[0], errors
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("damage", ["truncated_shard", "config_yaml"])
 def test_auto_resume_falls_back_past_a_damaged_newest_checkpoint(
-    tiny_assets: Path, saved: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tiny_assets: Path, saved: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
 ) -> None:
     out = copy_run(saved, tmp_path)
-    shard = next((out / "checkpoints" / "step_00000002" / "dcp").glob("*.distcp"))
-    shard.write_bytes(shard.read_bytes()[:100])
+    newest = out / "checkpoints" / "step_00000002"
+    if damage == "truncated_shard":
+        shard = next((newest / "dcp").glob("*.distcp"))
+        shard.write_bytes(shard.read_bytes()[:100])
+    else:  # it stopped the run with "No such file or directory"
+        (newest / "config.yaml").unlink()
     saved_run(tiny_assets, out, steps=3)
     assert "cannot resume from" in caplog.text and "step_00000002" in caplog.text
+    if damage == "config_yaml":
+        why = f"{newest / 'config.yaml'} is missing: the checkpoint is damaged"
+        assert f"cannot resume from {newest} ({why}); trying the next older checkpoint" in caplog.messages
     assert "resumed from" in caplog.text and "step_00000001 at step 1" in caplog.text
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]  # step 2 redone, then 3
 
@@ -566,3 +579,96 @@ def test_resume_applies_a_new_learning_rate_and_kl_coefficient(
     assert step2["actor/lr"] == pytest.approx(2e-4) and step2["critic/lr"] == pytest.approx(3e-4)
     assert step2["actor/reward_kl_penalty_coeff"] == pytest.approx(0.2)
     assert "resuming with actor.optim.lr changed: 0.001 -> 0.0002 (the actor's learning rate" in caplog.text
+
+
+def test_resume_takes_the_same_files_spelled_relative(
+    tiny_assets: Path, checkpointed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """The checkpoint names the model and data absolute; the resume names them relative to the working
+    folder: the same files, so it resumes (it was refused as another model.path and data.train_files)."""
+    out = resume_into(checkpointed, tmp_path)
+    monkeypatch.chdir(tiny_assets)
+    args = base_args(tiny_assets, out, steps=2) + RESUMABLE
+    args += ["model.path=base", "data.train_files=[data/train.parquet]"]
+    assert run(args) == 0
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert "model.path changed" not in caplog.text and "data.train_files changed" not in caplog.text
+
+
+def test_output_dir_in_a_checkpoint_never_starts(
+    tiny_assets: Path, checkpointed: Path, tmp_path: Path, caplog: Any
+) -> None:
+    """A run started with trainer.output_dir=<run>/checkpoints/step_1 rewrote that checkpoint's config.yaml
+    (and left its metrics there): the run could no longer resume. It stops before anything is written."""
+    out = resume_into(checkpointed, tmp_path)
+    ckpt = out / "checkpoints" / "step_00000001"
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()}
+    assert run(base_args(tiny_assets, ckpt, steps=1) + RESUMABLE) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1
+    assert errors[0].startswith(f"trainer.output_dir={ckpt} is the checkpoint {ckpt} of the run in {out}: ")
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()} == before
+
+
+@pytest.mark.slow
+def test_a_run_resumes_by_its_saved_config(tiny_assets: Path, tmp_path: Path, caplog: Any) -> None:
+    """``--config <run>/config.yaml`` and nothing else resumes the run (the run writes the same file);
+    with an override that changes it, the run stops and the file stays as it was."""
+    out = tmp_path / "run"
+    saved_run(tiny_assets, out, steps=2)
+    root = out / "checkpoints"
+    shutil.rmtree(root / "step_00000002")  # killed after step 1's checkpoint
+    (root / "latest").write_text("step_00000001")
+    saved = (out / "config.yaml").read_text()
+    assert run(["--config", str(out / "config.yaml")]) == 0
+    assert "step_00000001 at step 1" in caplog.text
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert (out / "config.yaml").read_text() == saved
+    caplog.clear()
+    assert run(["--config", str(out / "config.yaml"), "trainer.total_training_steps=3"]) == 2
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
+        f"--config {out / 'config.yaml'} is the config the run in trainer.output_dir={out} saved, and this "
+        "command changes it (an override, or a key this version added): the run would replace it; copy it "
+        "out of that folder and pass the copy as --config"
+    ]
+    assert (out / "config.yaml").read_text() == saved
+
+
+SPPO_OFFLINE = [
+    "actor.policy_loss.loss_mode=sppo",
+    "rollout.source=dataset",
+    "reward.style=ranking",
+    "rollout.n=4",
+    "model.path=m",
+    "data.train_files=[groups.parquet]",
+]
+
+
+@pytest.mark.parametrize(("before", "after"), [(1, 4), (2, 1)])
+def test_a_changed_sppo_refresh_is_named_not_blamed_on_shapes(
+    tmp_path: Path, before: int, after: int
+) -> None:
+    """SPPO's old-policy snapshot is checkpointed only with actor.sppo_refresh_steps > 1: resuming across
+    that line failed as "does not fit this run's models (different model shapes or config?)". The resume
+    check names the key instead, before anything loads."""
+    from ppo.checkpointer import ResumeMismatch, compare_runs
+    from ppo.config_loader import load_config, to_yaml
+
+    ckpt = tmp_path / "step_00000001"
+    ckpt.mkdir()
+    saved = load_config(None, [*SPPO_OFFLINE, f"actor.sppo_refresh_steps={before}"])
+    (ckpt / "config.yaml").write_text(to_yaml(saved))
+    (ckpt / "trainer.json").write_text('{"identity": {}}')
+    has = "holds no SPPO old-policy snapshot" if before == 1 else "holds SPPO's old-policy snapshot"
+    with pytest.raises(ResumeMismatch) as e:
+        compare_runs(ckpt, load_config(None, [*SPPO_OFFLINE, f"actor.sppo_refresh_steps={after}"]), {})
+    assert str(e.value) == (
+        f"cannot resume {ckpt}: the run differs from it in what must stay the same to continue it: "
+        f"actor.sppo_refresh_steps: {before} -> {after} (the checkpoint {has}, which is saved only with "
+        f"actor.policy_loss.loss_mode=sppo and actor.sppo_refresh_steps > 1). Restore those settings, or start "
+        f"a new run in another trainer.output_dir"
+    )
+    # 2 -> 4 keeps the snapshot: the resume goes on (with the change logged).
+    if before > 1:
+        changed = compare_runs(ckpt, load_config(None, [*SPPO_OFFLINE, "actor.sppo_refresh_steps=4"]), {})
+        assert changed["actor.sppo_refresh_steps"] == (2, 4)
