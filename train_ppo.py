@@ -70,12 +70,16 @@ def train(cfg: PPOConfig, info: DistInfo) -> None:
     """Build the run, validate once before training, then step until the last step or a stop signal."""
     run = build(cfg, info)
     state = run.state
-    if cfg.trainer.val_before_train and state.step == 0 and run.val_records:
-        val_metrics = validate(cfg, info, run)
-        state.best_val = val_metrics.get("val/score")
-        run.metrics_logger.log(0, val_metrics)
     stop = StopRequest()
-    while state.step < run.total_steps:
+    if cfg.trainer.val_before_train and state.step == 0 and run.val_records:
+        val_metrics = validate(cfg, info, run, stop)
+        state.best_val = val_metrics.get("val/score")
+        if val_metrics:  # none when a stop signal ended it
+            run.metrics_logger.log(0, val_metrics)
+    stopped_first = stop.requested()  # during the validation before training: no step taken, none to save
+    if stopped_first:
+        logger.warning("stopping before step 1 (%s): no step was taken, nothing to save", stop.name)
+    while state.step < run.total_steps and not stopped_first:
         start = step_start(run)
         state.step += 1
         step, timer, metrics = state.step, Timer(state.step), {}

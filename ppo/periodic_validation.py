@@ -59,8 +59,9 @@ def validate(cfg: PPOConfig, info: DistInfo, run: Run, stop: StopRequest | None 
     ``val/greedy_score``, ``val/greedy_accuracy`` (no verl name: verl has no greedy pass then).
 
     Generation runs in chunks of ``data.val_batch_size`` sequences (over all ranks); before each, and
-    while the reward pool scores, a stop signal (``stop``) ends validation at once with no metrics, so a
-    long validation never outlasts the grace period between SIGTERM and SIGKILL.
+    while the reward function scores (in the reward pool, or in this process, where the call running is
+    abandoned: ``user_code.abandoned_on_stop``), a stop signal (``stop``) ends validation at once with no
+    metrics, so a long validation never outlasts the grace period between SIGTERM and SIGKILL.
 
     Sampled answers draw from an RNG of their own, seeded by (``trainer.seed``, step, rank): validating,
     and how often, never changes what training samples (the global RNG is left as it was), and a

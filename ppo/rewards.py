@@ -40,6 +40,7 @@ from ppo.rule_scoring import (
     score_rows,
     warn_if_not_finite,
 )
+from ppo.user_code import StoppedInUserCode
 
 logger = logging.getLogger("ppo")
 
@@ -413,11 +414,16 @@ def _score_here(
     trainer_state: TrainerProgress | None,
 ) -> list[Score | WeightedScore]:
     """``scorer`` on the responses in this process; its RewardError names the prompt's row (where one
-    response failed) and, on several ranks, the rank."""
+    response failed) and, on several ranks, the rank. A stop signal abandons the call running and the
+    rest (placeholder scores of 0, which the step that asks for the stop next never uses)."""
     try:
         if isinstance(scorer, RewardFunctions):
             return scorer.score_batch(records, texts, completion_ids, trainer_state)
         return score_rows(scorer, records, texts)
+    except StoppedInUserCode:
+        # A stop signal abandoned the call (``user_code.abandoned_on_stop``): these scores are never trained
+        # on or reported, since every caller asks for the stop at its next boundary.
+        return [Score(0.0, {}) for _ in records]
     except RewardError as e:
         dist = torch.distributed
         if dist.is_initialized() and dist.get_world_size() > 1:

@@ -26,7 +26,8 @@ in the trainer's process too (``make_rule_scorer(..., timeout_s=)``): a call pas
 the trainer's process a function that raises or calls ``sys.exit()`` stops every rank with one line
 naming it, the rank and the prompt's row (``ppo.rewards.rule_scores``); ``os._exit()`` (or a crash of
 the interpreter) cannot be caught there and ends the rank: a function that may do that belongs in
-workers (``reward.pool_workers > 0``), where it is a counted error.
+workers (``reward.pool_workers > 0``), where it is a counted error. A stop signal abandons the call running
+in the trainer's process and every later one (``user_code.abandoned_on_stop``).
 """
 
 from __future__ import annotations
@@ -43,7 +44,14 @@ from dataclasses import dataclass
 from numbers import Real
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ppo.user_code import CallTimedOut, UserCodeError, load_user_object, time_limit
+from ppo.user_code import (
+    CallTimedOut,
+    StoppedInUserCode,
+    UserCodeError,
+    abandoned_on_stop,
+    load_user_object,
+    time_limit,
+)
 
 if TYPE_CHECKING:
     from ppo.data import PromptRecord
@@ -247,7 +255,7 @@ class VerlScorer:
     ) -> Score:
         name, timeout_s = self.label, self.timeout_s
         try:
-            with time_limit(timeout_s):
+            with abandoned_on_stop(), time_limit(timeout_s):
                 result = self.fn(
                     data_source=data_source,
                     solution_str=solution_str,
@@ -263,7 +271,7 @@ class VerlScorer:
                 f"{solution_str[:60]!r}); to score such calls reward.error_score and train on, set "
                 "reward.pool_workers=1 or more"
             ) from None
-        except KeyboardInterrupt:  # Ctrl-C while scoring: the trainer's own stop, not the function's
+        except (KeyboardInterrupt, StoppedInUserCode):  # the trainer's own stop, not the function's
             raise
         except BaseException as e:  # sys.exit() too: a scorer must return, never end the trainer
             raise RewardError(
@@ -358,7 +366,7 @@ class TRLScorer:
         if not self.any_kwargs:
             columns = {k: v for k, v in columns.items() if k in self.names}
         try:
-            with time_limit(self.timeout_s):
+            with abandoned_on_stop(), time_limit(self.timeout_s):
                 result = self.fn(**columns)
                 if inspect.isawaitable(result):
                     result = _await(result)
@@ -366,7 +374,7 @@ class TRLScorer:
             raise RewardError(
                 f"{self.label} ran longer than reward.timeout_s={self.timeout_s} on a batch"
             ) from None
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, StoppedInUserCode):
             raise
         except BaseException as e:
             raise RewardError(f"{self.label} raised {type(e).__name__}: {e} (a batch of {len(texts)})") from e

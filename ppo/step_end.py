@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ppo.distributed import all_reduce_scalar
+from ppo.user_code import stop_signal_came, user_calls_allowed
 
 logger = logging.getLogger("ppo")
 
@@ -39,7 +40,9 @@ class StopRequest:
     ask the run to stop.
 
     The loop asks ``requested()`` at its phase boundaries (all ranks agree: one all-reduce): after the
-    rollout, between the scoring forwards, between validation chunks and at the end of the step; it
+    rollout, between the scoring forwards, between validation chunks and at the end of the step. A reward
+    function running in the trainer's process is abandoned at once (``user_code.abandoned_on_stop``): the
+    step's scores are not used, and the step ends at the next boundary. It
     saves the last complete step before it exits, within the seconds torchrun and Slurm grant between
     SIGTERM and SIGKILL (30 s by default), and the rank exits 0. A second Ctrl-C stops at once
     (``runner.main`` exits quietly with 130; the last checkpoint is intact: saves are atomic).
@@ -57,6 +60,7 @@ class StopRequest:
         self.duplicate_s = torchrun_duplicate_s()
         """Seconds after the first stop signal in which a SIGINT is taken as its copy."""
         self.first_at = 0.0
+        user_calls_allowed()
         if threading.current_thread() is threading.main_thread():
             for signum in self.SIGNALS:
                 signal.signal(signum, self._handle)
@@ -69,6 +73,7 @@ class StopRequest:
         self.first_at = time.monotonic()
         self.name = signal.Signals(signum).name
         logger.warning("%s received: stopping at the next phase boundary, after a checkpoint", self.name)
+        stop_signal_came()  # a reward function running in this process now is abandoned
 
     def requested(self) -> bool:
         """Whether any rank received a stop signal (collective)."""

@@ -6,6 +6,8 @@ user's function without torch.
     fn = load_user_object("my_rewards.py:score", key="reward.custom_function", default_name="compute_score")
     with time_limit(5.0):        # CallTimedOut (a BaseException) past 5 s, main thread only
         fn(...)
+    with abandoned_on_stop():    # StoppedInUserCode at once when a stop signal comes during the call
+        fn(...)
 
 Every failure is a ``UserCodeError`` (or the caller's subclass: ``rule_scoring.RewardError``,
 ``environments.EnvError``) whose one line names the config key, the file or module and what is wrong.
@@ -14,6 +16,7 @@ Every failure is a ``UserCodeError`` (or the caller's subclass: ``rule_scoring.R
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import importlib
 import importlib.util
@@ -113,3 +116,51 @@ def time_limit(seconds: float | None) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+class StoppedInUserCode(BaseException):
+    """A stop signal (SIGTERM, SIGINT, SIGHUP) came while user code ran in the trainer's process, or before
+    a call that was about to start: the call is abandoned (not an ``Exception``, so the function's own
+    ``except Exception`` cannot swallow it); its caller ends what it was doing, and the trainer stops at
+    its next phase boundary after a checkpoint."""
+
+
+@dataclasses.dataclass
+class _Calls:
+    """The user-code calls running in this process's main thread, and whether a stop signal came."""
+
+    running: int = 0
+    stopping: bool = False
+
+
+_CALLS = _Calls()
+"""Signals reach a process, not an object: the one record of this process's abandonable calls."""
+
+
+@contextlib.contextmanager
+def abandoned_on_stop() -> Iterator[None]:
+    """A call of user code that a stop signal abandons: ``StoppedInUserCode`` at entry when a stop signal
+    has come, and during the call the moment one comes (``stop_signal_came``, main thread). A function
+    that takes seconds a response then delays a stop by nothing, not by the rest of the batch: Slurm and
+    torchrun kill a rank 30 s after SIGTERM. Code blocked in C (not in ``time.sleep``) cannot be
+    interrupted in the trainer's process; reward workers (``reward.pool_workers``) can be killed."""
+    if _CALLS.stopping:
+        raise StoppedInUserCode
+    _CALLS.running += 1
+    try:
+        yield
+    finally:
+        _CALLS.running -= 1
+
+
+def stop_signal_came() -> None:
+    """Called by the trainer's stop-signal handler (``step_end.StopRequest``), in the main thread: no
+    user-code call starts from now on, and one running now is abandoned (``StoppedInUserCode``)."""
+    _CALLS.stopping = True
+    if _CALLS.running and threading.current_thread() is threading.main_thread():
+        raise StoppedInUserCode
+
+
+def user_calls_allowed() -> None:
+    """A new run in this process (``step_end.StopRequest``): user code may run again."""
+    _CALLS.stopping = False

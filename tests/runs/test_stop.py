@@ -157,9 +157,10 @@ def test_nan_reward_on_a_save_step_still_saves_and_too_many_stop_the_run(
 def test_stop_signal_inside_a_long_step_saves_the_last_step_at_once(
     tiny_assets: Path, tmp_path: Path, launcher: str
 ) -> None:
-    """Step 2 is long (its scoring waits 6 s, then 60 updates follow): a stop request during its
-    scoring is honoured at the next phase boundary, before the updates. The last complete step (1) is
-    checkpointed with step 1's 60 optimizer steps only, and the run resumes."""
+    """Step 2 is long (a call of its in-process reward function sleeps an hour, then 60 updates would
+    follow): a stop signal abandons the call (``user_code.abandoned_on_stop``) and is honoured at the next
+    phase boundary, before the updates. The last complete step (1) is checkpointed with step 1's 60
+    optimizer steps only, and the run resumes. (Before, the stop waited for every call of the batch.)"""
     out, mark = tmp_path / "run", tmp_path / "slow"
     extra = [
         "trainer.val_before_train=false",
@@ -170,7 +171,7 @@ def test_stop_signal_inside_a_long_step_saves_the_last_step_at_once(
     nproc = 2 if launcher == "torchrun_sigterm" else 1
     # Calls before the slow one, per rank: the start-up probe, then step 1's responses.
     fast_calls = 1 + 8 // nproc
-    env = {"PPO_TEST_SLOW_S": "6", "PPO_TEST_FAST_CALLS": str(fast_calls), "PPO_TEST_SLOW_MARK": str(mark)}
+    env = {"PPO_TEST_SLOW_S": "3600", "PPO_TEST_FAST_CALLS": str(fast_calls), "PPO_TEST_SLOW_MARK": str(mark)}
     proc = launch(base_args(tiny_assets, out, steps=4) + extra, nproc=nproc, env=env)
     # Every rank inside step 2's slow scoring.
     wait_until(proc, lambda: all(Path(f"{mark}.{r}").exists() for r in range(nproc)), timeout=400)
@@ -186,6 +187,42 @@ def test_stop_signal_inside_a_long_step_saves_the_last_step_at_once(
     assert {float(p["step"]) for p in state["actor.optim"]["state"].values()} == {60.0}
     # The stopped run resumes where it stopped.
     assert [r["step"] for r in train(tiny_assets, out, *extra, steps=2)] == [1, 2]
+
+
+@pytest.mark.parametrize("before_training", [False, True])
+def test_a_stop_abandons_a_reward_function_in_validation(
+    tiny_assets: Path, tmp_path: Path, before_training: bool
+) -> None:
+    """A validation call of the in-process reward function sleeps an hour: SIGTERM abandons it. After
+    step 1 the validation ends with no metrics and step 1 (its update kept) is saved; before training
+    nothing was taken and nothing is saved. (Before, the stop waited for every call of the validation,
+    past the 30 s Slurm and torchrun grant, and the finished step was lost.)"""
+    out, mark = tmp_path / "run", tmp_path / "slow"
+    extra = [
+        f"trainer.val_before_train={str(before_training).lower()}",
+        "trainer.test_freq=1",
+        "algorithm.adv_estimator=grpo",
+        f"reward.custom_function={REWARD_FNS}:slow_after",
+    ]
+    # Calls before the slow one: the start-up probe, then (after step 1) its 8 responses.
+    fast_calls = 1 if before_training else 1 + 8
+    env = {"PPO_TEST_SLOW_S": "3600", "PPO_TEST_FAST_CALLS": str(fast_calls), "PPO_TEST_SLOW_MARK": str(mark)}
+    proc = launch(base_args(tiny_assets, out, steps=3) + extra, env=env)
+    wait_until(proc, lambda: Path(f"{mark}.0").exists(), timeout=400)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, excerpt(stderr)
+    if before_training:
+        assert "stopping before step 1 (SIGTERM): no step was taken, nothing to save" in stderr, excerpt(
+            stderr
+        )
+        assert not (out / "checkpoints" / "latest").exists()
+        assert not (out / "metrics.jsonl").exists() or read_metrics(out) == []
+        return
+    assert "stopping: saved step 1" in stderr, excerpt(stderr)
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000001"
+    [row] = read_metrics(out)
+    assert row["step"] == 1 and not any(k.startswith("val") for k in row)
 
 
 @pytest.mark.parametrize(

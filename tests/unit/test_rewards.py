@@ -302,3 +302,57 @@ def test_reward_model_scores_equal_one_sequence_at_a_time(tiny_assets: Path) -> 
     assert scores.dtype == torch.float32 and scores.shape == (3,)
     torch.testing.assert_close(scores, torch.tensor(alone), atol=1e-5, rtol=1e-5)
     assert len(set(scores.tolist())) == 3
+
+
+@pytest.mark.parametrize("style", ["verl", "trl"])
+def test_a_stop_signal_abandons_an_in_process_reward_function(tmp_path: Path, style: str) -> None:
+    """A SIGTERM during the 2nd call (which would sleep an hour) interrupts it, no later call is made, and
+    the batch's placeholder scores come back at once, for the step to end at its next boundary."""
+    import signal
+
+    from ppo.step_end import StopRequest
+
+    path = tmp_path / "slow.py"
+    calls = tmp_path / "calls"
+    if style == "verl":
+        path.write_text(
+            "import os, signal, time\n"
+            "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+            f"    with open({str(calls)!r}, 'a') as f:\n"
+            "        f.write(solution_str + '\\n')\n"
+            "    if solution_str == 'b':\n"
+            "        os.kill(os.getpid(), signal.SIGTERM)\n"
+            "        time.sleep(3600)\n"
+            "    return 1.0\n"
+        )
+    else:  # one call for the batch: the signal comes inside it
+        path.write_text(
+            "import os, signal, time\n"
+            "def compute_score(completions, **kwargs):\n"
+            f"    open({str(calls)!r}, 'a').write('batch\\n')\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    time.sleep(3600)\n"
+        )
+    record = PromptRecord(
+        input_ids=[1], prompt_text="p", data_source="d", ground_truth="g", extra_info={}, index=0
+    )
+    previous = {s: signal.getsignal(s) for s in StopRequest.SIGNALS}
+    try:
+        stop = StopRequest()
+        scores, _ = rule_scores(
+            make_rule_scorer(f"{path}:compute_score", 0.0), [record] * 4, ["a", "b", "c", "d"]
+        )
+        assert stop.name == "SIGTERM"
+        assert scores.tolist() == [0.0] * 4
+        assert calls.read_text().split() == (["a", "b"] if style == "verl" else ["batch"])
+        # Later batches are not scored either: no call starts once the stop came.
+        rule_scores(make_rule_scorer(f"{path}:compute_score", 0.0), [record], ["e"])
+        assert calls.read_text().split() == (["a", "b"] if style == "verl" else ["batch"])
+        StopRequest()  # a new run in this process: calls are made again
+        if style == "verl":
+            assert rule_scores(make_rule_scorer(f"{path}:compute_score", 0.0), [record], ["e"])[
+                0
+            ].tolist() == [1.0]
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
