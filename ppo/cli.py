@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 import typing
@@ -103,10 +104,10 @@ def parse_cli(
     if args.world_size is not None and args.world_size < 1:
         raise ConfigError(f"--world-size must be >= 1, got {args.world_size} (from {COMMAND_LINE})")
     args.notes = []
-    return load_config(_config_file(args), args.overrides, cls, notes=args.notes), args
+    return load_config(config_file(args), args.overrides, cls, notes=args.notes), args
 
 
-def _config_file(args: argparse.Namespace) -> str | None:
+def config_file(args: argparse.Namespace) -> str | None:
     """``--config``, or verl's ``--config-path DIR --config-name NAME`` (``DIR/NAME.yaml``); one preset a
     run (``args.config`` becomes that file)."""
     presets = args.config if isinstance(args.config, list) else [args.config] if args.config else []
@@ -215,6 +216,7 @@ def answer_early(argv: list[str] | None, description: str, schema: type[Any]) ->
         if __name__ == "__main__":
             cli.answer_early(sys.argv[1:], __doc__, PPOConfig)
     """
+    signal.signal(signal.SIGINT, _interrupted_at_start)  # runner.main restores Ctrl-C's KeyboardInterrupt
     args = command_line(description, schema).parse_args(
         argv
     )  # --help, or a malformed command line, exits here
@@ -237,6 +239,14 @@ def answer_early(argv: list[str] | None, description: str, schema: type[Any]) ->
             time.sleep(REPORT_DELAY_S)
         _record_for_torchrun(message)
         sys.exit(2)
+
+
+def _interrupted_at_start(signum: int, frame: Any) -> None:
+    """Ctrl-C before the run has begun (while torch and transformers import): one line, exit code 130,
+    not the traceback of whatever import it interrupted."""
+    if _is_main():
+        print("interrupted during start-up: nothing was started or saved", file=sys.stderr)
+    raise SystemExit(130)
 
 
 def _record_for_torchrun(message: str) -> None:

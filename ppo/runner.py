@@ -27,7 +27,9 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -38,8 +40,8 @@ import transformers
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from ppo import data_files, input_paths, run_folder, user_code
-from ppo.checkpoint_files import CheckpointError
-from ppo.cli import REPORT_DELAY_S, _config_file, config_error, parse_cli, print_config
+from ppo.checkpoint_files import CheckpointError, checkpoints_dir, step_of
+from ppo.cli import REPORT_DELAY_S, config_error, config_file, parse_cli, print_config
 from ppo.config import (
     ConfigError,
     DPOConfig,
@@ -130,6 +132,8 @@ def _main(
     train: Callable[[AnyConfig, DistInfo], None],
     description: str,
 ) -> int:
+    if threading.current_thread() is threading.main_thread():  # answer_early's quiet exit held for imports
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         cfg, args = parse_cli(argv, cls, description=description)
     except ConfigError as e:
@@ -147,7 +151,7 @@ def _main(
     quiet_other_ranks(info)
     try:
         validate_config(cfg, info.world_size)
-        keep_preset(cfg, _config_file(args), info)
+        keep_preset(cfg, config_file(args), info)
         if info.is_main:
             for warning in [*args.notes, *cfg.warnings()]:
                 logger.warning("%s", warning)
@@ -158,7 +162,7 @@ def _main(
         return 2
     except KeyboardInterrupt:  # a second Ctrl-C: out at once, no traceback
         if info.is_main:
-            logger.warning("interrupted; the last complete checkpoint is intact (trainer.resume_mode=auto)")
+            logger.warning("%s", interrupted(Path(cfg.trainer.output_dir)))
         return 130
     except Exception as e:
         if is_collective_timeout(e):  # where every rank was, not gloo's or NCCL's internals
@@ -175,6 +179,15 @@ def _main(
         # Our last line is out, whole, before torchrun (which reads nothing of ours) prints its summary.
         flush_std_streams()
     return 0
+
+
+def interrupted(out_dir: Path) -> str:
+    """The last line of a run that Ctrl-C ended at once: what is left to resume in ``out_dir``."""
+    latest = checkpoints_dir(out_dir) / "latest"
+    if latest.is_file():
+        step = step_of(Path(latest.read_text().strip()))
+        return f"interrupted: the last complete checkpoint, step {step}, is intact (trainer.resume_mode=auto resumes it)"
+    return f"interrupted before the first checkpoint was saved: {out_dir} holds nothing to resume"
 
 
 def validate_config(cfg: PPOConfig | StageConfig, world_size: int) -> None:

@@ -338,28 +338,39 @@ SLOW_SCORING = """
 import time
 
 
-def slow_ninth(data_source, solution_str, ground_truth, extra_info=None, *, log, slow_s):
+def slow_ninth(data_source, solution_str, ground_truth, extra_info=None, *, log, slow_s, stubborn=False, at=8):
     if not solution_str:  # the start-up check's empty response
         return 0.0
     with open(log, "a+") as f:
         f.seek(0)
         calls = len(f.read().splitlines())
         f.write("call\\n")
-    if calls == 8:
-        time.sleep(slow_s)
+    if calls == at:
+        try:
+            time.sleep(slow_s)
+        except KeyboardInterrupt:
+            raise
+        except BaseException:  # the trainer abandoned the call: a stop signal
+            with open(log, "a") as f:
+                f.write("slow call interrupted\\n")
+            if not stubborn:
+                raise
+            time.sleep(slow_s)  # code that goes on regardless (as code blocked in C would)
         with open(log, "a") as f:
             f.write("slow call returned\\n")
     return float("7" in solution_str)
 """
 """A reward function whose 9th call (step 2's first: a step has 8 responses) sleeps ``slow_s`` seconds;
-``log`` gets a line when a call starts and one when the slow call returns."""
+``log`` gets a line when a call starts, one when the slow call is interrupted and one when it returns;
+``stubborn``: it sleeps on when interrupted; ``at``: the calls before the slow one (8: step 1's)."""
 
 
 def signalled_run(
-    tiny_assets: Path, out: Path, slow_s: int, *signals: signal.Signals
+    tiny_assets: Path, out: Path, slow_s: int, *signals: signal.Signals, stubborn: bool = False, at: int = 8
 ) -> tuple[subprocess.Popen, str, list[str]]:
-    """Start a run whose step 2 scoring waits ``slow_s`` seconds, send ``signals`` (0.5 s apart) once the
-    wait has begun; the process, its stderr and the reward function's log."""
+    """Start a run whose step 2 scoring waits ``slow_s`` seconds (``stubborn``: even when interrupted),
+    send ``signals`` (0.5 s apart) once the wait has begun; the process, its stderr and the reward
+    function's log."""
     fn, log = out.parent / "slow_scoring.py", out.parent / "calls.txt"
     fn.write_text(SLOW_SCORING)
     args = [
@@ -367,10 +378,10 @@ def signalled_run(
         "algorithm.adv_estimator=grpo",
         "trainer.save_freq=1",
         f"reward.custom_function={fn}:slow_ninth",
-        f"reward.reward_kwargs={{log: {log}, slow_s: {slow_s}}}",
+        f"reward.reward_kwargs={{log: {log}, slow_s: {slow_s}, stubborn: {str(stubborn).lower()}, at: {at}}}",
     ]
     proc = launch(base_args(tiny_assets, out, steps=4) + args)
-    wait_until(proc, lambda: log.is_file() and len(log.read_text().splitlines()) >= 9, timeout=400)
+    wait_until(proc, lambda: log.is_file() and len(log.read_text().splitlines()) > at, timeout=400)
     for i, signum in enumerate(signals):
         if i:
             time.sleep(0.5)
@@ -381,14 +392,13 @@ def signalled_run(
 
 @pytest.mark.slow
 def test_sighup_is_a_stop_signal(tiny_assets: Path, tmp_path: Path) -> None:
-    """A closed terminal (SIGHUP) stops the run at the next boundary, after the slow scoring call returned,
-    with its last step saved; it used to kill it at once."""
+    """A closed terminal (SIGHUP) stops the run at the next boundary, with its last step saved (it used to
+    kill it at once); the slow scoring call is interrupted, and no later call is made."""
     out = tmp_path / "run"
-    proc, stderr, calls = signalled_run(tiny_assets, out, 6, signal.SIGHUP)
+    proc, stderr, calls = signalled_run(tiny_assets, out, 600, signal.SIGHUP)
     assert proc.returncode == 0, excerpt(stderr)
     assert "SIGHUP received" in stderr and "stopping: saved step 1 (SIGHUP)" in stderr
-    # Step 2's scoring went on to its end (the next boundary): the slow call returned, and 7 more.
-    assert calls == ["call"] * 9 + ["slow call returned"] + ["call"] * 7
+    assert calls == ["call"] * 9 + ["slow call interrupted"]
     assert (out / "checkpoints" / "latest").read_text() == "step_00000001"
 
 
@@ -425,13 +435,44 @@ def test_one_ctrl_c_under_torchrun_saves_and_stops(tiny_assets: Path, tmp_path: 
 
 @pytest.mark.slow
 def test_a_second_ctrl_c_exits_at_once_quietly(tiny_assets: Path, tmp_path: Path) -> None:
-    """The second Ctrl-C ends the run inside the slow scoring call (30 s), which never returns."""
+    """The second Ctrl-C ends the run inside a slow scoring call (30 s) that goes on when the first
+    interrupts it; it never returns."""
     out = tmp_path / "run"
-    proc, stderr, calls = signalled_run(tiny_assets, out, 30, signal.SIGINT, signal.SIGINT)
-    assert calls == ["call"] * 9  # not "slow call returned", nor a later call
+    proc, stderr, calls = signalled_run(tiny_assets, out, 30, signal.SIGINT, signal.SIGINT, stubborn=True)
+    assert calls == ["call"] * 9 + ["slow call interrupted"]  # not "slow call returned", nor a later call
     assert proc.returncode == 130 and "Traceback" not in stderr, excerpt(stderr)
-    assert "interrupted; the last complete checkpoint is intact" in stderr
+    assert (
+        "interrupted: the last complete checkpoint, step 1, is intact (trainer.resume_mode=auto resumes it)"
+        in stderr
+    )
     assert (out / "checkpoints" / "latest").read_text() == "step_00000001"
+
+
+def test_a_second_ctrl_c_before_the_first_checkpoint_says_there_is_none(
+    tiny_assets: Path, tmp_path: Path
+) -> None:
+    """In step 1 there is no checkpoint yet: the line says so (it used to call "the last complete
+    checkpoint" intact and advise resume_mode=auto)."""
+    out = tmp_path / "run"
+    proc, stderr, calls = signalled_run(
+        tiny_assets, out, 30, signal.SIGINT, signal.SIGINT, stubborn=True, at=0
+    )
+    assert calls == ["call", "slow call interrupted"]
+    assert proc.returncode == 130 and "Traceback" not in stderr, excerpt(stderr)
+    assert f"interrupted before the first checkpoint was saved: {out} holds nothing to resume" in stderr
+    assert "intact" not in stderr and not (out / "checkpoints" / "latest").exists()
+
+
+def test_ctrl_c_while_torch_imports_is_one_line(tiny_assets: Path, tmp_path: Path) -> None:
+    """Ctrl-C during the start-up imports (after the early answer, while torch loads): one line and exit
+    code 130, not the traceback of the import it interrupted."""
+    proc = launch(base_args(tiny_assets, tmp_path / "run", steps=1))
+    maps = Path(f"/proc/{proc.pid}/maps")
+    wait_until(proc, lambda: "libtorch" in maps.read_text(), timeout=120)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, excerpt(stderr)
+    assert stderr.strip() == "interrupted during start-up: nothing was started or saved"
 
 
 @pytest.mark.slow
