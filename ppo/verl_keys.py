@@ -354,7 +354,11 @@ VERL_KEYS: dict[str, VerlKey] = {
     "algorithm.pf_ppo.*": ignored("used only with algorithm.use_pf_ppo=true"),
     # verl's SPPO recipe: algorithm.sppo_eta is the beta of its soft-mean baseline (actor.sppo_eta, the
     # step size, is ours as it is).
-    "algorithm.sppo_eta": renamed_to("algorithm.sppo_beta"),
+    "algorithm.sppo_eta": VerlKey(
+        ours="algorithm.sppo_beta",
+        reason="the beta of the soft-mean baseline (algorithm.sppo_target=softmean), as in verl's SPPO recipe; "
+        "the step size eta is actor.sppo_eta",
+    ),
     "algorithm.filter_groups.max_inflight_gen_batches": ignored(
         "generation rounds run one after another in the training processes here"
     ),

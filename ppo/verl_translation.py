@@ -145,7 +145,10 @@ def from_verl(leaves: list[Leaf], cls: type, errors: list[str], notes: list[str]
             value = rule.values.get(value, value) if isinstance(value, Hashable) else value
             if value is None and not _optional(cls, rule.ours):
                 continue  # verl's null: "derive it"; here the field's default does
-            out.append(Leaf(leaf.given, tuple(rule.ours.split(".")), value, leaf.source))
+            if rule.reason:  # a renaming a reader could take for another key of ours
+                notes.append(f"{shown} is {rule.ours} here: {rule.reason}")
+            written = leaf.written if value is leaf.value else None
+            out.append(Leaf(leaf.given, tuple(rule.ours.split(".")), value, leaf.source, written))
         elif rule.ignored is True or (rule.ignored and _among(value, rule.ignored)):
             ignored.setdefault(rule.reason, []).append(shown)
         else:

@@ -115,3 +115,15 @@ def test_verls_sppo_eta_is_named_with_our_beta() -> None:
     cfg = load_config(None, [*SPPO, "algorithm.sppo_eta=3.0", "algorithm.sppo_target=softmean"])
     assert cfg.algorithm.sppo_beta == 3.0
     assert not [w for w in cfg.warnings() if "sppo" in w]
+
+
+def test_verls_sppo_eta_says_which_key_of_ours_it_sets() -> None:
+    """verl's SPPO recipe's ``algorithm.sppo_eta`` is the soft-mean's beta; a start-up note says so
+    whenever it is given (before, it was renamed without a word, and a reader took it for the step size)."""
+    notes: list[str] = []
+    cfg = load_config(None, ["algorithm.sppo_eta=0.5"], notes=notes)
+    assert (cfg.algorithm.sppo_beta, cfg.actor.sppo_eta) == (0.5, 1.0)
+    assert notes[0] == (
+        "algorithm.sppo_eta=0.5 (from the command line) is algorithm.sppo_beta here: the beta of the soft-mean "
+        "baseline (algorithm.sppo_target=softmean), as in verl's SPPO recipe; the step size eta is actor.sppo_eta"
+    )
