@@ -27,6 +27,7 @@ C = typing.TypeVar("C")
 
 OVERRIDES_HELP = """\
 overrides: section.key=value, values parsed as YAML (true, [1,5], null, 1e-6); they win over --config.
+A key that takes a string gets the text as typed (experiment_name=010 is 010); a # is part of the value.
 PPO also takes verl's spellings: actor_rollout_ref.actor.optim.lr=1e-6 is actor.optim.lr, and a verl
 key that changes nothing here (rollout.gpu_memory_utilization) is named in a start-up warning."""
 

@@ -46,7 +46,10 @@ INTRO = """\
 
 Typed dataclasses in `ppo/config/` (no torch), each field with a docstring; this page is those
 docstrings. Precedence: the defaults below, then `--config X.yaml`, then `section.key=value` on the
-command line (values parsed as YAML: `true`, `[1,5]`, `null`, `1e-6`). Mistakes fail before any work,
+command line (values parsed as YAML: `true`, `[1,5]`, `null`, `1e-6`; a key that takes a string gets the
+text as typed, where YAML 1.1 would rewrite it: `experiment_name=010` is `010`, not 8, and `off` is `off`; on
+the command line a `#` is part of the value, and an empty value is an error). A preset may write a key
+dotted (`algorithm.adv_estimator: grpo`). Mistakes fail before any work,
 naming the key and where it came from:
 
 ```
