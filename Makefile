@@ -51,6 +51,8 @@ lock: install
 	$(UV_COMPILE) locks/cuda.in -o locks/cuda.txt
 
 # Tiny tokenizer, models and task; SFT on the flawed demonstrations (assets/sft, the PPO actor's start);
+# the second task's SFT, four-digit sums (assets/carry4/sft, the start of configs/demo_cpu_carry4.yaml,
+# about 4.5 minutes more);
 # the teacher of on-policy distillation, a larger tiny Llama (assets/base_teacher) SFT'd on the same
 # problems with every answer right (assets/teacher; `make teacher` trains only it); that SFT model
 # fine-tuned on demonstrations of which 40% call a calculator (assets/tools/sft, the start of
@@ -78,15 +80,19 @@ TRAIN_TEACHER := .venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) scrip
 # before its planned steps is named, the teacher's numbers.
 STOPPED_EARLY := early = lambda s: ('; STOPPED EARLY after %d of %d steps: resume it with trainer.resume_mode=auto' % (m[s + '_steps'], m[s + '_steps_planned'])) if m.get(s + '_stopped_early') else '';
 TEACHER_LINE := print('teacher model $(A)/teacher: greedy accuracy %(teacher_val_accuracy).3f, one sample at T=1 %(teacher_sample_accuracy).3f, pass@%(teacher_eval_samples_per_prompt)d %(teacher_pass_at_k).3f (%(teacher_eval_prompts)d val problems; %(teacher_steps)d steps in %(teacher_train_time_s).0f s' % m + early('teacher') + ')');
+CARRY4_PATHS := model.path=$(A)/base data.train_files=[$(A)/carry4/data/sft_train.parquet] \
+	data.val_files=[$(A)/carry4/data/sft_val.parquet] data.eval_prompt_files=[$(A)/carry4/data/val.parquet] \
+	trainer.output_dir=$(A)/carry4/runs/sft trainer.save_path=$(A)/carry4/sft trainer.seed=$(SEED)
 TOOLS_PATHS := model.path=$(A)/sft data.train_files=[$(A)/data/sft_tools_train.parquet] \
 	data.val_files=[$(A)/data/sft_tools_val.parquet] trainer.output_dir=$(A)/tools/runs/sft \
 	trainer.save_path=$(A)/tools/sft trainer.seed=$(SEED)
 
 assets: install
-	rm -rf $(A)/runs $(A)/metrics.json $(A)/offline $(A)/tools
+	rm -rf $(A)/runs $(A)/metrics.json $(A)/offline $(A)/tools $(A)/carry4/runs $(A)/carry4/metrics.json
 	$(PY) scripts/make_tiny_assets.py --out $(A) --seed $(SEED)
 	.venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) scripts/train_sft.py --config configs/sft_demo.yaml $(SFT_PATHS)
 	$(TRAIN_TEACHER)
+	.venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) scripts/train_sft.py --config configs/sft_carry4_demo.yaml $(CARRY4_PATHS)
 	.venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) scripts/train_sft.py --config configs/sft_tools_demo.yaml $(TOOLS_PATHS)
 	.venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) scripts/train_reward_model.py --config configs/rm_demo.yaml $(RM_PATHS)
 	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) scripts/make_offline_data.py \
@@ -100,7 +106,9 @@ assets: install
 	print('  by mistake: ' + ', '.join('%s %.3f' % kv for kv in m['rm_val_accuracy_by_mistake'].items())); \
 	print('offline data $(A)/offline: %(offline_groups)d groups of %(offline_group_size)d from %(offline_prompts)d prompts, mean rule score %(offline_mean_score).3f, %(offline_unequal_share).2f of groups with unequal scores (%(offline_time_s).0f s)' % m); \
 	$(TEACHER_LINE) \
-	print('all numbers: $(A)/metrics.json')"
+	m = json.load(open('$(A)/carry4/metrics.json')); \
+	print('four-digit SFT $(A)/carry4/sft: greedy accuracy %(sft_val_accuracy).3f, one sample at T=1 %(sft_sample_accuracy).3f, pass@%(sft_eval_samples_per_prompt)d %(sft_pass_at_k).3f (%(sft_steps)d steps in %(sft_train_time_s).0f s' % m + early('sft') + ')'); \
+	print('all numbers: $(A)/metrics.json, $(A)/carry4/metrics.json')"
 
 # Only the teacher of `make assets` (assets/base_teacher, its clean demonstrations, assets/teacher; its
 # numbers join assets/metrics.json), for assets built before they had one: SEED must be the one they were
@@ -119,13 +127,20 @@ teacher: install
 DEMO_PPO := OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) train_ppo.py \
 	--config configs/demo_cpu.yaml
 check-assets: install
-	@if test -d $(A)/sft -a -d $(A)/rm -a -d $(A)/teacher -a -f $(A)/metrics.json; then \
+	@if test -d $(A)/sft -a -d $(A)/rm -a -d $(A)/teacher -a -d $(A)/carry4/sft -a -f $(A)/metrics.json; then \
 		echo "using the assets in $(A) (\`make assets\` rebuilds them)"; \
 	else $(MAKE) assets; fi
 
 demo: check-assets
 	$(DEMO_PPO) trainer.resume_mode=disable trainer.overwrite=true
 	$(PY) scripts/plot_run.py outputs/demo_cpu
+
+# GRPO on the second task, four-digit sums (docs/demo.md: it does not saturate in 100 steps), then its curves.
+.PHONY: demo-carry4
+demo-carry4: check-assets
+	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) train_ppo.py \
+		--config configs/demo_cpu_carry4.yaml trainer.resume_mode=disable trainer.overwrite=true
+	$(PY) scripts/plot_run.py outputs/demo_cpu_carry4
 
 demo-resume: check-assets
 	$(DEMO_PPO) trainer.resume_mode=auto

@@ -108,6 +108,16 @@ Initialized with std 0.05 instead of Llama's 0.02: on clean data it then learns 
 steps earlier (configs/sft_teacher_demo.yaml)."""
 TEACHER_FILES = ("teacher_sft_train", "teacher_sft_val")
 """The data file stems ``--teacher-only`` writes."""
+CARRY4_DIGITS = 4
+"""The second task (``carry4/``): sums of two four-digit numbers, three places that can carry."""
+CARRY4_DRAWS = 20_000
+"""Problems drawn for it (repeats dropped): 500 for validation, the rest the SFT pool, 4096 of them the RL
+prompts."""
+CARRY4_FLAW_FRACTION = 0.5
+"""Chance that its SFT demonstrations forget each carry (each place on its own): the answer is then
+10, 100 or 1000 too small per forgotten carry."""
+CARRY4_FILES = ("train", "val", "sft_train", "sft_val")
+"""The data file stems of ``carry4/data``."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -264,6 +274,63 @@ def make_task(seed: int) -> dict[str, list[dict[str, Any]]]:
     }
 
 
+def carries(a: int, b: int, digits: int = CARRY4_DIGITS) -> list[bool]:
+    """Whether ``a + b`` carries out of each of its ``digits - 1`` lower places (units first)."""
+    out, carry = [], False
+    for place in range(digits - 1):
+        carry = (a // 10**place) % 10 + (b // 10**place) % 10 + carry >= 10
+        out.append(carry)
+    return out
+
+
+def carry4_problems(seed: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """``CARRY4_DRAWS`` random pairs of four-digit numbers without repeats, in draw order, as (SFT pool,
+    500 validation problems)."""
+    rng = np.random.default_rng([seed, 10])
+    low, high = 10 ** (CARRY4_DIGITS - 1), 10**CARRY4_DIGITS
+    first = rng.integers(low, high, CARRY4_DRAWS).tolist()
+    second = rng.integers(low, high, CARRY4_DRAWS).tolist()
+    unique = list(dict.fromkeys(zip(first, second, strict=True)))
+    return unique[NUM_VAL:], unique[:NUM_VAL]
+
+
+def carry4_sft_rows(
+    problems: list[tuple[int, int]], flaw_fraction: float, rng: np.random.Generator
+) -> list[dict]:
+    """Demonstrations of the second task: each carry of each problem is forgotten with chance
+    ``flaw_fraction`` (one draw per carrying place, units first), which makes the answer ``10**(place + 1)``
+    too small; column ``forgotten`` counts them."""
+    rows = []
+    for a, b in problems:
+        shown, forgotten = a + b, 0
+        for place, carried in enumerate(carries(a, b)):
+            if carried and rng.random() < flaw_fraction:
+                shown -= 10 ** (place + 1)
+                forgotten += 1
+        rows.append(
+            {
+                "prompt": prompt_messages(a, b),
+                "answer": worked_answer(a, b, shown),
+                "ground_truth": str(a + b),
+                "forgotten": forgotten,
+                "data_source": DATA_SOURCE,
+            }
+        )
+    return rows
+
+
+def make_carry4_task(seed: int) -> dict[str, list[dict[str, Any]]]:
+    """The second task's rows (``CARRY4_FILES``), pure and deterministic in ``seed``: four-digit sums,
+    SFT demonstrations that forget half the carries, RL prompts and validation (always right)."""
+    pool, val = carry4_problems(seed)
+    return {
+        "train": prompt_rows(pool[:NUM_TRAIN], "train"),
+        "val": prompt_rows(val, "val"),
+        "sft_train": carry4_sft_rows(pool, CARRY4_FLAW_FRACTION, np.random.default_rng([seed, 11])),
+        "sft_val": carry4_sft_rows(val, 0.0, np.random.default_rng([seed, 12])),
+    }
+
+
 def write_task(out_dir: Path, seed: int, names: tuple[str, ...] | None = None) -> dict[str, int]:
     """Write the task's Parquet files under ``out_dir`` (those of ``names``, default all); returns rows per
     file stem."""
@@ -375,6 +442,10 @@ def build_assets(out: Path, seed: int) -> dict[str, Any]:
     num_params = build_models(out, tokenizer, seed)
     num_teacher_params = build_teacher(out, tokenizer, seed)
     sizes = write_task(out / "data", seed)
+    (out / "carry4" / "data").mkdir(parents=True, exist_ok=True)
+    for name, rows in make_carry4_task(seed).items():
+        pq.write_table(pa.Table.from_pylist(rows), out / "carry4" / "data" / f"{name}.parquet")
+        sizes[f"carry4/{name}"] = len(rows)
     prompt = tokenizer.apply_chat_template(
         prompt_messages(23, 48), add_generation_prompt=True, tokenize=False
     )
@@ -415,7 +486,8 @@ def main(argv: list[str] | None = None) -> None:
         )
     print(f"teacher    {out / 'base_teacher'}  ({num_teacher_params:,} params)")
     for name, n in rows.items():
-        print(f"data       {out / 'data' / name}.parquet  ({n} rows)")
+        folder = out / name.rpartition("/")[0] / "data" if "/" in name else out / "data"
+        print(f"data       {folder / name.rpartition('/')[2]}.parquet  ({n} rows)")
     if not args.teacher_only:
         print(
             f"example    prompt {s['example_prompt']!r} = {s['prompt_tokens']} tokens, "

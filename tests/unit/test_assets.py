@@ -328,3 +328,45 @@ def test_make_assets_writes_the_offline_data_the_offline_demo_reads() -> None:
     assert int(options["--max-prompt-length"]) == cfg.data.max_prompt_length
     assert int(options["--max-response-length"]) == cfg.data.max_response_length
     assert options["--data"] == "assets/data/train.parquet" and "--reward-model" not in options  # the rule
+
+
+def test_the_four_digit_task_forgets_half_of_each_carry(assets: ModuleType, built: Path) -> None:
+    """The second task (``carry4/data``): 500 validation problems disjoint from the SFT pool, 4096 of its
+    problems the RL prompts; each carry of a demonstration forgotten with chance 0.5, which makes the
+    answer 10, 100 or 1000 too small per forgotten place; validation answers always right."""
+    task = assets.make_carry4_task(0)
+    assert {name: len(rows) for name, rows in task.items()} == {
+        "train": 4096,
+        "val": 500,
+        "sft_train": 19498,  # 20000 draws of 81M pairs, 2 repeats dropped, 500 to validation
+        "sft_val": 500,
+    }
+    for name in assets.CARRY4_FILES:  # what make_tiny_assets.py wrote is make_carry4_task(0)
+        assert pq.read_table(built / "carry4" / "data" / f"{name}.parquet").to_pylist() == task[name], name
+
+    def problems(name: str) -> set[str]:
+        return {row["prompt"][0]["content"] for row in task[name]}
+
+    assert not problems("val") & problems("sft_train") and problems("sft_val") == problems("val")
+    assert problems("train") <= problems("sft_train")
+    assert assets.carries(1999, 1) == [True, True, True] and assets.carries(1234, 4321) == [False] * 3
+    assert assets.carries(1050, 1050) == [False, True, False]  # 5 + 5 in the tens: the hundreds get it
+    places, forgotten = collections.Counter(), collections.Counter()
+    for row in task["sft_train"]:
+        a, b = (int(x) for x in row["prompt"][0]["content"].split(" + "))
+        shown = int(row["answer"].rpartition("#### ")[2])
+        assert 1000 <= a <= 9999 and 1000 <= b <= 9999
+        assert row["answer"] == f"{a} + {b} = {shown}\n#### {shown}"
+        missing = a + b - shown  # a sum of distinct powers of ten, one per forgotten carry
+        digits = [int(d) for d in str(missing).zfill(4)[::-1]][1:]  # tens, hundreds, thousands
+        assert set(digits) <= {0, 1} and missing % 10 == 0 and sum(digits) == row["forgotten"]
+        for place, carried in enumerate(assets.carries(a, b)):
+            places[place] += carried
+            forgotten[place] += carried and digits[place]
+            assert carried or not digits[place]  # only a carry can be forgotten
+    for place in range(3):
+        assert abs(forgotten[place] / places[place] - 0.5) < 0.02, place
+    assert all(row["forgotten"] == 0 for row in task["sft_val"])
+    # Greedy decoding that forgets every carry gets only the problems without one right: 0.164.
+    no_carry = sum(not any(assets.carries(*map(int, p.split(" + ")))) for p in problems("val"))
+    assert no_carry == 82

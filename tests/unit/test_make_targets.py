@@ -45,7 +45,10 @@ def expand(text: str) -> str:
 def test_demo_does_not_rebuild_existing_assets() -> None:
     assert recipe("demo").splitlines()[0].split() == ["check-assets"]
     check = recipe("check-assets")
-    assert "test -d $(A)/sft -a -d $(A)/rm -a -d $(A)/teacher -a -f $(A)/metrics.json" in check
+    assert (
+        "test -d $(A)/sft -a -d $(A)/rm -a -d $(A)/teacher -a -d $(A)/carry4/sft -a -f $(A)/metrics.json"
+        in check
+    )
     assert "$(MAKE) assets" in check
     assert "trainer.resume_mode=auto" in recipe("demo-resume") and "overwrite" not in recipe("demo-resume")
 
@@ -56,6 +59,8 @@ def summary(tmp_path: Path, metrics: dict, target: str = "assets") -> str:
     code = recipe(target).split('-c "', 1)[1].rsplit('"', 1)[0].replace("\\\n\t", "\n").replace("\\\n", "\n")
     code = expand(code).replace("$(A)", str(tmp_path))
     (tmp_path / "metrics.json").write_text(json.dumps(metrics))
+    (tmp_path / "carry4").mkdir(exist_ok=True)  # the second task's SFT numbers (the same keys)
+    (tmp_path / "carry4" / "metrics.json").write_text(json.dumps(metrics | {"sft_val_accuracy": 0.3}))
     # the recipe's lines end with "; " before a line break: one statement per line either way
     lines = [line.strip().removesuffix(";").strip() for line in code.splitlines()]
     return subprocess.run(
@@ -115,7 +120,12 @@ def test_assets_summary_and_make_teacher_print_the_teacher(tmp_path: Path) -> No
         "(100 val problems; 650 steps in 130 s)"
     )
     out = summary(tmp_path, METRICS).splitlines()
-    assert out[-2:] == [line, f"all numbers: {tmp_path}/metrics.json"]
+    assert out[-3:] == [
+        line,
+        f"four-digit SFT {tmp_path}/carry4/sft: greedy accuracy 0.300, one sample at T=1 0.400, pass@4 0.700 "
+        "(12 steps in 30 s; STOPPED EARLY after 12 of 40 steps: resume it with trainer.resume_mode=auto)",
+        f"all numbers: {tmp_path}/metrics.json, {tmp_path}/carry4/metrics.json",
+    ]
     assert summary(tmp_path, METRICS, "teacher").splitlines() == [line]
     stopped = METRICS | {"teacher_steps": 300, "teacher_stopped_early": True}
     assert summary(tmp_path, stopped, "teacher").endswith(
@@ -152,3 +162,30 @@ def test_make_assets_and_make_teacher_train_the_teacher_alike() -> None:
     cfg = load_config(ROOT / "configs" / "sft_teacher_demo.yaml", [], SFTConfig)
     assert cfg.trainer.metrics_prefix == "teacher"  # the save folder's parent holds the student's too
     assert cfg.model.path == "assets/base_teacher" and cfg.trainer.save_path == "assets/teacher"
+
+
+def test_make_assets_trains_the_second_task_on_the_files_it_writes() -> None:
+    """The four-digit task's SFT (configs/sft_carry4_demo.yaml) reads the files make_tiny_assets.py writes
+    under carry4/data and saves where configs/demo_cpu_carry4.yaml starts and check-assets looks; its
+    numbers go to carry4/metrics.json, not over the first task's."""
+    from ppo.config import PPOConfig
+
+    line = next(line.strip() for line in recipe("assets").splitlines() if "sft_carry4_demo" in line)
+    command = expand(line).split()
+    assert command[command.index("--config") + 1] == "configs/sft_carry4_demo.yaml"
+    overrides = dict(arg.split("=", 1) for arg in command if "=" in arg and not arg.startswith("--"))
+    assert overrides == {
+        "model.path": "$(A)/base",
+        "data.train_files": "[$(A)/carry4/data/sft_train.parquet]",
+        "data.val_files": "[$(A)/carry4/data/sft_val.parquet]",
+        "data.eval_prompt_files": "[$(A)/carry4/data/val.parquet]",
+        "trainer.output_dir": "$(A)/carry4/runs/sft",
+        "trainer.save_path": "$(A)/carry4/sft",
+        "trainer.seed": "$(SEED)",
+    }
+    assert set(load_script("make_tiny_assets").CARRY4_FILES) == {"train", "val", "sft_train", "sft_val"}
+    sft = load_config(ROOT / "configs" / "sft_carry4_demo.yaml", [], SFTConfig)
+    ppo = load_config(ROOT / "configs" / "demo_cpu_carry4.yaml", [], PPOConfig)
+    assert (sft.trainer.save_path, ppo.model.path) == ("assets/carry4/sft", "assets/carry4/sft")
+    assert ppo.data.train_files == ["assets/carry4/data/train.parquet"]
+    assert "$(A)/carry4/sft" in recipe("check-assets")
