@@ -146,6 +146,26 @@ def demo_inputs(cls: type | None = None, assets: Path | str = "assets") -> list[
     return out + ([f"data.val_files=[{','.join(f'{assets}/{f}' for f in val)}]"] if val else [])
 
 
+def load_error(
+    path: Path | str | None = None, overrides: list[str] | None = None, cls: type | None = None
+) -> str:
+    """The message of the ConfigError that loading the preset at ``path`` with ``overrides`` into ``cls``
+    (default ``PPOConfig``) raises; it must be one line."""
+    from ppo.config import ConfigError
+    from ppo.config_loader import load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(path, overrides or [], cls)
+    message = str(e.value)
+    assert "\n" not in message, message
+    return message
+
+
+def override_error(*overrides: str) -> str:
+    """``load_error`` of command-line ``overrides`` alone."""
+    return load_error(None, list(overrides))
+
+
 # ----------------------------------------------------------------------------------------------------
 # PPO runs on the tiny assets
 # ----------------------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from ppo.config import (
 )
 from ppo.config_keys import all_keys
 from ppo.config_loader import load_config, to_dict, to_yaml
-from tests.helpers import demo_inputs, load_script
+from tests.helpers import demo_inputs, load_error, load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -280,15 +280,6 @@ def one_problem_a_line(message: str) -> bool:
         and int(count) == len(rest)
         and all(line.startswith("  - ") and len(line) > 4 for line in rest)
     )
-
-
-def load_error(path: Path | None = None, overrides: list[str] | None = None, cls: type = PPOConfig) -> str:
-    """The message of the ConfigError that loading raises; it must be one line."""
-    with pytest.raises(ConfigError) as e:
-        load_config(path, overrides or [], cls)
-    msg = str(e.value)
-    assert "\n" not in msg, msg
-    return msg
 
 
 def leaf_types(cls: type, prefix: str = "") -> dict[str, tuple[type, str, Any]]:

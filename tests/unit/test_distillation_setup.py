@@ -28,22 +28,13 @@ from ppo.data_files import DataError
 from ppo.input_paths import teacher_problems
 from ppo.metrics import combine_parts, extreme_part, metric_kind
 from ppo.run_folder import fingerprint, input_fingerprints
-from tests.helpers import REWARD_FNS, VERL_SIDE, demo_inputs
+from tests.helpers import REWARD_FNS, VERL_SIDE, demo_inputs, override_error
 
 ON = "distillation.enabled=true"
 TEACHER = "distillation.teacher_models.teacher_model.model_path=/models/teacher"
 LOSS = "distillation.distillation_loss."
 ALONE = LOSS + "use_task_rewards=false"
 """The distillation loss alone (no task loss): verl's distillation examples' setting."""
-
-
-def load_error(*overrides: str) -> str:
-    """The message of the ConfigError that loading ``overrides`` raises; it must be one line."""
-    with pytest.raises(ConfigError) as e:
-        load_config(None, list(overrides))
-    msg = str(e.value)
-    assert "\n" not in msg, msg
-    return msg
 
 
 def print_config(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -219,12 +210,12 @@ def test_one_response_per_prompt_with_grpo_needs_the_distillation_loss_alone() -
     grpo_n1 = [ON, TEACHER, "algorithm.adv_estimator=grpo", "rollout.n=1"]
     cfg = load_config(None, [*grpo_n1, ALONE])  # verl's distillation examples: no advantage is computed
     assert cfg.rollout.n == 1 and not cfg.task_loss
-    assert load_error(*grpo_n1) == (
+    assert override_error(*grpo_n1) == (
         "algorithm.adv_estimator=grpo needs rollout.n >= 2 (a group baseline), got rollout.n=1 (from the "
         "command line)"
     )
     # Without distillation (the same use_task_rewards=false does nothing then) the rule holds too.
-    assert load_error("algorithm.adv_estimator=grpo", "rollout.n=1", ALONE).startswith(
+    assert override_error("algorithm.adv_estimator=grpo", "rollout.n=1", ALONE).startswith(
         "algorithm.adv_estimator=grpo needs rollout.n >= 2"
     )
 
@@ -338,20 +329,20 @@ BAD = [
 def test_bad_distillation_input_is_one_line(
     case: str, overrides: list[str], expected: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert load_error(*overrides) == expected
+    assert override_error(*overrides) == expected
     code, out, err = print_config(overrides, capsys)
     assert (code, out, err) == (2, "", f"config error: {expected}\n")
 
 
 def test_unknown_loss_mode_is_refused_even_when_disabled() -> None:
     # The section is checked whatever `enabled` says: a typo in a preset shows before it is switched on.
-    assert load_error(LOSS + "loss_mode=reverse_kl").startswith(
+    assert override_error(LOSS + "loss_mode=reverse_kl").startswith(
         "distillation.distillation_loss.loss_mode='reverse_kl' is not a distillation loss; valid: kl, k1,"
     )
 
 
 def test_two_teachers_with_one_key() -> None:
-    msg = load_error(
+    msg = override_error(
         ON,
         "+distillation.teacher_models.a.model_path=p",
         "+distillation.teacher_models.a.key=k",

@@ -5,22 +5,11 @@ whose name means another number here) named in a start-up warning. Through ``loa
 
 from __future__ import annotations
 
-import pytest
-
-from ppo.config import ConfigError
 from ppo.config_loader import load_config
+from tests.helpers import override_error
 
 PRIME = ["algorithm.adv_estimator=prime"]
 SPPO = ["actor.policy_loss.loss_mode=sppo", "rollout.n=2"]
-
-
-def load_error(*overrides: str) -> str:
-    """The message of the ConfigError that loading ``overrides`` raises; it must be one line."""
-    with pytest.raises(ConfigError) as e:
-        load_config(None, list(overrides))
-    msg = str(e.value)
-    assert "\n" not in msg, msg
-    return msg
 
 
 RM_SCORES = (
@@ -35,12 +24,12 @@ def test_prime_refuses_a_reward_models_unbounded_scores() -> None:
     """PRIME's PRM trains on outcome labels in [0, 1] (verl's recipe: its rule verifier's 0/1); a reward
     model's scores were clipped into them, so a score of 3.2 and one of 1.0 made the same label."""
     rm = ["reward.style=model", "reward.model_path=/m/rm"]
-    assert load_error(*PRIME, *rm) == "algorithm.adv_estimator=prime " + RM_SCORES.format(
+    assert override_error(*PRIME, *rm) == "algorithm.adv_estimator=prime " + RM_SCORES.format(
         use="the PRM's outcome label, clipped to [0, 1]"
     )
     # The accuracy filter (score >= 1 is right) reads the same verdict, with any estimator.
     filtered = ["data.filter_accuracy=true", "data.gen_batch_size=64"]
-    assert load_error(*filtered, *rm) == "data.filter_accuracy=true " + RM_SCORES.format(
+    assert override_error(*filtered, *rm) == "data.filter_accuracy=true " + RM_SCORES.format(
         use="right when it is >= 1"
     )
     # The reward model's ranks are scores in [0, 1]: accepted.
@@ -59,17 +48,19 @@ def test_the_accuracy_filter_needs_more_prompts_than_it_keeps() -> None:
         "data.gen_batch_size to a larger multiple of data.train_batch_size (verl's PRIME recipe samples 4 "
         "times the batch, data.oversample_factor=4: data.gen_batch_size={four}) ({sources})"
     )
-    assert load_error(*PRIME, "data.filter_accuracy=true") == expected.format(
+    assert override_error(*PRIME, "data.filter_accuracy=true") == expected.format(
         gen=32,
         train=32,
         four=128,
         sources="data.filter_accuracy from the command line; data.gen_batch_size from the defaults",
     )
-    assert load_error(
+    assert override_error(
         *PRIME, "data.filter_accuracy=true", "data.train_batch_size=8", "data.gen_batch_size=8"
     ) == expected.format(gen=8, train=8, four=32, sources="from the command line")
     # verl's spelling of no oversampling, data.oversample_factor=1, is refused the same way.
-    assert "filters nothing" in load_error(*PRIME, "data.filter_accuracy=true", "data.oversample_factor=1")
+    assert "filters nothing" in override_error(
+        *PRIME, "data.filter_accuracy=true", "data.oversample_factor=1"
+    )
     cfg = load_config(None, [*PRIME, "data.filter_accuracy=true", "data.gen_batch_size=128"])
     assert cfg.data.gen_batch_size // cfg.data.train_batch_size == 4
 
@@ -77,7 +68,7 @@ def test_the_accuracy_filter_needs_more_prompts_than_it_keeps() -> None:
 def test_prime_refuses_both_coefficients_zero() -> None:
     """returns = Σ_s (reward_dpo_coef * dense_s + reward_gt_coef * outcome_s): with both 0 every return,
     so every whitened advantage, is 0."""
-    assert load_error(*PRIME, "algorithm.reward_dpo_coef=0", "algorithm.reward_gt_coef=0.0") == (
+    assert override_error(*PRIME, "algorithm.reward_dpo_coef=0", "algorithm.reward_gt_coef=0.0") == (
         "algorithm.reward_dpo_coef=0 and algorithm.reward_gt_coef=0 weigh PRIME's process and outcome "
         "returns by 0, so every advantage is 0 and the actor does not train: set either above 0 (verl's "
         "PRIME recipe: 5 and 5) (from the command line)"

@@ -13,12 +13,7 @@ import pytest
 from ppo.cli import parse_cli
 from ppo.config import ConfigError
 from ppo.config_loader import load_config, to_yaml
-
-
-def _error(path: str | Path | None = None, overrides: list[str] | None = None) -> str:
-    with pytest.raises(ConfigError) as e:
-        load_config(path, overrides)
-    return str(e.value)
+from tests.helpers import load_error
 
 
 @pytest.mark.parametrize(
@@ -67,11 +62,11 @@ def test_a_hash_on_the_command_line_is_part_of_the_value() -> None:
     one = load_config(None, ["trainer.output_dir=outputs/run #1"])
     two = load_config(None, ["trainer.output_dir=outputs/run #2"])
     assert (one.trainer.output_dir, two.trainer.output_dir) == ("outputs/run #1", "outputs/run #2")
-    assert _error(None, ["data.train_files=[a.parquet] # the old ones"]) == (
+    assert load_error(None, ["data.train_files=[a.parquet] # the old ones"]) == (
         "data.train_files='[a.parquet] # the old ones' (from the command line): ' #' starts a YAML comment, "
         "which would drop the rest; quote the value"
     )
-    assert _error(None, ["trainer.total_training_steps=5 # five"]).startswith(
+    assert load_error(None, ["trainer.total_training_steps=5 # five"]).startswith(
         "trainer.total_training_steps='5 # five' (from the command line) is not a valid int"
     )
 
@@ -80,7 +75,7 @@ def test_a_hash_on_the_command_line_is_part_of_the_value() -> None:
     "key", ["trainer.output_dir", "model.path", "reward.custom_function", "actor.optim.lr"]
 )
 def test_an_empty_value_is_refused(key: str) -> None:
-    assert _error(None, [f"{key}="]) == (
+    assert load_error(None, [f"{key}="]) == (
         f"{key}= (from the command line) has no value (an unset shell variable?): give one, null for none, "
         f"or {key}=\"''\" for an empty string"
     )
@@ -99,7 +94,7 @@ def test_an_unfilled_placeholder_is_refused_where_the_preset_sets_the_key_too(
     preset.write_text("actor:\n  optim:\n    lr: 1.0e-6\ntrainer:\n  output_dir: outputs/x\n")
     for key in ("actor.optim.lr", "trainer.output_dir"):
         placeholder = value[value.index("{") : value.index("}") + 1]
-        assert _error(preset, [f"{key}={value}"]) == (
+        assert load_error(preset, [f"{key}={value}"]) == (
             f"{key}={value!r} (from the command line): {placeholder} is an unfilled placeholder (a shell or "
             "f-string variable that was not substituted): give the value"
         )
@@ -111,7 +106,7 @@ def test_a_mapping_value_is_still_a_mapping() -> None:
 
 
 def test_hydras_comma_list_says_how_to_write_a_list() -> None:
-    assert _error(None, ["data.train_files=a.parquet,b.parquet"]) == (
+    assert load_error(None, ["data.train_files=a.parquet,b.parquet"]) == (
         "data.train_files='a.parquet,b.parquet' (from the command line) is one string, not a list: write "
         "[a.parquet,b.parquet] (Hydra reads a,b as a sweep, which is not run here); one name that holds a "
         "comma: \"data.train_files=['a.parquet,b.parquet']\""
@@ -133,7 +128,7 @@ def test_two_presets_are_refused_and_a_bare_preset_names_config(tmp_path: Path) 
     )
     cfg, args = parse_cli(["--config", str(a), "rollout.temperature=0.5"])
     assert (cfg.rollout.n, args.config) == (4, str(a))
-    assert _error(None, ["configs/grpo.yaml"]) == (
+    assert load_error(None, ["configs/grpo.yaml"]) == (
         "'configs/grpo.yaml' (from the command line) looks like a preset file: give it as --config configs/grpo.yaml"
     )
 
@@ -149,7 +144,7 @@ def test_a_presets_dotted_key_is_the_nested_one(tmp_path: Path) -> None:
     assert cfg.model.override_config == {"attention_dropout": 0.1}
     preset.write_text("algorithm.adv_estimator: grpo\nalgorithm:\n  adv_estimator: rloo\n")
     assert (
-        _error(preset)
+        load_error(preset)
         == f"{preset}: algorithm.adv_estimator is set twice (once as a dotted key, once nested): keep one"
     )
 
@@ -172,7 +167,7 @@ def test_pasted_command_line_overrides_in_a_preset_name_their_line(
 ) -> None:
     preset = tmp_path / "p.yaml"
     preset.write_text(text)
-    assert _error(preset) == (
+    assert load_error(preset) == (
         f"{preset}, line {line}: 'actor_rollout_ref.actor.optim.lr=1e-6' is a command-line override (key=value), "
         "not YAML: in a YAML file write 'actor_rollout_ref.actor.optim.lr: 1e-6' (or nest it under its "
         "sections), or pass it on the command line"
