@@ -20,9 +20,10 @@ logger = logging.getLogger("ppo")
 
 CHAT_TEMPLATE_KWARGS_KEY = "data.apply_chat_template_kwargs"
 
-OWN_KEYWORDS = ("conversation", "add_generation_prompt", "tokenize")
+OWN_KEYWORDS = ("conversation", "add_generation_prompt", "tokenize", "continue_final_message")
 """Arguments of ``apply_chat_template`` the loaders set themselves (messages in, text out, the generation
-prompt of an RL prompt): a user's value for one would be given twice."""
+prompt of an RL prompt): a user's value for one would be given twice. ``continue_final_message`` (an open
+assistant turn to complete) contradicts the generation prompt, and transformers refuses the two together."""
 
 
 def check_own_keywords(kwargs: Mapping[str, Any]) -> None:

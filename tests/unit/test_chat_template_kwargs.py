@@ -105,6 +105,12 @@ def test_a_keyword_the_loader_sets_is_an_error(prompts: Path, thinking_tok: Any)
     with pytest.raises(ConfigError) as err:
         load_prompts(prompts, thinking_tok, max_prompt_length=64, chat_template_kwargs={"tokenize": True})
     assert str(err.value) == message
+    # An open assistant turn contradicts the generation prompt: it was transformers' raw ValueError.
+    with pytest.raises(ConfigError) as err:
+        load_prompts(
+            prompts, thinking_tok, max_prompt_length=64, chat_template_kwargs={"continue_final_message": True}
+        )
+    assert str(err.value) == message.replace("tokenize", "continue_final_message")
 
 
 @pytest.mark.slow
