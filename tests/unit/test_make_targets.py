@@ -42,6 +42,13 @@ def expand(text: str) -> str:
     return re.sub(r"\$\((\w+)\)", value, text)
 
 
+def config_and_overrides(command: str) -> tuple[str, dict[str, str]]:
+    """A recipe line's ``--config`` file and its ``key=value`` overrides, the Makefile's variables expanded."""
+    words = expand(command).split()
+    overrides = dict(word.split("=", 1) for word in words if "=" in word and not word.startswith("--"))
+    return words[words.index("--config") + 1], overrides
+
+
 def test_demo_does_not_rebuild_existing_assets() -> None:
     assert recipe("demo").splitlines()[0].split() == ["check-assets"]
     check = recipe("check-assets")
@@ -146,9 +153,8 @@ def test_make_assets_and_make_teacher_train_the_teacher_alike() -> None:
         "$(PY) scripts/make_tiny_assets.py --out $(A) --seed $(SEED) --teacher-only",
         "$(TRAIN_TEACHER)",
     ]
-    command = expand(variable("TRAIN_TEACHER")).split()
-    assert command[command.index("--config") + 1] == "configs/sft_teacher_demo.yaml"
-    overrides = dict(arg.split("=", 1) for arg in command if "=" in arg and not arg.startswith("--"))
+    config, overrides = config_and_overrides(variable("TRAIN_TEACHER"))
+    assert config == "configs/sft_teacher_demo.yaml"
     assert overrides == {
         "model.path": "$(A)/base_teacher",
         "data.train_files": "[$(A)/data/teacher_sft_train.parquet]",
@@ -171,9 +177,8 @@ def test_make_assets_trains_the_second_task_on_the_files_it_writes() -> None:
     from ppo.config import PPOConfig
 
     line = next(line.strip() for line in recipe("assets").splitlines() if "sft_carry4_demo" in line)
-    command = expand(line).split()
-    assert command[command.index("--config") + 1] == "configs/sft_carry4_demo.yaml"
-    overrides = dict(arg.split("=", 1) for arg in command if "=" in arg and not arg.startswith("--"))
+    config, overrides = config_and_overrides(line)
+    assert config == "configs/sft_carry4_demo.yaml"
     assert overrides == {
         "model.path": "$(A)/base",
         "data.train_files": "[$(A)/carry4/data/sft_train.parquet]",
