@@ -435,17 +435,24 @@ def build_teacher(out: Path, tokenizer: PreTrainedTokenizerFast, seed: int) -> i
     return sum(p.numel() for p in model.parameters())
 
 
+def write_carry4_task(out: Path, seed: int) -> dict[str, int]:
+    """Write the second task's files (``make_carry4_task``) to ``out/carry4/data``; returns each file's rows
+    under ``carry4/<stem>``."""
+    (out / "carry4" / "data").mkdir(parents=True, exist_ok=True)
+    sizes = {}
+    for name, rows in make_carry4_task(seed).items():
+        pq.write_table(pa.Table.from_pylist(rows), out / "carry4" / "data" / f"{name}.parquet")
+        sizes[f"carry4/{name}"] = len(rows)
+    return sizes
+
+
 def build_assets(out: Path, seed: int) -> dict[str, Any]:
     """Build everything under ``out``; returns a summary (sizes, parameter counts, token counts)."""
     tokenizer = build_tokenizer()
     tokenizer.save_pretrained(out / "tokenizer")
     num_params = build_models(out, tokenizer, seed)
     num_teacher_params = build_teacher(out, tokenizer, seed)
-    sizes = write_task(out / "data", seed)
-    (out / "carry4" / "data").mkdir(parents=True, exist_ok=True)
-    for name, rows in make_carry4_task(seed).items():
-        pq.write_table(pa.Table.from_pylist(rows), out / "carry4" / "data" / f"{name}.parquet")
-        sizes[f"carry4/{name}"] = len(rows)
+    sizes = write_task(out / "data", seed) | write_carry4_task(out, seed)
     prompt = tokenizer.apply_chat_template(
         prompt_messages(23, 48), add_generation_prompt=True, tokenize=False
     )
@@ -462,7 +469,7 @@ def build_assets(out: Path, seed: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Command line: ``--out DIR --seed N [--teacher-only]``."""
+    """Command line: ``--out DIR --seed N [--teacher-only | --carry4-only]``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("assets"), help="output folder (default: assets)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data and the weights")
@@ -471,10 +478,19 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="write only base_teacher/ and the teacher_sft_* data (assets built with the same --seed)",
     )
+    parser.add_argument(
+        "--carry4-only",
+        action="store_true",
+        help="write only the four-digit task's carry4/data (assets built with the same --seed)",
+    )
     args = parser.parse_args(argv)
+    if args.teacher_only and args.carry4_only:
+        parser.error("--teacher-only and --carry4-only: give one")
     t0 = time.perf_counter()
     out = args.out
-    if args.teacher_only:
+    if args.carry4_only:
+        rows = write_carry4_task(out, args.seed)
+    elif args.teacher_only:
         num_teacher_params = build_teacher(out, build_tokenizer(), args.seed)
         rows = write_task(out / "data", args.seed, TEACHER_FILES)
     else:
@@ -484,11 +500,12 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"models     {out / 'base'}, {out / 'base_rm'}, {out / 'base_critic'}  ({s['num_params']:,} params)"
         )
-    print(f"teacher    {out / 'base_teacher'}  ({num_teacher_params:,} params)")
+    if not args.carry4_only:
+        print(f"teacher    {out / 'base_teacher'}  ({num_teacher_params:,} params)")
     for name, n in rows.items():
         folder = out / name.rpartition("/")[0] / "data" if "/" in name else out / "data"
         print(f"data       {folder / name.rpartition('/')[2]}.parquet  ({n} rows)")
-    if not args.teacher_only:
+    if not (args.teacher_only or args.carry4_only):
         print(
             f"example    prompt {s['example_prompt']!r} = {s['prompt_tokens']} tokens, "
             f"response '23 + 48 = 71\\n#### 71' + eos = {s['response_tokens']} tokens"
