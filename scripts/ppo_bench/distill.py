@@ -79,8 +79,6 @@ import dataclasses
 import json
 import math
 import shutil
-import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -91,7 +89,24 @@ from typing import Any, TextIO
 import yaml
 
 from ppo_bench.compare_offline_runs import CommandError, run_logged
-from ppo_bench.runs import ROOT, pyplot, read_metrics, save_figure, torchrun_command
+from ppo_bench.runs import (
+    EPS,
+    ROOT,
+    SKIP_STEPS,
+    InputError,
+    accuracy_curve,
+    accuracy_key,
+    check_command,
+    drop_after_peak,
+    mean_after_warmup,
+    pyplot,
+    read_metrics,
+    save_figure,
+    steps_to_gain,
+    torchrun_command,
+    train_step_s,
+    yaml_value,
+)
 
 METHODS = ("grpo", "distill", "distill_task")
 """``--methods`` names, in table order."""
@@ -117,12 +132,8 @@ DROP_TOLERANCE = 0.03
 BOTH_TOLERANCE = 0.01
 """Criterion (d): how far below the better of distill and GRPO distill_task may end (one standard error of
 500 prompts is 0.013 at 0.9)."""
-EPS = 1e-9
-"""Accuracies are counts over the prompts; a sum like 0.768 + 0.15 must not miss 0.918 by a rounding."""
 PHASES = ("gen", "ref", "teacher", "update_actor")
 """The step's main phases (``timing_s/<name>``), where a run logs them."""
-SKIP_STEPS = 1
-"""Steps left out of the time means (the first warms up)."""
 OUTPUTS = ("plan.json", "results.json", "table.md", "curves.png")
 """What a comparison writes into ``OUT`` besides its ``seed*`` folders (``--overwrite`` deletes these)."""
 COLUMNS = (
@@ -141,10 +152,6 @@ COLUMNS = (
     ("wall_s", "wall s"),
 )
 """(JSON key, table header) of each column."""
-
-
-class InputError(ValueError):
-    """Bad input found before any training: one line, exit code 2."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -281,11 +288,6 @@ def earlier_outputs(out: Path) -> list[Path]:
     )
 
 
-def yaml_value(value: Any) -> str:
-    """A config value as an override writes it (YAML: ``true``, ``0.05``, ``low_var_kl``)."""
-    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip()
-
-
 def task_settings() -> list[str]:
     """``TASK_KEYS`` with their values in the GRPO preset, as overrides."""
     preset = yaml.safe_load((ROOT / PRESETS["grpo"]).read_text())
@@ -333,75 +335,9 @@ def train_args(
     ]
 
 
-def check_command(args: list[str], nproc: int) -> None:
-    """InputError (the trainer's message on one line) when train_ppo.py refuses ``args`` for ``nproc``
-    ranks: an unknown ``--extra`` key, a batch that does not divide. Nothing is written."""
-    cmd = [sys.executable, str(ROOT / "train_ppo.py"), *args, "--print-config", "--world-size", str(nproc)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    if proc.returncode != 0:
-        lines = [line.strip() for line in (proc.stderr or proc.stdout).splitlines() if line.strip()]
-        raise InputError(
-            f"train_ppo.py refuses the command: {' '.join(lines[-6:]) or f'exit code {proc.returncode}'}"
-        )
-
-
 # ----------------------------------------------------------------------------------------------------
 # A run's numbers, from its metrics.jsonl rows
 # ----------------------------------------------------------------------------------------------------
-
-
-def accuracy_key(rows: list[dict[str, Any]]) -> str | None:
-    """The greedy validation accuracy's key in a run's rows: ``val/greedy_accuracy`` (sampled validation
-    renames the greedy pass), else ``val/accuracy``, else ``val/score`` (no rule); None without validation."""
-    for key in ("val/greedy_accuracy", "val/accuracy", "val/score"):
-        if any(key in r for r in rows):
-            return key
-    return None
-
-
-def accuracy_curve(rows: list[dict[str, Any]]) -> list[tuple[int, float]]:
-    """(step, greedy validation accuracy) of every validated step, in step order (step 0: before training)."""
-    key = accuracy_key(rows)
-    if key is None:
-        return []
-    return sorted((int(r["step"]), float(r[key])) for r in rows if key in r)
-
-
-def steps_to_gain(curve: list[tuple[int, float]], gain: float = GAIN) -> int | None:
-    """The first validated step whose accuracy is at least the start's (the first point) plus ``gain``;
-    None if none is."""
-    if not curve:
-        return None
-    start = curve[0][1]
-    return next((step for step, acc in curve[1:] if acc >= start + gain - EPS), None)
-
-
-def drop_after_peak(curve: list[tuple[int, float]]) -> float:
-    """The peak accuracy minus the lowest validated after it (from its first occurrence on; 0 when nothing
-    after it is lower)."""
-    if not curve:
-        return 0.0
-    values = [acc for _, acc in curve]
-    first_peak = values.index(max(values))
-    return max(values) - min(values[first_peak:])
-
-
-def mean_after_warmup(rows: list[dict[str, Any]], key: str) -> float | None:
-    """The mean of ``key`` over the training steps after the first ``SKIP_STEPS`` (all of them when the
-    run is shorter); None where the run never logs it."""
-    timed = [r for r in rows if key in r and "timing_s/step" in r]
-    kept = [r for r in timed if r["step"] > SKIP_STEPS] or timed
-    return statistics.fmean(r[key] for r in kept) if kept else None
-
-
-def train_step_s(rows: list[dict[str, Any]]) -> float | None:
-    """Mean seconds of a training step without its validation (``timing_s/step - timing_s/testing``),
-    over the steps after the first ``SKIP_STEPS``."""
-    steps = [r for r in rows if "timing_s/step" in r]
-    kept = [r for r in steps if r["step"] > SKIP_STEPS] or steps
-    if not kept:
-        return None
-    return statistics.fmean(r["timing_s/step"] - r.get("timing_s/testing", 0.0) for r in kept)
 
 
 def run_numbers(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -417,7 +353,7 @@ def run_numbers(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "curve": [[step, acc] for step, acc in curve],
         "steps": sum(1 for r in rows if "timing_s/step" in r),
         "start": values[0] if values else None,
-        "gain_step": steps_to_gain(curve),
+        "gain_step": steps_to_gain(curve, GAIN),
         "final": values[-1] if values else None,
         "peak": peak,
         "peak_step": curve[values.index(peak)][0] if values else None,

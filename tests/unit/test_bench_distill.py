@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
-from ppo_bench import distill
+from ppo_bench import distill, runs
 from ppo_bench.compare_offline_runs import CommandError
 
 # ----------------------------------------------------------------------------------------------------
@@ -58,25 +58,27 @@ def by_name(found: list[distill.Criterion]) -> dict[str, distill.Criterion]:
 def test_steps_to_gain_is_the_first_validated_step_at_start_plus_015() -> None:
     # start 0.60: 0.749 misses 0.75, 0.75 reaches it (at step 15), and a later drop changes nothing
     curve = [(0, 0.60), (5, 0.70), (10, 0.749), (15, 0.75), (20, 0.90), (25, 0.6)]
-    assert distill.steps_to_gain(curve) == 15
-    assert distill.steps_to_gain(curve, gain=0.2) == 20
-    assert distill.steps_to_gain([(0, 0.60), (5, 0.70), (10, 0.749)]) is None
-    assert distill.steps_to_gain([]) is None and distill.steps_to_gain([(0, 0.5)]) is None
+    assert runs.steps_to_gain(curve, distill.GAIN) == 15
+    assert runs.steps_to_gain(curve, 0.2) == 20
+    assert runs.steps_to_gain([(0, 0.60), (5, 0.70), (10, 0.749)], distill.GAIN) is None
+    assert (
+        runs.steps_to_gain([], distill.GAIN) is None and runs.steps_to_gain([(0, 0.5)], distill.GAIN) is None
+    )
     # 66/500 + 0.15 is 0.28200000000000003 in floats, above 141/500 = 0.282: still reached
     assert 66 / 500 + 0.15 > 141 / 500
-    assert distill.steps_to_gain([(0, 66 / 500), (5, 141 / 500)]) == 5
+    assert runs.steps_to_gain([(0, 66 / 500), (5, 141 / 500)], distill.GAIN) == 5
 
 
 def test_drop_after_peak() -> None:
     # peak 0.90 at step 5, then 0.85, 0.88, 0.87: the lowest after it is 0.85, a drop of 0.05
-    assert distill.drop_after_peak([(0, 0.6), (5, 0.9), (10, 0.85), (15, 0.88), (20, 0.87)]) == pytest.approx(
+    assert runs.drop_after_peak([(0, 0.6), (5, 0.9), (10, 0.85), (15, 0.88), (20, 0.87)]) == pytest.approx(
         0.05
     )
     # a dip before the peak is no drop after it; a peak at the end leaves 0
-    assert distill.drop_after_peak([(0, 0.6), (5, 0.5), (10, 0.9)]) == 0.0
+    assert runs.drop_after_peak([(0, 0.6), (5, 0.5), (10, 0.9)]) == 0.0
     # the peak reached twice: counted from its first time (0.9 - 0.8)
-    assert distill.drop_after_peak([(0, 0.6), (5, 0.9), (10, 0.8), (15, 0.9)]) == pytest.approx(0.1)
-    assert distill.drop_after_peak([]) == 0.0
+    assert runs.drop_after_peak([(0, 0.6), (5, 0.9), (10, 0.8), (15, 0.9)]) == pytest.approx(0.1)
+    assert runs.drop_after_peak([]) == 0.0
 
 
 def test_run_numbers_by_hand() -> None:
@@ -123,9 +125,9 @@ def test_run_numbers_by_hand() -> None:
 def test_the_greedy_accuracy_is_read_first() -> None:
     # with sampled validation, val/accuracy is the sampled pass's and the greedy one is val/greedy_accuracy
     rows = [{"step": 0, "val/accuracy": 0.3, "val/greedy_accuracy": 0.5, "val/score": 0.1}]
-    assert distill.accuracy_curve(rows) == [(0, 0.5)]
-    assert distill.accuracy_curve([{"step": 0, "val/score": 0.25}]) == [(0, 0.25)]  # no rule: the score
-    assert distill.accuracy_curve([{"step": 1, "timing_s/step": 1.0}]) == []
+    assert runs.accuracy_curve(rows) == [(0, 0.5)]
+    assert runs.accuracy_curve([{"step": 0, "val/score": 0.25}]) == [(0, 0.25)]  # no rule: the score
+    assert runs.accuracy_curve([{"step": 1, "timing_s/step": 1.0}]) == []
     n = distill.run_numbers([{"step": 1, "timing_s/step": 1.0}])
     assert n["start"] is None and n["max_drop"] is None and n["gain_step"] is None
 
