@@ -109,6 +109,20 @@ def test_teacher_only_writes_the_teachers_files_as_the_full_build(
         assert (tmp_path / name).read_bytes() == (built / name).read_bytes(), name
 
 
+def test_carry4_only_writes_the_second_tasks_files_as_the_full_build(
+    assets: ModuleType, built: Path, tmp_path: Path
+) -> None:
+    """``--carry4-only`` (``make carry4``) adds the four-digit task to assets built before it: exactly the
+    files a full build writes for it, and nothing else."""
+    assets.main(["--out", str(tmp_path), "--seed", "0", "--carry4-only"])
+    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert written == sorted(f"carry4/data/{name}.parquet" for name in assets.CARRY4_FILES)
+    for name in written:
+        assert (tmp_path / name).read_bytes() == (built / name).read_bytes(), name
+    with pytest.raises(SystemExit):
+        assets.main(["--out", str(tmp_path), "--teacher-only", "--carry4-only"])
+
+
 def test_tokenizer_loads_back_with_chat_template(built: Path) -> None:
     for folder in ("tokenizer", "base", "base_rm", "base_critic", "base_teacher"):
         tok = AutoTokenizer.from_pretrained(built / folder)

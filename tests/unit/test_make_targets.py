@@ -170,14 +170,25 @@ def test_make_assets_and_make_teacher_train_the_teacher_alike() -> None:
     assert cfg.model.path == "assets/base_teacher" and cfg.trainer.save_path == "assets/teacher"
 
 
-def test_make_assets_trains_the_second_task_on_the_files_it_writes() -> None:
+def test_make_assets_and_make_carry4_train_the_second_task_on_the_files_they_write(tmp_path: Path) -> None:
     """The four-digit task's SFT (configs/sft_carry4_demo.yaml) reads the files make_tiny_assets.py writes
     under carry4/data and saves where configs/demo_cpu_carry4.yaml starts and check-assets looks; its
-    numbers go to carry4/metrics.json, not over the first task's."""
+    numbers go to carry4/metrics.json, not over the first task's. ``make carry4`` writes only those files
+    and trains the same way."""
     from ppo.config import PPOConfig
 
-    line = next(line.strip() for line in recipe("assets").splitlines() if "sft_carry4_demo" in line)
-    config, overrides = config_and_overrides(line)
+    assets_lines = [line.strip() for line in recipe("assets").splitlines()]
+    assert "$(TRAIN_CARRY4)" in assets_lines
+    assert [line.strip() for line in recipe("carry4").splitlines()][1:4] == [
+        "rm -rf $(A)/carry4/runs $(A)/carry4/metrics.json",
+        "$(PY) scripts/make_tiny_assets.py --out $(A) --seed $(SEED) --carry4-only",
+        "$(TRAIN_CARRY4)",
+    ]
+    assert summary(tmp_path, METRICS, "carry4").splitlines() == [
+        f"four-digit SFT {tmp_path}/carry4/sft: greedy accuracy 0.300, one sample at T=1 0.400, pass@4 0.700 "
+        "(12 steps in 30 s; STOPPED EARLY after 12 of 40 steps: resume it with trainer.resume_mode=auto)"
+    ]
+    config, overrides = config_and_overrides(variable("TRAIN_CARRY4"))
     assert config == "configs/sft_carry4_demo.yaml"
     assert overrides == {
         "model.path": "$(A)/base",
