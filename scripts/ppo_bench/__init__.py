@@ -18,6 +18,8 @@ several ranks); ``--help`` says what it measures and how to read it, ``--json`` 
 - ``compare_offline``: offline KL-PPO, DPO, offline SPPO and SimPO on one ranked file (its runs in
   ``compare_offline_runs``).
 - ``distill``: on-policy distillation against GRPO from one SFT model: accuracy per step, per seed.
+- ``recipes``: the reasoning-RL recipes ranked on the four-digit task, several seeds, one table and figure
+  (``sabotage``: a recipe broken on purpose, run beside them to show the ranking sees it).
 
 The shared harness: ``common`` (models, options, clocks, memory, output; torch), ``shapes`` (the random
 models' architectures) and ``runs`` (a trainer run in its own process, its metrics and step clocks, fits and

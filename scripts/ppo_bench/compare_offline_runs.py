@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ppo_bench.runs import ROOT, read_metrics, run_env, torchrun_command
+from ppo_bench.runs import ROOT, CommandError, read_metrics, run_env, torchrun_command
 
 EVAL_SAMPLES = 4
 """Responses sampled per validation prompt at temperature 1 for the KL (and sample accuracy, pass@4)."""
@@ -112,10 +112,6 @@ METHODS = {
     ),
 }
 """The three trainers, in table order."""
-
-
-class CommandError(RuntimeError):
-    """A training or the evaluation failed: its command and the end of its log, exit code 1."""
 
 
 # ----------------------------------------------------------------------------------------------------

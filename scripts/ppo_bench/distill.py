@@ -78,7 +78,6 @@ import argparse
 import dataclasses
 import json
 import math
-import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -88,22 +87,28 @@ from typing import Any, TextIO
 
 import yaml
 
-from ppo_bench.compare_offline_runs import CommandError, run_logged
+from ppo_bench.compare_offline_runs import run_logged
 from ppo_bench.runs import (
     EPS,
     ROOT,
     SKIP_STEPS,
+    CommandError,
     InputError,
     accuracy_curve,
     accuracy_key,
+    asset_sets,
     check_command,
+    check_out,
+    clear_out,
+    comparison_parser,
     drop_after_peak,
     mean_after_warmup,
+    parse_names,
     pyplot,
-    read_metrics,
     save_figure,
     steps_to_gain,
     torchrun_command,
+    train_in_turn,
     train_step_s,
     yaml_value,
 )
@@ -160,31 +165,10 @@ COLUMNS = (
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m ppo_bench.distill",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "--assets",
-        action="append",
-        default=None,
-        metavar="DIR",
-        help="an asset set of `make assets` (repeat for several; default: assets)",
-    )
-    p.add_argument(
-        "--seeds", type=int, nargs="+", default=None, help="trainer.seed per asset set (default 0, 1, ...)"
-    )
+    p = comparison_parser("distill", __doc__, out="outputs/distill_compare", test_freq=5)
     p.add_argument(
         "--methods", default=",".join(METHODS), help="a comma-separated subset of " + ",".join(METHODS)
     )
-    p.add_argument("--steps", type=int, default=50, help="training steps of every run")
-    p.add_argument("--test-freq", type=int, default=5, help="validate every this many steps")
-    p.add_argument("--nproc", type=int, default=2, help="ranks of every torchrun")
-    p.add_argument("--out", default="outputs/distill_compare", help="the comparison's folder")
-    p.add_argument("--overwrite", action="store_true", help="replace an earlier comparison in --out")
-    p.add_argument("--json", action="store_true", help="JSON lines (rows, then criteria) instead of a table")
-    p.add_argument("--plot", default=None, help="the figure's path (default OUT/curves.png)")
     p.add_argument(
         "--extra",
         nargs="+",
@@ -209,19 +193,6 @@ class Plan:
     """Further overrides per method."""
 
 
-def parse_methods(text: str) -> list[str]:
-    """``--methods``' names, in the order given; InputError on an unknown or repeated one."""
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in METHODS]
-    if unknown or not names:
-        raise InputError(
-            f"--methods {text!r}: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(METHODS)}"
-        )
-    if len(set(names)) != len(names):
-        raise InputError(f"--methods {text!r}: a method named twice")
-    return names
-
-
 def parse_extra(items: list[str], methods: list[str]) -> dict[str, list[str]]:
     """``--extra METHOD=KEY=VALUE`` items as ``{method: ["KEY=VALUE", ...]}``."""
     extra: dict[str, list[str]] = {m: [] for m in methods}
@@ -239,22 +210,8 @@ def parse_extra(items: list[str], methods: list[str]) -> dict[str, list[str]]:
 
 def check_inputs(args: argparse.Namespace) -> Plan:
     """Everything that can be checked before training without the trainer; InputError with one line."""
-    methods = parse_methods(args.methods)
-    assets = [Path(a) for a in (args.assets or ["assets"])]
-    seeds = list(range(len(assets))) if args.seeds is None else args.seeds
-    if len(seeds) != len(assets):
-        raise InputError(
-            f"--assets given {len(assets)} time(s) but --seeds has {len(seeds)} value(s): one seed per asset set"
-        )
-    if len(set(seeds)) != len(seeds):
-        raise InputError(f"--seeds {' '.join(map(str, seeds))}: each seed once (its runs go to OUT/seed<N>)")
-    for option, value, least in (
-        ("--steps", args.steps, 1),
-        ("--test-freq", args.test_freq, 1),
-        ("--nproc", args.nproc, 1),
-    ):
-        if value < least:
-            raise InputError(f"{option} {value}: at least {least}")
+    methods = parse_names("--methods", args.methods, METHODS, "method")
+    assets, seeds = asset_sets(args)
     needs_teacher = any(m != "grpo" for m in methods)
     for root in assets:
         wanted = [("student", root / "sft" / "config.json")]
@@ -267,25 +224,8 @@ def check_inputs(args: argparse.Namespace) -> Plan:
                     f"--assets {root}: {what} {path} not found: run `make assets ASSETS={root}` first"
                 )
     extra = parse_extra(args.extra, methods)
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise InputError(f"--out {out} is a file")
-    earlier = earlier_outputs(out)
-    if earlier and not args.overwrite:
-        raise InputError(
-            f"--out {out} holds an earlier comparison ({', '.join(p.name for p in earlier)}): pass --overwrite "
-            f"to replace it, or choose another --out"
-        )
+    check_out(Path(args.out), OUTPUTS, args.overwrite)
     return Plan(assets=[a.resolve() for a in assets], seeds=seeds, methods=methods, extra=extra)
-
-
-def earlier_outputs(out: Path) -> list[Path]:
-    """What an earlier comparison left in ``out``: ``OUTPUTS`` and ``seed*`` folders."""
-    if not out.is_dir():
-        return []
-    return [out / n for n in OUTPUTS if (out / n).exists()] + sorted(
-        p for p in out.glob("seed*") if p.is_dir()
-    )
 
 
 def task_settings() -> list[str]:
@@ -631,14 +571,7 @@ def compare(args: argparse.Namespace, plan: Plan, progress: TextIO) -> dict[str,
             )
     for method in plan.methods:  # the asset sets differ only in paths, checked already
         check_command(next(r["train_args"] for r in runs if r["method"] == method), args.nproc)
-    for path in earlier_outputs(
-        out
-    ):  # an earlier comparison, with --overwrite (check_inputs refused it otherwise)
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    out.mkdir(parents=True, exist_ok=True)
+    clear_out(out, OUTPUTS)
     settings = {
         "steps": args.steps,
         "test_freq": args.test_freq,
@@ -652,36 +585,15 @@ def compare(args: argparse.Namespace, plan: Plan, progress: TextIO) -> dict[str,
     }
     (out / "plan.json").write_text(json.dumps({"settings": settings, "runs": runs}, indent=1))
 
-    # train, one run after the other (they share the machine's cores)
-    for i, run in enumerate(runs, 1):
-        run_dir = Path(run["dir"])
-        run_dir.mkdir(parents=True)
-        print(
-            f"[{i}/{len(runs)}] seed {run['seed']} {run['method']} ({args.steps} steps) ...",
-            end=" ",
-            file=progress,
-            flush=True,
-        )
-        run["wall_s"] = run_logged(run["command"], run_dir / "train.log")
-        rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
-        run.update(run_numbers(rows))
-        if run["steps"] != args.steps or not run["curve"] or run["curve"][0][0] != 0:
-            raise CommandError(
-                f"seed {run['seed']} {run['method']} logged {run['steps']} of {args.steps} steps or no validation "
-                f"before training; see {run_dir / 'train.log'}"
-            )
-        print(
-            f"{run['wall_s']:.0f} s, accuracy {fmt(run['start'])} -> {fmt(run['final'])}",
-            file=progress,
-            flush=True,
-        )
-        del run["train_args"]
+    train_in_turn(
+        runs, steps=args.steps, name="method", numbers=run_numbers, run_logged=run_logged, progress=progress
+    )
 
-    asset_sets, all_criteria = [], []
+    set_rows, all_criteria = [], []
     for assets, seed in zip(plan.assets, plan.seeds, strict=True):
         accuracies = asset_accuracies(assets)
         num_prompts = val_prompts(assets)
-        asset_sets.append(
+        set_rows.append(
             {
                 "seed": seed,
                 "assets": str(assets),
@@ -696,7 +608,7 @@ def compare(args: argparse.Namespace, plan: Plan, progress: TextIO) -> dict[str,
         found = criteria(seed, mine, teacher=accuracies["teacher"], steps=args.steps, num_prompts=num_prompts)
         all_criteria += [dataclasses.asdict(c) for c in found]
     settings["total_wall_s"] = time.perf_counter() - start
-    results = {"settings": settings, "asset_sets": asset_sets, "runs": runs, "criteria": all_criteria}
+    results = {"settings": settings, "asset_sets": set_rows, "runs": runs, "criteria": all_criteria}
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "table.md").write_text(table_markdown(results))
     plot_curves(results, Path(args.plot) if args.plot else out / "curves.png")

@@ -10,6 +10,7 @@ refuses bad input at once: importing common.py (torch, transformers, ppo) takes 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.util
 import json
@@ -17,12 +18,14 @@ import logging
 import math
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import yaml
 
@@ -239,6 +242,10 @@ class InputError(ValueError):
     """Bad input found before any training: one line, exit code 2."""
 
 
+class CommandError(RuntimeError):
+    """A run failed: its command and the last lines of its log, exit code 1."""
+
+
 def yaml_value(value: Any) -> str:
     """A config value as an override writes it (YAML: ``true``, ``0.05``, ``low_var_kl``)."""
     return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip()
@@ -308,6 +315,143 @@ def train_step_s(rows: list[dict[str, Any]]) -> float | None:
     if not kept:
         return None
     return statistics.fmean(r["timing_s/step"] - r.get("timing_s/testing", 0.0) for r in kept)
+
+
+# ----------------------------------------------------------------------------------------------------
+# A comparison over asset sets: its options, its folder, its runs one after the other
+# ----------------------------------------------------------------------------------------------------
+
+
+def comparison_parser(module: str, doc: str, *, out: str, test_freq: int) -> argparse.ArgumentParser:
+    """The command line of a comparison that trains runs on asset sets (``make assets SEED=N ASSETS=DIR``),
+    ``python -m ppo_bench.<module>`` with ``doc`` as its help: ``--assets`` (repeat), ``--seeds``,
+    ``--steps``, ``--test-freq``, ``--nproc``, ``--out``, ``--overwrite``, ``--json``, ``--plot``; ``out`` and
+    ``test_freq`` are the defaults. The module adds its own options."""
+    p = argparse.ArgumentParser(
+        prog=f"python -m ppo_bench.{module}",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--assets",
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="an asset set (repeat; default: assets)",
+    )
+    p.add_argument(
+        "--seeds", type=int, nargs="+", default=None, help="trainer.seed per asset set (default 0, 1, ...)"
+    )
+    p.add_argument("--steps", type=int, default=50, help="training steps of every run")
+    p.add_argument("--test-freq", type=int, default=test_freq, help="validate every this many steps")
+    p.add_argument("--nproc", type=int, default=2, help="ranks of every torchrun")
+    p.add_argument("--out", default=out, help="the comparison's folder")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier comparison in --out")
+    p.add_argument("--json", action="store_true", help="JSON lines instead of a table")
+    p.add_argument("--plot", default=None, help="the figure's path (default OUT/curves.png)")
+    return p
+
+
+def parse_names(option: str, text: str, choices: Any, what: str) -> list[str]:
+    """A comma-separated list of names (``--methods``, ``--recipes``) in the order given; InputError on an
+    empty list, or a name not in ``choices`` or given twice (``what``: the singular, for the message)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in choices]
+    if unknown or not names:
+        raise InputError(
+            f"{option} {text!r}: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(choices)}"
+        )
+    if len(set(names)) != len(names):
+        raise InputError(f"{option} {text!r}: a {what} named twice")
+    return names
+
+
+def asset_sets(args: argparse.Namespace) -> tuple[list[Path], list[int]]:
+    """``--assets`` (default ``assets``) and their seeds (default 0, 1, ...), with ``--steps``,
+    ``--test-freq`` and ``--nproc`` checked; InputError with one line."""
+    assets = [Path(a) for a in (args.assets or ["assets"])]
+    seeds = list(range(len(assets))) if args.seeds is None else args.seeds
+    if len(seeds) != len(assets):
+        raise InputError(
+            f"--assets given {len(assets)} time(s) but --seeds has {len(seeds)} value(s): one seed per asset set"
+        )
+    if len(set(seeds)) != len(seeds):
+        raise InputError(f"--seeds {' '.join(map(str, seeds))}: each seed once (its runs go to OUT/seed<N>)")
+    for option, value in (("--steps", args.steps), ("--test-freq", args.test_freq), ("--nproc", args.nproc)):
+        if value < 1:
+            raise InputError(f"{option} {value}: at least 1")
+    return assets, seeds
+
+
+def earlier_outputs(out: Path, outputs: tuple[str, ...]) -> list[Path]:
+    """What an earlier comparison left in ``out``: the files and folders ``outputs`` and ``seed*`` folders."""
+    if not out.is_dir():
+        return []
+    return [out / n for n in outputs if (out / n).exists()] + sorted(
+        p for p in out.glob("seed*") if p.is_dir()
+    )
+
+
+def check_out(out: Path, outputs: tuple[str, ...], overwrite: bool) -> None:
+    """InputError when ``out`` is a file, or holds an earlier comparison and ``overwrite`` is not given."""
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} is a file")
+    earlier = earlier_outputs(out, outputs)
+    if earlier and not overwrite:
+        raise InputError(
+            f"--out {out} holds an earlier comparison ({', '.join(p.name for p in earlier)}): pass --overwrite "
+            f"to replace it, or choose another --out"
+        )
+
+
+def clear_out(out: Path, outputs: tuple[str, ...]) -> None:
+    """Delete an earlier comparison's ``outputs`` and ``seed*`` folders from ``out`` (nothing else), then make
+    sure ``out`` exists."""
+    for path in earlier_outputs(out, outputs):
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def train_in_turn(
+    runs: list[dict[str, Any]],
+    *,
+    steps: int,
+    name: str,
+    numbers: Callable[[list[dict[str, Any]]], dict[str, Any]],
+    run_logged: Callable[[list[str], Path], float],
+    progress: TextIO,
+) -> None:
+    """Train ``runs`` one after the other (they share the machine's cores): each run's ``command`` with
+    ``run_logged`` (its log in ``dir/train.log``), then its ``wall_s`` and ``numbers(metrics rows)`` join the
+    run's dict and its ``train_args`` leave it. A progress line a run names its seed and ``run[name]``.
+    CommandError when a run logged other than ``steps`` steps (``numbers``' ``steps``) or no validation at
+    step 0 (its ``curve``)."""
+    for i, run in enumerate(runs, 1):
+        run_dir = Path(run["dir"])
+        run_dir.mkdir(parents=True)
+        print(
+            f"[{i}/{len(runs)}] seed {run['seed']} {run[name]} ({steps} steps) ...",
+            end=" ",
+            file=progress,
+            flush=True,
+        )
+        run["wall_s"] = run_logged(run["command"], run_dir / "train.log")
+        rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+        run.update(numbers(rows))
+        if run["steps"] != steps or not run["curve"] or run["curve"][0][0] != 0:
+            raise CommandError(
+                f"seed {run['seed']} {run[name]} logged {run['steps']} of {steps} steps or no validation "
+                f"before training; see {run_dir / 'train.log'}"
+            )
+        print(
+            f"{run['wall_s']:.0f} s, accuracy {run['start']:.3f} -> {run['final']:.3f}",
+            file=progress,
+            flush=True,
+        )
+        del run["train_args"]
 
 
 # ----------------------------------------------------------------------------------------------------
