@@ -11,6 +11,11 @@ recipes. The sabotages (``SABOTAGES``):
   scores the right answers are pushed up and the wrong ones are never pushed down: the kind of error that
   still "works", and only a task that does not saturate can tell apart.
 
+- ``grpo_abs_advantage``: GRPO whose advantage loses its sign, ``A_i = |s_i - mean_g| / (std_g + 1e-6)``:
+  a wrong answer in a group that has a right one is pushed up as if it were right, with the weight the
+  right ones get where the group is mostly wrong. Unlike the missing baseline this changes the expected
+  gradient: a prompt's accuracy p moves as ``p (1 - p) (1 - 2p)``, up below one half and down above it.
+
 Nothing of this is in the trainer: the replacement lives here, for the benchmark's runs only.
 """
 
@@ -27,29 +32,46 @@ def grpo_without_baseline(scores: torch.Tensor, group_ids: torch.Tensor) -> torc
     scores differ, else 0: GRPO's advantage with the group mean left in."""
     scores = scores.double()
     _, index = torch.unique(group_ids, return_inverse=True)
+    _, std = group_mean_std(scores, index)
+    return torch.where(std > 0, scores / (std + 1e-6), torch.zeros_like(scores))
+
+
+def grpo_absolute_advantage(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """``[B]`` advantages ``|s_i - mean_g| / (std_g + 1e-6)`` (unbiased std of the group's scores): GRPO's
+    advantage without its sign; a group of equal scores gets 0, as in GRPO."""
+    scores = scores.double()
+    _, index = torch.unique(group_ids, return_inverse=True)
+    mean, std = group_mean_std(scores, index)
+    return (scores - mean).abs() / (std + 1e-6)
+
+
+def group_mean_std(scores: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each score's group mean and unbiased std (1 sample: std 0), ``index`` the group of each score in
+    0..G-1."""
     groups = int(index.max()) + 1 if index.numel() else 0
     count = torch.zeros(groups, dtype=scores.dtype).index_add_(0, index, torch.ones_like(scores))
     mean = torch.zeros(groups, dtype=scores.dtype).index_add_(0, index, scores) / count
     squares = torch.zeros(groups, dtype=scores.dtype).index_add_(0, index, (scores - mean[index]) ** 2)
-    std = (squares / (count - 1).clamp(min=1)).sqrt()[index]
-    return torch.where(std > 0, scores / (std + 1e-6), torch.zeros_like(scores))
+    return mean[index], (squares / (count - 1).clamp(min=1)).sqrt()[index]
 
 
-def patch_grpo_no_baseline() -> None:
-    """Replace the ``grpo`` estimator by :func:`grpo_without_baseline` of the summed token rewards."""
+def patch_grpo(advantage: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    """Replace the ``grpo`` estimator by ``advantage(summed token rewards, group ids)`` on every token."""
     from ppo import algorithms
 
     def estimator(x: algorithms.AdvantageInputs, s: algorithms.AdvantageSettings) -> algorithms.Estimate:
-        scores = x.token_rewards.sum(-1)
-        advantages = grpo_without_baseline(scores, x.group_ids).to(torch.float32)
+        advantages = advantage(x.token_rewards.sum(-1), x.group_ids).to(torch.float32)
         advantages = advantages.unsqueeze(-1) * x.response_mask.to(torch.float32)
         return algorithms.Estimate(advantages, advantages)
 
     algorithms.ADVANTAGE_ESTIMATORS["grpo"] = estimator
 
 
-SABOTAGES: dict[str, Callable[[], None]] = {"grpo_no_baseline": patch_grpo_no_baseline}
-"""``NAME`` -> the function that breaks the recipe in this process."""
+SABOTAGES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "grpo_no_baseline": grpo_without_baseline,
+    "grpo_abs_advantage": grpo_absolute_advantage,
+}
+"""``NAME`` -> the advantage that replaces GRPO's (``patch_grpo``)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    SABOTAGES[args[0]]()
+    patch_grpo(SABOTAGES[args[0]])
     import train_ppo  # the repository root is on PYTHONPATH (runs.run_env)
 
     return train_ppo.main(args[1:])
