@@ -367,13 +367,21 @@ def separated_pairs(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
 
 
 def sabotage_findings(rows: list[dict[str, Any]]) -> list[str]:
-    """A line per sabotage: its seeds' final accuracies against its recipe's, and whether they lie apart."""
+    """A line per sabotage: its seeds' final accuracies against its recipe's, whether they lie apart (seen),
+    and the paired gap (the sabotage's final minus the recipe's on the same seed) with how many seeds it is
+    below on."""
     by_name = {r["recipe"]: r for r in rows}
     lines = []
     for entry in (r["recipe"] for r in rows if r["recipe"] in SABOTAGED):
         broken, intact = by_name[entry], by_name.get(recipe_of(entry))
         if intact is None:
             continue
+        theirs = dict(zip(intact["seeds"], intact["finals"], strict=True))
+        gaps = [
+            f - theirs[seed]
+            for seed, f in zip(broken["seeds"], broken["finals"], strict=True)
+            if seed in theirs
+        ]
         outside = broken["final_max"] < intact["final_min"]
         lines.append(
             f"{broken['label']}: final {fmt_spread(broken, 'final')} against {intact['label']}'s "
@@ -383,6 +391,8 @@ def sabotage_findings(rows: list[dict[str, Any]]) -> list[str]:
                 if outside
                 else "the ranges overlap (NOT seen)"
             )
+            + f"; paired gap {statistics.fmean(gaps):+.3f} ({min(gaps):+.3f} to {max(gaps):+.3f}), below on "
+            f"{sum(g < 0 for g in gaps)} of {len(gaps)} seeds"
         )
     return lines
 

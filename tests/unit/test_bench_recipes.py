@@ -88,11 +88,13 @@ def test_rows_are_ranked_with_the_seeds_spread_and_the_paired_gap() -> None:
     ]
     assert recipes.sabotage_findings(rows) == [
         "GRPO, no baseline (broken): final 0.597 (0.500-0.690) against GRPO's 0.750 (0.700-0.800): every seed "
-        "below every seed of the intact recipe (seen)"
+        "below every seed of the intact recipe (seen); paired gap -0.153 (-0.200 to -0.060), below on 3 of 3 seeds"
     ]
     overlapping = [*RUNS[:6], run("grpo_no_baseline", 0, 0.3, 0.71, 0.71), *RUNS[7:]]
     rows = recipes.recipe_rows(overlapping, ["grpo", "gspo", "grpo_no_baseline"])
-    assert recipes.sabotage_findings(rows)[0].endswith("the ranges overlap (NOT seen)")
+    assert recipes.sabotage_findings(rows)[0].endswith(
+        "the ranges overlap (NOT seen); paired gap -0.083 (-0.200 to +0.010), below on 2 of 3 seeds"
+    )
 
 
 def test_the_commands_move_each_preset_to_the_task(tmp_path: Path) -> None:
