@@ -26,8 +26,8 @@ the reference's forward). Every run is ``OMP_NUM_THREADS=1 torchrun --standalone
 command is checked with ``train_ppo.py --print-config`` before the first run starts.
 
 ``--sabotage NAME`` adds a broken recipe (``ppo_bench.sabotage``: ``grpo_no_baseline`` is GRPO with the
-group mean left in its advantage, ``grpo_abs_advantage`` GRPO whose advantage lost its sign) run the same
-way from ``python -m ppo_bench.sabotage NAME``; the table says whether its seeds' range lies apart from the
+group mean left in its advantage, ``grpo_abs_advantage`` GRPO whose advantage lost its sign,
+``grpo_shifted_scores`` GRPO whose scores are off by one inside each group) run the same way from ``python -m ppo_bench.sabotage NAME``; the table says whether its seeds' range lies apart from the
 intact recipe's. ``--reuse DIR`` copies each run that an earlier comparison in ``DIR`` trained with the same
 command (its folder aside) instead of training it again: to add a recipe or a sabotage to a ranking.
 
@@ -134,6 +134,7 @@ RECIPES: dict[str, Recipe] = {
 SABOTAGED = {
     "grpo_no_baseline": ("grpo", "GRPO, no baseline (broken)"),
     "grpo_abs_advantage": ("grpo", "GRPO, |advantage| (broken)"),
+    "grpo_shifted_scores": ("grpo", "GRPO, scores off by one (broken)"),
 }
 """A sabotage's name -> (the recipe it breaks, its name in the table)."""
 GAIN = 0.1

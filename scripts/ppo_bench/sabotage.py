@@ -16,6 +16,10 @@ recipes. The sabotages (``SABOTAGES``):
   right ones get where the group is mostly wrong. Unlike the missing baseline this changes the expected
   gradient: a prompt's accuracy p moves as ``p (1 - p) (1 - 2p)``, up below one half and down above it.
 
+- ``grpo_shifted_scores``: GRPO whose scores are off by one inside each group (response ``i`` gets the
+  score of the next response to the same prompt, the last one the first's): the kind of slip a reorder
+  of the batch makes. The advantage no longer belongs to the response it pushes.
+
 Nothing of this is in the trainer: the replacement lives here, for the benchmark's runs only.
 """
 
@@ -45,6 +49,20 @@ def grpo_absolute_advantage(scores: torch.Tensor, group_ids: torch.Tensor) -> to
     return (scores - mean).abs() / (std + 1e-6)
 
 
+def grpo_shifted_scores(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """``[B]`` GRPO's advantages ``(s'_i - mean_g) / (std_g + 1e-6)`` of the scores shifted by one inside
+    each group: ``s'_i`` is the score of the next response of ``i``'s group in batch order (the last one's
+    is the first's)."""
+    scores = scores.double()
+    shifted = scores.clone()
+    for g in torch.unique(group_ids):
+        members = (group_ids == g).nonzero().flatten()
+        shifted[members] = scores[members.roll(-1)]
+    _, index = torch.unique(group_ids, return_inverse=True)
+    mean, std = group_mean_std(shifted, index)
+    return (shifted - mean) / (std + 1e-6)
+
+
 def group_mean_std(scores: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each score's group mean and unbiased std (1 sample: std 0), ``index`` the group of each score in
     0..G-1."""
@@ -70,6 +88,7 @@ def patch_grpo(advantage: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) 
 SABOTAGES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "grpo_no_baseline": grpo_without_baseline,
     "grpo_abs_advantage": grpo_absolute_advantage,
+    "grpo_shifted_scores": grpo_shifted_scores,
 }
 """``NAME`` -> the advantage that replaces GRPO's (``patch_grpo``)."""
 

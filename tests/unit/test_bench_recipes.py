@@ -144,6 +144,10 @@ def test_the_sabotages_advantages() -> None:
     a, b = 0.75 / (0.5 + e), 0.25 / (0.5 + e)
     c = 0.5 / (0.5**0.5 + e)
     close(sabotage.grpo_absolute_advantage(scores, groups), t64(a, b, b, b, 0, 0, 0, 0, c, c))
+    # shifted inside each group: group 7's (1,0,0,0) -> (0,0,0,1); group 5's (0,1) -> (1,0)
+    g = (1 - 0.25) / (0.5 + e)
+    shifted = t64(-0.25 / (0.5 + e), -0.25 / (0.5 + e), -0.25 / (0.5 + e), g, 0, 0, 0, 0, c, -c)
+    close(sabotage.grpo_shifted_scores(scores, groups), shifted)
 
 
 def test_a_sabotage_replaces_only_the_grpo_row() -> None:
