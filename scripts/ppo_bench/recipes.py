@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -570,8 +571,6 @@ def machine() -> str:
         ]
     except OSError:
         names = []
-    import os
-
     return f"{os.cpu_count()} cores" + (f" of {names[0]}" if names else "")
 
 
