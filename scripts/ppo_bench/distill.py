@@ -103,6 +103,7 @@ from ppo_bench.runs import (
     comparison_parser,
     drop_after_peak,
     mean_after_warmup,
+    parquet_rows,
     parse_names,
     pyplot,
     save_figure,
@@ -312,16 +313,6 @@ def asset_accuracies(assets: Path) -> dict[str, float | None]:
     except (OSError, ValueError):
         metrics = {}
     return {"teacher": metrics.get("teacher_val_accuracy"), "sft": metrics.get("sft_val_accuracy")}
-
-
-def val_prompts(assets: Path) -> int | None:
-    """Rows of ``DIR/data/val.parquet`` (what one standard error of the accuracy is over)."""
-    try:
-        import pyarrow.parquet as pq
-
-        return int(pq.read_metadata(assets / "data" / "val.parquet").num_rows)
-    except (OSError, ImportError, ValueError):
-        return None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -592,7 +583,7 @@ def compare(args: argparse.Namespace, plan: Plan, progress: TextIO) -> dict[str,
     set_rows, all_criteria = [], []
     for assets, seed in zip(plan.assets, plan.seeds, strict=True):
         accuracies = asset_accuracies(assets)
-        num_prompts = val_prompts(assets)
+        num_prompts = parquet_rows(assets / "data" / "val.parquet")
         set_rows.append(
             {
                 "seed": seed,

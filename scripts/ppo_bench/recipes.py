@@ -66,8 +66,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import statistics
 import sys
 import time
@@ -88,9 +86,11 @@ from ppo_bench.runs import (
     check_out,
     clear_out,
     comparison_parser,
+    machine,
+    parquet_rows,
     parse_names,
     pyplot,
-    read_metrics,
+    reuse_earlier,
     save_figure,
     steps_to_gain,
     torchrun_command,
@@ -530,50 +530,6 @@ def print_results(results: dict[str, Any], table: str, as_json: bool) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 
-def reuse_earlier(runs: list[dict[str, Any]], earlier: Path) -> list[dict[str, Any]]:
-    """Copy into each run's folder what the comparison in ``earlier`` trained with the same command (its
-    folder's path aside) and whose ``metrics.jsonl`` is still there: that file and ``train.log``, with its
-    wall time, and ``reused_from``. Returns the runs left to train."""
-    before = {(r["seed"], r["entry"]): r for r in json.loads((earlier / "results.json").read_text())["runs"]}
-    left = []
-    for run in runs:
-        old = before.get((run["seed"], run["entry"]))
-        same = (
-            old is not None and [a.replace(old["dir"], run["dir"]) for a in old["command"]] == run["command"]
-        )
-        if not same or not (Path(old["dir"]) / "metrics.jsonl").is_file():
-            left.append(run)
-            continue
-        run_dir = Path(run["dir"])
-        run_dir.mkdir(parents=True)
-        for name in ("metrics.jsonl", "train.log"):
-            if (Path(old["dir"]) / name).is_file():
-                shutil.copy2(Path(old["dir"]) / name, run_dir / name)
-        run.update(run_numbers(read_metrics(run_dir)), wall_s=old["wall_s"], reused_from=old["dir"])
-        del run["train_args"]
-    return left
-
-
-def val_prompts(assets: Path) -> int:
-    """Rows of ``DIR/carry4/data/val.parquet``."""
-    import pyarrow.parquet as pq
-
-    return int(pq.read_metadata(assets / "carry4" / "data" / "val.parquet").num_rows)
-
-
-def machine() -> str:
-    """The CPU's model name and core count, for the doc's line."""
-    try:
-        names = [
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ]
-    except OSError:
-        names = []
-    return f"{os.cpu_count()} cores" + (f" of {names[0]}" if names else "")
-
-
 def compare(args: argparse.Namespace, plan: Plan, argv: list[str], progress: TextIO) -> dict[str, Any]:
     """Check each row's command, train every run one after the other, write results.json, table.md, the
     figure and ``--doc``'s section (inputs already checked)."""
@@ -613,7 +569,7 @@ def compare(args: argparse.Namespace, plan: Plan, argv: list[str], progress: Tex
     }
     (out / "plan.json").write_text(json.dumps({"settings": settings, "runs": runs}, indent=1))
 
-    left = reuse_earlier(runs, Path(args.reuse)) if args.reuse else runs
+    left = reuse_earlier(runs, Path(args.reuse), run_numbers) if args.reuse else runs
     if len(left) < len(runs):
         print(f"{len(runs) - len(left)} of {len(runs)} runs copied from {args.reuse}", file=progress)
     train_in_turn(
@@ -625,7 +581,7 @@ def compare(args: argparse.Namespace, plan: Plan, argv: list[str], progress: Tex
             "seed": seed,
             "assets": str(assets),
             "start": next(r["start"] for r in runs if r["seed"] == seed),
-            "val_prompts": val_prompts(assets),
+            "val_prompts": parquet_rows(assets / "carry4" / "data" / "val.parquet"),
         }
         for assets, seed in zip(plan.assets, plan.seeds, strict=True)
     ]

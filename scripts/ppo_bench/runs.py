@@ -454,6 +454,59 @@ def train_in_turn(
         del run["train_args"]
 
 
+def reuse_earlier(
+    runs: list[dict[str, Any]],
+    earlier: Path,
+    numbers: Callable[[list[dict[str, Any]]], dict[str, Any]],
+    name: str = "entry",
+) -> list[dict[str, Any]]:
+    """Copy into each run's folder what the comparison in ``earlier`` (its ``results.json``) trained for the
+    same seed and ``run[name]`` with the same command (its folder's path aside), where that run's
+    ``metrics.jsonl`` is still there: that file and ``train.log``; the run gets the earlier wall time,
+    ``numbers(metrics rows)`` and ``reused_from``, and loses ``train_args``. Returns the runs left to train."""
+    before = {(r["seed"], r[name]): r for r in json.loads((earlier / "results.json").read_text())["runs"]}
+    left = []
+    for run in runs:
+        old = before.get((run["seed"], run[name]))
+        same = (
+            old is not None and [a.replace(old["dir"], run["dir"]) for a in old["command"]] == run["command"]
+        )
+        if not same or not (Path(old["dir"]) / "metrics.jsonl").is_file():
+            left.append(run)
+            continue
+        run_dir = Path(run["dir"])
+        run_dir.mkdir(parents=True)
+        for file in ("metrics.jsonl", "train.log"):
+            if (Path(old["dir"]) / file).is_file():
+                shutil.copy2(Path(old["dir"]) / file, run_dir / file)
+        run.update(numbers(read_metrics(run_dir)), wall_s=old["wall_s"], reused_from=old["dir"])
+        del run["train_args"]
+    return left
+
+
+def parquet_rows(path: Path) -> int | None:
+    """Rows of a Parquet file (what one standard error of an accuracy is over); None where it cannot be read."""
+    try:
+        import pyarrow.parquet as pq
+
+        return int(pq.read_metadata(path).num_rows)
+    except (OSError, ImportError, ValueError):
+        return None
+
+
+def machine() -> str:
+    """The CPU's model name and core count (``/proc/cpuinfo``), for a line that says where figures were measured."""
+    try:
+        names = [
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ]
+    except OSError:
+        names = []
+    return f"{os.cpu_count()} cores" + (f" of {names[0]}" if names else "")
+
+
 # ----------------------------------------------------------------------------------------------------
 # Fits and figures
 # ----------------------------------------------------------------------------------------------------
