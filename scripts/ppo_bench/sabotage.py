@@ -35,8 +35,7 @@ def grpo_without_baseline(scores: torch.Tensor, group_ids: torch.Tensor) -> torc
     """``[B]`` advantages ``s_i / (std_g + 1e-6)`` (unbiased std of the group's scores) where the group's
     scores differ, else 0: GRPO's advantage with the group mean left in."""
     scores = scores.double()
-    _, index = torch.unique(group_ids, return_inverse=True)
-    _, std = group_mean_std(scores, index)
+    _, std = group_mean_std(scores, group_ids)
     return torch.where(std > 0, scores / (std + 1e-6), torch.zeros_like(scores))
 
 
@@ -44,8 +43,7 @@ def grpo_absolute_advantage(scores: torch.Tensor, group_ids: torch.Tensor) -> to
     """``[B]`` advantages ``|s_i - mean_g| / (std_g + 1e-6)`` (unbiased std of the group's scores): GRPO's
     advantage without its sign; a group of equal scores gets 0, as in GRPO."""
     scores = scores.double()
-    _, index = torch.unique(group_ids, return_inverse=True)
-    mean, std = group_mean_std(scores, index)
+    mean, std = group_mean_std(scores, group_ids)
     return (scores - mean).abs() / (std + 1e-6)
 
 
@@ -58,14 +56,13 @@ def grpo_shifted_scores(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.
     for g in torch.unique(group_ids):
         members = (group_ids == g).nonzero().flatten()
         shifted[members] = scores[members.roll(-1)]
-    _, index = torch.unique(group_ids, return_inverse=True)
-    mean, std = group_mean_std(shifted, index)
+    mean, std = group_mean_std(shifted, group_ids)
     return (shifted - mean) / (std + 1e-6)
 
 
-def group_mean_std(scores: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each score's group mean and unbiased std (1 sample: std 0), ``index`` the group of each score in
-    0..G-1."""
+def group_mean_std(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each score's group mean and unbiased std (1 sample: std 0), ``group_ids`` any integers."""
+    _, index = torch.unique(group_ids, return_inverse=True)
     groups = int(index.max()) + 1 if index.numel() else 0
     count = torch.zeros(groups, dtype=scores.dtype).index_add_(0, index, torch.ones_like(scores))
     mean = torch.zeros(groups, dtype=scores.dtype).index_add_(0, index, scores) / count
