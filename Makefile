@@ -52,7 +52,7 @@ lock: install
 
 # Tiny tokenizer, models and task; SFT on the flawed demonstrations (assets/sft, the PPO actor's start);
 # the second task's SFT, four-digit sums (assets/carry4/sft, the start of configs/demo_cpu_carry4.yaml,
-# about 4.5 minutes more);
+# about 4.5 minutes more) and its offline groups (assets/carry4/offline);
 # the teacher of on-policy distillation, a larger tiny Llama (assets/base_teacher) SFT'd on the same
 # problems with every answer right (assets/teacher; `make teacher` trains only it); that SFT model
 # fine-tuned on demonstrations of which 40% call a calculator (assets/tools/sft, the start of
@@ -87,12 +87,21 @@ TRAIN_CARRY4 := .venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) script
 	--config configs/sft_carry4_demo.yaml $(CARRY4_PATHS)
 CARRY4_LINE := m = json.load(open('$(A)/carry4/metrics.json')); \
 	print('four-digit SFT $(A)/carry4/sft: greedy accuracy %(sft_val_accuracy).3f, one sample at T=1 %(sft_sample_accuracy).3f, pass@%(sft_eval_samples_per_prompt)d %(sft_pass_at_k).3f (%(sft_steps)d steps in %(sft_train_time_s).0f s' % m + early('sft') + ')');
+# The four-digit task's offline groups (assets/carry4/offline, as assets/offline for the two-digit task: 4
+# samples of its SFT model for each of the first 2048 training prompts, ranked by the rule; about 30 s).
+OFFLINE_CARRY4 := OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) \
+	scripts/make_offline_data.py --model $(A)/carry4/sft --data $(A)/carry4/data/train.parquet \
+	--out $(A)/carry4/offline/train.parquet --k 4 --max-prompts 2048 --shard-size 512 --max-prompt-length 16 \
+	--max-response-length 32 --seed $(SEED) --metrics $(A)/carry4/metrics.json
+OFFLINE_CARRY4_LINE := m = json.load(open('$(A)/carry4/metrics.json')); \
+	print('four-digit offline data $(A)/carry4/offline: %(offline_groups)d groups of %(offline_group_size)d, mean rule score %(offline_mean_score).3f, %(offline_unequal_share).2f of groups with unequal scores (%(offline_time_s).0f s)' % m);
 TOOLS_PATHS := model.path=$(A)/sft data.train_files=[$(A)/data/sft_tools_train.parquet] \
 	data.val_files=[$(A)/data/sft_tools_val.parquet] trainer.output_dir=$(A)/tools/runs/sft \
 	trainer.save_path=$(A)/tools/sft trainer.seed=$(SEED)
 
 assets: install
-	rm -rf $(A)/runs $(A)/metrics.json $(A)/offline $(A)/tools $(A)/carry4/runs $(A)/carry4/metrics.json
+	rm -rf $(A)/runs $(A)/metrics.json $(A)/offline $(A)/tools $(A)/carry4/runs $(A)/carry4/metrics.json \
+		$(A)/carry4/offline
 	$(PY) scripts/make_tiny_assets.py --out $(A) --seed $(SEED)
 	.venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) scripts/train_sft.py --config configs/sft_demo.yaml $(SFT_PATHS)
 	$(TRAIN_TEACHER)
@@ -103,6 +112,7 @@ assets: install
 		--model $(A)/sft --data $(A)/data/train.parquet --out $(A)/offline/train.parquet --k 4 \
 		--max-prompts 2048 --shard-size 512 --max-prompt-length 16 --max-response-length 28 --seed $(SEED) \
 		--metrics $(A)/metrics.json
+	$(OFFLINE_CARRY4)
 	@$(PY) -c "import json; m = json.load(open('$(A)/metrics.json')); \
 	$(STOPPED_EARLY) \
 	print('SFT model    $(A)/sft: greedy accuracy %(sft_val_accuracy).3f, one sample at T=1 %(sft_sample_accuracy).3f, pass@%(sft_eval_samples_per_prompt)d %(sft_pass_at_k).3f (%(sft_eval_prompts)d val problems; %(sft_steps)d steps in %(sft_train_time_s).0f s' % m + early('sft') + ')'); \
@@ -111,6 +121,7 @@ assets: install
 	print('offline data $(A)/offline: %(offline_groups)d groups of %(offline_group_size)d from %(offline_prompts)d prompts, mean rule score %(offline_mean_score).3f, %(offline_unequal_share).2f of groups with unequal scores (%(offline_time_s).0f s)' % m); \
 	$(TEACHER_LINE) \
 	$(CARRY4_LINE) \
+	$(OFFLINE_CARRY4_LINE) \
 	print('all numbers: $(A)/metrics.json, $(A)/carry4/metrics.json')"
 
 # Only the teacher of `make assets` (assets/base_teacher, its clean demonstrations, assets/teacher; its
@@ -123,15 +134,17 @@ teacher: install
 	$(TRAIN_TEACHER)
 	@$(PY) -c "import json; m = json.load(open('$(A)/metrics.json')); $(STOPPED_EARLY) $(TEACHER_LINE)"
 
-# Only the second task of `make assets` (carry4/data and its SFT model assets/carry4/sft), for assets built
+# Only the second task of `make assets` (carry4/data, its SFT model assets/carry4/sft and its offline groups
+# assets/carry4/offline), for assets built
 # before they had it: SEED must be the one they were built with (the SFT starts from $(A)/base). About 4.5
 # minutes on 2 cores.
 .PHONY: carry4
 carry4: install
-	rm -rf $(A)/carry4/runs $(A)/carry4/metrics.json
+	rm -rf $(A)/carry4/runs $(A)/carry4/metrics.json $(A)/carry4/offline
 	$(PY) scripts/make_tiny_assets.py --out $(A) --seed $(SEED) --carry4-only
 	$(TRAIN_CARRY4)
-	@$(PY) -c "import json; $(STOPPED_EARLY) $(CARRY4_LINE)"
+	$(OFFLINE_CARRY4)
+	@$(PY) -c "import json; $(STOPPED_EARLY) $(CARRY4_LINE) $(OFFLINE_CARRY4_LINE)"
 
 # PPO on the SFT model with the true reward (GAE, adaptive KL in the reward), then its curves. The assets
 # are built only when they are missing (`make assets` rebuilds them); `make demo` reruns the PPO demo from

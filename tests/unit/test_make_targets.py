@@ -127,10 +127,12 @@ def test_assets_summary_and_make_teacher_print_the_teacher(tmp_path: Path) -> No
         "(100 val problems; 650 steps in 130 s)"
     )
     out = summary(tmp_path, METRICS).splitlines()
-    assert out[-3:] == [
+    assert out[-4:] == [
         line,
         f"four-digit SFT {tmp_path}/carry4/sft: greedy accuracy 0.300, one sample at T=1 0.400, pass@4 0.700 "
         "(12 steps in 30 s; STOPPED EARLY after 12 of 40 steps: resume it with trainer.resume_mode=auto)",
+        f"four-digit offline data {tmp_path}/carry4/offline: 2048 groups of 4, mean rule score 0.500, "
+        "0.60 of groups with unequal scores (60 s)",
         f"all numbers: {tmp_path}/metrics.json, {tmp_path}/carry4/metrics.json",
     ]
     assert summary(tmp_path, METRICS, "teacher").splitlines() == [line]
@@ -179,15 +181,30 @@ def test_make_assets_and_make_carry4_train_the_second_task_on_the_files_they_wri
 
     assets_lines = [line.strip() for line in recipe("assets").splitlines()]
     assert "$(TRAIN_CARRY4)" in assets_lines
-    assert [line.strip() for line in recipe("carry4").splitlines()][1:4] == [
-        "rm -rf $(A)/carry4/runs $(A)/carry4/metrics.json",
+    assert assets_lines.index("$(OFFLINE_CARRY4)") > assets_lines.index("$(TRAIN_CARRY4)")
+    assert "$(A)/carry4/offline" in recipe("assets").split("$(PY)")[0]  # removed before a rebuild
+    assert [line.strip() for line in recipe("carry4").splitlines()][1:5] == [
+        "rm -rf $(A)/carry4/runs $(A)/carry4/metrics.json $(A)/carry4/offline",
         "$(PY) scripts/make_tiny_assets.py --out $(A) --seed $(SEED) --carry4-only",
         "$(TRAIN_CARRY4)",
+        "$(OFFLINE_CARRY4)",
     ]
     assert summary(tmp_path, METRICS, "carry4").splitlines() == [
         f"four-digit SFT {tmp_path}/carry4/sft: greedy accuracy 0.300, one sample at T=1 0.400, pass@4 0.700 "
-        "(12 steps in 30 s; STOPPED EARLY after 12 of 40 steps: resume it with trainer.resume_mode=auto)"
+        "(12 steps in 30 s; STOPPED EARLY after 12 of 40 steps: resume it with trainer.resume_mode=auto)",
+        f"four-digit offline data {tmp_path}/carry4/offline: 2048 groups of 4, mean rule score 0.500, "
+        "0.60 of groups with unequal scores (60 s)",
     ]
+    offline = variable("OFFLINE_CARRY4")  # the four-digit SFT model's samples of its own training prompts
+    for option in (
+        "--model $(A)/carry4/sft",
+        "--data $(A)/carry4/data/train.parquet",
+        "--out $(A)/carry4/offline/train.parquet",
+        "--max-response-length 32",
+        "--seed $(SEED)",
+        "--metrics $(A)/carry4/metrics.json",
+    ):
+        assert option in " ".join(offline.split()), option
     config, overrides = config_and_overrides(variable("TRAIN_CARRY4"))
     assert config == "configs/sft_carry4_demo.yaml"
     assert overrides == {
