@@ -5,7 +5,7 @@ table and a plot.
     make compare-offline       # on the demo assets (make assets first): 6 min on 2 quiet cores, 12-16 loaded
     python -m ppo_bench.compare_offline [--sft assets/sft] [--train-file assets/offline/train.parquet]
         [--val-file assets/data/val.parquet] [--out outputs/compare_offline] [--steps 40] [--nproc 2]
-        [--methods ppo,dpo,sppo,simpo] [--lr dpo=5e-5] [--strengths dpo=0.05,0.1,0.3] [--overwrite]
+        [--methods ppo,dpo,sppo,simpo (also ipo, kto)] [--lr dpo=5e-5] [--strengths dpo=0.05,0.1,0.3] [--overwrite]
 
 What it does, in order:
 
@@ -84,7 +84,16 @@ from ppo_bench.runs import pyplot, save_figure, torchrun_command
 
 OUTPUTS = ("plan.json", "eval.json", "results.json", "table.md", "frontier.png", "runs")
 """What a comparison writes into its folder (``--overwrite`` deletes these and nothing else)."""
-COLORS = {"ppo": "tab:red", "dpo": "tab:blue", "sppo": "tab:purple", "simpo": "tab:green"}
+COMPARED = ("ppo", "dpo", "sppo", "simpo")
+"""The methods ``--methods`` names by default."""
+COLORS = {
+    "ppo": "tab:red",
+    "dpo": "tab:blue",
+    "sppo": "tab:purple",
+    "simpo": "tab:green",
+    "ipo": "tab:orange",
+    "kto": "tab:brown",
+}
 """A colour per method in ``frontier.png``."""
 
 
@@ -112,7 +121,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=40, help="optimizer steps of every run")
     p.add_argument("--nproc", type=int, default=2, help="ranks of every torchrun")
     p.add_argument(
-        "--methods", default=",".join(METHODS), help="a comma-separated subset of " + ",".join(METHODS)
+        "--methods", default=",".join(COMPARED), help="a comma-separated subset of " + ",".join(METHODS)
     )
     p.add_argument("--lr", action="append", default=[], metavar="METHOD=LR", help="another learning rate")
     p.add_argument(

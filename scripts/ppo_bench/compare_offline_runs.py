@@ -1,4 +1,4 @@
-"""The methods of compare_offline.py and how each run is made: the four trainers with their presets,
+"""The methods of compare_offline.py and how each run is made: the six methods with their presets,
 learning rates and strengths (``METHODS``), a run's torchrun command line (``training_command``), running
 it with its log (``run_logged``), reading the steps it took from its own records, and step 2 of the
 comparison, the evaluation of every final model under torchrun (``evaluate``). compare_offline.py's module
@@ -110,8 +110,37 @@ METHODS = {
         lr=5e-5,
         fixed=("loss.type=simpo", "loss.gamma=0.5"),
     ),
+    # IPO as TRL's loss_type="ipo" (log-ratios as token means): the margin's target 1/(2 beta) per token, so
+    # beta 0.1 asks for 5 nats a token (far from the SFT model) and beta 10 for 0.05.
+    "ipo": Method(
+        name="ipo",
+        label="IPO",
+        script="scripts/train_dpo.py",
+        config="configs/dpo_demo.yaml",
+        strength_key="loss.beta",
+        strength_name="β",
+        strengths=(0.1, 1.0, 10.0),
+        lr_key="optim.lr",
+        lr=5e-5,
+        fixed=("loss.type=ipo",),
+    ),
+    # KTO on the same pairs (chosen desirable, rejected undesirable, both weighted 1), its reference point
+    # the batch's KL estimate.
+    "kto": Method(
+        name="kto",
+        label="KTO",
+        script="scripts/train_dpo.py",
+        config="configs/dpo_demo.yaml",
+        strength_key="loss.beta",
+        strength_name="β",
+        strengths=(0.1, 1.0, 10.0),
+        lr_key="optim.lr",
+        lr=5e-5,
+        fixed=("loss.type=kto",),
+    ),
 }
-"""The three trainers, in table order."""
+"""The trainers, in table order (``make compare-offline`` runs the first four by default;
+``ppo_bench.offline_sweep`` all)."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -128,6 +157,28 @@ def training_command(
     method: Method, strength: float, *, sft: Path, train_file: Path, steps: int, nproc: int, out_dir: Path
 ) -> list[str]:
     """The torchrun command line of one run (paths absolute; run from the repository root)."""
+    return [
+        *torchrun_command(nproc),
+        str(ROOT / method.script),
+        *training_args(
+            method, strength, method.lr, sft=sft, train_file=train_file, steps=steps, out_dir=out_dir
+        ),
+    ]
+
+
+def training_args(
+    method: Method,
+    strength: float,
+    lr: float,
+    *,
+    sft: Path,
+    train_file: Path,
+    steps: int,
+    out_dir: Path,
+    extra: tuple[str, ...] = (),
+) -> list[str]:
+    """The command line of one run after the script's path: its preset, the comparison's keys, ``extra``,
+    the method's fixed keys, then its strength and learning rate (last, so they win)."""
     common = [
         f"model.path={sft}",
         f"data.train_files=[{train_file}]",
@@ -144,15 +195,14 @@ def training_command(
     else:  # the DPO family: no final answer evaluation (done in step 2) and no time cap
         specific = ["data.eval_prompt_files=[]", "trainer.max_time_s=0"]
     return [
-        *torchrun_command(nproc),
-        str(ROOT / method.script),
         "--config",
         str(ROOT / method.config),
         *common,
         *specific,
+        *extra,
         *method.fixed,
         f"{method.strength_key}={strength:g}",
-        f"{method.lr_key}={method.lr:g}",
+        f"{method.lr_key}={lr:g}",
     ]
 
 

@@ -83,6 +83,7 @@ from ppo_bench.runs import (
     accuracy_curve,
     asset_sets,
     check_command,
+    check_doc,
     check_out,
     clear_out,
     comparison_parser,
@@ -95,6 +96,7 @@ from ppo_bench.runs import (
     steps_to_gain,
     torchrun_command,
     train_in_turn,
+    write_doc,
 )
 
 
@@ -186,23 +188,6 @@ class Plan:
     """The rows: recipe names, then sabotage names."""
 
 
-def check_doc(path: Path) -> str:
-    """``--doc``'s text; InputError when the file or one of its two marker lines is missing."""
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise InputError(f"--doc {path}: cannot read it ({e.strerror})") from None
-    lines = text.splitlines()
-    for marker in MARKERS:
-        if lines.count(marker) != 1:
-            raise InputError(
-                f"--doc {path}: needs the line {marker} exactly once (found {lines.count(marker)})"
-            )
-    if lines.index(MARKERS[0]) > lines.index(MARKERS[1]):
-        raise InputError(f"--doc {path}: {MARKERS[0]} must come before {MARKERS[1]}")
-    return text
-
-
 def check_inputs(args: argparse.Namespace) -> Plan:
     """Everything that can be checked before training without the trainer; InputError with one line."""
     recipes = parse_names("--recipes", args.recipes, RECIPES, "recipe")
@@ -223,7 +208,7 @@ def check_inputs(args: argparse.Namespace) -> Plan:
                     "(or `make assets`) first"
                 )
     if args.doc:
-        check_doc(Path(args.doc))
+        check_doc(Path(args.doc), MARKERS)
     check_out(Path(args.out), OUTPUTS, args.overwrite)
     if args.reuse:
         reuse = Path(args.reuse)
@@ -504,14 +489,6 @@ def doc_section(results: dict[str, Any], table: str, plot_path: Path, doc: Path)
     )
 
 
-def write_doc(doc: Path, section: str) -> None:
-    """Replace the lines between ``MARKERS`` in ``doc`` by ``section``."""
-    text = check_doc(doc)
-    head, rest = text.split(MARKERS[0] + "\n", 1)
-    _, tail = rest.split(MARKERS[1], 1)
-    doc.write_text(head + MARKERS[0] + "\n" + section + MARKERS[1] + tail)
-
-
 def print_results(results: dict[str, Any], table: str, as_json: bool) -> None:
     """The table, or JSON lines (``"kind": "recipe"``, then ``"run"``)."""
     from ppo_bench.common import print_json_lines  # torch: only once the runs are done
@@ -598,7 +575,7 @@ def compare(args: argparse.Namespace, plan: Plan, argv: list[str], progress: Tex
     plot_path = Path(args.plot) if args.plot else out / "curves.png"
     plot(results, plot_path)
     if args.doc:
-        write_doc(Path(args.doc), doc_section(results, table, plot_path, Path(args.doc)))
+        write_doc(Path(args.doc), doc_section(results, table, plot_path, Path(args.doc)), MARKERS)
     return results
 
 

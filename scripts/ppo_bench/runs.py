@@ -251,15 +251,20 @@ def yaml_value(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip()
 
 
-def check_command(args: list[str], nproc: int) -> None:
-    """InputError (the trainer's message on one line) when train_ppo.py refuses ``args`` for ``nproc``
-    ranks: an unknown ``--extra`` key, a batch that does not divide. Nothing is written."""
-    cmd = [sys.executable, str(ROOT / "train_ppo.py"), *args, "--print-config", "--world-size", str(nproc)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+def check_command(
+    args: list[str], nproc: int, script: str = "train_ppo.py", *, files_later: bool = False
+) -> None:
+    """InputError (the trainer's message on one line) when ``script`` refuses ``args`` for ``nproc`` ranks: an
+    unknown ``--extra`` key, a batch that does not divide. Nothing is written. ``files_later``: data files
+    that the comparison writes before the run may be missing now."""
+    cmd = [sys.executable, str(ROOT / script), *args, "--print-config", "--world-size", str(nproc)]
+    proc = subprocess.run(
+        cmd + (["--allow-missing-paths"] if files_later else []), capture_output=True, text=True, cwd=ROOT
+    )
     if proc.returncode != 0:
         lines = [line.strip() for line in (proc.stderr or proc.stdout).splitlines() if line.strip()]
         raise InputError(
-            f"train_ppo.py refuses the command: {' '.join(lines[-6:]) or f'exit code {proc.returncode}'}"
+            f"{Path(script).name} refuses the command: {' '.join(lines[-6:]) or f'exit code {proc.returncode}'}"
         )
 
 
@@ -377,7 +382,8 @@ def asset_sets(args: argparse.Namespace) -> tuple[list[Path], list[int]]:
         )
     if len(set(seeds)) != len(seeds):
         raise InputError(f"--seeds {' '.join(map(str, seeds))}: each seed once (its runs go to OUT/seed<N>)")
-    for option, value in (("--steps", args.steps), ("--test-freq", args.test_freq), ("--nproc", args.nproc)):
+    for option in ("--steps", "--test-freq", "--nproc"):  # those of the comparison's options it has
+        value = getattr(args, option[2:].replace("-", "_"), 1)
         if value < 1:
             raise InputError(f"{option} {value}: at least 1")
     return assets, seeds
@@ -482,6 +488,31 @@ def reuse_earlier(
         run.update(numbers(read_metrics(run_dir)), wall_s=old["wall_s"], reused_from=old["dir"])
         del run["train_args"]
     return left
+
+
+def check_doc(path: Path, markers: tuple[str, str]) -> str:
+    """``--doc``'s text; InputError when the file or one of its two ``markers`` lines is missing."""
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise InputError(f"--doc {path}: cannot read it ({e.strerror})") from None
+    lines = text.splitlines()
+    for marker in markers:
+        if lines.count(marker) != 1:
+            raise InputError(
+                f"--doc {path}: needs the line {marker} exactly once (found {lines.count(marker)})"
+            )
+    if lines.index(markers[0]) > lines.index(markers[1]):
+        raise InputError(f"--doc {path}: {markers[0]} must come before {markers[1]}")
+    return text
+
+
+def write_doc(doc: Path, section: str, markers: tuple[str, str]) -> None:
+    """Replace the lines between the two ``markers`` lines of ``doc`` by ``section`` (nothing else changes)."""
+    text = check_doc(doc, markers)
+    head, rest = text.split(markers[0] + "\n", 1)
+    _, tail = rest.split(markers[1], 1)
+    doc.write_text(head + markers[0] + "\n" + section + markers[1] + tail)
 
 
 def parquet_rows(path: Path) -> int | None:
