@@ -268,6 +268,7 @@ def test_jobs_and_their_commands(asset_set: Path, tmp_path: Path) -> None:
         assert offline_sweep_runs.trainer(METHODS[name].script).main(job["args"] + flags) == 0
 
 
+@pytest.mark.slow
 def test_a_small_sweep_end_to_end(asset_set: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """Two methods, one strength and learning rate each, 2 steps, one worker process: every run trains the
     steps asked, is measured and its model deleted; the SFT model is measured with them."""
