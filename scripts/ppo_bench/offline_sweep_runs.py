@@ -14,6 +14,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -172,16 +175,32 @@ def measure(model_path: Path, job: dict[str, Any], eval_prompts: int) -> dict[st
 
 
 def run_all(
-    jobs: list[dict[str, Any]], *, workers: int, eval_prompts: int, keep_models: bool, progress: TextIO
+    jobs: list[dict[str, Any]],
+    *,
+    workers: int,
+    eval_prompts: int,
+    keep_models: bool,
+    progress: TextIO,
+    run: Callable[[dict[str, Any], int, bool], dict[str, Any]] = run_job,
 ) -> list[dict[str, Any]]:
-    """Every job (``run_job``) on ``workers`` processes, a progress line each; the results in the jobs' order."""
+    """Every job (``run``: ``run_job``) on ``workers`` processes, a progress line each; the results in the
+    jobs' order. A job's error stops the sweep (the jobs not started are dropped, the running ones finish);
+    a worker that dies (killed, out of memory) stops it with CommandError instead of a wait for its result."""
     os.environ["OMP_NUM_THREADS"] = "1"
     results = {}
     context = multiprocessing.get_context("spawn")
-    with context.Pool(workers, initializer=init_worker) as pool:
-        pending = [(job, pool.apply_async(run_job, (job, eval_prompts, keep_models))) for job in jobs]
-        for i, (job, handle) in enumerate(pending, 1):
-            r = handle.get()
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=init_worker)
+    finished = False
+    try:
+        pending = [(job, pool.submit(run, job, eval_prompts, keep_models)) for job in jobs]
+        for i, (job, future) in enumerate(pending, 1):
+            try:
+                r = future.result()
+            except BrokenProcessPool:
+                raise CommandError(
+                    f"{job['id']}: a worker process ended without its result (killed, or out of memory); "
+                    "the runs finished before it are in their folders"
+                ) from None
             results[job["id"]] = r
             what = (
                 ""
@@ -194,6 +213,7 @@ def run_all(
                 file=progress,
                 flush=True,
             )
-        pool.close()  # the workers end on their own (leaving the block would terminate them)
-        pool.join()
+        finished = True
+    finally:
+        pool.shutdown(wait=finished, cancel_futures=True)
     return [results[job["id"]] for job in jobs]

@@ -8,6 +8,7 @@ end (two methods, one worker process)::
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 from ppo_bench import offline_sweep as sweep
 from ppo_bench import offline_sweep_runs
 from ppo_bench.compare_offline_runs import METHODS
+from ppo_bench.runs import CommandError
 
 from tests.helpers import write_parquet
 
@@ -286,3 +288,27 @@ def test_a_small_sweep_end_to_end(asset_set: Path, tmp_path: Path, capsys: pytes
         run_dir = out / "add" / "seed0" / name
         assert (run_dir / "train.log").is_file() and not (run_dir / "hf").exists()
     assert (out / "table.md").is_file() and (out / "frontier.png").is_file()
+
+
+def worker_dies(job: dict, eval_prompts: int, keep_model: bool) -> dict:
+    """A job whose worker process ends without a result, as the kernel's OOM killer ends one."""
+    import os
+
+    os._exit(9)
+
+
+def run_fails(job: dict, eval_prompts: int, keep_model: bool) -> dict:
+    """A job whose run fails, as ``run_job`` reports a trainer's error."""
+    raise CommandError(f"{job['id']}: exit code 1, 0 of 2 steps")
+
+
+@pytest.mark.slow
+def test_a_failed_run_or_a_dead_worker_stops_the_sweep_with_one_error() -> None:
+    """Neither waits for a result that never comes: a run's error comes back as it was, a worker that died
+    becomes a CommandError naming the job, and the jobs not yet started are dropped."""
+    jobs = [{"id": f"add/seed0/dpo_{i}", "task": "add", "seed": 0, "method": "dpo"} for i in range(3)]
+    common = dict(workers=1, eval_prompts=1, keep_models=False, progress=io.StringIO())
+    with pytest.raises(CommandError, match=r"^add/seed0/dpo_0: exit code 1, 0 of 2 steps$"):
+        offline_sweep_runs.run_all(jobs, **common, run=run_fails)
+    with pytest.raises(CommandError, match=r"^add/seed0/dpo_0: a worker process ended without its result"):
+        offline_sweep_runs.run_all(jobs, **common, run=worker_dies)
