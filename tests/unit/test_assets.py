@@ -329,7 +329,9 @@ def test_make_assets_writes_the_offline_data_the_offline_demo_reads() -> None:
     makefile = ROOT.joinpath("Makefile").read_text()
     assert "\nASSETS ?= assets\n" in makefile and "\nA := $(ASSETS)\n" in makefile
     recipe = makefile.split("\nassets:")[1].split("\n\n")[0].replace("$(A)", "assets")
-    command = recipe.split("scripts/make_offline_data.py")[1].split("\n\t@")[0].replace("\\\n", " ").split()
+    lines = recipe.split("scripts/make_offline_data.py")[1].split("\n")
+    end = next(i for i, line in enumerate(lines) if not line.rstrip().endswith("\\"))  # its last line
+    command = " ".join(line.rstrip().removesuffix("\\") for line in lines[: end + 1]).split()
     options = dict(zip(command[::2], command[1::2], strict=True))
     cfg = load_config(ROOT / "configs" / "demo_cpu_offline.yaml")
     assert "rm -rf assets/runs assets/metrics.json assets/offline" in recipe  # no stale shards resumed
