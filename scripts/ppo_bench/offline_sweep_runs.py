@@ -100,9 +100,7 @@ def run_job(job: dict[str, Any], eval_prompts: int, keep_model: bool) -> dict[st
         if job["method"] != "sft":
             code = off_main_thread(trainer(job["script"]).main, job["args"])
             steps, loop_s = steps_and_loop_time(METHODS[job["method"]], run_dir) if code == 0 else (0, 0.0)
-            expected = int(
-                next(a for a in job["args"] if a.startswith("trainer.total_training_steps=")).split("=")[1]
-            )
+            expected = job["steps"]
             if code != 0 or steps != expected or not (run_dir / "hf" / "config.json").is_file():
                 tail = "\n".join(log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:])
                 raise CommandError(

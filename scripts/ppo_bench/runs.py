@@ -515,6 +515,14 @@ def write_doc(doc: Path, section: str, markers: tuple[str, str]) -> None:
     doc.write_text(head + markers[0] + "\n" + section + markers[1] + tail)
 
 
+def doc_link(path: Path, doc: Path) -> str:
+    """How ``doc`` links the file at ``path``: relative to the doc's folder where it lies below it, else absolute."""
+    try:
+        return path.resolve().relative_to(doc.resolve().parent).as_posix()
+    except ValueError:
+        return path.resolve().as_posix()
+
+
 def parquet_rows(path: Path) -> int | None:
     """Rows of a Parquet file (what one standard error of an accuracy is over); None where it cannot be read."""
     try:
